@@ -1,0 +1,82 @@
+"""The cost model: bytes sent per rank and latency rounds of each step, and their time.
+
+Sizes use padded pieces (``Layout.local_shape``). For a step on mesh axis ``a`` of size ``n``,
+with ``b`` the local bytes of the state it starts from and ``b'`` of the state it ends in:
+
+=============== ========================================================= ==========
+op              bytes sent per rank                                       rounds
+=============== ========================================================= ==========
+all_gather      (n-1) * b                                                 n-1
+reduce_scatter  (n-1) * b'                                                n-1
+all_reduce      2 * (n-1) * ceil(E/n) * itemsize, E = local elements      2(n-1)
+all_to_all      (n-1) * (b with dim j's local length cut to ceil(Lj/n))   n-1
+slice, partial  0                                                         0
+=============== ========================================================= ==========
+
+Step time = rounds * alpha[a] + bytes / bandwidth[a]; plan time = sum of step times.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from shardlang.errors import ShardlangError
+from shardlang.mesh import Mesh
+from shardlang.spec import CostHints
+
+DEFAULT_ALPHA = 5e-6
+DEFAULT_BANDWIDTH = 1e11
+
+
+class PlanError(ShardlangError):
+    """No plan exists (or the request is malformed): names the layouts and the reason."""
+
+
+def _per_axis(value: object) -> float | tuple[float, ...]:
+    if isinstance(value, (int, float)):
+        return float(value)
+    return tuple(float(v) for v in value)  # type: ignore[union-attr]
+
+
+@attrs.frozen
+class CostModel:
+    """Latency ``alpha`` (seconds per round) and ``bandwidth`` (bytes/s), each one number for
+    every mesh axis or a tuple with one number per axis."""
+
+    alpha: float | tuple[float, ...] = attrs.field(default=DEFAULT_ALPHA, converter=_per_axis)
+    bandwidth: float | tuple[float, ...] = attrs.field(default=DEFAULT_BANDWIDTH, converter=_per_axis)
+
+    def __attrs_post_init__(self) -> None:
+        alphas = self.alpha if isinstance(self.alpha, tuple) else (self.alpha,)
+        betas = self.bandwidth if isinstance(self.bandwidth, tuple) else (self.bandwidth,)
+        if not alphas or any(a < 0 for a in alphas):
+            raise PlanError(f"latency (alpha) must be zero or positive, got {self.alpha}")
+        if not betas or any(b <= 0 for b in betas):
+            raise PlanError(f"bandwidth must be positive, got {self.bandwidth}")
+
+    @classmethod
+    def from_hints(cls, hints: CostHints, base: CostModel | None = None) -> CostModel:
+        """The model a spec file's mesh declaration asks for, defaults where it is silent."""
+        base = base or cls()
+        return cls(
+            alpha=hints.latency if hints.latency is not None else base.alpha,
+            bandwidth=hints.bandwidth if hints.bandwidth is not None else base.bandwidth,
+        )
+
+    def for_mesh(self, mesh: Mesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per-axis (alpha, bandwidth) for ``mesh``; a :class:`PlanError` if lengths differ."""
+        out = []
+        for what, value in (("latency", self.alpha), ("bandwidth", self.bandwidth)):
+            if isinstance(value, float):
+                out.append((value,) * mesh.ndim)
+            elif len(value) != mesh.ndim:
+                raise PlanError(f"{what} gives {len(value)} values for the {mesh.ndim}-axis {mesh.describe()}")
+            else:
+                out.append(value)
+        return out[0], out[1]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "alpha": list(self.alpha) if isinstance(self.alpha, tuple) else self.alpha,
+            "bandwidth": list(self.bandwidth) if isinstance(self.bandwidth, tuple) else self.bandwidth,
+        }

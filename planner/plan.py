@@ -1,0 +1,142 @@
+"""Plans as data: frozen step records that can be printed, saved as JSON and executed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from planner.cost import CostModel, PlanError
+from shardlang.layout import Layout
+from shardlang.mesh import Mesh
+from shardlang.parser import parse_layout
+
+OPS = ("slice", "partial", "all_gather", "all_to_all", "reduce_scatter", "all_reduce")
+COMMUNICATING_OPS = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")
+
+
+@attrs.frozen
+class Step:
+    """One move on one mesh axis.
+
+    ``dim`` is the tensor dim the axis leaves (all_gather, all_to_all) or joins (slice,
+    reduce_scatter); ``to_dim`` is the dim it joins in an all_to_all; ``reduce_op`` is the
+    reduction of reduce_scatter, all_reduce and partial. ``layout`` is the state after the
+    step; ``bytes`` are sent per rank and ``seconds`` is the modeled time.
+    """
+
+    op: str
+    axis: int
+    dim: int | None
+    to_dim: int | None
+    reduce_op: str | None
+    layout: Layout
+    bytes: int
+    seconds: float
+
+    def describe(self) -> str:
+        """``all_gather(axis=1, dim=0)``: the op and its arguments, without the cost."""
+        args = [f"axis={self.layout.mesh.axis_label(self.axis)}"]
+        if self.dim is not None:
+            args.append(f"dim={self.dim}")
+        if self.to_dim is not None:
+            args.append(f"to_dim={self.to_dim}")
+        if self.reduce_op is not None:
+            args.append(f"op={self.reduce_op}")
+        return f"{self.op}({', '.join(args)})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "axis": self.axis,
+            "dim": self.dim,
+            "to_dim": self.to_dim,
+            "reduce_op": self.reduce_op,
+            "layout": str(self.layout),
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+        }
+
+
+@attrs.frozen
+class Plan:
+    """The steps that take a tensor of ``shape`` and ``dtype`` from ``src`` to ``dst``."""
+
+    src: Layout
+    dst: Layout
+    shape: tuple[int, ...] = attrs.field(converter=lambda s: tuple(int(x) for x in s))
+    dtype: str
+    steps: tuple[Step, ...]
+    cost: CostModel = CostModel()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.steps)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    @property
+    def collectives(self) -> tuple[Step, ...]:
+        """The steps that communicate (everything but slice and partial)."""
+        return tuple(s for s in self.steps if s.op in COMMUNICATING_OPS)
+
+    def layouts(self) -> tuple[Layout, ...]:
+        """Every state the tensor passes through, ``src`` first and ``dst`` last."""
+        return (self.src, *(s.layout for s in self.steps))
+
+    def to_json(self) -> dict[str, Any]:
+        meshes = {lay.mesh.name: lay.mesh.describe() for lay in (self.src, self.dst) if lay.mesh.name is not None}
+        out: dict[str, Any] = {
+            "src": str(self.src),
+            "dst": str(self.dst),
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "steps": [s.to_json() for s in self.steps],
+            "total_bytes": self.total_bytes,
+            "total_seconds": self.total_seconds,
+            "cost": self.cost.to_json(),
+        }
+        if meshes:
+            out["meshes"] = meshes
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        """Read back what :meth:`to_json` wrote (declared meshes come from ``"meshes"``)."""
+        try:
+            meshes = {
+                name: attrs.evolve(parse_layout(f"() over {text}").mesh, name=name)
+                for name, text in data.get("meshes", {}).items()
+            }
+            steps = tuple(
+                Step(
+                    op=s["op"],
+                    axis=int(s["axis"]),
+                    dim=s["dim"],
+                    to_dim=s["to_dim"],
+                    reduce_op=s["reduce_op"],
+                    layout=parse_layout(s["layout"], meshes),
+                    bytes=int(s["bytes"]),
+                    seconds=float(s["seconds"]),
+                )
+                for s in data["steps"]
+            )
+            cost = data.get("cost", {})
+            return cls(
+                src=parse_layout(data["src"], meshes),
+                dst=parse_layout(data["dst"], meshes),
+                shape=tuple(data["shape"]),
+                dtype=str(data["dtype"]),
+                steps=steps,
+                cost=CostModel(**cost),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"not a plan in JSON form: {e!r}") from None
+
+
+def same_geometry(a: Mesh, b: Mesh) -> bool:
+    """Whether two meshes are the same grid of the same ranks (names aside)."""
+    return a.shape == b.shape and a.ranks == b.ranks

@@ -1,0 +1,42 @@
+"""shardlang: a small language for how tensors lie on device meshes.
+
+This package is the language core: meshes, layouts, spec files, their text, and conversions
+to other frameworks' layout descriptions. It knows nothing of planning or communication.
+"""
+
+from shardlang.errors import (
+    InteropError,
+    LayoutError,
+    ParseError,
+    ShardlangError,
+    SourcePosition,
+    SpecError,
+)
+from shardlang.layout import REDUCE_OPS, Layout, chunk_bounds, format_layout, padded_length
+from shardlang.mesh import Mesh
+from shardlang.parser import load_spec, parse_layout, parse_spec
+from shardlang.spec import CostHints, Layouts, MeshDecl, Rule, Spec, TensorSpec
+
+__all__ = [
+    "REDUCE_OPS",
+    "CostHints",
+    "InteropError",
+    "Layout",
+    "LayoutError",
+    "Layouts",
+    "Mesh",
+    "MeshDecl",
+    "ParseError",
+    "Rule",
+    "ShardlangError",
+    "SourcePosition",
+    "Spec",
+    "SpecError",
+    "TensorSpec",
+    "chunk_bounds",
+    "format_layout",
+    "load_spec",
+    "padded_length",
+    "parse_layout",
+    "parse_spec",
+]

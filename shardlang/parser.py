@@ -1,0 +1,378 @@
+"""Text to values: layouts and spec files.
+
+Lark parses (grammar in ``grammar.lark``); this module turns its trees into :mod:`attrs`
+values and every failure into a :class:`~shardlang.errors.ShardlangError` that points at the
+offending text. Nothing from lark escapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from decimal import Decimal
+from importlib import resources
+from pathlib import Path
+
+import attrs
+import lark
+from lark import Token, Tree
+
+from shardlang.dtypes import ITEMSIZE
+from shardlang.errors import LayoutError, ParseError, ShardlangError, SourcePosition, SpecError
+from shardlang.layout import REDUCE_OPS, Layout
+from shardlang.mesh import Mesh
+from shardlang.spec import STATE_DEFAULT, CostHints, Layouts, MeshDecl, Rule, Spec, TensorSpec, expand_braces
+
+# Guards against text that is valid but would exhaust memory (a mesh of 10^12 ranks).
+MAX_MESH_SIZE = 1 << 20
+MAX_EXPANDED_NAMES = 100_000
+
+_FRIENDLY = {
+    "NAME": "a name",
+    "SHARD_DIGITS": "a split such as S0",
+    "PARTIAL_DIGITS": "a partial such as P0",
+    "TENSOR_NAME": "a tensor name",
+    "ENTRY_KEY": "param, grad, state or state.<name>",
+    "DTYPE": "a dtype such as f32",
+    "INT": "an integer",
+    "NUMBER": "a number",
+    "DURATION": "a duration such as 5us",
+    "STRING": 'a quoted pattern such as "h.*.weight"',
+    "$END": "the end of the text",
+}
+_TIME_UNITS = {"s": Decimal(1), "ms": Decimal("1e-3"), "us": Decimal("1e-6"), "ns": Decimal("1e-9")}
+
+
+@functools.cache
+def _lark() -> lark.Lark:
+    grammar = resources.files("shardlang").joinpath("grammar.lark").read_text()
+    return lark.Lark(grammar, start=["layout", "spec"], parser="lalr", propagate_positions=True)
+
+
+def _describe_expected(names: set[str] | frozenset[str]) -> str:
+    described = set()
+    for name in names:
+        if name in _FRIENDLY:
+            described.add(_FRIENDLY[name])
+            continue
+        try:
+            pattern = _lark().get_terminal(name).pattern
+        except KeyError:
+            described.add(name)
+            continue
+        described.add(f"'{pattern.value}'" if pattern.type == "str" else name)
+    items = sorted(described) or [_FRIENDLY["$END"]]
+    if len(items) == 1:
+        return items[0]
+    return ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _parse_tree(text: str, start: str, filename: str | None) -> Tree:
+    try:
+        return _lark().parse(text, start=start)
+    except lark.exceptions.UnexpectedCharacters as e:
+        pos = SourcePosition.in_text(text, e.line, e.column, filename)
+        raise ParseError(
+            f"unexpected character {text[e.pos_in_stream]!r}; expected {_describe_expected(e.allowed)}", pos
+        ) from None
+    except lark.exceptions.UnexpectedToken as e:
+        expected = _describe_expected(e.expected)
+        if e.token.type == "$END":
+            pos = SourcePosition.at_offset(text, len(text.rstrip()), filename)
+            raise ParseError(f"the text ends too early; expected {expected}", pos) from None
+        pos = SourcePosition.in_text(text, e.line, e.column, filename)
+        raise ParseError(f"unexpected '{e.token}'; expected {expected}", pos) from None
+    except lark.exceptions.UnexpectedEOF as e:
+        pos = SourcePosition.at_offset(text, len(text.rstrip()), filename)
+        raise ParseError(f"the text ends too early; expected {_describe_expected(set(e.expected))}", pos) from None
+    except lark.exceptions.LarkError as e:  # any other lark failure: still ours, still placed
+        raise ParseError(f"cannot parse: {e}", SourcePosition.in_text(text, 1, 1, filename)) from None
+
+
+class _Reader:
+    """Walks lark trees of one text, building values and placing every error."""
+
+    def __init__(self, text: str, filename: str | None, meshes: Mapping[str, Mesh]) -> None:
+        self.text = text
+        self.filename = filename
+        self.meshes = dict(meshes)
+
+    def pos(self, node: Tree | Token) -> SourcePosition:
+        if isinstance(node, Token):
+            return SourcePosition.in_text(self.text, node.line or 1, node.column or 1, self.filename)
+        return SourcePosition.in_text(self.text, node.meta.line, node.meta.column, self.filename)
+
+    def pos_in_token(self, token: Token, offset: int) -> SourcePosition:
+        return SourcePosition.in_text(self.text, token.line or 1, (token.column or 1) + offset, self.filename)
+
+    # --- meshes ----------------------------------------------------------------------
+    def mesh_axes(self, tree: Tree) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+        sizes: list[int] = []
+        names: list[str] = []
+        for axis in tree.children:
+            assert isinstance(axis, Tree)
+            if axis.data == "named_axis":
+                names.append(str(axis.children[0]))
+            sizes.append(int(axis.children[-1]))
+        if names and len(names) != len(sizes):
+            raise LayoutError("name every mesh axis or none of them", self.pos(tree))
+        for axis, size in zip(tree.children, sizes, strict=True):
+            if size < 1:
+                raise LayoutError(f"mesh axis size {size} must be at least 1", self.pos(axis))
+        if math.prod(sizes) > MAX_MESH_SIZE:
+            raise LayoutError(f"a mesh of {math.prod(sizes)} ranks is larger than {MAX_MESH_SIZE}", self.pos(tree))
+        return tuple(sizes), (tuple(names) if names else None)
+
+    def ranks(self, tree: Tree) -> tuple[int, ...]:
+        values = [int(t) for t in tree.children]
+        if tree.data == "rank_range":
+            lo, hi = values
+            if hi < lo:
+                raise LayoutError(f"rank range {lo}..{hi} is empty", self.pos(tree))
+            if hi - lo + 1 > MAX_MESH_SIZE:
+                raise LayoutError(f"rank range {lo}..{hi} is larger than {MAX_MESH_SIZE}", self.pos(tree))
+            return tuple(range(lo, hi + 1))
+        return tuple(values)
+
+    def mesh(self, axes: Tree, ranks: Tree | None, name: str | None, at: Tree | Token) -> Mesh:
+        shape, names = self.mesh_axes(axes)
+        try:
+            mesh = Mesh(shape=shape, axis_names=names, name=name)
+        except LayoutError as e:
+            raise e.at(self.pos(at)) from None
+        if ranks is None:
+            return mesh
+        try:
+            return attrs.evolve(mesh, ranks=self.ranks(ranks))
+        except LayoutError as e:
+            raise e.at(self.pos(ranks)) from None
+
+    def mesh_ref(self, tree: Tree) -> Mesh:
+        if tree.data == "mesh_name":
+            token = tree.children[0]
+            assert isinstance(token, Token)
+            if str(token) not in self.meshes:
+                known = ", ".join(sorted(self.meshes)) or "none declared"
+                raise LayoutError(f"unknown mesh '{token}' (meshes: {known})", self.pos(token))
+            return self.meshes[str(token)]
+        axes, *ranks = tree.children
+        assert isinstance(axes, Tree)
+        return self.mesh(axes, ranks[0] if ranks else None, None, tree)  # type: ignore[arg-type]
+
+    # --- layouts ---------------------------------------------------------------------
+    def axes(self, mesh: Mesh, node: Tree | Token) -> list[tuple[int, SourcePosition]]:
+        """Axis indices with their positions, from ``S01``/``P01`` tokens or ``(dp,tp)`` lists."""
+        refs: list[tuple[int, SourcePosition]] = []
+        if isinstance(node, Token):  # S01 or P01: one digit per axis
+            for i, ch in enumerate(str(node)[1:]):
+                pos = self.pos_in_token(node, i + 1)
+                try:
+                    refs.append((mesh.axis_index(int(ch)), pos))
+                except LayoutError as e:
+                    raise e.at(pos) from None
+            return refs
+        for token in node.children:
+            assert isinstance(token, Token)
+            try:
+                refs.append((mesh.axis_index(int(token) if token.type == "INT" else str(token)), self.pos(token)))
+            except LayoutError as e:
+                raise e.at(self.pos(token)) from None
+        return refs
+
+    def layout(self, tree: Tree) -> Layout:
+        dims_tree, *rest = tree.children
+        mesh = self.mesh_ref(rest[-1])  # type: ignore[arg-type]
+        used: dict[int, str] = {}
+
+        def claim(axis: int, by: str, pos: SourcePosition) -> None:
+            if axis in used:
+                raise LayoutError(
+                    f"mesh axis {mesh.axis_label(axis)} is used twice (by {used[axis]} and by {by})", pos
+                )
+            used[axis] = by
+
+        dims: list[tuple[int, ...]] = []
+        assert isinstance(dims_tree, Tree)
+        if dims_tree.data == "dims":
+            for d, dim in enumerate(dims_tree.children):
+                assert isinstance(dim, Tree)
+                if dim.data == "replicated":
+                    dims.append(())
+                    continue
+                refs = self.axes(mesh, dim.children[0])
+                for axis, pos in refs:
+                    claim(axis, f"dim {d}", pos)
+                dims.append(tuple(a for a, _ in refs))
+        partial: list[tuple[int, str]] = []
+        for p in rest[:-1]:
+            assert isinstance(p, Tree)
+            op = "sum"
+            if len(p.children) == 2:
+                op_token = p.children[1]
+                assert isinstance(op_token, Token)
+                op = str(op_token)
+                if op not in REDUCE_OPS:
+                    raise LayoutError(
+                        f"unknown reduce op '{op}' (expected one of {', '.join(REDUCE_OPS)})", self.pos(op_token)
+                    )
+            for axis, pos in self.axes(mesh, p.children[0]):
+                claim(axis, "a partial", pos)
+                partial.append((axis, op))
+        try:
+            return Layout(dims=tuple(dims), mesh=mesh, partial=tuple(partial))
+        except LayoutError as e:
+            raise e.at(self.pos(tree)) from None
+
+    # --- spec files ------------------------------------------------------------------
+    def spec(self, tree: Tree) -> Spec:
+        decls: list[MeshDecl] = []
+        for item in tree.children:
+            assert isinstance(item, Tree)
+            if item.data == "mesh_decl":
+                decl = self.mesh_decl(item)
+                if decl.mesh.name in self.meshes:
+                    first = next(d for d in decls if d.mesh.name == decl.mesh.name)
+                    where = f" (first declared at line {first.position.line})" if first.position else ""
+                    raise SpecError(f"mesh '{decl.mesh.name}' is declared twice{where}", self.pos(item))
+                self.meshes[decl.mesh.name] = decl.mesh  # type: ignore[index]
+                decls.append(decl)
+        tensors: dict[str, TensorSpec] = {}
+        rules: list[Rule] = []
+        for item in tree.children:
+            assert isinstance(item, Tree)
+            if item.data == "tensor_decl":
+                for t in self.tensor_decl(item):
+                    if t.name in tensors:
+                        first = tensors[t.name].position
+                        where = f" (first declared at line {first.line})" if first else ""
+                        raise SpecError(f"tensor '{t.name}' is declared twice{where}", self.pos(item))
+                    tensors[t.name] = t
+            elif item.data == "rule_decl":
+                rules.append(self.rule_decl(item))
+        return Spec(meshes=tuple(decls), tensors=tuple(tensors.values()), rules=tuple(rules), filename=self.filename)
+
+    def mesh_decl(self, tree: Tree) -> MeshDecl:
+        name_token, axes, *rest = tree.children
+        ranks = next((t for t in rest if isinstance(t, Tree) and t.data.startswith("rank")), None)
+        mesh = self.mesh(axes, ranks, str(name_token), name_token)  # type: ignore[arg-type]
+        bandwidth = latency = None
+        for hint in rest:
+            assert isinstance(hint, Tree)
+            if hint.data == "bandwidth":
+                if bandwidth is not None:
+                    raise SpecError("bandwidth is given twice", self.pos(hint))
+                bandwidth = self.per_axis(hint, mesh, "bandwidth", [float(t) for t in hint.children[0].children])
+                if any(b <= 0 for b in bandwidth):
+                    raise SpecError("bandwidth must be positive (bytes per second)", self.pos(hint))
+            elif hint.data == "latency":
+                if latency is not None:
+                    raise SpecError("latency is given twice", self.pos(hint))
+                latency = self.per_axis(hint, mesh, "latency", [_duration(t) for t in hint.children[0].children])
+        return MeshDecl(mesh=mesh, hints=CostHints(bandwidth=bandwidth, latency=latency), position=self.pos(tree))
+
+    def per_axis(self, hint: Tree, mesh: Mesh, what: str, values: list[float]) -> tuple[float, ...]:
+        if len(values) == 1:
+            return tuple(values * mesh.ndim)
+        if len(values) != mesh.ndim:
+            raise SpecError(
+                f"{what} gives {len(values)} values for a {mesh.ndim}-axis mesh (give one, or one per axis)",
+                self.pos(hint),
+            )
+        return tuple(values)
+
+    def entries(self, entries: list[Tree], owner: str, at: Tree, shape: tuple[int, ...] | None) -> Layouts:
+        seen: dict[str, Layout] = {}
+        for entry in entries:
+            key_token, layout_tree = entry.children
+            assert isinstance(key_token, Token) and isinstance(layout_tree, Tree)
+            key = str(key_token)
+            if not (key in ("param", "grad", "state") or (key.startswith("state.") and key.count(".") == 1)):
+                raise SpecError(
+                    f"unknown entry '{key}' in {owner}; expected param, grad, state or state.<name>",
+                    self.pos(key_token),
+                )
+            if key in seen:
+                raise SpecError(f"{owner} gives '{key}' twice", self.pos(key_token))
+            layout = self.layout(layout_tree)
+            if shape is not None and layout.ndim != len(shape):
+                raise SpecError(
+                    f"{owner} has shape {list(shape)} ({len(shape)} dims) but its {key} layout has "
+                    f"{layout.ndim} dims",
+                    self.pos(layout_tree),
+                )
+            seen[key] = layout
+        if "param" not in seen:
+            raise SpecError(f"{owner} has no param layout", self.pos(at))
+        # Defaults: the gradient arrives in the param layout, states live in the param layout.
+        param = seen["param"]
+        states = [(STATE_DEFAULT, seen.get("state", param))]
+        states += sorted((k.split(".", 1)[1], v) for k, v in seen.items() if k.startswith("state."))
+        return Layouts(param=param, grad=seen.get("grad", param), states=tuple(states))
+
+    def tensor_decl(self, tree: Tree) -> list[TensorSpec]:
+        name_token, dtype_token, *rest = tree.children
+        assert isinstance(name_token, Token) and isinstance(dtype_token, Token)
+        dtype = str(dtype_token)
+        if dtype not in ITEMSIZE:
+            raise SpecError(f"unknown dtype '{dtype}' (expected one of {', '.join(ITEMSIZE)})", self.pos(dtype_token))
+        shape = tuple(int(t) for t in rest if isinstance(t, Token))
+        entries = [t for t in rest if isinstance(t, Tree)]
+        try:
+            names = expand_braces(str(name_token))
+        except ShardlangError as e:
+            raise e.at(self.pos(name_token)) from None
+        if len(names) > MAX_EXPANDED_NAMES:
+            raise SpecError(f"'{name_token}' expands to more than {MAX_EXPANDED_NAMES} names", self.pos(name_token))
+        layouts = self.entries(entries, f"tensor '{name_token}'", tree, shape)
+        position = self.pos(tree)
+        return [TensorSpec(name=n, dtype=dtype, shape=shape, layouts=layouts, position=position) for n in names]
+
+    def rule_decl(self, tree: Tree) -> Rule:
+        pattern_token, *entries = tree.children
+        assert isinstance(pattern_token, Token)
+        pattern = str(pattern_token)[1:-1]
+        if not pattern:
+            raise SpecError("a rule needs a non-empty pattern", self.pos(pattern_token))
+        try:
+            expand_braces(pattern)
+        except ShardlangError as e:
+            raise e.at(self.pos(pattern_token)) from None
+        layouts = self.entries(entries, f'rule "{pattern}"', tree, None)  # type: ignore[arg-type]
+        return Rule(pattern=pattern, layouts=layouts, position=self.pos(tree))
+
+
+def _duration(token: Token) -> float:
+    text = str(token)
+    for unit in ("ms", "us", "ns", "s"):
+        if text.endswith(unit):
+            # Decimal keeps 5us exactly 5e-06 (a float product would give 4.9999...e-06).
+            return float(Decimal(text[: -len(unit)]) * _TIME_UNITS[unit])
+    return float(text)
+
+
+def parse_layout(text: str, meshes: Mapping[str, Mesh] | None = None, *, filename: str | None = None) -> Layout:
+    """Parse one layout, e.g. ``"S0,R over mesh[2,2]"``.
+
+    ``meshes`` gives the declared meshes that ``over NAME`` may refer to.
+    """
+    if not isinstance(text, str):
+        raise ParseError(f"a layout is text, not {type(text).__name__}")
+    tree = _parse_tree(text, "layout", filename)
+    return _Reader(text, filename, meshes or {}).layout(tree)
+
+
+def parse_spec(text: str, filename: str | None = None) -> Spec:
+    """Parse the text of a spec file."""
+    tree = _parse_tree(text, "spec", filename)
+    return _Reader(text, filename, {}).spec(tree)
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and parse a spec file; errors name the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path}: cannot read: {e}") from None
+    return parse_spec(text, filename=str(path))
