@@ -68,7 +68,7 @@ class Plan:
     shape: tuple[int, ...] = attrs.field(converter=lambda s: tuple(int(x) for x in s))
     dtype: str
     steps: tuple[Step, ...]
-    cost: CostModel = CostModel()
+    cost: CostModel = attrs.field(factory=CostModel)
 
     @property
     def total_bytes(self) -> int:

@@ -123,13 +123,15 @@ def _build_plan(
 class _Space:
     """The move graph for one mesh, tensor shape and target (partial ops it may create)."""
 
-    def __init__(self, mesh_shape: tuple[int, ...], shape: tuple[int, ...], itemsize: int, target_partial: dict[int, str]):
+    def __init__(
+        self, mesh_shape: tuple[int, ...], shape: tuple[int, ...], itemsize: int, target_partial: dict[int, str]
+    ) -> None:
         self.mesh_shape = mesh_shape
         self.shape = shape
         self.itemsize = itemsize
         self.target_partial = target_partial
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one _Space per planning call
+    @functools.cache  # noqa: B019 - one _Space per planning call
     def local_length(self, dim: int, axes: tuple[int, ...]) -> int:
         return padded_length(self.shape[dim], (self.mesh_shape[a] for a in axes))
 
@@ -170,11 +172,11 @@ class _Space:
                     yield ("slice", axis, d, None, None, (_set_dim(dims, d, dims[d] + (axis,)), partial))
                 if axis in self.target_partial:
                     op = self.target_partial[axis]
-                    yield ("partial", axis, None, None, op, (dims, tuple(sorted(partial + ((axis, op),)))))
+                    yield ("partial", axis, None, None, op, (dims, tuple(sorted((*partial, (axis, op))))))
 
     def step_cost(self, move: Move, state: State) -> tuple[int, int]:
         """(bytes sent per rank, latency rounds) of ``move`` taken from ``state``."""
-        op, axis, dim, to_dim, _, nxt = move
+        op, axis, _dim, to_dim, _, nxt = move
         n = self.mesh_shape[axis]
         if op in ("slice", "partial") or n == 1:
             return 0, 0
@@ -192,4 +194,4 @@ class _Space:
 
 
 def _set_dim(dims: Dims, d: int, axes: tuple[int, ...]) -> Dims:
-    return dims[:d] + (axes,) + dims[d + 1 :]
+    return (*dims[:d], axes, *dims[d + 1:])

@@ -148,7 +148,7 @@ class Mesh:
 
 def format_ranks(ranks: tuple[int, ...]) -> str:
     """``4..7`` for an ascending run of two or more ranks, else ``[3,1]``."""
-    if len(ranks) >= 2 and all(b == a + 1 for a, b in zip(ranks, ranks[1:])):
+    if len(ranks) >= 2 and all(b == a + 1 for a, b in itertools.pairwise(ranks)):
         return f"{ranks[0]}..{ranks[-1]}"
     return "[" + ",".join(str(r) for r in ranks) + "]"
 

@@ -1,0 +1,110 @@
+"""Run a function on N gloo ranks in spawned processes, bounded in time.
+
+    results = run_ranks(check_pairs, world_size=4, args=(cases,), timeout=120)
+
+``fn(rank, world_size, *args)`` must be a module-level function (spawn pickles it by name).
+Each rank's return value comes back in rank order; an exception on any rank is re-raised
+here with that rank's traceback; a run that outlives ``timeout`` is killed and fails.
+Spawning costs seconds per process (importing torch), so batch many cases into one run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankFailed(AssertionError):
+    """One or more ranks raised; the message holds their tracebacks."""
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    collective_timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+        )
+        try:
+            results.put((rank, "ok", fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report everything, even SystemExit from a deliberately dying rank
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout: float = 180.0,
+    collective_timeout: float = 60.0,
+    allow_missing: tuple[int, ...] = (),
+) -> list[Any]:
+    """``fn``'s return value per rank. Ranks in ``allow_missing`` may exit without reporting
+    (fault tests); their entry is ``None``."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, collective_timeout, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    got: dict[int, tuple[str, Any]] = {}
+    try:
+        while len(got) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 0.5))
+                got[rank] = (status, value)
+            except queue.Empty:
+                # Ranks allowed to vanish that are gone: stop waiting for them.
+                alive = {r for r, p in enumerate(procs) if p.is_alive()}
+                if all(r in got or (r in allow_missing and r not in alive) for r in range(world_size)):
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(got.items()) if s == "error"]
+    missing = [r for r in range(world_size) if r not in got and r not in allow_missing]
+    if errors:
+        raise RankFailed("\n".join(errors))
+    if missing:
+        raise RankFailed(f"ranks {missing} did not finish within {timeout}s")
+    return [got[r][1] if r in got else None for r in range(world_size)]

@@ -1,0 +1,29 @@
+"""The multi-process harness itself: results come back, failures and hangs are reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_harness import RankFailed, run_ranks
+
+
+def _sum_of_ranks(rank: int, world_size: int) -> int:
+    t = torch.tensor([rank])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _rank_one_raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+
+
+def test_all_ranks_report_results() -> None:
+    assert run_ranks(_sum_of_ranks, 3, timeout=60) == [3, 3, 3]
+
+
+def test_an_exception_on_one_rank_fails_the_run() -> None:
+    with pytest.raises(RankFailed, match="boom on rank 1"):
+        run_ranks(_rank_one_raises, 2, timeout=60)
