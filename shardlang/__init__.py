@@ -4,6 +4,7 @@ This package is the language core: meshes, layouts, spec files, their text, and 
 to other frameworks' layout descriptions. It knows nothing of planning or communication.
 """
 
+from shardlang import interop  # torch is imported only when a DTensor conversion is called
 from shardlang.errors import (
     InteropError,
     LayoutError,
@@ -35,6 +36,7 @@ __all__ = [
     "TensorSpec",
     "chunk_bounds",
     "format_layout",
+    "interop",
     "load_spec",
     "padded_length",
     "parse_layout",

@@ -24,9 +24,12 @@ class SourcePosition:
 
     @classmethod
     def in_text(cls, text: str, line: int, column: int, filename: str | None = None) -> SourcePosition:
-        lines = text.splitlines() or [""]
+        # Lines end at "\n" only, as lark counts them (str.splitlines also splits at "\r",
+        # "\x0c", "\u2028", ... and would show the wrong line); a "\r" before it is not shown.
+        lines = text.split("\n")
         line = max(1, min(line, len(lines)))
-        return cls(line=line, column=max(1, column), line_text=lines[line - 1], filename=filename)
+        line_text = lines[line - 1].removesuffix("\r")
+        return cls(line=line, column=max(1, min(column, len(line_text) + 1)), line_text=line_text, filename=filename)
 
     @classmethod
     def at_offset(cls, text: str, offset: int, filename: str | None = None) -> SourcePosition:

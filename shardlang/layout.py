@@ -114,8 +114,7 @@ class Layout:
     def check_shape(self, shape: tuple[int, ...]) -> None:
         if len(shape) != self.ndim:
             raise LayoutError(
-                f"layout '{self}' describes a {self.ndim}-d tensor but the shape "
-                f"{list(shape)} has {len(shape)} dims"
+                f"layout '{self}' describes a {self.ndim}-d tensor but the shape {list(shape)} has {len(shape)} dims"
             )
         if any(s < 0 for s in shape):
             raise LayoutError(f"shape {list(shape)} has a negative length")

@@ -60,16 +60,14 @@ class Mesh:
             seen.add(r)
         if self.axis_names is not None:
             if len(self.axis_names) != len(self.shape):
-                raise LayoutError(
-                    f"{len(self.axis_names)} axis names for a {len(self.shape)}-axis mesh"
-                )
+                raise LayoutError(f"{len(self.axis_names)} axis names for a {len(self.shape)}-axis mesh")
             for n in self.axis_names:
-                _check_identifier(n, "axis")
+                check_identifier(n, "axis")
             if len(set(self.axis_names)) != len(self.axis_names):
                 dup = next(n for n in self.axis_names if self.axis_names.count(n) > 1)
                 raise LayoutError(f"mesh axis name '{dup}' is used twice")
         if self.name is not None:
-            _check_identifier(self.name, "mesh")
+            check_identifier(self.name, "mesh")
 
     @property
     def ndim(self) -> int:
@@ -153,9 +151,8 @@ def format_ranks(ranks: tuple[int, ...]) -> str:
     return "[" + ",".join(str(r) for r in ranks) + "]"
 
 
-def _check_identifier(name: str, what: str) -> None:
+def check_identifier(name: str, what: str) -> None:
     if not _IDENT.match(name):
         raise LayoutError(f"{what} name '{name}' is not an identifier")
     if name in RESERVED_WORDS:
         raise LayoutError(f"{what} name '{name}' is a reserved word of the language")
-

@@ -21,12 +21,14 @@ from lark import Token, Tree
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import LayoutError, ParseError, ShardlangError, SourcePosition, SpecError
 from shardlang.layout import REDUCE_OPS, Layout
-from shardlang.mesh import Mesh
+from shardlang.mesh import Mesh, check_identifier
 from shardlang.spec import STATE_DEFAULT, CostHints, Layouts, MeshDecl, Rule, Spec, TensorSpec, expand_braces
 
 # Guards against text that is valid but would exhaust memory (a mesh of 10^12 ranks).
 MAX_MESH_SIZE = 1 << 20
-MAX_EXPANDED_NAMES = 100_000
+MAX_EXPANDED_NAMES = 100_000  # per declaration
+MAX_TENSORS = 1_000_000  # per file
+MAX_INT = 2**63 - 1
 
 _FRIENDLY = {
     "NAME": "a name",
@@ -74,7 +76,7 @@ def _parse_tree(text: str, start: str, filename: str | None) -> Tree:
     except lark.exceptions.UnexpectedCharacters as e:
         pos = SourcePosition.in_text(text, e.line, e.column, filename)
         raise ParseError(
-            f"unexpected character {text[e.pos_in_stream]!r}; expected {_describe_expected(e.allowed)}", pos
+            f"unexpected character {text[e.pos_in_stream]!r}; expected {_describe_expected(e.allowed or set())}", pos
         ) from None
     except lark.exceptions.UnexpectedToken as e:
         expected = _describe_expected(e.expected)
@@ -106,6 +108,15 @@ class _Reader:
     def pos_in_token(self, token: Token, offset: int) -> SourcePosition:
         return SourcePosition.in_text(self.text, token.line or 1, (token.column or 1) + offset, self.filename)
 
+    def int(self, token: Token) -> int:
+        # Python refuses to convert integers of more than 4300 digits; no count, size or rank
+        # of ours is meaningful beyond int64 anyway.
+        digits = str(token).lstrip("0")
+        if len(digits) > 19 or (digits and int(digits) > MAX_INT):
+            shown = digits if len(digits) <= 24 else digits[:20] + "..."
+            raise ParseError(f"the integer {shown} is too large (at most {MAX_INT})", self.pos(token))
+        return int(token)
+
     # --- meshes ----------------------------------------------------------------------
     def mesh_axes(self, tree: Tree) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
         sizes: list[int] = []
@@ -113,8 +124,15 @@ class _Reader:
         for axis in tree.children:
             assert isinstance(axis, Tree)
             if axis.data == "named_axis":
-                names.append(str(axis.children[0]))
-            sizes.append(int(axis.children[-1]))
+                name = str(axis.children[0])
+                if name in names:
+                    raise LayoutError(f"mesh axis name '{name}' is used twice", self.pos(axis))
+                try:
+                    check_identifier(name, "axis")
+                except LayoutError as e:
+                    raise e.at(self.pos(axis)) from None
+                names.append(name)
+            sizes.append(self.int(axis.children[-1]))  # type: ignore[arg-type]
         if names and len(names) != len(sizes):
             raise LayoutError("name every mesh axis or none of them", self.pos(tree))
         for axis, size in zip(tree.children, sizes, strict=True):
@@ -125,7 +143,7 @@ class _Reader:
         return tuple(sizes), (tuple(names) if names else None)
 
     def ranks(self, tree: Tree) -> tuple[int, ...]:
-        values = [int(t) for t in tree.children]
+        values = [self.int(t) for t in tree.children]  # type: ignore[arg-type]
         if tree.data == "rank_range":
             lo, hi = values
             if hi < lo:
@@ -175,7 +193,7 @@ class _Reader:
         for token in node.children:
             assert isinstance(token, Token)
             try:
-                refs.append((mesh.axis_index(int(token) if token.type == "INT" else str(token)), self.pos(token)))
+                refs.append((mesh.axis_index(self.int(token) if token.type == "INT" else str(token)), self.pos(token)))
             except LayoutError as e:
                 raise e.at(self.pos(token)) from None
         return refs
@@ -187,9 +205,7 @@ class _Reader:
 
         def claim(axis: int, by: str, pos: SourcePosition) -> None:
             if axis in used:
-                raise LayoutError(
-                    f"mesh axis {mesh.axis_label(axis)} is used twice (by {used[axis]} and by {by})", pos
-                )
+                raise LayoutError(f"mesh axis {mesh.axis_label(axis)} is used twice (by {used[axis]} and by {by})", pos)
             used[axis] = by
 
         dims: list[tuple[int, ...]] = []
@@ -242,7 +258,10 @@ class _Reader:
         for item in tree.children:
             assert isinstance(item, Tree)
             if item.data == "tensor_decl":
-                for t in self.tensor_decl(item):
+                declared = self.tensor_decl(item)
+                if len(tensors) + len(declared) > MAX_TENSORS:
+                    raise SpecError(f"the file declares more than {MAX_TENSORS} tensors", self.pos(item))
+                for t in declared:
                     if t.name in tensors:
                         first = tensors[t.name].position
                         where = f" (first declared at line {first.line})" if first else ""
@@ -262,14 +281,33 @@ class _Reader:
             if hint.data == "bandwidth":
                 if bandwidth is not None:
                     raise SpecError("bandwidth is given twice", self.pos(hint))
-                bandwidth = self.per_axis(hint, mesh, "bandwidth", [float(t) for t in hint.children[0].children])
-                if any(b <= 0 for b in bandwidth):
-                    raise SpecError("bandwidth must be positive (bytes per second)", self.pos(hint))
+                values = [self.bandwidth(t) for t in hint.children[0].children]
+                bandwidth = self.per_axis(hint, mesh, "bandwidth", values)
             elif hint.data == "latency":
                 if latency is not None:
                     raise SpecError("latency is given twice", self.pos(hint))
-                latency = self.per_axis(hint, mesh, "latency", [_duration(t) for t in hint.children[0].children])
+                latency = self.per_axis(hint, mesh, "latency", [self.duration(t) for t in hint.children[0].children])
         return MeshDecl(mesh=mesh, hints=CostHints(bandwidth=bandwidth, latency=latency), position=self.pos(tree))
+
+    def bandwidth(self, token: Token) -> float:
+        value = float(token)
+        if not 0 < value < math.inf:
+            raise SpecError(f"bandwidth {token} must be a positive finite number (bytes per second)", self.pos(token))
+        return value
+
+    def duration(self, token: Token) -> float:
+        """Seconds, from a number with an optional unit (s, ms, us, ns)."""
+        text = str(token)
+        unit = next((u for u in ("ms", "us", "ns", "s") if text.endswith(u)), "s")
+        number = text[: -len(unit)] if text.endswith(unit) else text
+        try:
+            # Decimal keeps 5us exactly 5e-06 (a float product would give 4.9999...e-06).
+            value = float(Decimal(number) * _TIME_UNITS[unit])
+        except ArithmeticError:  # decimal's Overflow and InvalidOperation on absurd exponents
+            value = math.inf
+        if not value < math.inf:
+            raise SpecError(f"latency {text} is out of range (a finite number of seconds)", self.pos(token))
+        return value
 
     def per_axis(self, hint: Tree, mesh: Mesh, what: str, values: list[float]) -> tuple[float, ...]:
         if len(values) == 1:
@@ -297,10 +335,24 @@ class _Reader:
             layout = self.layout(layout_tree)
             if shape is not None and layout.ndim != len(shape):
                 raise SpecError(
-                    f"{owner} has shape {list(shape)} ({len(shape)} dims) but its {key} layout has "
-                    f"{layout.ndim} dims",
+                    f"{owner} has shape {list(shape)} ({len(shape)} dims) but its {key} layout has {layout.ndim} dims",
                     self.pos(layout_tree),
                 )
+            if seen:
+                # A rule has no shape: its layouts must at least agree with each other.
+                first_key, first = next(iter(seen.items()))
+                if layout.ndim != first.ndim:
+                    raise SpecError(
+                        f"{owner}: its {key} layout has {layout.ndim} dims but its {first_key} layout has {first.ndim}",
+                        self.pos(layout_tree),
+                    )
+                # Layouts of one tensor are resharded into each other: one grid of ranks.
+                if (layout.mesh.shape, layout.mesh.ranks) != (first.mesh.shape, first.mesh.ranks):
+                    raise SpecError(
+                        f"{owner}: its {key} layout is over {layout.mesh.describe()} but its {first_key} layout "
+                        f"is over {first.mesh.describe()}; the layouts of a tensor share one mesh",
+                        self.pos(layout_tree),
+                    )
             seen[key] = layout
         if "param" not in seen:
             raise SpecError(f"{owner} has no param layout", self.pos(at))
@@ -316,14 +368,12 @@ class _Reader:
         dtype = str(dtype_token)
         if dtype not in ITEMSIZE:
             raise SpecError(f"unknown dtype '{dtype}' (expected one of {', '.join(ITEMSIZE)})", self.pos(dtype_token))
-        shape = tuple(int(t) for t in rest if isinstance(t, Token))
+        shape = tuple(self.int(t) for t in rest if isinstance(t, Token))
         entries = [t for t in rest if isinstance(t, Tree)]
         try:
-            names = expand_braces(str(name_token))
+            names = expand_braces(str(name_token), limit=MAX_EXPANDED_NAMES)
         except ShardlangError as e:
             raise e.at(self.pos(name_token)) from None
-        if len(names) > MAX_EXPANDED_NAMES:
-            raise SpecError(f"'{name_token}' expands to more than {MAX_EXPANDED_NAMES} names", self.pos(name_token))
         layouts = self.entries(entries, f"tensor '{name_token}'", tree, shape)
         position = self.pos(tree)
         return [TensorSpec(name=n, dtype=dtype, shape=shape, layouts=layouts, position=position) for n in names]
@@ -335,20 +385,11 @@ class _Reader:
         if not pattern:
             raise SpecError("a rule needs a non-empty pattern", self.pos(pattern_token))
         try:
-            expand_braces(pattern)
+            expand_braces(pattern, limit=MAX_EXPANDED_NAMES)
         except ShardlangError as e:
             raise e.at(self.pos(pattern_token)) from None
         layouts = self.entries(entries, f'rule "{pattern}"', tree, None)  # type: ignore[arg-type]
         return Rule(pattern=pattern, layouts=layouts, position=self.pos(tree))
-
-
-def _duration(token: Token) -> float:
-    text = str(token)
-    for unit in ("ms", "us", "ns", "s"):
-        if text.endswith(unit):
-            # Decimal keeps 5us exactly 5e-06 (a float product would give 4.9999...e-06).
-            return float(Decimal(text[: -len(unit)]) * _TIME_UNITS[unit])
-    return float(text)
 
 
 def parse_layout(text: str, meshes: Mapping[str, Mesh] | None = None, *, filename: str | None = None) -> Layout:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
+import math
 import re
 
 import attrs
@@ -14,36 +16,43 @@ from shardlang.mesh import Mesh
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"(-?[0-9]+)\.\.(-?[0-9]+)\Z")
+_MAX_RANGE_DIGITS = 18
 
 
-def expand_braces(text: str) -> list[str]:
+def expand_braces(text: str, limit: int | None = None) -> list[str]:
     """``h.{0..2}.{q,k}`` -> ``h.0.q, h.0.k, h.1.q, ...`` (ranges inclusive, in order).
 
     Raises :class:`ParseError` (without a position; the caller adds it) on an empty or
-    malformed brace.
+    malformed brace, or when the text names more than ``limit`` names (counted before any is
+    built, so ``{0..99999999999}`` fails at once).
     """
     parts = _BRACE.split(text)
     if "{" in parts[0] or "}" in parts[0] or any("{" in p or "}" in p for p in parts[2::2]):
         raise ParseError(f"unbalanced brace in '{text}'")
-    choices: list[list[str]] = []
+    choices: list[list[str] | tuple[int, int]] = []
     for i, part in enumerate(parts):
         if i % 2 == 0:
             choices.append([part])
             continue
         m = _RANGE.match(part)
         if m:
+            if max(len(m.group(1)), len(m.group(2))) > _MAX_RANGE_DIGITS:
+                raise ParseError(f"brace range {{{part}}} has an end longer than {_MAX_RANGE_DIGITS} digits")
             lo, hi = int(m.group(1)), int(m.group(2))
             if hi < lo:
                 raise ParseError(f"brace range {{{part}}} in '{text}' is empty: {hi} < {lo}")
-            choices.append([str(k) for k in range(lo, hi + 1)])
+            choices.append((lo, hi))
         elif part and all(part.split(",")):
             choices.append(part.split(","))
         else:
             raise ParseError(
-                f"brace {{{part}}} in '{text}' is neither a range like {{0..11}} "
-                "nor alternatives like {q,k,v}"
+                f"brace {{{part}}} in '{text}' is neither a range like {{0..11}} nor alternatives like {{q,k,v}}"
             )
-    return ["".join(combo) for combo in itertools.product(*choices)]
+    count = math.prod(c[1] - c[0] + 1 if isinstance(c, tuple) else len(c) for c in choices)
+    if limit is not None and count > limit:
+        raise ParseError(f"'{text}' expands to {count} names, more than {limit}")
+    expanded = [[str(k) for k in range(c[0], c[1] + 1)] if isinstance(c, tuple) else c for c in choices]
+    return ["".join(combo) for combo in itertools.product(*expanded)]
 
 
 @attrs.frozen
@@ -111,7 +120,13 @@ class Rule:
     position: SourcePosition | None = attrs.field(default=None, eq=False)
 
     def matches(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for p in expand_braces(self.pattern))
+        return any(fnmatch.fnmatchcase(name, p) for p in _globs(self.pattern))
+
+
+@functools.cache
+def _globs(pattern: str) -> tuple[str, ...]:
+    """A rule pattern's braces expanded once (rules are matched against every tensor name)."""
+    return tuple(expand_braces(pattern))
 
 
 @attrs.frozen

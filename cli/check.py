@@ -1,0 +1,78 @@
+"""``shardlang check FILE...``: a spec file is valid when it parses, means something, and
+every tensor's optimizer step can be planned."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TextIO
+
+import attrs
+
+from cli.summary import plan_spec_with_progress
+from cli.terminal import Style
+from shardlang import Spec, load_spec
+from shardlang.errors import ShardlangError
+
+
+@attrs.frozen
+class Checked:
+    path: str
+    spec: Spec | None
+    error: ShardlangError | None
+
+
+def check_file(path: str, progress: TextIO) -> Checked:
+    try:
+        spec = load_spec(path)
+        plan_spec_with_progress(spec, progress)
+    except ShardlangError as e:
+        return Checked(path, None, e)
+    return Checked(path, spec, None)
+
+
+def describe_spec(spec: Spec) -> str:
+    meshes = ", ".join(f"{d.mesh.name} = {d.mesh.describe()}" for d in spec.meshes) or "inline meshes only"
+    t, r = len(spec.tensors), len(spec.rules)
+    return f"{t} tensor{'s' * (t != 1)}, {r} rule{'s' * (r != 1)}; meshes: {meshes}"
+
+
+def error_text(error: ShardlangError, style: Style) -> str:
+    """``file:line:col: message``, the line and a caret (the prefix bold on a terminal)."""
+    text = str(error)
+    if error.position is not None:
+        prefix = error.position.prefix() + ":"
+        text = style(prefix, "bold") + text[len(prefix) :]
+    return text
+
+
+def error_json(checked: Checked) -> dict[str, Any]:
+    assert checked.error is not None
+    data = checked.error.to_json()
+    data["file"] = data["file"] or checked.path
+    return data
+
+
+def run_check(paths: list[str], fmt: str, out: TextIO, err: TextIO) -> int:
+    results = [check_file(p, err) for p in paths]
+    if fmt == "json":
+        files = [
+            {
+                "file": c.path,
+                "ok": c.error is None,
+                "tensors": len(c.spec.tensors) if c.spec else None,
+                "rules": len(c.spec.rules) if c.spec else None,
+                "errors": [error_json(c)] if c.error else [],
+            }
+            for c in results
+        ]
+        json.dump({"ok": all(c.error is None for c in results), "files": files}, out, indent=2)
+        out.write("\n")
+    else:
+        out_style, err_style = Style.for_stream(out), Style.for_stream(err)
+        for c in results:
+            if c.error is None:
+                assert c.spec is not None
+                out.write(f"{c.path}: {out_style('ok', 'green')}: {describe_spec(c.spec)}\n")
+            else:
+                err.write(error_text(c.error, err_style) + "\n")
+    return 0 if all(c.error is None for c in results) else 1

@@ -1,0 +1,381 @@
+"""The ``shardlang`` console script (also ``python -m shardlang``).
+
+Exit codes: 0 success; 1 bad input (a spec or layout error, no plan, a file that cannot be
+read or written, no ``dot``); 2 bad usage (unknown options, missing arguments); 130 on
+Ctrl-C. Every error a user can cause is one message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cli.check import describe_spec, error_text, run_check
+from cli.explain import explain, explained_json, format_explained
+from cli.inputs import (
+    Pair,
+    UsageError,
+    bandwidth_arg,
+    bytes_arg,
+    cost_model,
+    duration_arg,
+    read_pair,
+    read_spec,
+    shape_arg,
+)
+from cli.picture import picture_dot, plan_picture, summary_dot, tensor_picture
+from cli.plan_report import format_plan, format_spec_summary, format_tensor_plans, plan_json, spec_plan_json
+from cli.render import FORMATS, RenderError, draw, output_format, write
+from cli.show import format_show, show_json
+from cli.summary import TensorGroup, group_tensors, plan_spec_with_progress
+from cli.terminal import Progress, Style
+from planner import Plan, plan
+from planner.model import SpecPlan
+from shardlang import Spec, TensorSpec, load_spec, parse_layout
+from shardlang.dtypes import ITEMSIZE
+from shardlang.errors import ShardlangError, SpecError
+
+COMMANDS = ("check", "plan", "show", "render", "explain")
+BUNDLED_EXAMPLE = "gpt2_small_dp2_tp2.shard"
+
+
+def bundled_example() -> Path:
+    """The example spec shipped inside the package (a link to examples/ in a checkout)."""
+    return (Path(__file__).resolve().parent / BUNDLED_EXAMPLE).resolve()
+
+
+def _add_cost_options(p: argparse.ArgumentParser, memory: bool = True) -> None:
+    p.add_argument(
+        "--alpha",
+        type=duration_arg,
+        metavar="SECONDS",
+        help="latency per round (5e-6 or 5us; default 5us, or the spec file's mesh latency)",
+    )
+    p.add_argument(
+        "--bandwidth",
+        type=bandwidth_arg,
+        metavar="B[,B...]",
+        help="bytes per second, one for every mesh axis or one per axis (default 1e11, or the spec's)",
+    )
+    if memory:
+        p.add_argument(
+            "--max-local-bytes",
+            type=bytes_arg,
+            metavar="N",
+            help="no state of a plan may hold more bytes per rank (1048576, 64MiB)",
+        )
+
+
+def _add_tensor_options(p: argparse.ArgumentParser, shape_required: bool = False) -> None:
+    p.add_argument(
+        "--shape",
+        type=shape_arg,
+        required=shape_required,
+        metavar="L0xL1...",
+        help="the global tensor shape, e.g. 32000x1024 (() for a scalar)",
+    )
+    p.add_argument(
+        "--dtype", choices=list(ITEMSIZE), metavar="DTYPE", help=f"element type: {', '.join(ITEMSIZE)} (default f32)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardlang",
+        description="Layouts of sharded tensors on device meshes: check spec files, plan the cheapest "
+        "collectives between layouts, show and draw them.",
+        epilog="Without a command, `shardlang [FILE.shard]` runs the main job on FILE (default: the bundled "
+        f"example {BUNDLED_EXAMPLE}): check it, print every tensor's optimizer-step plans with totals, and "
+        "draw the summary picture under out/.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "check",
+        help="validate spec files",
+        description="Validate spec files: errors as "
+        "file:line:col: message, with the line and a caret; exit 1 on any error.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+
+    pair_or_spec = "two layouts (SRC DST, with --shape) or one spec file (FILE.shard)"
+    p = sub.add_parser(
+        "plan",
+        help="the cheapest plan between two layouts, or for a spec file",
+        description=f"Plan a reshard. TARGET is {pair_or_spec}.",
+    )
+    p.add_argument("targets", nargs="+", metavar="TARGET")
+    p.add_argument(
+        "--tensor",
+        action="append",
+        metavar="NAME",
+        help="with a spec file: plan only this tensor (repeatable); a name a rule matches needs --shape",
+    )
+    _add_tensor_options(p)
+    _add_cost_options(p)
+    p.add_argument("--format", choices=("text", "json"), default="text")
+
+    p = sub.add_parser(
+        "show",
+        help="which block each rank holds, as a grid",
+        description="Which block of the global tensor each rank holds: mesh coordinates, "
+        "rank ids and index ranges, padded and empty pieces marked.",
+    )
+    p.add_argument("layout", metavar="LAYOUT")
+    p.add_argument("--shape", type=shape_arg, required=True, metavar="L0xL1...")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+
+    p = sub.add_parser(
+        "render",
+        help="draw a plan (Graphviz)",
+        description=f"Draw a plan: one panel per state, one arrow per step. TARGET is "
+        f"{pair_or_spec}; for a spec file, --tensor NAME draws that tensor's optimizer step, "
+        "--each draws every tensor into -o DIR, and nothing draws the summary of the whole step.",
+    )
+    p.add_argument("targets", nargs="+", metavar="TARGET")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--tensor", action="append", metavar="NAME", help="with a spec file: draw this tensor")
+    group.add_argument("--each", action="store_true", help="with a spec file: one picture per tensor into -o DIR")
+    _add_tensor_options(p)
+    _add_cost_options(p)
+    p.add_argument("--format", choices=FORMATS, help="dot, svg or png (default: from -o's suffix, else svg)")
+    p.add_argument("-o", "--output", metavar="FILE", help="where to write (default: standard output)")
+
+    p = sub.add_parser(
+        "explain",
+        help="the chosen plan next to a one-axis-at-a-time greedy order",
+        description="The chosen plan next to what a one-mesh-axis-at-a-time greedy order "
+        "(DTensor's default) does, and what that costs.",
+    )
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    _add_tensor_options(p, shape_required=True)
+    _add_cost_options(p, memory=False)
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    return parser
+
+
+# --- commands ----------------------------------------------------------------------------
+def _target(args: argparse.Namespace) -> Pair | Spec:
+    if len(args.targets) == 2:
+        if args.tensor:
+            raise UsageError("--tensor applies to a spec file, not to a pair of layouts")
+        return read_pair(args.targets[0], args.targets[1], args.shape, args.dtype)
+    if len(args.targets) == 1:
+        if (args.shape is not None or args.dtype is not None) and not (args.tensor and args.shape is not None):
+            raise UsageError(
+                "with a spec file, --shape and --dtype describe a tensor that a rule matches: "
+                "give --tensor NAME --shape L0xL1... [--dtype DTYPE]"
+            )
+        return read_spec(args.targets[0])
+    raise UsageError(f"give two layouts (SRC DST) with --shape, or one spec file; got {len(args.targets)} arguments")
+
+
+def _spec_tensors(
+    spec: Spec, names: Sequence[str], shape: tuple[int, ...] | None, dtype: str | None
+) -> list[TensorSpec]:
+    chosen = []
+    for name in names:
+        if shape is not None:
+            chosen.append(spec.resolve(name, shape, dtype or "f32"))
+            continue
+        try:
+            chosen.append(spec.tensor(name))
+        except SpecError as e:
+            hint = "; for a tensor that a rule matches, give its --shape (and --dtype)" if spec.rules else ""
+            raise SpecError(e.message + hint) from None
+    return chosen
+
+
+def _plan_pair(pair: Pair, args: argparse.Namespace) -> Plan:
+    cost = cost_model(args.alpha, args.bandwidth)
+    return plan(pair.src, pair.dst, pair.shape, pair.dtype, cost, max_local_bytes=args.max_local_bytes)
+
+
+def _plan_spec(spec: Spec, args: argparse.Namespace) -> SpecPlan:
+    tensors = _spec_tensors(spec, args.tensor, args.shape, args.dtype) if args.tensor else None
+    return plan_spec_with_progress(
+        spec,
+        sys.stderr,
+        tensors=tensors,
+        alpha=args.alpha,
+        bandwidth=args.bandwidth,
+        max_local_bytes=args.max_local_bytes,
+    )
+
+
+def _emit_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    style = Style.for_stream(sys.stdout)
+    target = _target(args)
+    if isinstance(target, Pair):
+        result = _plan_pair(target, args)
+        if args.format == "json":
+            _emit_json(plan_json(result))
+        else:
+            print(format_plan(result, style))
+        return 0
+    spec_plan = _plan_spec(target, args)
+    if args.format == "json":
+        _emit_json(spec_plan_json(spec_plan))
+    elif args.tensor:
+        print("\n\n".join(format_tensor_plans(tp, style) for tp in spec_plan.tensors))
+    else:
+        print(format_spec_summary(spec_plan, style))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    layout = parse_layout(args.layout, filename="LAYOUT")
+    layout.check_shape(args.shape)
+    if args.format == "json":
+        _emit_json(show_json(layout, args.shape))
+    else:
+        width = shutil.get_terminal_size((100, 24)).columns
+        print(format_show(layout, args.shape, Style.for_stream(sys.stdout), width))
+    return 0
+
+
+def _file_name(tensor_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]+", "_", tensor_name)
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    fmt = output_format(args.format, args.output)
+    target = _target(args)
+    if isinstance(target, Pair):
+        if args.each:
+            raise UsageError("--each applies to a spec file")
+        dot = picture_dot(plan_picture(_plan_pair(target, args)))
+    else:
+        if args.tensor and len(args.tensor) > 1:
+            raise UsageError("render draws one --tensor per picture; use --each for every tensor")
+        spec_plan = _plan_spec(target, args)
+        groups = group_tensors(spec_plan)
+        if args.each:
+            return _render_each(groups, args.output, fmt)
+        dot = picture_dot(tensor_picture(spec_plan.tensors[0])) if args.tensor else summary_dot(spec_plan, groups)
+    written = write(draw(dot, fmt), args.output, fmt)
+    if written:
+        print(f"wrote {written}", file=sys.stderr)
+    return 0
+
+
+def _render_each(groups: list[TensorGroup], output: str | None, fmt: str) -> int:
+    if not output or output == "-":
+        raise UsageError("--each writes one file per tensor: give -o DIR")
+    progress = Progress("drawing", len(groups), sys.stderr)
+    try:
+        for g in groups:
+            progress.advance(g.label)
+            picture = tensor_picture(g.first, label=g.label)
+            write(draw(picture_dot(picture), fmt), str(Path(output) / f"{_file_name(g.first.tensor.name)}.{fmt}"), fmt)
+    finally:
+        progress.close()
+    print(
+        f"wrote {len(groups)} pictures to {output}/ (one per tensor; tensors declared together with "
+        "equal plans share one, named after the first)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    pair = read_pair(args.src, args.dst, args.shape, args.dtype)
+    ex = explain(pair.src, pair.dst, pair.shape, pair.dtype, cost_model(args.alpha, args.bandwidth))
+    if args.format == "json":
+        _emit_json(explained_json(ex))
+    else:
+        print(format_explained(ex, Style.for_stream(sys.stdout)))
+    return 0
+
+
+def run_main_job(path: Path, bundled: bool) -> int:
+    """Check a spec file, print its optimizer-step plans with totals, draw the summary."""
+    style = Style.for_stream(sys.stdout)
+    shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+    origin = " (the bundled example; run `shardlang FILE.shard` for your own)" if bundled else ""
+    print(f"{style('shardlang', 'bold')}: {shown}{origin}\n")
+    spec = load_spec(shown)
+    spec_plan = plan_spec_with_progress(spec, sys.stderr)
+    print(f"check: {style('ok', 'green')}: {describe_spec(spec)}\n")
+    print(format_spec_summary(spec_plan, style) + "\n")
+    dot = summary_dot(spec_plan, group_tensors(spec_plan))
+    stem = Path("out") / path.name.removesuffix(".shard")
+    try:
+        written = write(draw(dot, "svg"), f"{stem}.summary.svg", "svg")
+    except RenderError as e:
+        written = write(dot.encode(), f"{stem}.summary.dot", "dot")
+        sys.stdout.flush()
+        print(f"note: {e.message}", file=sys.stderr)
+    print(f"summary picture: {written}")
+    first = spec.tensors[0].name if spec.tensors else "NAME"
+    print(
+        "\nnext:\n"
+        f"  shardlang plan {shown} --tensor {first}\n"
+        f"  shardlang render {shown} --tensor {first} -o {stem}.{_file_name(first)}.svg\n"
+        f"  shardlang explain 'R,S1 | P0 over mesh[2,2]' 'S0,S1 over mesh[2,2]' --shape 32000x1024"
+    )
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    return run_check(args.files, args.format, sys.stdout, sys.stderr)
+
+
+COMMAND_FUNCTIONS = {
+    "check": cmd_check,
+    "plan": cmd_plan,
+    "show": cmd_show,
+    "render": cmd_render,
+    "explain": cmd_explain,
+}
+
+
+def _run(argv: list[str]) -> int:
+    if not argv or (argv[0] not in COMMANDS and not argv[0].startswith("-")):
+        if len(argv) > 1:
+            build_parser().error(f"unknown command '{argv[0]}' (commands: {', '.join(COMMANDS)})")
+        if argv and not argv[0].endswith(".shard") and not Path(argv[0]).is_file():
+            build_parser().error(f"unknown command '{argv[0]}' (commands: {', '.join(COMMANDS)}, or a FILE.shard)")
+        path = Path(argv[0]) if argv else bundled_example()
+        return run_main_job(path, bundled=not argv)
+    args = build_parser().parse_args(argv)
+    return COMMAND_FUNCTIONS[args.command](args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except UsageError as e:
+        print(f"shardlang: error: {e.message} (see shardlang --help)", file=sys.stderr)
+        return 2
+    except ShardlangError as e:
+        sys.stdout.flush()
+        print(error_text(e, Style.for_stream(sys.stderr)), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`shardlang plan ... | head`): stop quietly, as cat does.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

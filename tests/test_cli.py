@@ -1,0 +1,527 @@
+"""The ``shardlang`` console script, run for real in subprocesses: exit codes, the error
+format (line and column), JSON validity and schema, pictures (SVG structure, PNG signature,
+a 64-rank mesh), the main job, colors and progress only on a terminal.
+
+Expected numbers come from the cost model's formulas worked by hand, or from torch.chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pty
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from shardlang import parse_layout
+from tests.conftest import EXAMPLES
+
+SCRIPT = Path(sys.executable).with_name("shardlang")
+SVG = "{http://www.w3.org/2000/svg}"
+PAIR_KEYS = {"src", "dst", "shape", "dtype", "steps", "total_bytes", "total_seconds"}
+STEP_KEYS = {"op", "axis", "dim", "to_dim", "reduce_op", "layout", "bytes", "seconds"}
+HAR = ["R | P01 over mesh[2,8]", "R over mesh[2,8]", "--shape", "1048576", "--bandwidth", "25e9,300e9"]
+
+
+def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The installed console script; a bounded wait so that a hang fails the test."""
+    assert SCRIPT.exists(), f"the console script {SCRIPT} is not installed (pip install -e .)"
+    return subprocess.run(
+        [str(SCRIPT), *args], capture_output=True, text=True, timeout=60, cwd=cwd, env=env or _plain_env()
+    )
+
+
+def _plain_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("NO_COLOR", None)
+    env["COLUMNS"] = "120"
+    return env
+
+
+def no_traceback(result: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+
+
+# --- check --------------------------------------------------------------------------------
+# Each bad file: its text, and where the error may point: (line, the offending item on that
+# line); the column must fall inside the item.
+BAD_SPECS = {
+    "axis_twice.shard": (
+        "mesh world = [dp=2, tp=2]\ntensor w : f32[4, 4] {\n  param = S(tp),S(tp) over world\n}\n",
+        [(3, "S(tp) over")],
+    ),
+    "syntax.shard": ("tensor w : f32[4, 4] {\n  param = S0,R ovr mesh[2,2]\n}\n", [(2, "ovr")]),
+    "unknown_mesh.shard": ("tensor w : f32[4] {\n  param = S0 over wrld\n}\n", [(2, "wrld")]),
+    "rank_mismatch.shard": ("tensor w : f32[4, 4] {\n\n  param = S0 over mesh[2]\n}\n", [(3, "S0 over mesh[2]")]),
+    "axis_range.shard": ("tensor w : f32[4, 4] {\n  param = S0,S3 over mesh[2,2]\n}\n", [(2, "S3")]),
+    "duplicate.shard": (
+        "tensor w : f32[4] { param = S0 over mesh[2] }\n# comment\ntensor w : f32[4] { param = R over mesh[2] }\n",
+        [(3, "tensor w")],
+    ),
+    "mesh_size.shard": ("mesh m = [2, 2] ranks 0..2\ntensor w : f32[4] { param = R over m }\n", [(1, "ranks 0..2")]),
+    # The gradient lies on another mesh than the state: no plan exists. The language may say so
+    # at the grad layout, or the planner at the tensor.
+    "no_plan.shard": (
+        "tensor w : f32[4] {\n  param = R over mesh[2]\n  grad = R | P0 over mesh[4]\n}\n",
+        [(1, "tensor w"), (3, "R | P0 over mesh[4]")],
+    ),
+}
+GOOD_SPEC = """\
+mesh world = [dp=2, tp=2]  bandwidth [25e9, 300e9]  latency 5us
+tensor emb : f32[37, 24] {
+  param = R,S(tp) over world
+  grad  = R,S(tp) | P(dp) over world
+  state = S(dp),S(tp) over world
+}
+tensor h.{0..2}.w : bf16[5, 3] {
+  param = S(tp),R over world
+  grad  = S(tp),R | P(dp):avg over world
+  state = S(tp,dp),R over world
+}
+tensor bias : f32[3] { param = R over world }
+rule "h.*.b" { param = R over world  grad = R | P(dp) over world  state = S(dp) over world }
+"""
+
+
+@pytest.fixture()
+def spec_dir(tmp_path: Path) -> Path:
+    for name, (text, _) in BAD_SPECS.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "good.shard").write_text(GOOD_SPEC)
+    return tmp_path
+
+
+def _points_at_the_error(name: str, line: int, column: int) -> bool:
+    """Whether 1-based (line, column) falls inside one of the offending items of ``name``."""
+    text, places = BAD_SPECS[name]
+    for want_line, item in places:
+        start = text.split("\n")[want_line - 1].index(item) + 1
+        if line == want_line and start <= column < start + len(item):
+            return True
+    return False
+
+
+def test_check_names_file_line_and_column_of_every_error(spec_dir: Path) -> None:
+    files = [str(spec_dir / n) for n in BAD_SPECS] + [str(spec_dir / "good.shard")]
+    result = run("check", *files)
+    no_traceback(result)
+    assert result.returncode == 1
+    assert re.search(r"good\.shard: ok: 5 tensors, 1 rule", result.stdout)
+    lines = result.stderr.splitlines()
+    reported = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"(.+\.shard):(\d+):(\d+): (.+)$", line)
+        if m:
+            reported[Path(m.group(1)).name] = (int(m.group(2)), int(m.group(3)), m.group(4), lines[i + 1], lines[i + 2])
+    assert set(reported) == set(BAD_SPECS)
+    for name, (line, column, message, shown, caret) in reported.items():
+        assert _points_at_the_error(name, line, column), (name, line, column, message)
+        # The line is shown as written (indented), the caret under the column.
+        line_text = BAD_SPECS[name][0].split("\n")[line - 1]
+        assert shown.endswith(line_text)
+        indent = len(shown) - len(line_text)
+        assert caret.rstrip() == " " * (indent + column - 1) + "^"
+    assert "twice" in reported["axis_twice.shard"][2]
+    assert "wrld" in reported["unknown_mesh.shard"][2]
+    assert "declared twice" in reported["duplicate.shard"][2]
+
+
+def test_check_json_and_exit_codes(spec_dir: Path) -> None:
+    result = run(
+        "check",
+        "--format",
+        "json",
+        str(spec_dir / "syntax.shard"),
+        str(spec_dir / "good.shard"),
+        str(spec_dir / "missing.shard"),
+    )
+    assert result.returncode == 1
+    data = json.loads(result.stdout)
+    assert data["ok"] is False
+    by_name = {Path(f["file"]).name: f for f in data["files"]}
+    assert by_name["good.shard"] == {
+        "file": str(spec_dir / "good.shard"),
+        "ok": True,
+        "tensors": 5,
+        "rules": 1,
+        "errors": [],
+    }
+    (syntax,) = by_name["syntax.shard"]["errors"]
+    assert set(syntax) >= {"file", "line", "column", "message", "kind"}
+    assert _points_at_the_error("syntax.shard", syntax["line"], syntax["column"])
+    (missing,) = by_name["missing.shard"]["errors"]
+    assert missing["file"] == str(spec_dir / "missing.shard") and missing["line"] is None
+
+    ok = run("check", str(spec_dir / "good.shard"), *(str(p) for p in sorted(EXAMPLES.glob("*.shard"))))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stderr == ""
+
+
+# --- plan ---------------------------------------------------------------------------------
+def _step_seconds(rounds: int, nbytes: int, alpha: float, beta: float) -> float:
+    return rounds * alpha + nbytes / beta
+
+
+def test_plan_pair_json_is_the_issue_schema_with_hand_computed_costs() -> None:
+    result = run("plan", *HAR, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert set(data) == PAIR_KEYS
+    assert (data["src"], data["dst"], data["shape"], data["dtype"]) == (HAR[0], HAR[1], [1048576], "f32")
+    for step in data["steps"]:
+        assert set(step) == STEP_KEYS
+        assert str(parse_layout(step["layout"])) == step["layout"]  # canonical text
+    # Hierarchical all-reduce, by the cost table: n1 = 8 (300 GB/s), n0 = 2 (25 GB/s).
+    quarter = 1048576 // 8 * 4  # bytes of one 1/8 piece
+    expected = [
+        ("reduce_scatter", 1, 0, None, "sum", "S1 | P0 over mesh[2,8]", 7 * quarter, 7, 300e9),
+        ("all_reduce", 0, None, None, "sum", "S1 over mesh[2,8]", 2 * 1 * (quarter // 2), 2, 25e9),
+        ("all_gather", 1, 0, None, None, "R over mesh[2,8]", 7 * quarter, 7, 300e9),
+    ]
+    assert len(data["steps"]) == len(expected)
+    for step, (op, axis, dim, to_dim, reduce_op, layout, nbytes, rounds, beta) in zip(
+        data["steps"], expected, strict=True
+    ):
+        assert (step["op"], step["axis"], step["dim"], step["to_dim"], step["reduce_op"], step["layout"]) == (
+            op,
+            axis,
+            dim,
+            to_dim,
+            reduce_op,
+            layout,
+        )
+        assert step["bytes"] == nbytes
+        assert math.isclose(step["seconds"], _step_seconds(rounds, nbytes, 5e-6, beta), rel_tol=1e-12)
+    assert data["total_bytes"] == sum(e[6] for e in expected)
+    assert math.isclose(data["total_seconds"], sum(s["seconds"] for s in data["steps"]), rel_tol=1e-12)
+
+
+def test_plan_pair_text_is_an_aligned_table() -> None:
+    result = run(
+        "plan",
+        "R,S1 | P0 over mesh[2,2]",
+        "S0,S1 over mesh[2,2]",
+        "--shape",
+        "32000x1024",
+        "--alpha",
+        "5us",
+        "--bandwidth",
+        "1e11",
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    table = [line for line in out[2:] if line.strip()]
+    header, step, total = table
+    assert header.split()[:3] == ["#", "op", "axis"]
+    assert step.split()[:3] == ["1", "reduce_scatter", "0"]
+    # Right-aligned last columns: every line of the table ends at the same column.
+    assert len(header) == len(step) == len(total)
+    # The Paddle seed's reduce-scatter: (2-1) * 16000*512*4 bytes = 31.25 MiB.
+    assert "31.2 MiB" in step and "31.2 MiB" in total
+    assert "\x1b[" not in result.stdout  # no colors into a pipe
+
+
+def test_plan_spec_json_text_and_a_rule_matched_tensor(tmp_path: Path) -> None:
+    spec = tmp_path / "model.shard"
+    spec.write_text(GOOD_SPEC)
+    data = json.loads(run("plan", str(spec), "--format", "json").stdout)
+    assert [t["name"] for t in data["tensors"]] == ["emb", "h.0.w", "h.1.w", "h.2.w", "bias"]
+    for t in data["tensors"]:
+        assert [leg["leg"] for leg in t["legs"]] == ["grad -> state", "state -> param"]
+        for leg in t["legs"]:
+            assert set(leg) == PAIR_KEYS | {"leg"}
+        assert t["total_bytes"] == sum(leg["total_bytes"] for leg in t["legs"])
+    assert data["total_bytes"] == sum(t["total_bytes"] for t in data["tensors"])
+    emb = data["tensors"][0]
+    # grad R,S(tp) | P(dp) -> state S(dp),S(tp): one reduce-scatter over dp of the [19, 12] f32
+    # piece: (2-1) * 19*12*4 bytes; state -> param: one all-gather of the same piece.
+    assert [(s["op"], s["axis"], s["bytes"]) for leg in emb["legs"] for s in leg["steps"]] == [
+        ("reduce_scatter", 0, 19 * 12 * 4),
+        ("all_gather", 0, 19 * 12 * 4),
+    ]
+    assert math.isclose(emb["legs"][0]["steps"][0]["seconds"], 5e-6 + 912 / 25e9, rel_tol=1e-12)
+    assert data["tensors"][4]["total_bytes"] == 0  # bias: replicated everywhere
+
+    text = run("plan", str(spec)).stdout
+    assert re.search(r"^\s+h\.\{0\.\.2\}\.w\s+3\s+5x3\s+bf16", text, re.M)  # one row for the three
+    assert re.search(r"^\s+total\s+5\s", text, re.M)
+
+    ruled = run("plan", str(spec), "--tensor", "h.7.b", "--shape", "6", "--format", "json")
+    assert ruled.returncode == 0, ruled.stderr
+    (t,) = json.loads(ruled.stdout)["tensors"]
+    assert (t["name"], t["shape"], t["dtype"]) == ("h.7.b", [6], "f32")
+    assert [s["op"] for leg in t["legs"] for s in leg["steps"]] == ["reduce_scatter", "all_gather"]
+    unknown = run("plan", str(spec), "--tensor", "nope")
+    assert unknown.returncode == 1 and "no tensor named 'nope'" in unknown.stderr
+
+
+def test_bad_arguments_give_one_message_and_an_exit_code(tmp_path: Path) -> None:
+    cases = [
+        (["plan", "S0 over mesh[2]", "R over mesh[2]"], 2, "--shape"),
+        (["plan", "S0 over mesh[2", "R over mesh[2]", "--shape", "4"], 1, "SRC:1:"),
+        (["plan", "S0 over mesh[2]", "R over mesh[3]", "--shape", "4"], 1, "different meshes"),
+        (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "4x4"], 1, "2 dims"),
+        (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "four"], 2, "not a shape"),
+        (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "4", "--bandwidth", "1,2"], 1, "2 values"),
+        (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "4", "--bandwidth", "-1"], 2, "positive"),
+        (
+            ["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "100", "--max-local-bytes", "100"],
+            1,
+            "max_local_bytes",
+        ),
+        (["plan", "S0 over mesh[2]"], 2, "looks like a layout"),
+        (["plan", str(tmp_path / "none.shard")], 1, "cannot read"),
+        (["show", "S0,S0 over mesh[2,2]", "--shape", "4x4"], 1, "LAYOUT:1:"),
+        (
+            [
+                "render",
+                "S0 over mesh[2]",
+                "R over mesh[2]",
+                "--shape",
+                "4",
+                "-o",
+                str(tmp_path / "f" / "x.svg"),
+                "--each",
+            ],
+            2,
+            "--each",
+        ),
+        (["explain", "S0 over mesh[2]", "R over mesh[2]"], 2, "--shape"),
+        (["nonsense"], 2, "unknown command"),
+    ]
+    for args, code, words in cases:
+        result = run(*args)
+        no_traceback(result)
+        assert result.returncode == code, (args, result.stderr)
+        assert words in result.stderr, (args, result.stderr)
+        assert result.stdout == "", args
+
+
+# --- show ---------------------------------------------------------------------------------
+def test_show_gives_every_rank_its_torch_chunk_block() -> None:
+    import torch  # the independent reference: torch.chunk
+
+    layout = "S01,R over mesh[2,3]"
+    shape = (7, 3)
+    data = json.loads(run("show", layout, "--shape", "7x3", "--format", "json").stdout)
+    full = torch.arange(21).reshape(shape)
+    assert data["local_shape"] == [2, 3]
+    assert [r["rank"] for r in data["ranks"]] == list(range(6))
+    for r in data["ranks"]:
+        c0, c1 = r["coordinate"]
+        outer = full.chunk(2, dim=0)
+        inner = outer[c0].chunk(3, dim=0) if c0 < len(outer) else ()
+        want = inner[c1] if c1 < len(inner) else full[:0]
+        (r0, r1), (s0, s1) = r["bounds"]
+        got = full[r0:r1, s0:s1]
+        assert torch.equal(got, want) or (got.numel() == want.numel() == 0), r
+        assert r["empty"] == (want.numel() == 0)
+        assert r["padded"] == (want.numel() > 0 and want.shape[0] < 2)
+    assert sum(r["empty"] for r in data["ranks"]) == 1  # 7 -> 4, 3; 4 -> 2, 2, 0
+
+    text = run("show", layout, "--shape", "7x3").stdout
+    for rank in range(6):
+        assert f"rank {rank}" in text
+    assert "axis 0=1" in text and "axis 1=2" in text
+    assert "[6:7, :]" in text and "empty" in text and "padded" in text
+
+
+# --- render -------------------------------------------------------------------------------
+def _svg(path: Path) -> ET.Element:
+    return ET.parse(path).getroot()
+
+
+def _groups(root: ET.Element, cls: str) -> list[ET.Element]:
+    return [g for g in root.iter(f"{SVG}g") if g.get("class", "").split()[:1] == [cls]]
+
+
+def _text(element: ET.Element) -> str:
+    return " ".join(t.text or "" for t in element.iter(f"{SVG}text"))
+
+
+def test_render_svg_has_a_panel_per_state_and_a_labelled_edge_per_step(tmp_path: Path) -> None:
+    out = tmp_path / "har.svg"
+    result = run("render", *HAR, "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    root = _svg(out)
+    panels = _groups(root, "node")
+    edges = _groups(root, "edge")
+    assert len(panels) == 4 and len(edges) == 3
+    assert [p.get("id") for p in panels] == [f"panel-state{i}" for i in range(4)]
+    for panel, layout in zip(
+        panels,
+        ["R | P01 over mesh[2,8]", "S1 | P0 over mesh[2,8]", "S1 over mesh[2,8]", "R over mesh[2,8]"],
+        strict=True,
+    ):
+        text = _text(panel)
+        assert layout in text
+        assert all(f"r{rank}" in text.split() for rank in range(16))
+    for edge, (op, axis, nbytes) in zip(
+        edges,
+        [
+            ("reduce_scatter", "axis 1", "3.5 MiB"),
+            ("all_reduce", "axis 0", "512 KiB"),
+            ("all_gather", "axis 1", "3.5 MiB"),
+        ],
+        strict=True,
+    ):
+        text = _text(edge)
+        assert op in text and axis in text and f"{nbytes} per rank" in text and re.search(r"\d us", text)
+
+
+def test_render_png_and_dot_without_the_dot_program(tmp_path: Path) -> None:
+    png = tmp_path / "plan.png"
+    assert run("render", *HAR, "-o", str(png)).returncode == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    env = _plain_env()
+    env["PATH"] = str(tmp_path / "empty")  # no dot anywhere
+    missing = run("render", *HAR, "--format", "svg", "-o", str(tmp_path / "x.svg"), env=env)
+    no_traceback(missing)
+    assert missing.returncode == 1
+    assert "apt-get install graphviz" in missing.stderr and "--format dot" in missing.stderr
+    assert not (tmp_path / "x.svg").exists()
+    dot = run("render", *HAR, "--format", "dot", env=env)
+    assert dot.returncode == 0, dot.stderr
+    assert dot.stdout.startswith('digraph "plan" {')
+    assert dot.stdout.count(" -> ") == 3
+
+
+def test_a_64_rank_mesh_renders_with_every_cell(tmp_path: Path) -> None:
+    out = tmp_path / "big.svg"
+    mesh = "mesh[dp=8,tp=8]"
+    result = run(
+        "render",
+        f"S(dp,tp),R | P() over {mesh}".replace(" | P()", ""),
+        f"R,S(tp,dp) over {mesh}",
+        "--shape",
+        "1000x300",
+        "-o",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    root = _svg(out)
+    panels = _groups(root, "node")
+    edges = _groups(root, "edge")
+    assert len(panels) == len(edges) + 1 >= 2
+    for panel in panels:
+        words = _text(panel).split()
+        assert sorted(w for w in words if re.fullmatch(r"r\d+", w)) == sorted(f"r{i}" for i in range(64))
+        for label in ("dp=0", "dp=7", "tp=0", "tp=7"):
+            assert label in _text(panel)
+    # Legible: no text smaller than 8 points, and an 8x8 grid keeps the picture under ~30 inches wide.
+    sizes = [float(t.get("font-size", "14")) for t in root.iter(f"{SVG}text")]
+    assert min(sizes) >= 8
+    assert float(root.get("width", "0pt").removesuffix("pt")) < 30 * 72
+
+
+def test_render_a_spec_tensor_the_summary_and_each_tensor(tmp_path: Path) -> None:
+    spec = tmp_path / "model.shard"
+    spec.write_text(GOOD_SPEC)
+    emb = tmp_path / "emb.svg"
+    assert run("render", str(spec), "--tensor", "emb", "-o", str(emb)).returncode == 0
+    root = _svg(emb)
+    # grad -> state (1 step) and state -> param (1 step): three states, two edges.
+    assert [p.get("id") for p in _groups(root, "node")] == ["panel-grad", "panel-state", "panel-param"]
+    assert [e.get("id") for e in _groups(root, "edge")] == ["step-1", "step-2"]
+
+    summary = tmp_path / "summary.svg"
+    assert run("render", str(spec), "-o", str(summary)).returncode == 0
+    text = _text(_svg(summary))
+    for label in ("emb", "h.{0..2}.w", "bias", "total"):
+        assert label in text
+    # Largest first: h.{0..2}.w is three tensors of two 5-us collectives each (>= 30 us), emb
+    # two collectives of 5 us + 912 B / 25 GB/s (10.1 us), bias nothing.
+    assert text.index("h.{0..2}.w") < text.index("emb ") < text.index("bias")
+
+    each = tmp_path / "each"
+    result = run("render", str(spec), "--each", "-o", str(each), "--format", "dot")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in each.iterdir()) == ["bias.dot", "emb.dot", "h.0.w.dot"]
+    assert result.stdout == ""
+
+
+# --- explain ------------------------------------------------------------------------------
+def test_explain_shows_what_the_greedy_order_costs() -> None:
+    src, dst = "R,R,R | P0 over mesh[2,8]", "R,S1,R over mesh[2,8]"
+    result = run("explain", src, dst, "--shape", "16x16x16", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert set(data["chosen"]) == PAIR_KEYS
+    greedy = data["greedy"]
+    # DTensor's order: all-reduce the whole tensor over axis 0, then slice over axis 1.
+    assert [(s["op"], s["axis"]) for s in greedy["steps"]] == [("all_reduce", 0), ("slice", 1)]
+    elements = 16**3
+    assert greedy["steps"][0]["bytes"] == 2 * 1 * math.ceil(elements / 2) * 4
+    # The exact plan slices first and all-reduces an eighth of it.
+    assert [(s["op"], s["axis"]) for s in data["chosen"]["steps"]] == [("slice", 1), ("all_reduce", 0)]
+    assert data["chosen"]["total_bytes"] == 2 * 1 * math.ceil(elements / 16) * 4
+    assert math.isclose(data["saved_seconds"], greedy["total_seconds"] - data["chosen"]["total_seconds"])
+    assert data["saved_seconds"] > 0
+
+    text = run("explain", src, dst, "--shape", "16x16x16").stdout
+    assert "greedy baseline" in text and "saved" in text
+
+    nested = json.loads(
+        run("explain", "S10 over mesh[2,2]", "R over mesh[2,2]", "--shape", "8", "--format", "json").stdout
+    )
+    assert nested["greedy"] is None and "order" in nested["greedy_unavailable"]
+
+
+# --- the main job, terminals and pipes ----------------------------------------------------
+def test_the_main_job_on_the_bundled_example(tmp_path: Path) -> None:
+    result = run(cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "check: ok" in out and "gpt2_small_dp2_tp2.shard" in out
+    assert re.search(r"^\s+total\s+\d+\s", out, re.M)
+    picture = tmp_path / "out" / "gpt2_small_dp2_tp2.summary.svg"
+    assert f"summary picture: {picture.relative_to(tmp_path)}" in out
+    _svg(picture)  # parses
+    assert "\x1b[" not in out and result.stderr == ""  # piped: no colors, no progress
+
+
+def _run_on_terminal(*args: str, env: dict[str, str]) -> str:
+    """Output of the script with a pseudo-terminal as stdout and stderr."""
+    primary, secondary = pty.openpty()
+    with subprocess.Popen([str(SCRIPT), *args], stdout=secondary, stderr=secondary, env=env) as proc:
+        os.close(secondary)
+        chunks = []
+        while True:
+            try:
+                data = os.read(primary, 65536)
+            except OSError:  # the terminal closes when the process ends
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=60) == 0
+    os.close(primary)
+    return b"".join(chunks).decode()
+
+
+def test_colors_only_on_a_terminal_and_never_with_no_color(tmp_path: Path) -> None:
+    spec = tmp_path / "model.shard"
+    spec.write_text(GOOD_SPEC)
+    colored = _run_on_terminal("plan", str(spec), env=_plain_env())
+    assert "\x1b[1m" in colored  # bold headings
+    assert "planning 5/5" in colored  # progress, rewritten in place
+    env = _plain_env()
+    env["NO_COLOR"] = "1"
+    plain = _run_on_terminal("plan", str(spec), env=env)
+    assert "\x1b[" not in plain.replace("\x1b[K", "")  # only progress clearing its line
+    # The same text either way, colors aside.
+    assert re.sub(r"\x1b\[[0-9;]*m", "", colored) == plain
+
+
+def test_python_dash_m_shardlang() -> None:
+    result = subprocess.run([sys.executable, "-m", "shardlang", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for command in ("check", "plan", "show", "render", "explain"):
+        assert command in result.stdout
