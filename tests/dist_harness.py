@@ -2,6 +2,7 @@
 
     results = run_ranks(check_pairs, world_size=4, args=(cases,), timeout=120)
 
+Ranks meet through a TCPStore served by this process on a port the OS picks.
 ``fn(rank, world_size, *args)`` must be a module-level function (spawn pickles it by name).
 Each rank's return value comes back in rank order; an exception on any rank is re-raised
 here with that rank's traceback; a run that outlives ``timeout`` is killed and fails.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -23,10 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _rendezvous_store(timeout: float) -> dist.TCPStore:
+    """A store served by this (parent) process on a port the OS picks and keeps bound, so
+    parallel runs can never race for the same port."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False
+    )
 
 
 class RankFailed(AssertionError):
@@ -44,13 +46,9 @@ def _worker(
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout),
-        )
+        timeout = datetime.timedelta(seconds=collective_timeout)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             results.put((rank, "ok", fn(rank, world_size, *args)))
         finally:
@@ -72,7 +70,8 @@ def run_ranks(
     (fault tests); their entry is ``None``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = _rendezvous_store(timeout)
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, collective_timeout, fn, args, results), daemon=True)
         for r in range(world_size)
@@ -101,6 +100,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store  # the rendezvous lives exactly as long as the run
     errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(got.items()) if s == "error"]
     missing = [r for r in range(world_size) if r not in got and r not in allow_missing]
     if errors:

@@ -1,0 +1,36 @@
+"""The runtime: executes reshard plans with torch.distributed, and simulates them in one process.
+
+It is the one layer that communicates; it reads layouts (``shardlang``) and plans (``planner``).
+
+* ``shard`` / ``unshard``: the piece each rank holds of a full tensor, and back (ground truth).
+* ``simulate``: run a plan for every rank at once, in one process.
+* ``reshard``: run a plan on the calling rank, collectives over the mesh axes' process groups.
+* ``axis_group``: the calling rank's process group along some mesh axes.
+* ``recording``: measure what each collective sent.
+"""
+
+from runtime.dtypes import dtype_name, torch_dtype
+from runtime.errors import DistributedError, PlanMismatchError, ReshardError
+from runtime.groups import axis_group
+from runtime.pieces import shard, unshard
+from runtime.reshard import DEFAULT_TIMEOUT, plan_fingerprint, reshard
+from runtime.simulate import simulate
+from runtime.stats import CommLog, CommRecord, recording
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "CommLog",
+    "CommRecord",
+    "DistributedError",
+    "PlanMismatchError",
+    "ReshardError",
+    "axis_group",
+    "dtype_name",
+    "plan_fingerprint",
+    "recording",
+    "reshard",
+    "shard",
+    "simulate",
+    "torch_dtype",
+    "unshard",
+]

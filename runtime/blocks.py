@@ -1,0 +1,64 @@
+"""Padded blocks: packing a piece into equal blocks for a collective, and back.
+
+A collective exchanges equal-sized blocks, but pieces are uneven (``torch.chunk``: trailing
+pieces shorter or empty). ``pack`` cuts a tensor along one dim into ``n`` blocks of a given
+padded shape (zeros fill what the tensor does not cover); ``unpack`` concatenates received
+blocks along one dim and crops to the true shape. Both avoid copies when the blocks are
+already contiguous runs of memory, and otherwise copy each region once (two copies at most:
+the whole blocks, then the partial last one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def crop(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """The leading ``shape[k]`` elements of every dim ``k`` of ``x`` (a view)."""
+    for k, length in enumerate(shape):
+        if x.shape[k] != length:
+            x = x.narrow(k, 0, length)
+    return x
+
+
+def pack(x: torch.Tensor, dim: int, n: int, block: Sequence[int]) -> torch.Tensor:
+    """A contiguous ``[n, *block]`` tensor whose block ``i`` holds ``x``'s elements
+    ``[i * block[dim], (i + 1) * block[dim])`` along ``dim``, zero-padded; ``x`` is at most
+    ``block`` in every other dim and at most ``n * block[dim]`` along ``dim``."""
+    block = tuple(block)
+    b, length = block[dim], x.shape[dim]
+    padded = length != n * b or any(x.shape[k] != block[k] for k in range(x.dim()) if k != dim)
+    if not padded and x.is_contiguous() and (n == 1 or math.prod(block[:dim]) == 1):
+        return x.view(n, *block)
+    out = x.new_zeros((n, *block)) if padded else x.new_empty((n, *block))
+    if x.numel() == 0:
+        return out
+    spread = crop(out.movedim(0, dim), [*x.shape[:dim], n, b, *x.shape[dim + 1:]])
+    whole, rest = divmod(length, b)
+    if whole:
+        spread.narrow(dim, 0, whole).copy_(x.narrow(dim, 0, whole * b).unflatten(dim, (whole, b)))
+    if rest:
+        spread.select(dim, whole).narrow(dim, 0, rest).copy_(x.narrow(dim, whole * b, rest))
+    return out
+
+
+def unpack(blocks: torch.Tensor, dim: int, shape: Sequence[int]) -> torch.Tensor:
+    """``[n, *block]`` blocks concatenated along ``dim`` and cropped to ``shape``; a view of
+    ``blocks`` when they are contiguous runs along ``dim``, else a new tensor."""
+    n, *block = blocks.shape
+    b = block[dim]
+    if math.prod(block[:dim]) == 1:
+        return crop(blocks.reshape(*block[:dim], n * b, *block[dim + 1:]), shape)
+    out = blocks.new_empty(tuple(shape))
+    if out.numel() == 0:
+        return out
+    spread = crop(blocks.movedim(0, dim), [*shape[:dim], n, b, *shape[dim + 1:]])
+    whole, rest = divmod(shape[dim], b)
+    if whole:
+        out.narrow(dim, 0, whole * b).unflatten(dim, (whole, b)).copy_(spread.narrow(dim, 0, whole))
+    if rest:
+        out.narrow(dim, whole * b, rest).copy_(spread.select(dim, whole).narrow(dim, 0, rest))
+    return out

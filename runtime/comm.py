@@ -1,0 +1,79 @@
+"""The collective layer: one call per collective kind, flat contiguous buffers, bounded waits.
+
+Everything backend-specific stays here; the executor above only names the collective. Each
+collective is issued asynchronously and its work handle waited on with a timeout, so a peer
+that died or never arrives surfaces as a :class:`DistributedError` instead of a hang.
+
+``avg`` is computed as a sum followed by a division by the group size on every backend:
+gloo lacks ``ReduceOp.AVG`` on some builds and for some collectives, and the sum-then-divide
+result is the same on all of them. An integer tensor cannot be averaged (rejected earlier).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from runtime.errors import DistributedError
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def collective(
+    op: str,
+    send: torch.Tensor,
+    n: int,
+    reduce_op: str | None,
+    group: dist.ProcessGroup,
+    timeout: datetime.timedelta,
+) -> torch.Tensor:
+    """Run ``op`` (all_gather, reduce_scatter, all_reduce, all_to_all) on the flat buffer
+    ``send`` over ``group`` of ``n`` ranks and return the flat result (all_reduce works in
+    place on ``send``). Ranks of one group always pass buffers of equal size; empty buffers
+    skip the collective on all of them alike."""
+    if op == "all_gather":
+        received = send.new_empty(n * send.numel())
+    elif op == "reduce_scatter":
+        received = send.new_empty(send.numel() // n)
+    elif op == "all_reduce":
+        received = send
+    elif op == "all_to_all":
+        received = send.new_empty(send.numel())
+    else:
+        raise ValueError(f"not a collective: {op}")
+    if send.numel() == 0:
+        return received
+    try:
+        if op == "all_gather":
+            work = _all_gather_single(received, send, group=group, async_op=True)
+        elif op == "reduce_scatter":
+            work = _reduce_scatter_single(received, send, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
+        elif op == "all_reduce":
+            work = dist.all_reduce(received, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
+        else:
+            work = dist.all_to_all_single(received, send, group=group, async_op=True)
+        wait(work, timeout)
+    except RuntimeError as e:
+        raise DistributedError(_reason(e, timeout)) from e
+    if reduce_op == "avg":
+        received.div_(n)
+    return received
+
+
+def wait(work: dist.Work, timeout: datetime.timedelta) -> None:
+    """Wait for ``work`` at most ``timeout``; raises RuntimeError (from torch) past it."""
+    if not work.wait(timeout):
+        raise RuntimeError("the collective did not complete")
+
+
+def _reason(error: RuntimeError, timeout: datetime.timedelta) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return f"timed out after {timeout.total_seconds():g} s (a peer did not arrive): {text}"
+    return f"a peer failed: {text}"

@@ -1,0 +1,159 @@
+"""A plan compiled for one rank: what the rank does at every step, with its piece geometry.
+
+Both executors run these moves: the distributed one (``runtime.reshard``) with real
+collectives between ``send`` and ``finish``, the in-process one (``runtime.simulate``) with
+the collectives emulated over every rank's buffers. So the padding and trimming that the
+simulator checks are the runtime's own.
+
+Geometry follows the language's chunking rule through ``Layout.piece``. Within one group of
+a step (the ranks that differ only on the step's mesh axis) every rank has the same piece
+lengths on all dims but the moving one, so a group pads to its own chunk size
+(``ceil(L / n)`` of the piece being split or joined), never more than the mesh-wide padded
+size the cost model counts, and equal to it on the rank at coordinate 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import torch
+
+from planner.plan import Plan, Step
+from runtime.blocks import crop, pack, unpack
+from runtime.errors import ReshardError
+from runtime.groups import axis_ranks
+from shardlang.layout import padded_length
+
+FLOAT_DTYPES = ("f64", "f32", "bf16", "f16")
+
+
+def piece_shape(bounds: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in bounds)
+
+
+@attrs.frozen
+class Move:
+    """One rank's part in one step of a plan.
+
+    ``before``/``after`` are the rank's piece shapes around the step; ``start`` is where the
+    new piece begins inside the old one along ``step.dim`` (slice); ``block`` is the padded
+    block the rank exchanges with each peer (collectives); ``members`` are the ranks of its
+    group along the step's axis in coordinate order, ``position`` its own index there.
+    """
+
+    index: int
+    step: Step
+    members: tuple[int, ...]
+    position: int
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+    start: int
+    block: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.members)
+
+    @property
+    def is_local(self) -> bool:
+        """No communication: slice, partial, and any step on an axis of size 1."""
+        return self.step.op in ("slice", "partial") or self.n == 1
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """The rank's piece after a local step (a view of ``x``, or zeros)."""
+        if self.n == 1:
+            return x
+        if self.step.op == "slice":
+            return x.narrow(self.step.dim, self.start, self.after[self.step.dim])
+        # partial: sum keeps the value at coordinate 0 and zeros elsewhere; avg, max and
+        # min keep the value everywhere (see runtime.pieces.shard).
+        if self.step.reduce_op == "sum" and self.position != 0:
+            return torch.zeros_like(x, memory_format=torch.contiguous_format)
+        return x
+
+    def send(self, x: torch.Tensor, *, writable: bool) -> torch.Tensor:
+        """The flat, contiguous buffer this rank contributes to the collective. For
+        all_reduce it is reduced in place: ``x`` itself when ``writable``, else a copy."""
+        op, dim = self.step.op, self.step.dim
+        if op == "all_gather":
+            buffer = pack(x, dim, 1, self.block)
+        elif op == "reduce_scatter":
+            buffer = pack(x, dim, self.n, self.block)
+        elif op == "all_to_all":
+            buffer = pack(x, self.step.to_dim, self.n, self.block)
+        else:
+            buffer = x.contiguous() if writable else x.clone(memory_format=torch.contiguous_format)
+        return buffer.view(-1)
+
+    def finish(self, received: torch.Tensor) -> torch.Tensor:
+        """The rank's piece after the step, from the collective's flat result."""
+        op = self.step.op
+        if op == "all_reduce":
+            return received.view(self.after)
+        if op == "reduce_scatter":
+            return crop(received.view(self.block), self.after)
+        return unpack(received.view(self.n, *self.block), self.step.dim, self.after)
+
+
+def _block(step: Step, before: tuple[int, ...], after: tuple[int, ...], n: int) -> tuple[int, ...]:
+    block = list(before)
+    if step.op == "all_gather":
+        block[step.dim] = padded_length(after[step.dim], (n,))
+    elif step.op == "reduce_scatter":
+        block[step.dim] = padded_length(before[step.dim], (n,))
+    elif step.op == "all_to_all":
+        block[step.dim] = padded_length(after[step.dim], (n,))
+        block[step.to_dim] = padded_length(before[step.to_dim], (n,))
+    return tuple(block)
+
+
+def check_reducible(plan: Plan) -> None:
+    """A :class:`ReshardError` if the plan averages an integer tensor (no exact result)."""
+    if plan.dtype not in FLOAT_DTYPES:
+        for step in plan.steps:
+            if step.reduce_op == "avg" and step.op != "partial":
+                raise ReshardError(
+                    f"cannot average a tensor of {plan.dtype} exactly ({plan.src} -> {plan.dst}); "
+                    "use a sum and divide, or a float dtype"
+                )
+
+
+@functools.lru_cache(maxsize=4096)
+def compile_plan(plan: Plan, rank: int) -> tuple[Move, ...]:
+    """Every move of ``rank`` (a rank of the plan's mesh) through ``plan``."""
+    check_reducible(plan)
+    mesh = plan.dst.mesh
+    coordinate = mesh.coordinate(rank)
+    layouts = plan.layouts()
+    moves = []
+    for index, step in enumerate(plan.steps):
+        old = layouts[index].piece(plan.shape, coordinate)
+        new = step.layout.piece(plan.shape, coordinate)
+        before, after = piece_shape(old), piece_shape(new)
+        members = axis_ranks(mesh, (step.axis,), rank)
+        start = new[step.dim][0] - old[step.dim][0] if step.op == "slice" else 0
+        moves.append(
+            Move(
+                index=index,
+                step=step,
+                members=members,
+                position=coordinate[step.axis],
+                before=before,
+                after=after,
+                start=start,
+                block=_block(step, before, after, len(members)),
+            )
+        )
+    return tuple(moves)
+
+
+def bytes_sent(move: Move, itemsize: int) -> int:
+    """Bytes this rank sends in the step under the standard (ring) algorithms, counted from
+    the buffers it really passes: the cost model's formulas applied to actual sizes."""
+    n, op, block = move.n, move.step.op, torch.Size(move.block).numel() * itemsize
+    if move.is_local:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * padded_length(torch.Size(move.before).numel(), (n,)) * itemsize
+    return (n - 1) * block

@@ -1,0 +1,57 @@
+"""Execute a plan for every rank at once, in one process, with real tensors.
+
+Each rank runs its compiled moves (``runtime.program``), exactly as under
+``runtime.reshard``; only the collectives are emulated, group by group, over the ranks'
+send buffers: the same padding, the same blocks, the same trimming.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from planner.plan import Plan
+from runtime.dtypes import dtype_name
+from runtime.errors import ReshardError
+from runtime.pieces import check_pieces, reduce_stacked
+from runtime.program import Move, compile_plan
+
+
+def simulate(plan: Plan, pieces_by_rank: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Every rank's piece in ``plan.dst``, given every rank's piece in ``plan.src`` (keyed by
+    global rank; every rank of the mesh, each with the piece shape ``plan.src`` gives it)."""
+    check_pieces(pieces_by_rank, plan.src, plan.shape)
+    dtype = dtype_name(next(iter(pieces_by_rank.values())).dtype)
+    if dtype != plan.dtype:
+        raise ReshardError(f"the plan {plan.src} -> {plan.dst} is for {plan.dtype} but the pieces are {dtype}")
+    mesh = plan.src.mesh
+    programs = {rank: compile_plan(plan, rank) for rank in mesh.ranks}
+    pieces = dict(pieces_by_rank)
+    for index, step in enumerate(plan.steps):
+        moves = {rank: programs[rank][index] for rank in mesh.ranks}
+        if moves[mesh.ranks[0]].is_local:
+            pieces = {rank: move.local(pieces[rank]) for rank, move in moves.items()}
+            continue
+        for members in mesh.axis_groups(step.axis):
+            # The simulator never writes into a send buffer, so the caller's pieces are safe.
+            sends = [moves[r].send(pieces[r], writable=True) for r in members]
+            for r, received in zip(members, _exchange(moves[members[0]], sends), strict=True):
+                pieces[r] = moves[r].finish(received)
+    # Fresh tensors: no result aliases an input or another rank's result.
+    return {rank: piece.clone(memory_format=torch.contiguous_format) for rank, piece in pieces.items()}
+
+
+def _exchange(move: Move, sends: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What each member of a group receives from the collective of ``move``'s step."""
+    op, n = move.step.op, move.n
+    if op == "all_gather":
+        gathered = torch.cat(sends)
+        return [gathered] * n
+    if op == "all_to_all":
+        blocks = [s.view(n, -1) for s in sends]
+        return [torch.cat([b[i] for b in blocks]) for i in range(n)]
+    reduced = reduce_stacked(torch.stack(sends), move.step.reduce_op)
+    if op == "all_reduce":
+        return [reduced] * n
+    return list(reduced.view(n, -1))

@@ -1,0 +1,63 @@
+"""Single-process checks of the runtime: measured bytes against the cost model, plan caching,
+and the error when torch.distributed is not initialized."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import planner
+from runtime import DistributedError, reshard
+from runtime.program import bytes_sent, compile_plan
+from shardlang import parse_layout
+from shardlang.dtypes import ITEMSIZE
+from tests.test_runtime_support import layouts, meshes, shapes
+
+# The module, not the function ``runtime.reshard`` that the package exports under its name.
+executor = importlib.import_module("runtime.reshard")
+
+
+@st.composite
+def _plans(draw: st.DrawFn) -> planner.Plan:
+    mesh = draw(meshes())
+    shape = draw(shapes())
+    src, dst = draw(layouts(mesh, len(shape))), draw(layouts(mesh, len(shape)))
+    dtype = draw(st.sampled_from(["f32", "bf16", "f64"]))
+    return planner.plan(src, dst, shape, dtype)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_plans())
+def test_bytes_sent_match_the_cost_model_on_the_busiest_rank(plan: planner.Plan) -> None:
+    mesh = plan.src.mesh
+    moves = {rank: compile_plan(plan, rank) for rank in mesh.ranks}
+    for i, step in enumerate(plan.steps):
+        sent = [bytes_sent(moves[rank][i], ITEMSIZE[plan.dtype]) for rank in mesh.ranks]
+        assert max(sent) == step.bytes
+        busiest = mesh.rank_at((0,) * mesh.ndim)
+        assert sent[mesh.ranks.index(busiest)] == step.bytes
+
+
+def test_plans_are_made_once_per_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda *a: calls.append(a) or real(*a))
+    executor._planned_program.cache_clear()
+    src, dst = parse_layout("S0,R over mesh[2]"), parse_layout("R,R over mesh[2]")
+    first = executor._program(src, dst, (5, 3), "f32", None, 1, "t")
+    for _ in range(3):
+        assert executor._program(src, dst, (5, 3), "f32", None, 1, "t") is first
+    assert len(calls) == 1
+    assert first.source_shape == (2, 3)
+
+
+def test_reshard_needs_an_initialized_process_group() -> None:
+    assert not dist.is_initialized(), "this test needs a process without a default process group"
+    layout = parse_layout("R over mesh[1]")
+    with pytest.raises(DistributedError, match=r"tensor 'w': torch\.distributed is not initialized"):
+        reshard(torch.zeros(3), layout, layout, global_shape=(3,), name="w")
