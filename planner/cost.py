@@ -14,9 +14,16 @@ slice, partial  0                                                         0
 =============== ========================================================= ==========
 
 Step time = rounds * alpha[a] + bytes / bandwidth[a]; plan time = sum of step times.
+
+The search compares times exactly: :func:`integer_rates` scales the model so that
+every step time is an integer, so equal-time plans compare equal whatever the order of their
+steps, and the fewer-steps rule decides between them.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import attrs
 
@@ -49,10 +56,10 @@ class CostModel:
     def __attrs_post_init__(self) -> None:
         alphas = self.alpha if isinstance(self.alpha, tuple) else (self.alpha,)
         betas = self.bandwidth if isinstance(self.bandwidth, tuple) else (self.bandwidth,)
-        if not alphas or any(a < 0 for a in alphas):
-            raise PlanError(f"latency (alpha) must be zero or positive, got {self.alpha}")
-        if not betas or any(b <= 0 for b in betas):
-            raise PlanError(f"bandwidth must be positive, got {self.bandwidth}")
+        if not alphas or not all(math.isfinite(a) and a >= 0 for a in alphas):
+            raise PlanError(f"latency (alpha) must be finite and zero or positive, got {self.alpha}")
+        if not betas or not all(math.isfinite(b) and b > 0 for b in betas):
+            raise PlanError(f"bandwidth must be finite and positive, got {self.bandwidth}")
 
     @classmethod
     def from_hints(cls, hints: CostHints, base: CostModel | None = None) -> CostModel:
@@ -80,3 +87,16 @@ class CostModel:
             "alpha": list(self.alpha) if isinstance(self.alpha, tuple) else self.alpha,
             "bandwidth": list(self.bandwidth) if isinstance(self.bandwidth, tuple) else self.bandwidth,
         }
+
+
+@functools.lru_cache(maxsize=256)
+def integer_rates(alpha: tuple[float, ...], bandwidth: tuple[float, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-axis (units per round, units per byte): the integers ``alpha[a] * D`` and
+    ``D / bandwidth[a]`` for one common scale ``D``, so that a step's time times ``D`` is the
+    integer ``rounds * units_per_round[a] + bytes * units_per_byte[a]``, exactly."""
+    # Floats are exact ratios of integers: alpha = p / q, and 1 / bandwidth = q / p.
+    ratios = {value: value.as_integer_ratio() for value in (*alpha, *bandwidth)}
+    scale = math.lcm(*(q for _, q in (ratios[a] for a in alpha)), *(p for p, _ in (ratios[b] for b in bandwidth)))
+    per_round = tuple(ratios[a][0] * scale // ratios[a][1] for a in alpha)
+    per_byte = tuple(ratios[b][1] * scale // ratios[b][0] for b in bandwidth)
+    return per_round, per_byte

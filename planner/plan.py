@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from planner.cost import CostModel, PlanError
+from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 from shardlang.parser import parse_layout
@@ -111,30 +112,34 @@ class Plan:
                 name: attrs.evolve(parse_layout(f"() over {text}").mesh, name=name)
                 for name, text in data.get("meshes", {}).items()
             }
-            steps = tuple(
-                Step(
-                    op=s["op"],
-                    axis=int(s["axis"]),
-                    dim=s["dim"],
-                    to_dim=s["to_dim"],
-                    reduce_op=s["reduce_op"],
-                    layout=parse_layout(s["layout"], meshes),
-                    bytes=int(s["bytes"]),
-                    seconds=float(s["seconds"]),
-                )
-                for s in data["steps"]
-            )
-            cost = data.get("cost", {})
+            steps = tuple(_step_from_json(s, meshes) for s in data["steps"])
             return cls(
                 src=parse_layout(data["src"], meshes),
                 dst=parse_layout(data["dst"], meshes),
                 shape=tuple(data["shape"]),
                 dtype=str(data["dtype"]),
                 steps=steps,
-                cost=CostModel(**cost),
+                cost=CostModel(**data.get("cost", {})),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanError(f"not a plan in JSON form: {e!r}") from None
+        except ShardlangError as e:
+            raise PlanError(f"not a plan in JSON form: {e.message}") from None
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"not a plan in JSON form: {type(e).__name__}: {e}") from None
+
+
+def _step_from_json(data: Mapping[str, Any], meshes: Mapping[str, Mesh]) -> Step:
+    if data["op"] not in OPS:
+        raise ValueError(f"unknown op {data['op']!r} (expected one of {', '.join(OPS)})")
+    return Step(
+        op=data["op"],
+        axis=int(data["axis"]),
+        dim=None if data["dim"] is None else int(data["dim"]),
+        to_dim=None if data["to_dim"] is None else int(data["to_dim"]),
+        reduce_op=data["reduce_op"],
+        layout=parse_layout(data["layout"], meshes),
+        bytes=int(data["bytes"]),
+        seconds=float(data["seconds"]),
+    )
 
 
 def same_geometry(a: Mesh, b: Mesh) -> bool:

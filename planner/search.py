@@ -1,9 +1,10 @@
 """Exact search for the cheapest plan between two layouts.
 
-States are layouts in raw form, ``(dims, partial)``; the moves are the baseline move set of
-the planner issue (one mesh axis per step). Dijkstra over ``(seconds, steps)`` finds the
-cheapest plan, and among plans of equal time one with the fewest steps. Moves are generated
-in a fixed order, so equal inputs always give the same plan.
+A* over the move graph of :mod:`planner.space`, with the lower bound of :mod:`planner.bound`.
+Plans are compared by (time, steps): the cheapest plan, and among plans of equal time one
+with the fewest steps. Times are compared exactly, as integers (``planner.cost.integer_rates``),
+so summation order never decides a tie. Moves are generated in a fixed order and ties in the
+queue are broken by insertion order, so equal inputs always give the same plan.
 """
 
 from __future__ import annotations
@@ -11,19 +12,14 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Iterator
 
-from planner.cost import CostModel, PlanError
+from planner.bound import LowerBound, Terms
+from planner.cost import CostModel, PlanError, integer_rates
 from planner.plan import Plan, Step, same_geometry
+from planner.space import Move, Space, roles_of
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.errors import ShardlangError
-from shardlang.layout import Layout, padded_length, reduce_ops_commute
-
-Dims = tuple[tuple[int, ...], ...]
-Partial = tuple[tuple[int, str], ...]
-State = tuple[Dims, Partial]
-# A move: op, axis, dim, to_dim, reduce_op, next state.
-Move = tuple[str, int, int | None, int | None, str | None, State]
+from shardlang.layout import Layout
 
 
 def plan(
@@ -53,7 +49,14 @@ def plan(
             f"cannot plan {src} -> {dst}: the layouts are on different meshes "
             f"({src.mesh.describe()} and {dst.mesh.describe()})"
         )
-    return _plan_cached(src, dst, shape, dtype, cost or CostModel(), max_local_bytes)
+    if max_local_bytes is not None and (
+        isinstance(max_local_bytes, bool) or not isinstance(max_local_bytes, int) or max_local_bytes < 0
+    ):
+        raise PlanError(f"cannot plan {src} -> {dst}: max_local_bytes must be a byte count, got {max_local_bytes!r}")
+    return _plan_cached(src, dst, shape, dtype, cost or _DEFAULT_COST, max_local_bytes)
+
+
+_DEFAULT_COST = CostModel()
 
 
 @functools.lru_cache(maxsize=8192)
@@ -61,137 +64,111 @@ def _plan_cached(
     src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, max_local_bytes: int | None
 ) -> Plan:
     mesh = dst.mesh
-    alpha, bandwidth = cost.for_mesh(mesh)
-    space = _Space(mesh.shape, shape, dtype_itemsize(dtype), dict(dst.partial))
-    start: State = (src.dims, src.partial)
-    goal: State = (dst.dims, dst.partial)
+    itemsize = dtype_itemsize(dtype)
+    try:
+        alpha, bandwidth = cost.for_mesh(mesh)
+    except PlanError as e:
+        raise PlanError(f"cannot plan {src} -> {dst}: {e.message}") from None
+    per_round, per_byte = integer_rates(alpha, bandwidth)
+    twin_key = tuple(zip(mesh.shape, per_round, per_byte, strict=True))
+    space = Space(mesh.shape, shape, itemsize, (dst.dims, dst.partial), twin_key)
     if max_local_bytes is not None:
-        for name, state in (("source", start), ("target", goal)):
-            if space.local_bytes(state[0]) > max_local_bytes:
+        for name, layout in (("source", src), ("target", dst)):
+            if space.local_bytes(layout.dims) > max_local_bytes:
                 raise PlanError(
-                    f"cannot plan {src} -> {dst}: the {name} holds {space.local_bytes(state[0])} bytes per rank, "
+                    f"cannot plan {src} -> {dst}: the {name} holds {space.local_bytes(layout.dims)} bytes per rank, "
                     f"more than max_local_bytes={max_local_bytes}"
                 )
-
-    best: dict[State, tuple[float, int]] = {start: (0.0, 0)}
-    parent: dict[State, tuple[State, Move, int, float]] = {}
-    heap: list[tuple[float, int, int, State]] = [(0.0, 0, 0, start)]
-    tie = 0
-    while heap:
-        seconds, steps, _, state = heapq.heappop(heap)
-        if best[state] < (seconds, steps):
-            continue
-        if state == goal:
-            return _build_plan(src, dst, shape, dtype, cost, start, goal, parent)
-        for move in space.moves(state):
-            nxt = move[5]
-            if max_local_bytes is not None and space.local_bytes(nxt[0]) > max_local_bytes:
-                continue
-            nbytes, rounds = space.step_cost(move, state)
-            axis = move[1]
-            step_seconds = rounds * alpha[axis] + nbytes / bandwidth[axis]
-            key = (seconds + step_seconds, steps + 1)
-            if nxt not in best or key < best[nxt]:
-                best[nxt] = key
-                parent[nxt] = (state, move, nbytes, step_seconds)
-                tie += 1
-                heapq.heappush(heap, (key[0], key[1], tie, nxt))
-    bound = f" within max_local_bytes={max_local_bytes}" if max_local_bytes is not None else ""
-    raise PlanError(f"no plan takes {src} to {dst}{bound}")
-
-
-def _build_plan(
-    src: Layout,
-    dst: Layout,
-    shape: tuple[int, ...],
-    dtype: str,
-    cost: CostModel,
-    start: State,
-    goal: State,
-    parent: dict[State, tuple[State, Move, int, float]],
-) -> Plan:
-    steps: list[Step] = []
-    state = goal
-    while state != start:
-        prev, (op, axis, dim, to_dim, reduce_op, _), nbytes, seconds = parent[state]
-        layout = dst if state == goal else Layout(dims=state[0], mesh=dst.mesh, partial=state[1])
+    if src.dims == dst.dims and src.partial == dst.partial:
+        return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(), cost=cost)
+    bound = LowerBound(
+        mesh.shape,
+        itemsize,
+        len(shape),
+        per_round,
+        per_byte,
+        space.target_roles,
+        space.local_elements(dst.dims),
+        math.prod(shape),
+    )
+    terms = bound.state_terms(roles_of((src.dims, src.partial), mesh.ndim, dst.dims))
+    start = space.encode(src.dims, src.partial)
+    path = _astar(space, bound, per_round, per_byte, start, space.local_elements(src.dims), terms, max_local_bytes)
+    if path is None:
+        limit = f" within max_local_bytes={max_local_bytes}" if max_local_bytes is not None else ""
+        raise PlanError(f"no plan takes {src} to {dst}{limit}")
+    steps = []
+    for op, axis, dim, to_dim, reduce_op, state, nbytes, rounds, *_ in path:
+        dims, partial = space.decode(state)
+        layout = dst if state == space.goal else Layout(dims=dims, mesh=mesh, partial=partial)
+        seconds = rounds * alpha[axis] + nbytes / bandwidth[axis]
         steps.append(Step(op, axis, dim, to_dim, reduce_op, layout, nbytes, seconds))
-        state = prev
-    return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=tuple(reversed(steps)), cost=cost)
+    return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=tuple(steps), cost=cost)
 
 
-class _Space:
-    """The move graph for one mesh, tensor shape and target (partial ops it may create)."""
-
-    def __init__(
-        self, mesh_shape: tuple[int, ...], shape: tuple[int, ...], itemsize: int, target_partial: dict[int, str]
-    ) -> None:
-        self.mesh_shape = mesh_shape
-        self.shape = shape
-        self.itemsize = itemsize
-        self.target_partial = target_partial
-
-    @functools.cache  # noqa: B019 - one _Space per planning call
-    def local_length(self, dim: int, axes: tuple[int, ...]) -> int:
-        return padded_length(self.shape[dim], (self.mesh_shape[a] for a in axes))
-
-    def local_elements(self, dims: Dims) -> int:
-        return math.prod(self.local_length(d, axes) for d, axes in enumerate(dims))
-
-    def local_bytes(self, dims: Dims) -> int:
-        return self.local_elements(dims) * self.itemsize
-
-    def moves(self, state: State) -> Iterator[Move]:
-        dims, partial = state
-        ops = dict(partial)
-        owner = {a: d for d, axes in enumerate(dims) for a in axes}
-        ndim = len(dims)
-        for axis in range(len(self.mesh_shape)):
-            if axis in owner:
-                d = owner[axis]
-                if dims[d][-1] != axis:
-                    continue  # only the innermost split of a dim can move
-                rest = dims[d][:-1]
-                yield ("all_gather", axis, d, None, None, (_set_dim(dims, d, rest), partial))
-                for j in range(ndim):
-                    if j != d:
-                        moved = _set_dim(_set_dim(dims, d, rest), j, dims[j] + (axis,))
-                        yield ("all_to_all", axis, d, j, None, (moved, partial))
-            elif axis in ops:
-                op = ops[axis]
-                # Reductions apply in ascending axis order; an axis may go first only if its
-                # op commutes with every partial axis before it.
-                if any(b < axis and not reduce_ops_commute(o, op) for b, o in partial):
-                    continue
-                rest_partial = tuple(p for p in partial if p[0] != axis)
-                yield ("all_reduce", axis, None, None, op, (dims, rest_partial))
-                for d in range(ndim):
-                    yield ("reduce_scatter", axis, d, None, op, (_set_dim(dims, d, dims[d] + (axis,)), rest_partial))
-            else:
-                for d in range(ndim):
-                    yield ("slice", axis, d, None, None, (_set_dim(dims, d, dims[d] + (axis,)), partial))
-                if axis in self.target_partial:
-                    op = self.target_partial[axis]
-                    yield ("partial", axis, None, None, op, (dims, tuple(sorted((*partial, (axis, op))))))
-
-    def step_cost(self, move: Move, state: State) -> tuple[int, int]:
-        """(bytes sent per rank, latency rounds) of ``move`` taken from ``state``."""
-        op, axis, _dim, to_dim, _, nxt = move
-        n = self.mesh_shape[axis]
-        if op in ("slice", "partial") or n == 1:
-            return 0, 0
-        if op == "all_gather":
-            return (n - 1) * self.local_bytes(state[0]), n - 1
-        if op == "reduce_scatter":
-            return (n - 1) * self.local_bytes(nxt[0]), n - 1
-        if op == "all_reduce":
-            return 2 * (n - 1) * -(-self.local_elements(state[0]) // n) * self.itemsize, 2 * (n - 1)
-        assert op == "all_to_all" and to_dim is not None
-        dims = state[0]
-        cut = -(-self.local_length(to_dim, dims[to_dim]) // n)
-        elements = math.prod(cut if d == to_dim else self.local_length(d, axes) for d, axes in enumerate(dims))
-        return (n - 1) * elements * self.itemsize, n - 1
-
-
-def _set_dim(dims: Dims, d: int, axes: tuple[int, ...]) -> Dims:
-    return (*dims[:d], axes, *dims[d + 1:])
+def _astar(
+    space: Space,
+    bound: LowerBound,
+    per_round: tuple[int, ...],
+    per_byte: tuple[int, ...],
+    start: int,
+    elements: int,
+    terms: Terms,
+    max_local_bytes: int | None,
+) -> list[Move] | None:
+    """The moves of a cheapest plan by (time units, steps) from ``start`` (which holds
+    ``elements`` per rank and whose bound terms are ``terms``) to ``space.goal``, or ``None``
+    if none exists."""
+    goal = space.goal
+    # state -> (time units, steps, previous state, move) of the cheapest way there known
+    best: dict[int, tuple[int, int, int | None, Move | None]] = {start: (0, 0, None, None)}
+    # Entries: (f time, f steps, -g time, tie, g time, g steps, state, local elements, bound
+    # terms, bound is full). Among equal f the entry nearer the goal (more time spent) goes
+    # first, which ends plateaus of equal-cost orders. Entries are queued with the quick
+    # bound; the full one is computed when an entry comes first, and the entry requeued if
+    # it rose (most queued entries are never taken, so most full bounds are never computed).
+    heap = [(terms[0], terms[1], 0, 0, 0, 0, start, elements, terms, False)]
+    tie = 0
+    term_table = bound.terms
+    quick_bound = bound.quick_bytes_bound
+    limit = math.inf if max_local_bytes is None else max_local_bytes // space.itemsize  # in elements
+    while heap:
+        f, f_steps, _, _, g, g_steps, state, elements, terms, full = heapq.heappop(heap)
+        known = best[state]
+        if known[0] != g or known[1] != g_steps:
+            continue  # a cheaper way here was found after this entry was queued
+        h_rounds, h_steps, h_reduce, h_move = terms
+        if not full:
+            f_full = g + h_rounds + bound.bytes_bound(elements, h_reduce, h_move)
+            if f_full > f:
+                tie += 1
+                heapq.heappush(heap, (f_full, f_steps, -g, tie, g, g_steps, state, elements, terms, True))
+                continue
+        if state == goal:
+            path = []
+            while known[3] is not None:
+                path.append(known[3])
+                known = best[known[2]]
+            path.reverse()
+            return path
+        n_steps = g_steps + 1
+        for move in space.moves(state, elements, known[3]):
+            _, axis, _, _, _, nxt, nbytes, rounds, before, after, next_elements = move
+            if next_elements > limit:
+                continue
+            n_g = g + rounds * per_round[axis] + nbytes * per_byte[axis]
+            seen = best.get(nxt)
+            if seen is not None and (seen[0] < n_g or (seen[0] == n_g and seen[1] <= n_steps)):
+                continue
+            best[nxt] = (n_g, n_steps, state, move)
+            axis_terms = term_table[axis]
+            old, new = axis_terms[before], axis_terms[after]
+            n_rounds = h_rounds - old[0] + new[0]
+            steps = h_steps - old[1] + new[1]
+            reducing = h_reduce - old[2] + new[2]
+            moving = h_move - old[3] + new[3]
+            tie += 1
+            entry = (n_rounds, steps, reducing, moving)
+            f = n_g + n_rounds + quick_bound(next_elements, reducing)
+            heapq.heappush(heap, (f, n_steps + steps, -n_g, tie, n_g, n_steps, nxt, next_elements, entry, False))
+    return None

@@ -1,0 +1,260 @@
+"""The planner's move graph: layouts as states, one-axis steps as edges, with their costs.
+
+A state is a layout packed into one integer: a small code per mesh axis (replicated, partial
+with an op, or split on a dim at a nesting position), so that states hash and compare as
+integers and a move changes one code. :meth:`Space.encode` and :meth:`Space.decode` convert
+from and to the raw fields of :class:`Layout`, ``(dims, partial)``. The moves are the
+baseline move set of the planner issue, costed by its tables (``planner.cost``); local
+lengths are ``ceil(L / product of the splitting axes' sizes)``, which equals the nested
+ceilings of the language for any nesting order.
+
+:meth:`Space.moves` leaves out moves that no cheapest plan needs, by four rules. Each maps
+any plan breaking it to one that keeps it, with no more time, no more steps and no larger
+intermediate state, so the search stays exact (the brute-force test enumerates the full move
+set to check):
+
+1. Partial steps last. A ``partial`` step is free and changes no local size; a partial axis
+   only ever blocks reductions of other axes, and reducing an axis after making it partial
+   is never cheaper than leaving it replicated (or slicing it). So partial steps are taken
+   only once the dims equal the target's and nothing is left to reduce, lowest axis first.
+2. Idle twins. Two axes replicated now, with the same role in the target (replicated, or
+   partial with the same op), the same size and the same cost rates are interchangeable:
+   swapping them maps the state, the target and every cost onto themselves. Only the lower
+   one is sliced.
+3. No-op splits. Splitting a dim whose local length is at most 1, or splitting with an axis
+   of size 1, changes no local length; the axis then only waits to leave again (an
+   all_to_all that a later slice replaces, or an all_gather that can be dropped). So a
+   ``slice`` or ``all_to_all`` that changes nothing is taken only when it puts the axis at
+   its place in the target.
+4. Dominated successions. Given the move that reached a state, some next moves only reach,
+   at no less cost and in more steps, a state that a move from the previous state reaches
+   directly (and the search took that move first): after ``slice(a)``, gathering ``a``
+   (back where it was) or moving it (``slice`` it there directly), or slicing a lower axis
+   onto another dim (the same two slices in ascending axis order); after
+   ``all_gather(a)``, slicing ``a`` (``all_to_all`` sends no more, or it is back where it
+   was); after ``reduce_scatter(a)``, ``all_gather(a)`` (``all_reduce``: the same rounds,
+   no more bytes); after ``all_to_all(a)``, moving ``a`` straight back.
+
+Roles: each move also gives the role of its axis before and after it as a small integer
+(:func:`role_code`): replicated, partial with an op, or split on a dim, in place or not (in
+place: the axis and every axis outside it on that dim are as in the target). The lower
+bound (``planner.bound``) prices roles.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from shardlang.layout import REDUCE_OPS, reduce_ops_commute
+
+Dims = tuple[tuple[int, ...], ...]
+Partial = tuple[tuple[int, str], ...]
+Fields = tuple[Dims, Partial]  # a layout's raw fields
+# op, axis, dim, to_dim, reduce_op, next state, bytes sent per rank, rounds, role before, role
+# after, local elements of the next state
+Move = tuple[str, int, "int | None", "int | None", "str | None", int, int, int, int, int, int]
+
+# Role codes (shared with the state codes for replicated and partial axes).
+REPLICATED = 0
+_PARTIAL = {op: 1 + i for i, op in enumerate(REDUCE_OPS)}
+_SPLIT = 1 + len(REDUCE_OPS)
+
+
+def role_code(role: str, dim_or_op: int | str | None = None, in_place: bool = False) -> int:
+    """``role_code("R")``, ``role_code("P", op)`` or ``role_code("S", dim, in_place)``."""
+    if role == "R":
+        return REPLICATED
+    if role == "P":
+        return _PARTIAL[dim_or_op]  # type: ignore[index]
+    return _SPLIT + 2 * dim_or_op + in_place  # type: ignore[operator]
+
+
+def roles_of(fields: Fields, naxes: int, goal_dims: Dims) -> tuple[int, ...]:
+    """The role code of every mesh axis in the layout ``fields`` (in place: as in a target
+    whose dims are ``goal_dims``)."""
+    dims, partial = fields
+    roles = [REPLICATED] * naxes
+    for a, op in partial:
+        roles[a] = _PARTIAL[op]
+    for d, axes in enumerate(dims):
+        for i, a in enumerate(axes):
+            roles[a] = _SPLIT + 2 * d + (goal_dims[d][: i + 1] == axes[: i + 1])
+    return tuple(roles)
+
+
+class Space:
+    """The move graph for one mesh, tensor shape, element size and target ``(dims, partial)``.
+
+    ``twin_key[a]`` tells which axes are interchangeable cost-wise (rule 2): axes with equal
+    keys have the same size and cost rates.
+    """
+
+    def __init__(
+        self,
+        mesh_shape: tuple[int, ...],
+        shape: tuple[int, ...],
+        itemsize: int,
+        goal: Fields,
+        twin_key: tuple[object, ...],
+    ) -> None:
+        self.mesh_shape = mesh_shape
+        self.shape = shape
+        self.itemsize = itemsize
+        self.goal_dims, goal_partial = goal
+        self.goal_ops = dict(goal_partial)
+        naxes = len(mesh_shape)
+        # State code of an axis: 0 replicated, 1.. partial ops, _SPLIT + dim * naxes + position.
+        self.bits = (_SPLIT + len(shape) * naxes).bit_length()
+        self.mask = (1 << self.bits) - 1
+        self.goal = self.encode(*goal)
+        self.target_roles = roles = roles_of(goal, naxes, self.goal_dims)
+        # Rule 2: for each axis not split in the target, the lower axes it is a twin of.
+        self.idle_twins_below: tuple[tuple[int, ...] | None, ...] = tuple(
+            None
+            if roles[a] >= _SPLIT
+            else tuple(c for c in range(a) if roles[c] == roles[a] and twin_key[c] == twin_key[a])
+            for a in range(naxes)
+        )
+
+    # --- states --------------------------------------------------------------------------
+    def encode(self, dims: Dims, partial: Partial) -> int:
+        naxes = len(self.mesh_shape)
+        state = 0
+        for d, axes in enumerate(dims):
+            for position, a in enumerate(axes):
+                state |= (_SPLIT + d * naxes + position) << (self.bits * a)
+        for a, op in partial:
+            state |= _PARTIAL[op] << (self.bits * a)
+        return state
+
+    def decode(self, state: int) -> Fields:
+        naxes = len(self.mesh_shape)
+        dims: list[list[tuple[int, int]]] = [[] for _ in self.shape]
+        partial = []
+        for a in range(naxes):
+            code = state >> (self.bits * a) & self.mask
+            if code >= _SPLIT:
+                d, position = divmod(code - _SPLIT, naxes)
+                dims[d].append((position, a))
+            elif code:
+                partial.append((a, REDUCE_OPS[code - 1]))
+        return tuple(tuple(a for _, a in sorted(axes)) for axes in dims), tuple(partial)
+
+    # --- sizes ---------------------------------------------------------------------------
+    def local_elements(self, dims: Dims) -> int:
+        return math.prod(
+            -(-length // math.prod(self.mesh_shape[a] for a in axes))
+            for length, axes in zip(self.shape, dims, strict=True)
+        )
+
+    def local_bytes(self, dims: Dims) -> int:
+        return self.local_elements(dims) * self.itemsize
+
+    # --- moves ---------------------------------------------------------------------------
+    def moves(self, state: int, elements: int, last: Move | None) -> Iterator[Move]:
+        """The moves from ``state``, which holds ``elements`` per rank and was reached by
+        the move ``last`` (``None`` at the start), less the pruned ones, in a fixed order."""
+        mesh_shape, shape, itemsize = self.mesh_shape, self.shape, self.itemsize
+        naxes, ndim, bits, mask = len(mesh_shape), len(shape), self.bits, self.mask
+        goal_dims = self.goal_dims
+        codes = [state >> (bits * a) & mask for a in range(naxes)]
+        count = [0] * ndim  # axes splitting each dim
+        product = [1] * ndim  # product of their sizes
+        # in_place[d]: how many of the outermost splits of d are as in the target (the
+        # first position that differs from the target's, or the count).
+        in_place = [naxes] * ndim
+        partial = []
+        for a, code in enumerate(codes):
+            if code >= _SPLIT:
+                d, position = divmod(code - _SPLIT, naxes)
+                count[d] += 1
+                product[d] *= mesh_shape[a]
+                target = goal_dims[d]
+                if position < in_place[d] and (position >= len(target) or target[position] != a):
+                    in_place[d] = position
+            elif code:
+                partial.append((a, REDUCE_OPS[code - 1]))
+        lengths = [-(-length // p) for length, p in zip(shape, product, strict=True)]
+        # arriving[d]: the axis that, appended to d, is at its place in the target (or -1).
+        arriving = []
+        for d in range(ndim):
+            k, target = count[d], goal_dims[d]
+            in_place[d] = min(in_place[d], k)
+            arriving.append(target[k] if in_place[d] == k < len(target) else -1)
+
+        last_op, last_axis, last_dim = (None, None, None) if last is None else last[:3]
+        for axis, n in enumerate(mesh_shape):
+            code = codes[axis]
+            shift = bits * axis
+            again = axis == last_axis
+            if code >= _SPLIT:
+                d, position = divmod(code - _SPLIT, naxes)
+                if position != count[d] - 1 or (again and last_op == "slice"):
+                    continue  # only the innermost split of a dim can move; rule 4
+                before = _SPLIT + 2 * d + (position < in_place[d])
+                length = lengths[d]
+                gathered_elements = elements // length * -(-shape[d] // (product[d] // n)) if length else 0
+                gathered = state - (code << shift)
+                nbytes = (n - 1) * elements * itemsize
+                if not (again and last_op == "reduce_scatter"):  # rule 4
+                    yield ("all_gather", axis, d, None, None, gathered, nbytes, n - 1, before, REPLICATED,
+                           gathered_elements)  # fmt: skip
+                for j in range(ndim):
+                    if j == d or (again and j == last_dim):  # rule 4 (last_dim: where a2a took it from)
+                        continue
+                    placed = arriving[j] == axis
+                    length = lengths[j]
+                    if not placed and (n == 1 or length <= 1):
+                        continue  # rule 3
+                    cut = -(-length // n)
+                    nbytes = (n - 1) * (elements // length * cut if length else 0) * itemsize
+                    moved = gathered + ((_SPLIT + j * naxes + count[j]) << shift)
+                    moved_elements = gathered_elements // length * cut if length else 0
+                    yield ("all_to_all", axis, d, j, None, moved, nbytes, n - 1, before, _SPLIT + 2 * j + placed,
+                           moved_elements)  # fmt: skip
+            elif code:
+                op = REDUCE_OPS[code - 1]
+                # Reductions apply in ascending axis order; an axis may go first only if its
+                # op commutes with every partial axis before it.
+                if any(b < axis and not reduce_ops_commute(o, op) for b, o in partial):
+                    continue
+                reduced = state - (code << shift)
+                nbytes = 2 * (n - 1) * -(-elements // n) * itemsize
+                yield ("all_reduce", axis, None, None, op, reduced, nbytes, 2 * (n - 1), code, REPLICATED, elements)
+                for j in range(ndim):
+                    length = lengths[j]
+                    scattered_elements = elements // length * -(-length // n) if length else 0
+                    nbytes = (n - 1) * scattered_elements * itemsize
+                    scattered = reduced + ((_SPLIT + j * naxes + count[j]) << shift)
+                    after = _SPLIT + 2 * j + (arriving[j] == axis)
+                    yield ("reduce_scatter", axis, j, None, op, scattered, nbytes, n - 1, code, after,
+                           scattered_elements)  # fmt: skip
+            else:
+                twins = self.idle_twins_below[axis]
+                if twins and any(not codes[c] for c in twins):
+                    continue  # rule 2
+                if again and last_op == "all_gather":
+                    continue  # rule 4
+                after_slice = last_op == "slice" and axis < last_axis  # type: ignore[operator]
+                for j in range(ndim):
+                    placed = arriving[j] == axis
+                    length = lengths[j]
+                    if not placed and (n == 1 or length <= 1):
+                        continue  # rule 3
+                    if after_slice and j != last_dim:
+                        continue  # rule 4
+                    sliced = state + ((_SPLIT + j * naxes + count[j]) << shift)
+                    sliced_elements = elements // length * -(-length // n) if length else 0
+                    yield ("slice", axis, j, None, None, sliced, 0, 0, REPLICATED, _SPLIT + 2 * j + placed,
+                           sliced_elements)  # fmt: skip
+        # Rule 1: partial steps last, once nothing else is left to do.
+        goal_ops = self.goal_ops
+        if all(count[d] == in_place[d] == len(goal_dims[d]) for d in range(ndim)) and all(
+            goal_ops.get(a) == op for a, op in partial
+        ):
+            for axis, op in sorted(goal_ops.items()):
+                if not codes[axis]:
+                    made_partial = state + (_PARTIAL[op] << (bits * axis))
+                    yield ("partial", axis, None, None, op, made_partial, 0, 0, REPLICATED, _PARTIAL[op], elements)
+                    return
