@@ -1,0 +1,192 @@
+"""Where a rank's optimizer-state data lies in a tensor, and the partial sums CAME takes over it.
+
+A rank holds one of two things, and in both no padding is stored, so padding never counts:
+
+- a *block*: its piece of the tensor under the state layout (``Layout.rank_piece``);
+- a *flat chunk*: with flat sharding over mesh axis ``a``, the piece under the state layout
+  without ``a`` (the *base block*) is flattened and cut into equal chunks over ``a``
+  (``chunk_bounds``, as ZeRO cuts its flat buffers); rows and columns straddle chunks.
+
+CAME factors a tensor of shape ``[*batch, H, W]`` as a batch of ``H x W`` matrices. The mesh
+axes over which a local partial sum must be completed follow from the layout alone: the axes
+splitting dim -1 (``Ac``) leave row sums partial, those splitting dim -2 (``Ar``) leave column
+sums partial, and a flat axis leaves both partial. Batch axes never mix matrices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+from runtime.program import piece_shape
+from shardlang.layout import Layout, chunk_bounds
+
+Axes = frozenset[int]
+
+
+def _dim_axes(layout: Layout, dims: slice) -> Axes:
+    return frozenset(a for axes in layout.dims[dims] for a in axes)
+
+
+@attrs.frozen(eq=False)
+class StateShard:
+    """This rank's part of a tensor of ``shape`` under ``layout`` (the state layout, or for
+    flat sharding the state layout without ``flat_axis``): the block ``bounds`` and, when flat,
+    the range ``flat_range`` of that block flattened."""
+
+    shape: tuple[int, ...]
+    layout: Layout
+    bounds: tuple[tuple[int, int], ...]
+    flat_axis: int | None = None
+    flat_range: tuple[int, int] | None = None
+    # Flat only: for every local element, its row, column and matrix in the base block.
+    row_index: torch.Tensor | None = None
+    col_index: torch.Tensor | None = None
+    batch_index: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], layout: Layout, rank: int, flat_axis: int | None = None) -> StateShard:
+        bounds = layout.rank_piece(shape, rank)
+        if flat_axis is None:
+            return cls(shape=shape, layout=layout, bounds=bounds)
+        block = piece_shape(bounds)
+        lo, hi = chunk_bounds(math.prod(block), layout.mesh.shape[flat_axis], layout.mesh.coordinate(rank)[flat_axis])
+        indices: dict[str, torch.Tensor | None] = {"row_index": None, "col_index": None, "batch_index": None}
+        if len(shape) >= 2:
+            h, w = block[-2], block[-1]
+            flat = torch.arange(lo, hi, dtype=torch.int64)
+            if hi > lo:  # a non-empty range implies h, w > 0
+                indices = {
+                    "row_index": flat // w,
+                    "col_index": (flat // (h * w)) * w + flat % w,
+                    "batch_index": flat // (h * w),
+                }
+        return cls(shape=shape, layout=layout, bounds=bounds, flat_axis=flat_axis, flat_range=(lo, hi), **indices)
+
+    # --- shapes ------------------------------------------------------------------------
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return piece_shape(self.bounds)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the local state data: the block, or the flat chunk."""
+        if self.flat_range is None:
+            return self.block_shape
+        return (self.flat_range[1] - self.flat_range[0],)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole tensor (the count every mean divides by)."""
+        return math.prod(self.shape)
+
+    @property
+    def factored(self) -> bool:
+        return len(self.shape) >= 2
+
+    @property
+    def row_stat_shape(self) -> tuple[int, ...]:
+        """``[*batch, h]`` of the block: the rows whose statistics this rank keeps."""
+        return self.block_shape[:-1]
+
+    @property
+    def col_stat_shape(self) -> tuple[int, ...]:
+        return self.block_shape[:-2] + self.block_shape[-1:]
+
+    # --- the mesh axes of each partial sum ---------------------------------------------
+    @property
+    def _flat(self) -> Axes:
+        return frozenset() if self.flat_axis is None else frozenset({self.flat_axis})
+
+    @property
+    def row_axes(self) -> Axes:
+        """Axes splitting the rows (dim -2) of the block."""
+        return _dim_axes(self.layout, slice(-2, -1))
+
+    @property
+    def col_axes(self) -> Axes:
+        return _dim_axes(self.layout, slice(-1, None))
+
+    @property
+    def sum_axes(self) -> Axes:
+        """A sum over all local data is partial over these axes."""
+        return _dim_axes(self.layout, slice(None)) | self._flat
+
+    @property
+    def row_sum_axes(self) -> Axes:
+        return self.col_axes | self._flat
+
+    @property
+    def col_sum_axes(self) -> Axes:
+        return self.row_axes | self._flat
+
+    @property
+    def matrix_sum_axes(self) -> Axes:
+        """A sum over each local matrix (per batch entry) is partial over these axes."""
+        return self.row_axes | self.col_axes | self._flat
+
+    @property
+    def replicated(self) -> Axes:
+        """Axes along which every rank holds the same data."""
+        return frozenset(range(self.layout.mesh.ndim)) - self.sum_axes
+
+    # --- the layouts of what the rank holds (for state dicts) ----------------------------
+    def data_layout(self) -> tuple[Layout, tuple[int, ...]]:
+        """The layout and global shape of the local state data; for a flat chunk, the 1-d
+        view of the base block split over the flat axis."""
+        if self.flat_axis is None:
+            return self.layout, self.shape
+        return Layout(dims=((self.flat_axis,),), mesh=self.layout.mesh), (math.prod(self.block_shape),)
+
+    def row_stat_layout(self) -> tuple[Layout, tuple[int, ...]]:
+        return Layout(dims=self.layout.dims[:-1], mesh=self.layout.mesh), self.shape[:-1]
+
+    def col_stat_layout(self) -> tuple[Layout, tuple[int, ...]]:
+        dims = self.layout.dims[:-2] + self.layout.dims[-1:]
+        return Layout(dims=dims, mesh=self.layout.mesh), self.shape[:-2] + self.shape[-1:]
+
+    # --- partial sums over the local data, and statistics broadcast back to it -----------
+    def row_sums(self, x: torch.Tensor) -> torch.Tensor:
+        if self.flat_range is None:
+            return x.sum(-1)
+        return self._index_sum(x, self.row_index, self.row_stat_shape)
+
+    def col_sums(self, x: torch.Tensor) -> torch.Tensor:
+        if self.flat_range is None:
+            return x.sum(-2)
+        return self._index_sum(x, self.col_index, self.col_stat_shape)
+
+    def matrix_sums(self, x: torch.Tensor) -> torch.Tensor:
+        if self.flat_range is None:
+            return x.sum((-2, -1))
+        return self._index_sum(x, self.batch_index, self.block_shape[:-2])
+
+    def rows(self, r: torch.Tensor) -> torch.Tensor:
+        """Row statistics ``[*batch, h]`` spread over the local data."""
+        if self.flat_range is None:
+            return r.unsqueeze(-1)
+        return self._gather(r, self.row_index)
+
+    def cols(self, c: torch.Tensor) -> torch.Tensor:
+        if self.flat_range is None:
+            return c.unsqueeze(-2)
+        return self._gather(c, self.col_index)
+
+    def matrices(self, n: torch.Tensor) -> torch.Tensor:
+        """Per-matrix values ``[*batch]`` spread over the row statistics ``[*batch, h]``."""
+        return n.unsqueeze(-1)
+
+    @staticmethod
+    def _index_sum(x: torch.Tensor, index: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+        out = torch.zeros(math.prod(shape), dtype=x.dtype, device=x.device)
+        if index is not None:
+            out.index_add_(0, index.to(x.device), x)
+        return out.reshape(shape)
+
+    @staticmethod
+    def _gather(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        if index is None:
+            return values.new_zeros(0)
+        return values.reshape(-1)[index.to(values.device)]

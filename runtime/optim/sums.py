@@ -1,0 +1,160 @@
+"""Completing the small partial sums of an optimizer step in as few all-reduces as possible.
+
+Every sum says over which mesh axes it is partial and along which axes its value is the same
+on every rank (replicated). The sums of one phase that need the same process group travel in
+one buffer, one all-reduce per group. A sum may also ride a larger group of its mesh when the
+extra axes are ones its value is replicated along: the ranks at coordinate 0 on the extra
+axes add the value, the others add zeros, and the result is the same. So a row normaliser
+(partial over the row axes, replicated over the column axes) shares the all-reduce of the
+per-matrix totals (partial over both).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from runtime.comm import collective
+from runtime.errors import DistributedError
+from runtime.groups import axis_group, axis_ranks
+from runtime.optim.shards import Axes
+from runtime.stats import CommRecord, is_recording, record
+from shardlang.mesh import Mesh
+
+
+@attrs.frozen
+class SumSpec:
+    """A partial sum of ``numel`` elements of ``dtype``, over ``axes`` of ``mesh``, taken by
+    the optimizer state of tensor ``owner``."""
+
+    mesh: Mesh
+    axes: Axes
+    numel: int
+    dtype: torch.dtype
+    owner: str
+    replicated: Axes = frozenset()
+
+
+@attrs.frozen
+class Collective:
+    """One all-reduce: the group of ``mesh`` along ``axes``, and the sums it carries as
+    ``(index into the phase's sums, masked)``; a masked sum is sent as zeros."""
+
+    mesh: Mesh
+    axes: tuple[int, ...]
+    dtype: torch.dtype
+    members: tuple[tuple[int, bool], ...]
+    numel: int
+
+    @property
+    def group_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes sent per rank: the cost model's all_reduce row (``planner.cost``) applied
+        to the whole group: ``2 (n-1) ceil(E/n) itemsize``."""
+        n = self.group_size
+        return 2 * (n - 1) * -(-self.numel // n) * self.dtype.itemsize
+
+
+def _geometry(mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return mesh.shape, mesh.ranks
+
+
+def plan_collectives(sums: Sequence[SumSpec], rank: int) -> tuple[Collective, ...]:
+    """The all-reduces that complete ``sums`` on ``rank``, in an order every rank shares.
+
+    A sum over no axis of size above 1 needs none. Otherwise it rides the largest group
+    among those the phase needs anyway that contains its axes and adds only axes it is
+    replicated along.
+    """
+
+    def real(axes: Axes, mesh: Mesh) -> Axes:
+        return frozenset(a for a in axes if mesh.shape[a] > 1)
+
+    candidates = sorted(
+        {(_geometry(s.mesh), tuple(sorted(real(s.axes, s.mesh))), s.dtype) for s in sums if real(s.axes, s.mesh)},
+        key=lambda k: (-math.prod(k[0][0][a] for a in k[1]), k[0], k[1], str(k[2])),
+    )
+    chosen: dict[tuple[object, ...], list[tuple[int, bool]]] = {}
+    meshes: dict[tuple[object, ...], Mesh] = {}
+    for i, s in enumerate(sums):
+        axes = real(s.axes, s.mesh)
+        if not axes:
+            continue
+        allowed = axes | real(s.replicated, s.mesh)
+        key = next(
+            k for k in candidates if k[0] == _geometry(s.mesh) and k[2] == s.dtype and axes <= set(k[1]) <= allowed
+        )
+        coordinate = s.mesh.coordinate(rank)
+        masked = any(coordinate[a] != 0 for a in set(key[1]) - axes)
+        chosen.setdefault(key, []).append((i, masked))
+        meshes.setdefault(key, s.mesh)
+    return tuple(
+        Collective(
+            mesh=meshes[k],
+            axes=k[1],
+            dtype=k[2],
+            members=tuple(chosen[k]),
+            numel=sum(sums[i].numel for i, _ in chosen[k]),
+        )
+        for k in candidates
+        if k in chosen
+    )
+
+
+class SumReducer:
+    """Runs the all-reduces of :func:`plan_collectives` on the runtime's process groups
+    (``runtime.groups.axis_group``) and collective layer (bounded waits), recording each in
+    the runtime's communication log like any reshard collective."""
+
+    def __init__(self, rank: int, timeout: datetime.timedelta) -> None:
+        self.rank = rank
+        self.timeout = timeout
+
+    def reduce(
+        self, sums: Sequence[SumSpec], values: Sequence[torch.Tensor], phase: str
+    ) -> tuple[list[torch.Tensor], tuple[Collective, ...]]:
+        """``values`` completed (sums that need no communication come back as they are),
+        and the all-reduces that did it."""
+        out = list(values)
+        collectives = plan_collectives(sums, self.rank)
+        for c in collectives:
+            parts = [torch.zeros_like(values[i]) if masked else values[i] for i, masked in c.members]
+            buffer = torch.cat([p.reshape(-1) for p in parts])
+            owners = sorted({sums[i].owner for i, _ in c.members})
+            started = time.perf_counter()
+            try:
+                group = axis_group(c.mesh, c.axes, timeout=self.timeout)
+                buffer = collective("all_reduce", buffer, c.group_size, "sum", group, self.timeout)
+            except DistributedError as e:
+                axes = ",".join(c.mesh.axis_label(a) for a in c.axes)
+                raise DistributedError(
+                    f"the all-reduce of {phase} over mesh axes ({axes}) of {c.mesh.describe()}, for tensors "
+                    f"{', '.join(repr(o) for o in owners)}: {e.message}"
+                ) from e
+            if is_recording():
+                record(
+                    CommRecord(
+                        tensor=",".join(owners),
+                        step=0,
+                        op="all_reduce",
+                        axis=c.axes[0],
+                        ranks=axis_ranks(c.mesh, c.axes, self.rank),
+                        bytes_sent=c.bytes,
+                        planned_bytes=c.bytes,
+                        seconds=time.perf_counter() - started,
+                    )
+                )
+            offset = 0
+            for i, _ in c.members:
+                n = values[i].numel()
+                out[i] = buffer[offset : offset + n].reshape(values[i].shape)
+                offset += n
+        return out, collectives

@@ -1,0 +1,605 @@
+"""Sharded AdamW and CAME on 4 gloo ranks against torch.optim.AdamW and came_pytorch.CAME.
+
+One spawn runs every configuration; the references run here, in the test process, on the
+full tensors, and every rank's piece is compared with the reference sliced by hand. Gradients
+are dyadic rationals (k/256), so the partial addends every rank holds sum exactly, whatever
+the order: AdamW, which is elementwise, must then match bit for bit.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import came_pytorch
+import pytest
+import torch
+
+from tests.dist_harness import run_ranks
+
+SHAPES = {"w": (37, 24), "b": (24,), "t": (4, 6, 5), "e": (301, 8), "s": (3, 7)}
+STEPS = 20
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
+CAME = {"lr": 1e-2, "weight_decay": 0.1, "clip_threshold": 0.3, "betas": (0.9, 0.99, 0.999)}
+KINDS = (("adamw", torch.float32), ("came", torch.float32), ("came", torch.float64))
+CAME_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def _dims(n: int, split: dict[int, str]) -> str:
+    return ",".join(split.get(d, "R") for d in range(n))
+
+
+def _zero_rows(n: int) -> tuple[str, str, str]:
+    return _dims(n, {}), _dims(n, {}) + " | P(dp):avg", _dims(n, {0: "S(dp)"})
+
+
+def _replicated(n: int) -> tuple[str, str, str]:
+    return _dims(n, {}), _dims(n, {}) + " | P(dp):avg", _dims(n, {})
+
+
+def _tp_col(n: int) -> tuple[str, str, str]:
+    layout = _dims(n, {n - 1: "S(tp)"})
+    return layout, layout, layout
+
+
+def _tp_row(n: int) -> tuple[str, str, str]:
+    layout = _dims(n, {max(n - 2, 0): "S(tp)"})
+    return layout, layout, layout
+
+
+def _dp2_tp2(n: int) -> tuple[str, str, str]:
+    if n == 1:
+        return "S(tp)", "S(tp) | P(dp):avg", "S(tp,dp)"
+    param = _dims(n, {n - 1: "S(tp)"})
+    return param, param + " | P(dp):avg", _dims(n, {n - 2: "S(dp)", n - 1: "S(tp)"})
+
+
+def _nested(n: int) -> tuple[str, str, str]:
+    d = max(n - 2, 0)
+    param = _dims(n, {d: "S(tp)"})
+    return param, param + " | P(dp):avg", _dims(n, {d: "S(tp,dp)"})
+
+
+def _three_ranks(n: int) -> tuple[str, str, str]:
+    return _dims(n, {}), _dims(n, {}) + " | P0:avg", _dims(n, {max(n - 2, 0): "S0"})
+
+
+def _flat_tp(n: int) -> tuple[str, str, str]:
+    param = _dims(n, {n - 1: "S(tp)"})
+    return param, param + " | P(dp):avg", param
+
+
+DP4, TP4, DP2_TP2, THREE = "mesh[dp=4]", "mesh[tp=4]", "mesh[dp=2,tp=2]", "mesh[3] ranks 0..2"
+# name: (mesh, layouts (param, grad, state) of an n-d tensor, flat axis)
+CONFIGS: dict[str, tuple[str, Callable[[int], tuple[str, str, str]], str | None]] = {
+    "zero_rows": (DP4, _zero_rows, None),
+    "flat_zero": (DP4, _replicated, "dp"),
+    "tp_col": (TP4, _tp_col, None),
+    "tp_row": (TP4, _tp_row, None),
+    "dp2_tp2": (DP2_TP2, _dp2_tp2, None),
+    "nested_tp_dp": (DP2_TP2, _nested, None),
+    "three_ranks": (THREE, _three_ranks, None),
+    "replicated": (DP4, _replicated, None),
+    "flat_zero_with_tp": (DP2_TP2, _flat_tp, "dp"),
+}
+
+
+# --- the data every rank and the reference share ---------------------------------------
+def dyadic(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, limit: int = 512) -> torch.Tensor:
+    return (torch.randint(-limit, limit + 1, shape, generator=gen) / 256).to(dtype)
+
+
+def initial_params(dtype: torch.dtype, seed: int, shapes: dict[str, tuple[int, ...]] = SHAPES) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {name: dyadic(shape, dtype, gen) for name, shape in shapes.items()}
+
+
+def step_grads(dtype: torch.dtype, seed: int, step: int, shapes: dict[str, tuple[int, ...]] = SHAPES) -> dict:
+    """Full gradients of one step, and per tensor 4 addends that sum to zero (for partials)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    out = {}
+    for name, shape in shapes.items():
+        grad = dyadic(shape, dtype, gen)
+        if step % 3 == 0 and len(shape) >= 2:
+            grad[..., 0, :] = 0  # an all-zero row: only eps1 keeps CAME's statistics positive
+        out[name] = (grad, [dyadic(shape, dtype, gen, 64) for _ in range(4)])
+    return out
+
+
+def hand_piece(full: torch.Tensor, dims: tuple[tuple[int, ...], ...], mesh_shape, coordinate) -> torch.Tensor:
+    """The block at ``coordinate``: per dim, cut in ceil(L/n) pieces axis after axis."""
+    index = []
+    for d, axes in enumerate(dims):
+        lo, hi = 0, full.shape[d]
+        for a in axes:
+            size = -(-(hi - lo) // mesh_shape[a])
+            lo, hi = min(lo + coordinate[a] * size, hi), min(lo + (coordinate[a] + 1) * size, hi)
+        index.append(slice(lo, hi))
+    return full[tuple(index)]
+
+
+def local_grad(grad: torch.Tensor, addends: list[torch.Tensor], layout, coordinate) -> torch.Tensor:
+    """This rank's piece of ``grad`` in ``layout``; over a partial ``avg`` axis of n ranks the
+    ranks hold ``grad + d_i`` with dyadic ``d_i`` summing to zero, so that the sum, ``n *
+    grad``, is exact and so is its division by n."""
+    piece = hand_piece(grad, layout.dims, layout.mesh.shape, coordinate).clone()
+    for axis, op in layout.partial:
+        assert op == "avg"
+        n, mine = layout.mesh.shape[axis], coordinate[axis]
+        offset = addends[mine] if mine < n - 1 else -sum(addends[: n - 1], torch.zeros_like(grad))
+        piece += hand_piece(offset, layout.dims, layout.mesh.shape, coordinate)
+    return piece
+
+
+def reference(kind: str, params: dict[str, torch.Tensor], hyper: dict) -> tuple[dict, torch.optim.Optimizer]:
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in params.items()}
+    if kind == "adamw":
+        return ref, torch.optim.AdamW(list(ref.values()), foreach=False, **hyper)
+    return ref, came_pytorch.CAME(list(ref.values()), **hyper)
+
+
+# --- what the ranks run ----------------------------------------------------------------
+def _spec(mesh: str, layouts_of: Callable[[int], tuple[str, str, str]], shapes=SHAPES):
+    from shardlang import parse_layout
+    from shardlang.spec import Layouts, TensorSpec
+
+    spec = {}
+    for name, shape in shapes.items():
+        param, grad, state = (parse_layout(f"{text} over {mesh}") for text in layouts_of(len(shape)))
+        layouts = Layouts(param=param, grad=grad, states=(("", state),))
+        spec[name] = TensorSpec(name=name, dtype="f32", shape=shape, layouts=layouts)
+    return spec
+
+
+def _optimizer(kind: str, named: list, spec: Any, **options: Any):
+    from runtime.optim import ShardedAdamW, ShardedCAME
+
+    if kind == "adamw":
+        return ShardedAdamW(named, spec, **ADAMW, **options)
+    return ShardedCAME(named, spec, **CAME, **options)
+
+
+def _run_config(rank: int, config: str, kind: str, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    import runtime
+
+    mesh, layouts_of, flat_axis = CONFIGS[config]
+    spec = _spec(mesh, layouts_of)
+    the_mesh = next(iter(spec.values())).param.mesh
+    if rank not in the_mesh.ranks:  # idle rank: holds the tensors, takes part in nothing
+        params = {n: torch.nn.Parameter(t) for n, t in initial_params(dtype, seed).items()}
+        optimizer = _optimizer(kind, list(params.items()), spec, flat_axis=flat_axis)
+        optimizer.step()
+        return {"idle": True, "state_bytes": optimizer.state_bytes()}
+    coordinate = the_mesh.coordinate(rank)
+    params = {
+        n: torch.nn.Parameter(hand_piece(t, spec[n].param.dims, the_mesh.shape, coordinate).clone())
+        for n, t in initial_params(dtype, seed).items()
+    }
+    optimizer = _optimizer(kind, list(params.items()), spec, flat_axis=flat_axis)
+    traffic = []
+    for step in range(STEPS):
+        for name, (grad, addends) in step_grads(dtype, seed, step).items():
+            params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
+        planned = optimizer.planned_traffic()
+        with runtime.recording() as log:
+            optimizer.step()
+        traffic.append(
+            (
+                planned.bytes,
+                log.planned_bytes,
+                log.total_bytes,
+                optimizer.last_traffic.sum_collectives,
+                planned.collectives,
+                len(log.records),
+            )
+        )
+    return {
+        "idle": False,
+        "coordinate": coordinate,
+        "params": {n: p.detach().clone() for n, p in params.items()},
+        "traffic": traffic,
+        "state_bytes": optimizer.state_bytes(),
+        "bytes_by_state": _bytes_by_state(optimizer.state_dict()),
+    }
+
+
+def _bytes_by_state(state_dict: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for entry in state_dict["tensors"].values():
+        for name, record in entry["states"].items():
+            out[name] = out.get(name, 0) + record["tensor"].numel() * record["tensor"].element_size()
+    return out
+
+
+def _run_dtensor(rank: int, kind: str, seed: int) -> dict[str, Any]:
+    """Parameters and gradients as DTensors on a [dp=2, tp=2] DeviceMesh; the spec gives only
+    the state layouts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from shardlang.interop import to_dtensor_placements
+
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    spec = _spec(DP2_TP2, _dp2_tp2)
+    coordinate = (rank // 2, rank % 2)
+    params = {}
+    for name, full in initial_params(torch.float32, seed).items():
+        layout = spec[name].param
+        local = hand_piece(full, layout.dims, layout.mesh.shape, coordinate).clone()
+        placements = to_dtensor_placements(layout)
+        params[name] = torch.nn.Parameter(
+            DTensor.from_local(local, device_mesh, placements, shape=full.shape, stride=full.stride())
+        )
+    optimizer = _optimizer(kind, list(params.items()), {n: s.layouts for n, s in spec.items()})
+    for step in range(10):
+        for name, (grad, addends) in step_grads(torch.float32, seed, step).items():
+            layout = spec[name].grad
+            local = local_grad(grad, addends, layout, coordinate)
+            placements = to_dtensor_placements(layout)
+            params[name].grad = DTensor.from_local(
+                local, device_mesh, placements, shape=grad.shape, stride=grad.stride()
+            )
+        optimizer.step()
+    return {"coordinate": coordinate, "params": {n: p.to_local().detach().clone() for n, p in params.items()}}
+
+
+def _run_mixed_precision(rank: int, kind: str, seed: int) -> dict[str, Any]:
+    """bf16 parameters and gradients (replicated), ZeRO states and fp32 master shards."""
+    spec = _spec(DP4, lambda n: (_dims(n, {}), _dims(n, {}), _dims(n, {0: "S(dp)"})))
+    params = {n: torch.nn.Parameter(t.to(torch.bfloat16)) for n, t in initial_params(torch.float32, seed).items()}
+    optimizer = _optimizer(kind, list(params.items()), spec)
+    for step in range(STEPS):
+        for name, (grad, _) in step_grads(torch.float32, seed, step).items():
+            params[name].grad = grad.to(torch.bfloat16)
+        optimizer.step()
+    masters = {n: entry["states"]["master"]["tensor"] for n, entry in optimizer.state_dict()["tensors"].items()}
+    return {"params": {n: p.detach().clone() for n, p in params.items()}, "masters": masters}
+
+
+def _run_resume(rank: int, kind: str, seed: int) -> dict[str, Any]:
+    """20 steps straight, against 10 steps, a state dict through torch.save, a new optimizer on
+    copies of the parameters, and 10 more steps."""
+    spec = _spec(DP4, _zero_rows)
+    coordinate = (rank,)
+
+    def set_grads(params: dict, step: int) -> None:
+        for name, (grad, addends) in step_grads(torch.float32, seed, step).items():
+            params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
+
+    straight = {n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, seed).items()}
+    resumed = {n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, seed).items()}
+    first = _optimizer(kind, list(straight.items()), spec)
+    before = _optimizer(kind, list(resumed.items()), spec)
+    for step in range(STEPS):
+        set_grads(straight, step)
+        first.step()
+        if step < STEPS // 2:
+            set_grads(resumed, step)
+            before.step()
+    buffer = io.BytesIO()
+    torch.save(before.state_dict(), buffer)
+    buffer.seek(0)
+    copies = {n: torch.nn.Parameter(p.detach().clone()) for n, p in resumed.items()}
+    after = _optimizer(kind, list(copies.items()), spec)
+    after.load_state_dict(torch.load(buffer, weights_only=False))
+    for step in range(STEPS // 2, STEPS):
+        set_grads(copies, step)
+        after.step()
+    return {"equal": {n: torch.equal(straight[n], copies[n]) for n in SHAPES}}
+
+
+def _run_failed_step(rank: int, seed: int) -> dict[str, Any]:
+    """A gradient of the wrong shape fails one step: that step changes nothing, and the run
+    then goes on as if it had not been attempted."""
+    from runtime.optim import OptimizerStepError
+
+    spec = _spec(DP4, _zero_rows)
+    coordinate = (rank,)
+    params = {n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, seed).items()}
+    optimizer = _optimizer("came", list(params.items()), spec)
+    message = None
+    for step in range(10):
+        for name, (grad, addends) in step_grads(torch.float32, seed, step).items():
+            params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
+        if step == 3:
+            good = params["t"].grad.clone()
+            params["t"].grad.data = torch.zeros(4, 6, 4)  # as a faulty gradient hook might leave it
+            saved_params = {n: p.detach().clone() for n, p in params.items()}
+            saved_states = optimizer.state_dict()
+            try:
+                optimizer.step()
+            except OptimizerStepError as e:
+                message = str(e)
+            unchanged = all(torch.equal(saved_params[n], params[n]) for n in SHAPES) and _same_states(
+                saved_states, optimizer.state_dict()
+            )
+            params["t"].grad = good
+        optimizer.step()
+    return {"message": message, "unchanged": unchanged, "params": {n: p.detach().clone() for n, p in params.items()}}
+
+
+def _same_states(a: dict, b: dict) -> bool:
+    if a["tensors"].keys() != b["tensors"].keys():
+        return False
+    for name, entry in a["tensors"].items():
+        other = b["tensors"][name]
+        if entry["step"] != other["step"]:
+            return False
+        for state, record in entry["states"].items():
+            if not torch.equal(record["tensor"], other["states"][state]["tensor"]):
+                return False
+    return True
+
+
+MLP_SPEC = """
+mesh world = [dp=4]
+rule "*.weight" { param = R,R over world  grad = R,R | P(dp):avg over world  state = S(dp),R over world }
+rule "*.bias"   { param = R over world    grad = R | P(dp):avg over world    state = S(dp) over world }
+"""
+
+
+def mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+
+
+def mlp_batches(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed * 100 + step)
+    return torch.randn(12, 7, generator=gen), torch.randn(12, 5, generator=gen)
+
+
+def _run_training(rank: int, kind: str, flat_axis: str | None, seed: int) -> dict[str, torch.Tensor]:
+    """10 steps of an MLP; every rank trains on its 3 of the 12 samples."""
+    from shardlang import parse_spec
+
+    model = mlp(seed)
+    optimizer = _optimizer(kind, list(model.named_parameters()), parse_spec(MLP_SPEC), flat_axis=flat_axis)
+    for step in range(10):
+        x, y = mlp_batches(seed, step)
+        mine = slice(3 * rank, 3 * rank + 3)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def all_cases(rank: int, world_size: int) -> bytes:
+    """Every case on this rank, serialized: tensors sent through the harness's queue as
+    shared memory vanish when the rank exits before they are read."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"timing": {}}
+    for config in CONFIGS:
+        for kind, dtype in KINDS:
+            started = time.perf_counter()
+            out[(config, kind, str(dtype))] = _run_config(rank, config, kind, dtype, seed=7)
+            out["timing"][(config, kind, str(dtype))] = time.perf_counter() - started
+    for kind in ("adamw", "came"):
+        out[("dtensor", kind)] = _run_dtensor(rank, kind, seed=8)
+        out[("mixed", kind)] = _run_mixed_precision(rank, kind, seed=9)
+        out[("resume", kind)] = _run_resume(rank, kind, seed=10)
+    out["failed_step"] = _run_failed_step(rank, seed=11)
+    for kind, flat_axis in (("adamw", None), ("came", None), ("came", "dp")):
+        out[("training", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=12)
+    buffer = io.BytesIO()
+    torch.save(out, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return [torch.load(io.BytesIO(data), weights_only=False) for data in run_ranks(all_cases, 4, timeout=300)]
+
+
+# --- the checks ------------------------------------------------------------------------
+def _reference_run(kind: str, dtype: torch.dtype, seed: int, steps: int, hyper: dict) -> dict[str, torch.Tensor]:
+    ref, optimizer = reference(kind, initial_params(dtype, seed), hyper)
+    for step in range(steps):
+        for name, (grad, _) in step_grads(dtype, seed, step).items():
+            ref[name].grad = grad.clone()
+        optimizer.step()
+    return {n: p.detach() for n, p in ref.items()}
+
+
+def _assert_close(kind: str, dtype: torch.dtype, got: torch.Tensor, want: torch.Tensor, label: str) -> None:
+    assert got.shape == want.shape, f"{label}: shape {list(got.shape)} != {list(want.shape)}"
+    if kind == "adamw":
+        assert torch.equal(got, want), f"{label}: differs from torch.optim.AdamW by {(got - want).abs().max()}"
+        return
+    if want.numel() == 0:
+        return
+    error = ((got - want).abs().max() / want.abs().max()).item()
+    assert error <= CAME_TOLERANCE[dtype], f"{label}: relative error {error:.3g} against came_pytorch"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_sharded_optimizers_match_references_after_20_steps(ranks: list[dict[str, Any]], config: str) -> None:
+    mesh, layouts_of, _ = CONFIGS[config]
+    spec = _spec(mesh, layouts_of)
+    for kind, dtype in KINDS:
+        want = _reference_run(kind, dtype, 7, STEPS, ADAMW if kind == "adamw" else CAME)
+        for rank, result in enumerate(ranks):
+            case = result[(config, kind, str(dtype))]
+            if case["idle"]:
+                assert rank not in next(iter(spec.values())).param.mesh.ranks
+                assert case["state_bytes"] == 0
+                continue
+            for name, got in case["params"].items():
+                layout = spec[name].param
+                expected = hand_piece(want[name], layout.dims, layout.mesh.shape, case["coordinate"])
+                _assert_close(kind, dtype, got, expected, f"{config} {kind} {dtype} rank {rank} '{name}'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_bytes_sent_agree_with_the_plans(ranks: list[dict[str, Any]], config: str) -> None:
+    for kind, dtype in KINDS:
+        for result in ranks:
+            case = result[(config, kind, str(dtype))]
+            for predicted, planned, sent, _, collectives, records in case.get("traffic", []):
+                assert collectives == records, f"{config} {kind}: {records} collectives ran, {collectives} planned"
+                # The plans' bytes are those of the busiest rank (coordinate 0): others pad less.
+                assert predicted == planned, f"{config} {kind}: predicted {predicted}, the runtime planned {planned}"
+                assert sent <= planned
+                if not any(case["coordinate"]):
+                    assert sent == planned, f"{config} {kind}: rank at coordinate 0 sent {sent}, planned {planned}"
+
+
+@pytest.mark.slow
+def test_came_reductions_are_batched_per_phase(ranks: list[dict[str, Any]]) -> None:
+    """All tensors' sums of a phase share an all-reduce per process group: for layouts over one
+    mesh axis 3 per step (one per phase); rows over dp and columns over tp need 7: row sums,
+    column sums and matrix totals (which carry the row normaliser) twice, and the RMS."""
+    counts = {config: ranks[0][(config, "came", str(torch.float32))]["traffic"][-1][3] for config in CONFIGS}
+    assert counts["zero_rows"] == counts["flat_zero"] == counts["tp_col"] == counts["tp_row"] == 3
+    assert counts["nested_tp_dp"] == counts["three_ranks"] == 3
+    assert counts["dp2_tp2"] == 7
+    assert counts["replicated"] == 0
+
+
+@pytest.mark.slow
+def test_each_rank_holds_its_shard_of_every_state(ranks: list[dict[str, Any]]) -> None:
+    """Per-rank state bytes against the states the single-device optimizers hold: the
+    elementwise states are split without overlap or padding (the ranks together hold one
+    copy), CAME's row and column statistics are at most whole on any rank."""
+    for kind in ("adamw", "came"):
+        _, optimizer = reference(kind, initial_params(torch.float32, 7), ADAMW if kind == "adamw" else CAME)
+        for p in optimizer.param_groups[0]["params"]:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        unsharded: dict[str, int] = {}
+        for state in optimizer.state.values():
+            for key, t in state.items():
+                if key not in ("step", "RMS"):
+                    unsharded[key] = unsharded.get(key, 0) + t.numel() * t.element_size()
+        for config in ("zero_rows", "flat_zero"):
+            cases = [r[(config, kind, str(torch.float32))] for r in ranks]
+            for case in cases:
+                assert case["state_bytes"] == sum(case["bytes_by_state"].values())
+            for key, total in unsharded.items():
+                held = [case["bytes_by_state"][key] for case in cases]
+                if key in ("exp_avg", "exp_avg_sq"):
+                    assert sum(held) == total, f"{config} {kind} {key}: ranks hold {held}, one copy is {total}"
+                else:
+                    assert max(held) <= total, f"{config} {kind} {key}: ranks hold {held} of {total}"
+            assert max(c["state_bytes"] for c in cases) < sum(unsharded.values()) / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["adamw", "came"])
+def test_dtensor_parameters(ranks: list[dict[str, Any]], kind: str) -> None:
+    want = _reference_run(kind, torch.float32, 8, 10, ADAMW if kind == "adamw" else CAME)
+    spec = _spec(DP2_TP2, _dp2_tp2)
+    for rank, result in enumerate(ranks):
+        case = result[("dtensor", kind)]
+        for name, got in case["params"].items():
+            layout = spec[name].param
+            expected = hand_piece(want[name], layout.dims, layout.mesh.shape, case["coordinate"])
+            _assert_close(kind, torch.float32, got, expected, f"dtensor {kind} rank {rank} '{name}'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["adamw", "came"])
+def test_bf16_parameters_with_fp32_master_shards(ranks: list[dict[str, Any]], kind: str) -> None:
+    """The reference steps fp32 copies of the bf16 parameters with the bf16 gradients in fp32."""
+    start = {n: t.to(torch.bfloat16).float() for n, t in initial_params(torch.float32, 9).items()}
+    ref, optimizer = reference(kind, start, ADAMW if kind == "adamw" else CAME)
+    for step in range(STEPS):
+        for name, (grad, _) in step_grads(torch.float32, 9, step).items():
+            ref[name].grad = grad.to(torch.bfloat16).float()
+        optimizer.step()
+    for rank, result in enumerate(ranks):
+        case = result[("mixed", kind)]
+        for name, master in case["masters"].items():
+            expected = hand_piece(ref[name].detach(), ((0,),) + ((),) * (master.dim() - 1), (4,), (rank,))
+            _assert_close(kind, torch.float32, master, expected, f"bf16 master {kind} rank {rank} '{name}'")
+            param = case["params"][name]
+            assert param.dtype == torch.bfloat16
+            rounded = ref[name].detach().to(torch.bfloat16)
+            if kind == "adamw":
+                assert torch.equal(param, rounded)
+            else:  # within one bf16 rounding step of the rounded reference
+                assert ((param.float() - rounded.float()).abs() <= rounded.float().abs() * 2**-7).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["adamw", "came"])
+def test_state_dict_resumes_exactly(ranks: list[dict[str, Any]], kind: str) -> None:
+    for result in ranks:
+        assert all(result[("resume", kind)]["equal"].values()), result[("resume", kind)]
+
+
+@pytest.mark.slow
+def test_a_failed_step_changes_nothing_and_names_the_tensor(ranks: list[dict[str, Any]]) -> None:
+    ref, optimizer = reference("came", initial_params(torch.float32, 11), CAME)
+    for step in range(10):
+        for name, (grad, _) in step_grads(torch.float32, 11, step).items():
+            ref[name].grad = grad.clone()
+        optimizer.step()
+    want = {n: p.detach() for n, p in ref.items()}
+    for rank, result in enumerate(ranks):
+        case = result["failed_step"]
+        assert case["message"] is not None and "'t'" in case["message"], case["message"]
+        assert case["unchanged"]
+        for name, got in case["params"].items():
+            _assert_close("came", torch.float32, got, want[name], f"after the failed step, rank {rank} '{name}'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "flat_axis"), [("adamw", None), ("came", None), ("came", "dp")])
+def test_data_parallel_training_equals_single_process_training(
+    ranks: list[dict[str, Any]], kind: str, flat_axis: str | None
+) -> None:
+    model = mlp(12)
+    named = list(model.named_parameters())
+    if kind == "adamw":
+        optimizer = torch.optim.AdamW([p for _, p in named], foreach=False, **ADAMW)
+    else:
+        optimizer = came_pytorch.CAME([p for _, p in named], **CAME)
+    for step in range(10):
+        x, y = mlp_batches(12, step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    for rank, result in enumerate(ranks):
+        got = result[("training", kind, flat_axis)]
+        for name, p in named:
+            torch.testing.assert_close(got[name], p.detach(), rtol=2e-5, atol=2e-6, msg=f"rank {rank} '{name}'")
+
+
+# --- a peer that dies ------------------------------------------------------------------
+def _peer_dies(rank: int, world_size: int) -> dict[str, Any]:
+    from runtime.optim import OptimizerStepError
+
+    spec = _spec("mesh[dp=2]", _zero_rows)
+    params = {n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, 13).items()}
+    optimizer = _optimizer("came", list(params.items()), spec, timeout=20.0)
+    for step in range(2):
+        for name, (grad, addends) in step_grads(torch.float32, 13, step).items():
+            params[name].grad = local_grad(grad, addends, spec[name].grad, (rank,))
+        if step == 1 and rank == 1:
+            os._exit(0)
+        if step == 1:
+            saved = ({n: p.detach().clone() for n, p in params.items()}, optimizer.state_dict())
+            started = time.perf_counter()
+            try:
+                optimizer.step()
+            except OptimizerStepError as e:
+                unchanged = all(torch.equal(saved[0][n], params[n]) for n in SHAPES)
+                unchanged = unchanged and _same_states(saved[1], optimizer.state_dict())
+                return {"message": str(e), "seconds": time.perf_counter() - started, "unchanged": unchanged}
+            return {"message": None}
+        optimizer.step()
+    return {"message": None}
+
+
+@pytest.mark.slow
+def test_a_peer_that_dies_fails_the_step_within_the_timeout() -> None:
+    result = run_ranks(_peer_dies, 2, timeout=120, collective_timeout=30, allow_missing=(1,))[0]
+    assert result["message"] is not None, "the step succeeded without its peer"
+    assert "parameters and optimizer states are unchanged" in result["message"]
+    assert result["seconds"] < 25
+    assert result["unchanged"]
