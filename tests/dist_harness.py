@@ -12,6 +12,7 @@ Spawning costs seconds per process (importing torch), so batch many cases into o
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import time
@@ -19,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -43,6 +45,7 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    wait_for_peers: bool,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -50,7 +53,14 @@ def _worker(
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            value = fn(rank, world_size, *args)
+            # Serialized: tensors sent through the queue as shared memory vanish when the
+            # rank exits before the parent reads them.
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            results.put((rank, "ok", buffer.getvalue()))
+            if wait_for_peers:
+                dist.barrier()  # no rank tears gloo down while a peer still talks to it
         finally:
             dist.destroy_process_group()
     except BaseException:  # report everything, even SystemExit from a deliberately dying rank
@@ -67,15 +77,13 @@ def run_ranks(
     allow_missing: tuple[int, ...] = (),
 ) -> list[Any]:
     """``fn``'s return value per rank. Ranks in ``allow_missing`` may exit without reporting
-    (fault tests); their entry is ``None``."""
+    (fault tests); their entry is ``None``, and the others then skip the closing barrier."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = _rendezvous_store(timeout)
     port = store.port
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, collective_timeout, fn, args, results), daemon=True)
-        for r in range(world_size)
-    ]
+    worker_args = (world_size, port, collective_timeout, fn, args, results, not allow_missing)
+    procs = [ctx.Process(target=_worker, args=(r, *worker_args), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -107,4 +115,4 @@ def run_ranks(
         raise RankFailed("\n".join(errors))
     if missing:
         raise RankFailed(f"ranks {missing} did not finish within {timeout}s")
-    return [got[r][1] if r in got else None for r in range(world_size)]
+    return [torch.load(io.BytesIO(got[r][1]), weights_only=False) if r in got else None for r in range(world_size)]

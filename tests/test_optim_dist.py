@@ -366,9 +366,8 @@ def _run_training(rank: int, kind: str, flat_axis: str | None, seed: int) -> dic
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def all_cases(rank: int, world_size: int) -> bytes:
-    """Every case on this rank, serialized: tensors sent through the harness's queue as
-    shared memory vanish when the rank exits before they are read."""
+def all_cases(rank: int, world_size: int) -> dict[str, Any]:
+    """Every case on this rank."""
     torch.set_num_threads(1)
     out: dict[str, Any] = {"timing": {}}
     for config in CONFIGS:
@@ -383,14 +382,12 @@ def all_cases(rank: int, world_size: int) -> bytes:
     out["failed_step"] = _run_failed_step(rank, seed=11)
     for kind, flat_axis in (("adamw", None), ("came", None), ("came", "dp")):
         out[("training", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=12)
-    buffer = io.BytesIO()
-    torch.save(out, buffer)
-    return buffer.getvalue()
+    return out
 
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return [torch.load(io.BytesIO(data), weights_only=False) for data in run_ranks(all_cases, 4, timeout=300)]
+    return run_ranks(all_cases, 4, timeout=300)
 
 
 # --- the checks ------------------------------------------------------------------------
