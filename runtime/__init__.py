@@ -11,9 +11,9 @@ It is the one layer that communicates; it reads layouts (``shardlang``) and plan
 
 from runtime.dtypes import dtype_name, torch_dtype
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
+from runtime.executor import DEFAULT_TIMEOUT, plan_fingerprint, reshard
 from runtime.groups import axis_group
 from runtime.pieces import shard, unshard
-from runtime.reshard import DEFAULT_TIMEOUT, plan_fingerprint, reshard
 from runtime.simulate import simulate
 from runtime.stats import CommLog, CommRecord, recording
 

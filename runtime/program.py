@@ -1,6 +1,6 @@
 """A plan compiled for one rank: what the rank does at every step, with its piece geometry.
 
-Both executors run these moves: the distributed one (``runtime.reshard``) with real
+Both executors run these moves: the distributed one (``runtime.executor``) with real
 collectives between ``send`` and ``finish``, the in-process one (``runtime.simulate``) with
 the collectives emulated over every rank's buffers. So the padding and trimming that the
 simulator checks are the runtime's own.

@@ -1,7 +1,7 @@
 """Execute a plan for every rank at once, in one process, with real tensors.
 
 Each rank runs its compiled moves (``runtime.program``), exactly as under
-``runtime.reshard``; only the collectives are emulated, group by group, over the ranks'
+``runtime.executor``; only the collectives are emulated, group by group, over the ranks'
 send buffers: the same padding, the same blocks, the same trimming.
 """
 

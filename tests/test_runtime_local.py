@@ -3,8 +3,6 @@ and the error when torch.distributed is not initialized."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,14 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner
-from runtime import DistributedError, reshard
+from runtime import DistributedError, executor, reshard
 from runtime.program import bytes_sent, compile_plan
 from shardlang import parse_layout
 from shardlang.dtypes import ITEMSIZE
 from tests.test_runtime_support import layouts, meshes, shapes
-
-# The module, not the function ``runtime.reshard`` that the package exports under its name.
-executor = importlib.import_module("runtime.reshard")
 
 
 @st.composite

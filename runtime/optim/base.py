@@ -36,12 +36,12 @@ from torch.distributed.tensor import DTensor
 from planner.cost import CostModel
 from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError
+from runtime.executor import DEFAULT_TIMEOUT
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.routes import Hop, Route, flat_view, without_axis
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumReducer, SumSpec, plan_collectives
 from runtime.program import piece_shape
-from runtime.reshard import DEFAULT_TIMEOUT
 from shardlang.errors import ShardlangError
 from shardlang.interop import from_dtensor_placements, mesh_from_device_mesh
 from shardlang.layout import Layout

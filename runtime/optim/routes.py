@@ -21,7 +21,7 @@ import planner
 from planner.cost import CostModel
 from planner.plan import Plan
 from runtime.dtypes import dtype_name
-from runtime.reshard import reshard
+from runtime.executor import reshard
 from shardlang.layout import Layout
 
 
