@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 
 demo: install
 	$(VENV)/bin/shardlang
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --steps 8
 
 test: install
 	$(VENV)/bin/ruff check .
