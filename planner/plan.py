@@ -13,31 +13,51 @@ from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 from shardlang.parser import parse_layout
 
-OPS = ("slice", "partial", "all_gather", "all_to_all", "reduce_scatter", "all_reduce")
-COMMUNICATING_OPS = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")
+OPS = ("slice", "partial", "all_gather", "all_to_all", "reduce_scatter", "all_reduce", "point_to_point")
+COMMUNICATING_OPS = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "point_to_point")
+
+Box = tuple[tuple[int, int], ...]
+
+
+@attrs.frozen
+class Transfer:
+    """One message of a point-to-point step: global rank ``src_rank`` sends global rank
+    ``dst_rank`` the block ``box`` of the global tensor (``[start, stop)`` per dim)."""
+
+    src_rank: int
+    dst_rank: int
+    box: Box = attrs.field(converter=lambda b: tuple((int(lo), int(hi)) for lo, hi in b))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"src": self.src_rank, "dst": self.dst_rank, "box": [list(b) for b in self.box]}
 
 
 @attrs.frozen
 class Step:
-    """One move on one mesh axis.
+    """One move: a collective or local move on one mesh axis, or a point-to-point exchange.
 
     ``dim`` is the tensor dim the axis leaves (all_gather, all_to_all) or joins (slice,
     reduce_scatter); ``to_dim`` is the dim it joins in an all_to_all; ``reduce_op`` is the
     reduction of reduce_scatter, all_reduce and partial. ``layout`` is the state after the
-    step; ``bytes`` are sent per rank and ``seconds`` is the modeled time.
+    step; ``seconds`` is the modeled time. ``bytes`` are sent per rank by a collective; for a
+    ``point_to_point`` step (``axis`` None, its messages in ``transfers``, possibly between
+    two meshes) they are the largest per-rank max(sent, received).
     """
 
     op: str
-    axis: int
+    axis: int | None
     dim: int | None
     to_dim: int | None
     reduce_op: str | None
     layout: Layout
     bytes: int
     seconds: float
+    transfers: tuple[Transfer, ...] = ()
 
     def describe(self) -> str:
         """``all_gather(axis=1, dim=0)``: the op and its arguments, without the cost."""
+        if self.axis is None:
+            return f"{self.op}(messages={len(self.transfers)})"
         args = [f"axis={self.layout.mesh.axis_label(self.axis)}"]
         if self.dim is not None:
             args.append(f"dim={self.dim}")
@@ -48,7 +68,7 @@ class Step:
         return f"{self.op}({', '.join(args)})"
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "op": self.op,
             "axis": self.axis,
             "dim": self.dim,
@@ -58,6 +78,9 @@ class Step:
             "bytes": self.bytes,
             "seconds": self.seconds,
         }
+        if self.op == "point_to_point":
+            out["transfers"] = [t.to_json() for t in self.transfers]
+        return out
 
 
 @attrs.frozen
@@ -132,13 +155,14 @@ def _step_from_json(data: Mapping[str, Any], meshes: Mapping[str, Mesh]) -> Step
         raise ValueError(f"unknown op {data['op']!r} (expected one of {', '.join(OPS)})")
     return Step(
         op=data["op"],
-        axis=int(data["axis"]),
+        axis=None if data["axis"] is None else int(data["axis"]),
         dim=None if data["dim"] is None else int(data["dim"]),
         to_dim=None if data["to_dim"] is None else int(data["to_dim"]),
         reduce_op=data["reduce_op"],
         layout=parse_layout(data["layout"], meshes),
         bytes=int(data["bytes"]),
         seconds=float(data["seconds"]),
+        transfers=tuple(Transfer(int(t["src"]), int(t["dst"]), t["box"]) for t in data.get("transfers", ())),
     )
 
 

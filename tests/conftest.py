@@ -12,15 +12,19 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 
 
-def conformance_dir() -> Path:
-    """The independent reference data (``../shared/conformance`` beside the checkout).
+SHARED_CONFORMANCE = REPO.parent / "shared" / "conformance"
+# A verbatim copy, so that a clone without ../shared still runs these checks; the test below
+# keeps it identical to the shared original wherever that exists.
+VENDORED_CONFORMANCE = REPO / "tests" / "conformance"
 
-    Missing data is a failure, never a skip: these tests are the independent check.
-    """
-    for candidate in (REPO.parent / "shared" / "conformance", REPO / "shared" / "conformance"):
+
+def conformance_dir() -> Path:
+    """The independent reference data: ``../shared/conformance`` beside the checkout, else the
+    vendored copy. Missing data is a failure, never a skip."""
+    for candidate in (SHARED_CONFORMANCE, VENDORED_CONFORMANCE):
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError(f"no shared/conformance beside {REPO}; the conformance tests need it")
+    raise FileNotFoundError(f"no conformance data at {SHARED_CONFORMANCE} or {VENDORED_CONFORMANCE}")
 
 
 @pytest.fixture(scope="session")

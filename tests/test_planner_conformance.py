@@ -35,3 +35,13 @@ def test_conformance_covers_what_it_should(reshard_costs):
     assert any(" | P" in line["src"] for line in reshard_costs)
     assert any(len(set(line["bandwidth"])) > 1 for line in reshard_costs)
     assert any(line["steps_of_one_optimal_plan"] >= 3 for line in reshard_costs)
+
+
+def test_the_vendored_copy_is_the_shared_data():
+    """tests/conformance is a verbatim copy of ../shared/conformance, for clones without it."""
+    from tests.conftest import SHARED_CONFORMANCE, VENDORED_CONFORMANCE
+
+    if not SHARED_CONFORMANCE.is_dir():
+        pytest.skip(f"no {SHARED_CONFORMANCE} to compare with; the checks above used the vendored copy")
+    for name in ("reshard_costs.jsonl", "README.md"):
+        assert (VENDORED_CONFORMANCE / name).read_bytes() == (SHARED_CONFORMANCE / name).read_bytes(), name
