@@ -11,6 +11,7 @@ from cli.plan_report import format_plan, plan_json, steps_table
 from cli.tables import format_bytes, format_seconds
 from cli.terminal import Style
 from planner import CostModel, Plan, plan
+from planner.plan import same_geometry
 from shardlang import Layout
 
 
@@ -21,8 +22,12 @@ class Explained:
     why_no_greedy: str | None
 
 
-def explain(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel) -> Explained:
-    chosen = plan(src, dst, shape, dtype, cost)
+def explain(
+    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, *, point_to_point: bool = False
+) -> Explained:
+    chosen = plan(src, dst, shape, dtype, cost, point_to_point=point_to_point)
+    if not same_geometry(src.mesh, dst.mesh):
+        return Explained(chosen, None, "the layouts are on different meshes, which DTensor cannot redistribute between")
     try:
         return Explained(chosen, greedy_plan(src, dst, shape, dtype, cost), None)
     except NoGreedyOrder as e:
@@ -41,7 +46,9 @@ def explained_json(ex: Explained) -> dict[str, Any]:
 
 
 def format_explained(ex: Explained, style: Style) -> str:
-    out = [format_plan(ex.chosen, style, heading="chosen plan (exact search)"), ""]
+    mixed = any(step.op == "point_to_point" for step in ex.chosen.steps)
+    heading = "chosen plan (the cheapest candidate, point-to-point included)" if mixed else "chosen plan (exact search)"
+    out = [format_plan(ex.chosen, style, heading=heading), ""]
     out.append(
         style("greedy baseline", "bold") + ": one mesh axis at a time, each straight to its target "
         "placement (the order of DTensor's default planner)"

@@ -53,6 +53,12 @@ def bundled_example() -> Path:
 
 def _add_cost_options(p: argparse.ArgumentParser, memory: bool = True) -> None:
     p.add_argument(
+        "--p2p",
+        action="store_true",
+        help="layouts on one mesh: also consider point-to-point steps and mixes, and take the cheapest "
+        "(layouts on two different meshes always use them)",
+    )
+    p.add_argument(
         "--alpha",
         type=duration_arg,
         metavar="SECONDS",
@@ -90,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardlang",
         description="Layouts of sharded tensors on device meshes: check spec files, plan the cheapest "
-        "collectives between layouts, show and draw them.",
+        "collectives (or point-to-point messages) between layouts, show and draw them.",
         epilog="Without a command, `shardlang [FILE.shard]` runs the main job on FILE (default: the bundled "
         f"example {BUNDLED_EXAMPLE}): check it, print every tensor's optimizer-step plans with totals, and "
         "draw the summary picture under out/.",
@@ -197,7 +203,9 @@ def _spec_tensors(
 
 def _plan_pair(pair: Pair, args: argparse.Namespace) -> Plan:
     cost = cost_model(args.alpha, args.bandwidth)
-    return plan(pair.src, pair.dst, pair.shape, pair.dtype, cost, max_local_bytes=args.max_local_bytes)
+    return plan(
+        pair.src, pair.dst, pair.shape, pair.dtype, cost, max_local_bytes=args.max_local_bytes, point_to_point=args.p2p
+    )
 
 
 def _plan_spec(spec: Spec, args: argparse.Namespace) -> SpecPlan:
@@ -209,6 +217,7 @@ def _plan_spec(spec: Spec, args: argparse.Namespace) -> SpecPlan:
         alpha=args.alpha,
         bandwidth=args.bandwidth,
         max_local_bytes=args.max_local_bytes,
+        point_to_point=args.p2p,
     )
 
 
@@ -294,7 +303,8 @@ def _render_each(groups: list[TensorGroup], output: str | None, fmt: str) -> int
 
 def cmd_explain(args: argparse.Namespace) -> int:
     pair = read_pair(args.src, args.dst, args.shape, args.dtype)
-    ex = explain(pair.src, pair.dst, pair.shape, pair.dtype, cost_model(args.alpha, args.bandwidth))
+    cost = cost_model(args.alpha, args.bandwidth)
+    ex = explain(pair.src, pair.dst, pair.shape, pair.dtype, cost, point_to_point=args.p2p)
     if args.format == "json":
         _emit_json(explained_json(ex))
     else:

@@ -5,7 +5,9 @@ the global tensor its rank holds and is colored by that block, the same block in
 color in every panel, so a reader sees blocks move, split and merge. The whole tensor is
 grey, empty pieces white, and the cells of a partial state (each rank holds an addend) have
 dashed borders. An arrow is labelled with its collective, mesh axis, bytes sent per rank
-and modeled time.
+and modeled time. A point-to-point step (possibly between two meshes: each panel draws its own
+mesh) passes through a box of its messages merged per rank pair: a list when there are few
+pairs, else a sender-by-receiver grid shaded by bytes, legible up to 64 ranks a side.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import attrs
 
 from cli.blocks import Block, block_at
 from cli.mesh_grid import arrange, check_drawable, coordinate_text
-from cli.plan_report import describe_cost, leg_ops
+from cli.messages import Messages, step_messages
+from cli.plan_report import describe_cost, describe_plan_cost, leg_ops, lower_bound_text
 from cli.summary import TensorGroup, largest_first
 from cli.tables import format_bytes, format_seconds
 from planner import COMMUNICATING_OPS, Plan, Step
@@ -72,8 +75,9 @@ def plan_picture(plan: Plan) -> Picture:
     shape = "x".join(map(str, plan.shape)) or "()"
     title = (
         f"{plan.src}  ->  {plan.dst}\n"
-        f"{shape} {plan.dtype}: {_steps_text(len(plan.steps))}, {_cost_text(plan.total_bytes, plan.total_seconds)}\n"
-        f"cost model: {describe_cost(plan.cost, plan.dst.mesh)}"
+        f"{shape} {plan.dtype}: {_steps_text(len(plan.steps))}, {_cost_text(plan.total_bytes, plan.total_seconds)}; "
+        f"{lower_bound_text(plan)}\n"
+        f"cost model: {describe_plan_cost(plan)}"
     )
     return Picture(title, plan.shape, plan.dtype, panels, arrows)
 
@@ -200,6 +204,13 @@ def _small(text: str) -> str:
 
 def _arrow_label(step: Step) -> str:
     mesh = step.layout.mesh
+    if step.axis is None:  # point_to_point: its messages are drawn in a box of their own
+        count = sum(t.src_rank != t.dst_rank for t in step.transfers)
+        cost = f"{format_bytes(step.bytes)} per rank (most sent or received), {format_seconds(step.seconds)}"
+        return (
+            f'<<B>{step.op}</B> ({count} message{"s" * (count != 1)})<BR ALIGN="LEFT"/>{escape(cost)}'
+            '<BR ALIGN="LEFT"/>>'
+        )
     args = [f"axis {mesh.axis_label(step.axis)}"]
     if step.dim is not None:
         args.append(f"dim {step.dim}" + (f" -> {step.to_dim}" if step.to_dim is not None else ""))
@@ -212,6 +223,55 @@ def _arrow_label(step: Step) -> str:
     )
     # Left-aligned lines keep the label clear of the arrow it sits beside.
     return f'<<B>{step.op}</B> ({escape(", ".join(args))})<BR ALIGN="LEFT"/>{escape(cost)}<BR ALIGN="LEFT"/>>'
+
+
+# Up to this many rank pairs are listed; more are drawn as a sender-by-receiver grid of cells
+# wide enough for a two-digit rank in the header.
+LISTED_PAIRS = 24
+CELL = 'WIDTH="11" HEIGHT="11" FIXEDSIZE="TRUE"'
+
+
+def _messages_label(title: str, messages: Messages) -> str:
+    head = (
+        f'<TR><TD COLSPAN="{{span}}" BGCOLOR="#f4f4f4" ALIGN="LEFT" BALIGN="LEFT"><B>{escape(title)}</B><BR/>'
+        f'<FONT POINT-SIZE="10">{"<BR/>".join(escape(part) for part in messages.summary().split("; "))}</FONT>'
+        "</TD></TR>"
+    )
+    pairs = messages.pairs
+    if len(pairs) <= LISTED_PAIRS:
+        rows = [head.format(span=2)] + [
+            f'<TR><TD ALIGN="LEFT">r{s} &#8594; r{d}</TD><TD ALIGN="RIGHT">{format_bytes(n)}</TD></TR>'
+            for (s, d), n in pairs.items()
+        ]
+    else:
+        senders = sorted({s for s, _ in pairs})
+        receivers = sorted({d for _, d in pairs})
+        most = max(pairs.values())
+        rows = [head.format(span=len(receivers) + 1)]
+        rows.append(
+            '<TR><TD BORDER="0"><FONT POINT-SIZE="7">from \\ to</FONT></TD>'
+            + "".join(f'<TD BORDER="0" {CELL}><FONT POINT-SIZE="7">{d}</FONT></TD>' for d in receivers)
+            + "</TR>"
+        )
+        for s in senders:
+            cells = []
+            for d in receivers:
+                n = pairs.get((s, d), 0)
+                shade = EMPTY_COLOR if not n else _shade(n / most)
+                cells.append(f'<TD BGCOLOR="{shade}" {CELL}></TD>')
+            rows.append(f'<TR><TD BORDER="0" ALIGN="RIGHT"><FONT POINT-SIZE="7">{s}</FONT></TD>{"".join(cells)}</TR>')
+        rows.append(
+            f'<TR><TD BORDER="0" COLSPAN="{len(receivers) + 1}" ALIGN="LEFT"><FONT POINT-SIZE="9">'
+            f"rows send, columns receive; the darkest cell is {escape(format_bytes(most))}, white is none"
+            "</FONT></TD></TR>"
+        )
+    return '<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="2">' + "".join(rows) + "</TABLE>>"
+
+
+def _shade(fraction: float) -> str:
+    """A blue from pale (little) to dark (the most), never white."""
+    r, g, b = colorsys.hsv_to_rgb(0.6, 0.15 + 0.75 * fraction, 0.98 - 0.35 * fraction)
+    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
 
 
 def _quote(text: str) -> str:
@@ -241,8 +301,14 @@ def picture_dot(picture: Picture) -> str:
     for i, arrow in enumerate(picture.arrows, 1):
         local = arrow.step.op not in COMMUNICATING_OPS
         style = ', style=dashed, color="#888888"' if local else ", penwidth=1.6"
+        head = arrow.head
+        if arrow.step.op == "point_to_point":  # the arrow passes through the box of its messages
+            head = f"messages-{i}"
+            label = _messages_label(f"messages of step {i}", step_messages(arrow.step, picture.dtype))
+            lines.append(f"  {_quote(head)} [id={_quote(head)}, label={label}];")
+            lines.append(f"  {_quote(head)} -> {_quote(arrow.head)} [penwidth=1.6];")
         lines.append(
-            f"  {_quote(arrow.tail)} -> {_quote(arrow.head)} [id={_quote(f'step-{i}')}, "
+            f"  {_quote(arrow.tail)} -> {_quote(head)} [id={_quote(f'step-{i}')}, "
             f"class={_quote('step ' + arrow.step.op)}, label={_arrow_label(arrow.step)}{style}];"
         )
     lines.append("}")

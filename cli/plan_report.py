@@ -1,18 +1,21 @@
-"""Plans as text tables and as JSON (the schema of the planner issue)."""
+"""Plans as text tables and as JSON (the schema of the planner issue, with the receive lower
+bound and, for point-to-point steps, their transfers)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from cli.messages import step_messages
 from cli.summary import TensorGroup, group_tensors, largest_first
 from cli.tables import format_bytes, format_seconds, format_table
 from cli.terminal import Style
 from planner import COMMUNICATING_OPS, CostModel, Plan, Step
 from planner.model import SpecPlan, TensorPlans
+from planner.plan import same_geometry
 from shardlang import Mesh
 
-# The JSON of one plan, exactly as the planner issue gives it (Plan.to_json adds more).
-PLAN_KEYS = ("src", "dst", "shape", "dtype", "steps", "total_bytes", "total_seconds")
+# The JSON of one plan: the planner issue's keys and the receive lower bound (Plan.to_json adds more).
+PLAN_KEYS = ("src", "dst", "shape", "dtype", "steps", "total_bytes", "total_seconds", "lower_bound_bytes")
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
@@ -52,6 +55,29 @@ def describe_cost(cost: CostModel, mesh: Mesh) -> str:
     return "; ".join(f"axis {mesh.axis_label(i)}: {text}" for i, text in enumerate(per_axis))
 
 
+def describe_plan_cost(plan: Plan) -> str:
+    """The cost model of a plan: of its mesh, or of both meshes and the messages between them."""
+    src, dst = plan.src.mesh, plan.dst.mesh
+    if same_geometry(src, dst):
+        return describe_cost(plan.cost, dst)
+    rates = [plan.cost.for_mesh(mesh) for mesh in (src, dst)]
+    alphas = {a for per_axis, _ in rates for a in per_axis}
+    bandwidths = {b for _, per_axis in rates for b in per_axis}
+    alpha, bandwidth = max(alphas), min(bandwidths)
+    if len(alphas) == len(bandwidths) == 1:
+        return f"both meshes, every axis and message: {bandwidth / 1e9:g} GB/s, {format_seconds(alpha)} per round"
+    return (
+        f"source {src.describe()}: {describe_cost(plan.cost, src)}; target {dst.describe()}: "
+        f"{describe_cost(plan.cost, dst)}; between the meshes the slowest of both: "
+        f"{bandwidth / 1e9:g} GB/s, {format_seconds(alpha)} per message"
+    )
+
+
+def axis_text(step: Step) -> str:
+    """The step's mesh axis as its own mesh names it; ``-`` for a point-to-point step."""
+    return "-" if step.axis is None else step.layout.mesh.axis_label(step.axis)
+
+
 def op_text(step: Step, style: Style) -> str:
     return style(step.op, "cyan") if step.op in COMMUNICATING_OPS else style(step.op, "dim")
 
@@ -63,12 +89,11 @@ def _dim_text(step: Step) -> str:
 
 
 def steps_table(plan: Plan, style: Style, indent: str = "  ") -> str:
-    mesh = plan.dst.mesh
     rows = [
         [
             str(i),
             op_text(s, style),
-            mesh.axis_label(s.axis),
+            axis_text(s),
             _dim_text(s),
             s.reduce_op or "-",
             str(s.layout),
@@ -92,14 +117,40 @@ def steps_table(plan: Plan, style: Style, indent: str = "  ") -> str:
         ]
     )
     headers = ["#", "op", "axis", "dim", "reduce", "layout after the step", "bytes/rank", "time"]
-    return format_table(headers, rows, "><<<<<>>", indent)
+    table = format_table(headers, rows, "><<<<<>>", indent)
+    return "\n".join([table, *message_lines(plan, indent)])
+
+
+def message_lines(plan: Plan, indent: str = "  ", most_pairs: int = 12) -> list[str]:
+    """Under the table, per point-to-point step: its messages, and who sends whom how much
+    (every rank pair when there are few, else the largest)."""
+    lines = []
+    for i, step in enumerate(plan.steps, 1):
+        if step.op != "point_to_point":
+            continue
+        messages = step_messages(step, plan.dtype)
+        lines.append(f"{indent}step {i}: {messages.summary()}")
+        largest = sorted(messages.pairs.items(), key=lambda item: (-item[1], item[0]))[:most_pairs]
+        for (sender, receiver), nbytes in sorted(largest):
+            lines.append(f"{indent}  r{sender} -> r{receiver}  {format_bytes(nbytes)}")
+        if len(messages.pairs) > most_pairs:
+            lines.append(
+                f"{indent}  ({len(messages.pairs) - most_pairs} more rank pairs: the largest are listed; "
+                "--format json gives every transfer)"
+            )
+    return lines
+
+
+def lower_bound_text(plan: Plan) -> str:
+    """The receive lower bound: what the busiest target rank lacks of its target piece."""
+    return f"receive lower bound: {format_bytes(plan.lower_bound_bytes)} per rank"
 
 
 def format_plan(plan: Plan, style: Style, heading: str = "plan") -> str:
     shape = "x".join(map(str, plan.shape)) or "() (a scalar)"
     lines = [
         f"{style(heading, 'bold')}  {plan.src}  ->  {plan.dst}",
-        f"  tensor {shape} {plan.dtype}; cost model: {describe_cost(plan.cost, plan.dst.mesh)}",
+        f"  tensor {shape} {plan.dtype}; {lower_bound_text(plan)}; cost model: {describe_plan_cost(plan)}",
         steps_table(plan, style),
     ]
     return "\n".join(lines)
@@ -123,8 +174,7 @@ def format_tensor_plans(tp: TensorPlans, style: Style) -> str:
 
 def leg_ops(plan: Plan) -> str:
     """``reduce_scatter(dp)``, steps joined by ``, ``; ``-`` when there is nothing to do."""
-    mesh = plan.dst.mesh
-    return ", ".join(f"{s.op}({mesh.axis_label(s.axis)})" for s in plan.steps) or "-"
+    return ", ".join(f"{s.op}({axis_text(s)})" for s in plan.steps) or "-"
 
 
 def summary_rows(groups: list[TensorGroup], style: Style) -> list[list[str]]:

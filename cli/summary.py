@@ -22,6 +22,7 @@ def plan_spec_with_progress(
     alpha: object = None,
     bandwidth: object = None,
     max_local_bytes: int | None = None,
+    point_to_point: bool = False,
 ) -> SpecPlan:
     """:func:`planner.model.plan_spec`, one tensor at a time so that a terminal sees progress."""
     chosen = spec.tensors if tensors is None else tuple(tensors)
@@ -31,7 +32,7 @@ def plan_spec_with_progress(
         for t in chosen:
             progress.advance(t.name)
             cost = cost_for(spec, t, alpha=alpha, bandwidth=bandwidth)
-            planned.append(plan_tensor(t, cost, max_local_bytes=max_local_bytes))
+            planned.append(plan_tensor(t, cost, max_local_bytes=max_local_bytes, point_to_point=point_to_point))
     finally:
         progress.close()
     return SpecPlan(spec=spec, tensors=tuple(planned))

@@ -1,13 +1,18 @@
-"""The planner: cheapest sequences of collectives between layouts, under a cost model.
+"""The planner: cheapest sequences of collectives (and point-to-point steps) between layouts,
+under a cost model.
 
 It knows the language (``shardlang``) and nothing of torch.distributed.
 """
 
+from planner.choice import plan
 from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, CostModel, PlanError
-from planner.plan import COMMUNICATING_OPS, OPS, Plan, Step
-from planner.search import plan
+from planner.holdings import receive_lower_bound
+from planner.p2p import point_to_point_plan
+from planner.plan import BASELINE_OPS, COMMUNICATING_OPS, OPS, Plan, Step, Transfer
+from planner.search import collective_plan
 
 __all__ = [
+    "BASELINE_OPS",
     "COMMUNICATING_OPS",
     "DEFAULT_ALPHA",
     "DEFAULT_BANDWIDTH",
@@ -16,5 +21,9 @@ __all__ = [
     "Plan",
     "PlanError",
     "Step",
+    "Transfer",
+    "collective_plan",
     "plan",
+    "point_to_point_plan",
+    "receive_lower_bound",
 ]

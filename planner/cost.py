@@ -14,6 +14,8 @@ slice, partial  0                                                         0
 =============== ========================================================= ==========
 
 Step time = rounds * alpha[a] + bytes / bandwidth[a]; plan time = sum of step times.
+Point-to-point steps (``planner.p2p``) are priced per rank from their messages and links; that
+model is documented there.
 
 The search compares times exactly: :func:`integer_rates` scales the model so that
 every step time is an integer, so equal-time plans compare equal whatever the order of their
@@ -87,6 +89,13 @@ class CostModel:
             "alpha": list(self.alpha) if isinstance(self.alpha, tuple) else self.alpha,
             "bandwidth": list(self.bandwidth) if isinstance(self.bandwidth, tuple) else self.bandwidth,
         }
+
+
+def collective_rounds(op: str, n: int) -> int:
+    """The rounds column of the table: latency rounds of ``op`` on a mesh axis of size ``n``."""
+    if op in ("slice", "partial"):
+        return 0
+    return 2 * (n - 1) if op == "all_reduce" else n - 1
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import attrs
 
+from planner.choice import plan
 from planner.cost import CostModel, PlanError
 from planner.plan import Plan
-from planner.search import plan
 from shardlang.layout import Layout
 from shardlang.spec import STATE_DEFAULT, Spec, TensorSpec
 
@@ -66,14 +66,22 @@ def cost_for(spec: Spec, tensor: TensorSpec, *, alpha: object = None, bandwidth:
 
 
 def plan_tensor(
-    tensor: TensorSpec, cost: CostModel, *, dtype: str | None = None, max_local_bytes: int | None = None
+    tensor: TensorSpec,
+    cost: CostModel,
+    *,
+    dtype: str | None = None,
+    max_local_bytes: int | None = None,
+    point_to_point: bool = False,
 ) -> TensorPlans:
+    """The plans of one tensor's optimizer step; ``point_to_point`` as in :func:`planner.plan`."""
     dtype = dtype or tensor.dtype
     state = tensor.state()
 
     def leg(src: Layout, dst: Layout) -> Plan:
         try:
-            return plan(src, dst, tensor.shape, dtype, cost, max_local_bytes=max_local_bytes)
+            return plan(
+                src, dst, tensor.shape, dtype, cost, max_local_bytes=max_local_bytes, point_to_point=point_to_point
+            )
         except PlanError as e:
             raise PlanError(f"tensor '{tensor.name}': {e.message}", tensor.position) from None
 
@@ -97,8 +105,12 @@ def plan_spec(
     alpha: object = None,
     bandwidth: object = None,
     max_local_bytes: int | None = None,
+    point_to_point: bool = False,
 ) -> SpecPlan:
     """Plans of one optimizer step for every declared tensor (or the named ones).
+
+    ``point_to_point=True`` lets every leg use point-to-point steps and mixes where they are
+    cheaper (:func:`planner.plan`); by default legs are collective plans (the baseline move set).
 
     Plans are memoized by :func:`planner.plan`, so tensors with equal layouts, shape and
     dtype are planned once.
@@ -107,7 +119,12 @@ def plan_spec(
     return SpecPlan(
         spec=spec,
         tensors=tuple(
-            plan_tensor(t, cost_for(spec, t, alpha=alpha, bandwidth=bandwidth), max_local_bytes=max_local_bytes)
+            plan_tensor(
+                t,
+                cost_for(spec, t, alpha=alpha, bandwidth=bandwidth),
+                max_local_bytes=max_local_bytes,
+                point_to_point=point_to_point,
+            )
             for t in chosen
         ),
     )

@@ -8,15 +8,17 @@ from typing import Any
 import attrs
 
 from planner.cost import CostModel, PlanError
+from planner.holdings import Box, receive_lower_bound
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 from shardlang.parser import parse_layout
 
-OPS = ("slice", "partial", "all_gather", "all_to_all", "reduce_scatter", "all_reduce", "point_to_point")
+# The baseline move set of the planner issue: one mesh axis per step. The default, and the move
+# set whose optimum the shared conformance data records.
+BASELINE_OPS = ("slice", "partial", "all_gather", "all_to_all", "reduce_scatter", "all_reduce")
+OPS = (*BASELINE_OPS, "point_to_point")
 COMMUNICATING_OPS = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "point_to_point")
-
-Box = tuple[tuple[int, int], ...]
 
 
 @attrs.frozen
@@ -56,8 +58,8 @@ class Step:
 
     def describe(self) -> str:
         """``all_gather(axis=1, dim=0)``: the op and its arguments, without the cost."""
-        if self.axis is None:
-            return f"{self.op}(messages={len(self.transfers)})"
+        if self.axis is None:  # point_to_point: its messages over the wire (local copies aside)
+            return f"{self.op}(messages={sum(t.src_rank != t.dst_rank for t in self.transfers)})"
         args = [f"axis={self.layout.mesh.axis_label(self.axis)}"]
         if self.dim is not None:
             args.append(f"dim={self.dim}")
@@ -103,6 +105,12 @@ class Plan:
         return sum(s.seconds for s in self.steps)
 
     @property
+    def lower_bound_bytes(self) -> int:
+        """The receive lower bound of the pair (``planner.holdings``): the largest, over target
+        ranks, of the bytes of its target piece that a target rank does not already hold."""
+        return receive_lower_bound(self.src, self.dst, self.shape, self.dtype)
+
+    @property
     def collectives(self) -> tuple[Step, ...]:
         """The steps that communicate (everything but slice and partial)."""
         return tuple(s for s in self.steps if s.op in COMMUNICATING_OPS)
@@ -121,6 +129,7 @@ class Plan:
             "steps": [s.to_json() for s in self.steps],
             "total_bytes": self.total_bytes,
             "total_seconds": self.total_seconds,
+            "lower_bound_bytes": self.lower_bound_bytes,
             "cost": self.cost.to_json(),
         }
         if meshes:

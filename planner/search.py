@@ -22,7 +22,26 @@ from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 
 
-def plan(
+def check_request(
+    src: Layout, dst: Layout, shape: tuple[int, ...] | list[int], dtype: str, max_local_bytes: int | None
+) -> tuple[int, ...]:
+    """The shape as a tuple of ints, once the shape fits both layouts, the dtype is known and
+    ``max_local_bytes`` is a byte count or ``None``; a :class:`PlanError` naming the pair if not."""
+    shape = tuple(int(s) for s in shape)
+    try:
+        src.check_shape(shape)
+        dst.check_shape(shape)
+        dtype_itemsize(dtype)
+    except ShardlangError as e:
+        raise PlanError(f"cannot plan {src} -> {dst}: {e.message}") from None
+    if max_local_bytes is not None and (
+        isinstance(max_local_bytes, bool) or not isinstance(max_local_bytes, int) or max_local_bytes < 0
+    ):
+        raise PlanError(f"cannot plan {src} -> {dst}: max_local_bytes must be a byte count, got {max_local_bytes!r}")
+    return shape
+
+
+def collective_plan(
     src: Layout,
     dst: Layout,
     shape: tuple[int, ...] | list[int],
@@ -31,28 +50,19 @@ def plan(
     *,
     max_local_bytes: int | None = None,
 ) -> Plan:
-    """The cheapest plan from ``src`` to ``dst`` for a tensor of ``shape`` and ``dtype``.
+    """The cheapest plan of collectives (the baseline move set) from ``src`` to ``dst``, two
+    layouts on the same mesh, for a tensor of ``shape`` and ``dtype``.
 
     With ``max_local_bytes``, the cheapest plan whose every state (source and target
     included) holds at most that many bytes per rank; a :class:`PlanError` when none does.
     Results are memoized on all arguments.
     """
-    shape = tuple(int(s) for s in shape)
-    try:
-        src.check_shape(shape)
-        dst.check_shape(shape)
-        dtype_itemsize(dtype)
-    except ShardlangError as e:
-        raise PlanError(f"cannot plan {src} -> {dst}: {e.message}") from None
+    shape = check_request(src, dst, shape, dtype, max_local_bytes)
     if not same_geometry(src.mesh, dst.mesh):
         raise PlanError(
-            f"cannot plan {src} -> {dst}: the layouts are on different meshes "
+            f"cannot plan {src} -> {dst} with collectives: the layouts are on different meshes "
             f"({src.mesh.describe()} and {dst.mesh.describe()})"
         )
-    if max_local_bytes is not None and (
-        isinstance(max_local_bytes, bool) or not isinstance(max_local_bytes, int) or max_local_bytes < 0
-    ):
-        raise PlanError(f"cannot plan {src} -> {dst}: max_local_bytes must be a byte count, got {max_local_bytes!r}")
     return _plan_cached(src, dst, shape, dtype, cost or _DEFAULT_COST, max_local_bytes)
 
 

@@ -4,7 +4,8 @@ It is the one layer that communicates; it reads layouts (``shardlang``) and plan
 
 * ``shard`` / ``unshard``: the piece each rank holds of a full tensor, and back (ground truth).
 * ``simulate``: run a plan for every rank at once, in one process.
-* ``reshard``: run a plan on the calling rank, collectives over the mesh axes' process groups.
+* ``reshard``: run a plan on the calling rank, collectives over the mesh axes' process groups,
+  point-to-point steps with ``batch_isend_irecv``; across meshes every rank of either mesh calls.
 * ``axis_group``: the calling rank's process group along some mesh axes.
 * ``recording``: measure what each collective sent.
 """

@@ -1,11 +1,12 @@
-"""Padded blocks: packing a piece into equal blocks for a collective, and back.
+"""Blocks of pieces: padded blocks for collectives, and boxes for point-to-point transfers.
 
 A collective exchanges equal-sized blocks, but pieces are uneven (``torch.chunk``: trailing
 pieces shorter or empty). ``pack`` cuts a tensor along one dim into ``n`` blocks of a given
 padded shape (zeros fill what the tensor does not cover); ``unpack`` concatenates received
 blocks along one dim and crops to the true shape. Both avoid copies when the blocks are
 already contiguous runs of memory, and otherwise copy each region once (two copies at most:
-the whole blocks, then the partial last one).
+the whole blocks, then the partial last one). ``region`` is the view of one box of a piece
+(a point-to-point transfer's block, placed relative to the piece that sends or receives it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def pack(x: torch.Tensor, dim: int, n: int, block: Sequence[int]) -> torch.Tenso
     out = x.new_zeros((n, *block)) if padded else x.new_empty((n, *block))
     if x.numel() == 0:
         return out
-    spread = crop(out.movedim(0, dim), [*x.shape[:dim], n, b, *x.shape[dim + 1:]])
+    spread = crop(out.movedim(0, dim), [*x.shape[:dim], n, b, *x.shape[dim + 1 :]])
     whole, rest = divmod(length, b)
     if whole:
         spread.narrow(dim, 0, whole).copy_(x.narrow(dim, 0, whole * b).unflatten(dim, (whole, b)))
@@ -51,14 +52,22 @@ def unpack(blocks: torch.Tensor, dim: int, shape: Sequence[int]) -> torch.Tensor
     n, *block = blocks.shape
     b = block[dim]
     if math.prod(block[:dim]) == 1:
-        return crop(blocks.reshape(*block[:dim], n * b, *block[dim + 1:]), shape)
+        return crop(blocks.reshape(*block[:dim], n * b, *block[dim + 1 :]), shape)
     out = blocks.new_empty(tuple(shape))
     if out.numel() == 0:
         return out
-    spread = crop(blocks.movedim(0, dim), [*shape[:dim], n, b, *shape[dim + 1:]])
+    spread = crop(blocks.movedim(0, dim), [*shape[:dim], n, b, *shape[dim + 1 :]])
     whole, rest = divmod(shape[dim], b)
     if whole:
         out.narrow(dim, 0, whole * b).unflatten(dim, (whole, b)).copy_(spread.narrow(dim, 0, whole))
     if rest:
         out.narrow(dim, whole * b, rest).copy_(spread.select(dim, whole).narrow(dim, 0, rest))
     return out
+
+
+def region(x: torch.Tensor, box: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The elements of ``x`` inside ``box`` (``[start, stop)`` per dim, relative to ``x``): a view."""
+    for k, (start, stop) in enumerate(box):
+        if start != 0 or stop != x.shape[k]:
+            x = x.narrow(k, start, stop - start)
+    return x

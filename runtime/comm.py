@@ -4,6 +4,11 @@ Everything backend-specific stays here; the executor above only names the collec
 collective is issued asynchronously and its work handle waited on with a timeout, so a peer
 that died or never arrives surfaces as a :class:`DistributedError` instead of a hang.
 
+Point-to-point messages (``post_point_to_point``, ``wait_point_to_point``) go between global
+ranks of the default process group through ``batch_isend_irecv``, all of a step's messages in
+one batch; waiting on them shares ONE deadline, so a step waits at most ``timeout`` however
+many messages it has. On gloo a timed-out receive also closes the connection to that peer.
+
 ``avg`` is computed as a sum followed by a division by the group size on every backend:
 gloo lacks ``ReduceOp.AVG`` on some builds and for some collectives, and the sum-then-divide
 result is the same on all of them. An integer tensor cannot be averaged (rejected earlier).
@@ -12,6 +17,7 @@ result is the same on all of them. An integer tensor cannot be averaged (rejecte
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -66,14 +72,50 @@ def collective(
     return received
 
 
+Messages = list[tuple[int, torch.Tensor]]  # (global peer rank, flat contiguous buffer)
+
+
+def post_point_to_point(sends: Messages, receives: Messages) -> list[tuple[str, dist.Work]]:
+    """Start every send and receive of one step; returns each message's work handle with what it
+    is (``"the receive from rank 3"``)."""
+    ops = [(f"the send to rank {peer}", dist.P2POp(dist.isend, buffer, peer)) for peer, buffer in sends]
+    ops += [(f"the receive from rank {peer}", dist.P2POp(dist.irecv, buffer, peer)) for peer, buffer in receives]
+    if not ops:
+        return []
+    try:
+        works = dist.batch_isend_irecv([op for _, op in ops])
+    except RuntimeError as e:
+        raise DistributedError(f"posting the messages failed: {_reason(e, None)}") from e
+    return [(what, work) for (what, _), work in zip(ops, works, strict=True)]
+
+
+def wait_point_to_point(works: list[tuple[str, dist.Work]], timeout: datetime.timedelta) -> None:
+    """Wait for every message of a step, all within one ``timeout``."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    for what, work in works:
+        left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            wait(work, left)
+        except RuntimeError as e:
+            raise DistributedError(f"{what}: {_reason(e, timeout)}") from e
+
+
+def default_device() -> torch.device:
+    """Where a rank that holds no piece yet allocates what it receives: the current CUDA device
+    when the default process group runs NCCL, else the CPU."""
+    if "nccl" in dist.get_backend() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def wait(work: dist.Work, timeout: datetime.timedelta) -> None:
     """Wait for ``work`` at most ``timeout``; raises RuntimeError (from torch) past it."""
     if not work.wait(timeout):
         raise RuntimeError("the collective did not complete")
 
 
-def _reason(error: RuntimeError, timeout: datetime.timedelta) -> str:
+def _reason(error: RuntimeError, timeout: datetime.timedelta | None) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if "timed out" in text.lower() or "timeout" in text.lower():
+    if timeout is not None and ("timed out" in text.lower() or "timeout" in text.lower()):
         return f"timed out after {timeout.total_seconds():g} s (a peer did not arrive): {text}"
     return f"a peer failed: {text}"

@@ -6,10 +6,20 @@ the process group of its mesh axis (``runtime.groups``), through the collective 
 and trimming. Plans and compiled moves are cached per (src, dst, shape, dtype, rank), so a
 training loop plans once.
 
+A point-to-point step (``runtime.exchange``) sends boxes between global ranks of the default
+group in one ``batch_isend_irecv``; a rank's own boxes are copied, never sent. Across meshes
+(source and target meshes of other shapes or ranks, overlapping or not) every rank of either
+mesh calls: ranks only in the source mesh run the source-mesh steps, send, and get ``None``;
+ranks only in the target mesh pass ``local=None``, receive, and run the target-mesh steps.
+Ranks in neither mesh do not call.
+
 Memory: a collective step allocates its result plus at most one padded buffer per side of
 the collective (the send buffer is released before the result is assembled); no step holds
-the global tensor unless the state it produces is replicated. The caller's tensor is never
-written: an all_reduce copies it first, later steps reduce their own buffers in place.
+the global tensor unless the state it produces is replicated. A point-to-point step
+allocates its output, plus one buffer per peer whose message is not a single contiguous box
+(a message that is one is sent from the piece, or received into the output, in place).
+The caller's tensor is never written: an all_reduce copies it first, later steps reduce
+their own buffers in place.
 The result is contiguous and shares no memory with ``local`` (unless the plan is empty, when
 ``local`` itself is returned).
 """
@@ -29,23 +39,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import planner
-from planner.plan import Plan
+from planner.plan import Plan, same_geometry
 from runtime import stats
-from runtime.comm import collective
-from runtime.dtypes import dtype_name
+from runtime.comm import collective, default_device, post_point_to_point, wait_point_to_point
+from runtime.dtypes import dtype_name, torch_dtype
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
-from runtime.groups import axis_group, group_for
+from runtime.exchange import Exchange
+from runtime.groups import axis_group, group_for, ranks_group
 from runtime.program import Move, bytes_sent, compile_plan, piece_shape
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
-from shardlang.mesh import Mesh
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def reshard(
-    local: torch.Tensor,
+    local: torch.Tensor | None,
     src: Layout,
     dst: Layout,
     *,
@@ -55,15 +65,21 @@ def reshard(
     timeout: float | datetime.timedelta | None = None,
     verify: bool = False,
     name: str | None = None,
-) -> torch.Tensor:
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor | None:
     """This rank's piece in ``dst`` of the tensor whose piece in ``src`` is ``local``.
 
     ``global_shape`` is the full tensor's shape. ``mesh`` is an optional DeviceMesh whose
-    groups to use (it must be the layouts' grid of ranks). ``plan`` overrides the planner's
-    choice (it must be a plan from ``src`` to ``dst`` for this shape and dtype). Every wait
-    is bounded by ``timeout`` (seconds or a timedelta; default 5 minutes). ``verify`` first
-    checks that every rank of the mesh runs the same plan. ``name`` labels errors and
-    communication records.
+    groups to use (it must be the layouts' grid of ranks; same-mesh plans only). ``plan``
+    overrides the planner's choice (it must be a plan from ``src`` to ``dst`` for this shape
+    and dtype). Every wait is bounded by ``timeout`` (seconds or a timedelta; default 5
+    minutes). ``verify`` first checks that every rank of the mesh (of both meshes) runs the
+    same plan. ``name`` labels errors and communication records.
+
+    Across meshes every rank of either mesh calls: ``local`` is ``None`` on a rank outside
+    the source mesh (give it ``dtype``, unless ``plan`` is given, and optionally ``device``,
+    else the backend's default), and the result is ``None`` on a rank outside the target mesh.
     """
     label = f"tensor '{name}'" if name is not None else "the tensor"
     _check_arguments(local, src, dst, label)
@@ -71,30 +87,45 @@ def reshard(
         raise DistributedError(f"{label}: torch.distributed is not initialized (call init_process_group first)")
     rank = dist.get_rank()
     shape = _shape(global_shape, label)
-    if rank not in src.mesh.ranks:
-        raise ReshardError(f"{label}: rank {rank} is not in {src.mesh.describe()}; only the mesh's ranks call reshard")
-    program = _program(src, dst, shape, dtype_name(local.dtype), plan, rank, label)
-    if tuple(local.shape) != program.source_shape:
+    same_mesh = same_geometry(src.mesh, dst.mesh)
+    _check_membership(local, src, dst, rank, same_mesh, label)
+    if mesh is not None and not same_mesh:
+        raise ReshardError(
+            f"{label}: a DeviceMesh describes one mesh, but {src.mesh.describe()} -> {dst.mesh.describe()} spans two; "
+            "pass no mesh to use shardlang's groups"
+        )
+    program = _program(src, dst, shape, _dtype(local, dtype, plan, rank, label), plan, rank, label)
+    if local is not None and tuple(local.shape) != program.source_shape:
         raise ReshardError(
             f"{label}: rank {rank} holds a piece of shape {list(local.shape)}, but '{src}' gives it "
             f"{list(program.source_shape)} of {list(shape)}"
         )
     wait = _timeout(timeout, label)
+    where = local.device if local is not None else _device(device, label)
     with torch.no_grad():  # collectives are not differentiable; nothing here records a graph
         if verify:
-            _verify(program.plan, local.device, mesh, wait, label)
-        return _execute(program, local, mesh, wait, label, name)
+            _verify(program.plan, where, mesh, wait, label)
+        return _execute(program, local, where, mesh, wait, label, name)
 
 
 def _execute(
-    program: _Program, local: torch.Tensor, device_mesh: DeviceMesh | None, wait: datetime.timedelta, label: str,
+    program: _Program,
+    local: torch.Tensor | None,
+    device: torch.device,
+    device_mesh: DeviceMesh | None,
+    wait: datetime.timedelta,
+    label: str,
     name: str | None,
-) -> torch.Tensor:
-    if not program.moves:
+) -> torch.Tensor | None:
+    if not program.plan.steps:
         return local
-    mesh = program.plan.src.mesh
     x, writable = local, False
     for move in program.moves:
+        if move is None:
+            continue
+        if isinstance(move, Exchange):
+            x, writable = _point_to_point(move, x, device, program.plan, wait, label, name), True
+            continue
         if move.is_local:
             x = move.local(x)
             continue
@@ -102,31 +133,67 @@ def _execute(
         x = None  # let the previous intermediate go before the collective allocates
         started = time.perf_counter()
         try:
-            group = group_for(mesh, (move.step.axis,), move.members, device_mesh, timeout=wait)
+            group = group_for(move.step.layout.mesh, (move.step.axis,), move.members, device_mesh, timeout=wait)
             received = collective(move.step.op, send, move.n, move.step.reduce_op, group, wait)
         except (DistributedError, ReshardError) as e:
             raise type(e)(f"{label}: {_where(move, program.plan)} failed: {e.message}") from e
         if stats.is_recording():
-            stats.record(
-                stats.CommRecord(
-                    tensor=name,
-                    step=move.index,
-                    op=move.step.op,
-                    axis=move.step.axis,
-                    ranks=move.members,
-                    bytes_sent=bytes_sent(move, ITEMSIZE[program.plan.dtype]),
-                    planned_bytes=move.step.bytes,
-                    seconds=time.perf_counter() - started,
-                )
-            )
+            _record(move, program.plan, name, started)
         del send
         x, writable = move.finish(received), True
+    if x is None:
+        return None  # a rank outside the target mesh
     # Steps that never communicated return views of ``local``: copy them out.
     return x.contiguous() if writable else x.clone(memory_format=torch.contiguous_format)
 
 
+def _point_to_point(
+    move: Exchange,
+    x: torch.Tensor | None,
+    device: torch.device,
+    plan: Plan,
+    wait: datetime.timedelta,
+    label: str,
+    name: str | None,
+) -> torch.Tensor | None:
+    """Run this rank's part of a point-to-point step: its piece after the step (``None`` off
+    the target mesh). Allocates the output, and buffers only for messages that are not one
+    contiguous box (sent from, or received into, the pieces in place)."""
+    started = time.perf_counter()
+    out = None if move.after is None else torch.empty(move.after, dtype=torch_dtype(plan.dtype), device=device)
+    sends = move.pack(x) if move.sends else []
+    buffers = move.receive_buffers(out) if move.receives else []
+    try:
+        works = post_point_to_point(sends, [(peer, buffer) for peer, buffer, _ in buffers])
+        if move.copies:
+            move.copy_local(x, out)  # while the messages travel
+        wait_point_to_point(works, wait)
+    except DistributedError as e:
+        raise DistributedError(f"{label}: {_where(move, plan)} failed: {e.message}") from e
+    del sends
+    move.place(out, buffers)
+    if stats.is_recording() and move.peers:
+        _record(move, plan, name, started)
+    return out
+
+
+def _record(move: Move | Exchange, plan: Plan, name: str | None, started: float) -> None:
+    stats.record(
+        stats.CommRecord(
+            tensor=name,
+            step=move.index,
+            op=move.step.op,
+            axis=move.step.axis,
+            ranks=move.peers if isinstance(move, Exchange) else move.members,
+            bytes_sent=bytes_sent(move, ITEMSIZE[plan.dtype]),
+            planned_bytes=move.step.bytes,
+            seconds=time.perf_counter() - started,
+        )
+    )
+
+
 def _check_arguments(local: object, src: object, dst: object, label: str) -> None:
-    if not isinstance(local, torch.Tensor) or isinstance(local, DTensor):
+    if local is not None and (not isinstance(local, torch.Tensor) or isinstance(local, DTensor)):
         what = "a DTensor (pass its to_local())" if isinstance(local, DTensor) else type(local).__name__
         raise ReshardError(f"{label}: reshard takes this rank's piece as a plain torch.Tensor, not {what}")
     for role, layout in (("src", src), ("dst", dst)):
@@ -136,15 +203,63 @@ def _check_arguments(local: object, src: object, dst: object, label: str) -> Non
             )
 
 
+def _check_membership(
+    local: torch.Tensor | None, src: Layout, dst: Layout, rank: int, same_mesh: bool, label: str
+) -> None:
+    """Ranks of the source mesh pass their piece, ranks only in the target mesh pass None."""
+    in_source = rank in src.mesh.ranks
+    if not in_source and rank not in dst.mesh.ranks:
+        meshes = src.mesh.describe(), dst.mesh.describe()
+        where = f"not in {meshes[0]}" if same_mesh else f"in neither {meshes[0]} nor {meshes[1]}"
+        raise ReshardError(f"{label}: rank {rank} is {where}; only the ranks of the layouts' meshes call reshard")
+    if in_source and local is None:
+        raise ReshardError(f"{label}: rank {rank} is in the source mesh {src.mesh.describe()}; pass its piece as local")
+    if not in_source and local is not None:
+        raise ReshardError(
+            f"{label}: rank {rank} is not in the source mesh {src.mesh.describe()} and holds no piece; pass local=None"
+        )
+
+
+def _dtype(
+    local: torch.Tensor | None, dtype: torch.dtype | str | None, plan: Plan | None, rank: int, label: str
+) -> str:
+    """The language's name of the tensor's dtype: from the piece, else ``dtype``, else the plan."""
+    try:
+        given = dtype if dtype is None or isinstance(dtype, str) else dtype_name(dtype)
+        if given is not None:
+            torch_dtype(given)  # an unknown name is an error here, not later
+        if local is not None:
+            held = dtype_name(local.dtype)
+            if given is not None and given != held:
+                raise ReshardError(f"rank {rank} holds a piece of {held} but dtype={given} is given")
+            return held
+    except ShardlangError as e:
+        raise type(e)(f"{label}: {e.message}", e.position) from None
+    if given is not None:
+        return given
+    if plan is not None:
+        return plan.dtype
+    raise ReshardError(f"{label}: rank {rank} holds no piece (it is not in the source mesh); pass dtype=")
+
+
+def _device(device: torch.device | str | None, label: str) -> torch.device:
+    try:
+        return default_device() if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ReshardError(f"{label}: not a device: {device!r} ({e})") from None
+
+
 class _Program:
-    """A plan, its moves for one rank, and that rank's source piece shape."""
+    """A plan, its moves for one rank, and that rank's source piece shape (``None`` outside
+    the source mesh)."""
 
     __slots__ = ("moves", "plan", "source_shape")
 
     def __init__(self, plan: Plan, rank: int) -> None:
         self.plan = plan
-        self.moves: tuple[Move, ...] = compile_plan(plan, rank)
-        self.source_shape = piece_shape(plan.src.rank_piece(plan.shape, rank))
+        self.moves: tuple[Move | Exchange | None, ...] = compile_plan(plan, rank)
+        in_source = rank in plan.src.mesh.ranks
+        self.source_shape = piece_shape(plan.src.rank_piece(plan.shape, rank)) if in_source else None
 
 
 def _program(
@@ -189,9 +304,12 @@ def _timeout(timeout: float | datetime.timedelta | None, label: str) -> datetime
     return wait
 
 
-def _where(move: Move, plan: Plan) -> str:
+def _where(move: Move | Exchange, plan: Plan) -> str:
     step = move.step
-    what = f"{step.describe()} -> {step.layout}, on ranks {list(move.members)}"
+    if isinstance(move, Exchange):
+        what = f"{step.describe()} -> {step.layout}, with ranks {list(move.peers)}"
+    else:
+        what = f"{step.describe()} -> {step.layout}, on ranks {list(move.members)}"
     return f"step {move.index + 1} of {len(plan.steps)} ({what})"
 
 
@@ -204,22 +322,28 @@ def plan_fingerprint(plan: Plan) -> int:
 def _verify(
     plan: Plan, device: torch.device, device_mesh: DeviceMesh | None, wait: datetime.timedelta, label: str
 ) -> None:
-    mesh: Mesh = plan.src.mesh
+    src, dst = plan.src.mesh, plan.dst.mesh
+    # Every rank that calls: the source mesh's ranks in mesh order, then the target mesh's others.
+    members = (*src.ranks, *(r for r in dst.ranks if r not in src.ranks))
+    where = src.describe() if same_geometry(src, dst) else f"{src.describe()} and {dst.describe()}"
     mine = plan_fingerprint(plan)
     try:
-        group = axis_group(mesh, tuple(range(mesh.ndim)), device_mesh, timeout=wait)
+        if same_geometry(src, dst):
+            group = axis_group(src, tuple(range(src.ndim)), device_mesh, timeout=wait)
+        else:
+            group = ranks_group(members, timeout=wait)
         gathered = collective(
-            "all_gather", torch.tensor([mine], dtype=torch.int64, device=device), mesh.size, None, group, wait
+            "all_gather", torch.tensor([mine], dtype=torch.int64, device=device), len(members), None, group, wait
         )
     except DistributedError as e:
         raise DistributedError(f"{label}: verifying the plan {plan.src} -> {plan.dst} failed: {e.message}") from e
     prints = gathered.tolist()
     if any(p != mine for p in prints):
         by_print: dict[int, list[int]] = {}
-        for r, p in zip(mesh.ranks, prints, strict=True):
+        for r, p in zip(members, prints, strict=True):
             by_print.setdefault(p, []).append(r)
         groups = "; ".join(f"ranks {ranks} hold plan {p:016x}" for p, ranks in by_print.items())
         raise PlanMismatchError(
-            f"{label}: the ranks of {mesh.describe()} disagree on the plan (this rank {dist.get_rank()} runs "
+            f"{label}: the ranks of {where} disagree on the plan (this rank {dist.get_rank()} runs "
             f"{plan.src} -> {plan.dst}, shape {list(plan.shape)}, {plan.dtype}, plan {mine:016x}): {groups}"
         )

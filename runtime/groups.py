@@ -6,11 +6,19 @@ coordinate order (row-major over ``axes`` in the order given), so block ``i`` of
 belongs to coordinate ``i``, whatever the mesh's rank numbering (``ranks [2,0,3,1]``).
 
 Groups are created with ``use_local_synchronization=True``: only the members call into
-``new_group``, so ranks outside a mesh (an idle rank next to ``mesh[3] ranks 0..2``) never
-need to. Members must request overlapping groups in the same order, which holds when every
-rank runs the same program (the same plans, the same optimizer steps). The cache is keyed by
-the ordered member ranks, so two meshes that share a group share one process group, and it
-is dropped when the default process group changes (destroy and re-init).
+``new_group``, so ranks outside a mesh (an idle rank next to ``mesh[3] ranks 0..2``, the
+ranks of the other mesh in a cross-mesh reshard) never need to. torch names such a group by
+hashing its ranks WITH the number of groups the calling process already has, so two members
+that created different numbers of groups before (a source-mesh rank and a target-mesh rank
+after a cross-mesh reshard) would wait on different rendezvous keys until the timeout. We
+name every group by its ordered members alone (``_member_named_groups``), so members agree
+whatever else each created; members must still request overlapping groups in the same
+order, which holds when every rank runs the same program. The cache is keyed by the ordered
+member ranks, so two meshes that share a group share one process group (and no name is used
+twice), and it is dropped when the default process group changes (destroy and re-init).
+
+``ranks_group(members)`` is the group of any ordered set of ranks (the union of two meshes,
+whose ranks compare plan fingerprints before a cross-mesh reshard).
 
 A user's ``DeviceMesh`` can supply the groups instead (``device_mesh=``): a single axis uses
 ``device_mesh.get_group(axis)``, after checking that the device mesh is the same grid of ranks
@@ -20,11 +28,14 @@ has no public group over several dims.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 from runtime.errors import DistributedError, ReshardError
@@ -91,15 +102,24 @@ def group_for(
 ) -> dist.ProcessGroup:
     """The process group of ``members`` (``axis_ranks(mesh, axes, rank)``, computed by the
     caller once), from ``device_mesh`` for a single axis when one is given."""
+    if device_mesh is None or len(axes) != 1:
+        return ranks_group(members, timeout=timeout)
     cache = _cache()
-    key = (members,) if device_mesh is None or len(axes) != 1 else (device_mesh, mesh, axes[0])
+    key = (device_mesh, mesh, axes[0])
     group = cache.get(key)
     if group is None:
-        if len(key) == 1:
-            group = _new_group(members, timeout)
-        else:
-            group = _device_mesh_group(device_mesh, mesh, axes[0], members)
-        cache[key] = group
+        group = cache[key] = _device_mesh_group(device_mesh, mesh, axes[0], members)
+    return group
+
+
+def ranks_group(members: tuple[int, ...], *, timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """The process group of exactly ``members`` (global ranks; group rank ``i`` is
+    ``members[i]``), created by the members alone on first use, then cached."""
+    cache = _cache()
+    key = (members,)
+    group = cache.get(key)
+    if group is None:
+        group = cache[key] = _new_group(members, timeout)
     return group
 
 
@@ -115,9 +135,28 @@ def _cache() -> dict[tuple, dist.ProcessGroup]:
 
 def _new_group(members: tuple[int, ...], timeout: datetime.timedelta | None) -> dist.ProcessGroup:
     try:
-        return dist.new_group(list(members), timeout=timeout, use_local_synchronization=True, sort_ranks=False)
+        with _member_named_groups():
+            return dist.new_group(list(members), timeout=timeout, use_local_synchronization=True, sort_ranks=False)
     except (RuntimeError, ValueError) as e:
         raise DistributedError(f"cannot create the process group of ranks {list(members)}: {e}") from e
+
+
+@contextlib.contextmanager
+def _member_named_groups() -> Iterator[None]:
+    """Within the block, ``new_group(..., use_local_synchronization=True)`` names a group by its
+    ordered ranks alone (see the module docstring). torch has no public argument for the name,
+    so its private hashing function (``_hash_ranks_to_str(ranks) -> str``) is swapped for the
+    block; a torch without it fails loudly here rather than deadlocking later."""
+    original = c10d._hash_ranks_to_str
+    c10d._hash_ranks_to_str = _group_name
+    try:
+        yield
+    finally:
+        c10d._hash_ranks_to_str = original
+
+
+def _group_name(ranks: Sequence[int]) -> str:
+    return "shardlang-" + hashlib.sha1("_".join(map(str, ranks)).encode(), usedforsecurity=False).hexdigest()
 
 
 def check_device_mesh(device_mesh: DeviceMesh, mesh: Mesh) -> None:
@@ -130,9 +169,7 @@ def check_device_mesh(device_mesh: DeviceMesh, mesh: Mesh) -> None:
         )
 
 
-def _device_mesh_group(
-    device_mesh: DeviceMesh, mesh: Mesh, axis: int, members: tuple[int, ...]
-) -> dist.ProcessGroup:
+def _device_mesh_group(device_mesh: DeviceMesh, mesh: Mesh, axis: int, members: tuple[int, ...]) -> dist.ProcessGroup:
     check_device_mesh(device_mesh, mesh)
     group = device_mesh.get_group(axis)
     order = tuple(dist.get_process_group_ranks(group))

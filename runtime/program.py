@@ -10,6 +10,12 @@ a step (the ranks that differ only on the step's mesh axis) every rank has the s
 lengths on all dims but the moving one, so a group pads to its own chunk size
 (``ceil(L / n)`` of the piece being split or joined), never more than the mesh-wide padded
 size the cost model counts, and equal to it on the rank at coordinate 0.
+
+A plan may change meshes at a ``point_to_point`` step (``runtime.exchange``): the steps
+before it run on the source mesh, the steps after it on the target mesh. A rank's program
+has one entry per step: a :class:`Move` for a step on a mesh the rank is in, an
+:class:`~runtime.exchange.Exchange` for a point-to-point step it sends or receives in (or
+sits next to), ``None`` where it takes no part.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import functools
 import attrs
 import torch
 
-from planner.plan import Plan, Step
+from planner.plan import Plan, Step, same_geometry
 from runtime.blocks import crop, pack, unpack
 from runtime.errors import ReshardError
+from runtime.exchange import Exchange, compile_exchange
 from runtime.groups import axis_ranks
 from shardlang.layout import padded_length
 
@@ -120,14 +127,31 @@ def check_reducible(plan: Plan) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def compile_plan(plan: Plan, rank: int) -> tuple[Move, ...]:
-    """Every move of ``rank`` (a rank of the plan's mesh) through ``plan``."""
+def compile_plan(plan: Plan, rank: int) -> tuple[Move | Exchange | None, ...]:
+    """``rank``'s part in every step of ``plan``, one entry per step (``None`` where the rank
+    is not in the step's mesh)."""
     check_reducible(plan)
-    mesh = plan.dst.mesh
-    coordinate = mesh.coordinate(rank)
     layouts = plan.layouts()
-    moves = []
+    if not same_geometry(layouts[-1].mesh, plan.dst.mesh):
+        raise ReshardError(
+            f"the plan {plan.src} -> {plan.dst} ends on {layouts[-1].mesh.describe()}, not on the target's mesh; "
+            "only a point_to_point step changes meshes"
+        )
+    moves: list[Move | Exchange | None] = []
     for index, step in enumerate(plan.steps):
+        if step.op == "point_to_point":
+            moves.append(compile_exchange(plan, index, rank))
+            continue
+        mesh = step.layout.mesh
+        if not same_geometry(layouts[index].mesh, mesh):
+            raise ReshardError(
+                f"step {index + 1} of {len(plan.steps)} ({step.describe()}) goes from {layouts[index].mesh.describe()} "
+                f"to {mesh.describe()}; only a point_to_point step changes meshes"
+            )
+        if rank not in mesh.ranks:
+            moves.append(None)
+            continue
+        coordinate = mesh.coordinate(rank)
         old = layouts[index].piece(plan.shape, coordinate)
         new = step.layout.piece(plan.shape, coordinate)
         before, after = piece_shape(old), piece_shape(new)
@@ -148,9 +172,12 @@ def compile_plan(plan: Plan, rank: int) -> tuple[Move, ...]:
     return tuple(moves)
 
 
-def bytes_sent(move: Move, itemsize: int) -> int:
-    """Bytes this rank sends in the step under the standard (ring) algorithms, counted from
-    the buffers it really passes: the cost model's formulas applied to actual sizes."""
+def bytes_sent(move: Move | Exchange, itemsize: int) -> int:
+    """Bytes this rank sends in the step: for a collective under the standard (ring)
+    algorithms, counted from the buffers it really passes (the cost model's formulas applied to
+    actual sizes); for a point-to-point step, the boxes it sends to other ranks."""
+    if isinstance(move, Exchange):
+        return move.elements_sent * itemsize
     n, op, block = move.n, move.step.op, torch.Size(move.block).numel() * itemsize
     if move.is_local:
         return 0

@@ -9,6 +9,11 @@ communicate nothing (slice, partial, a mesh axis of size 1) are not collectives 
 record. ``bytes_sent`` applies the cost model's formulas to the buffers the rank really
 passed, so on the busiest rank (coordinate 0) it equals the plan's ``bytes`` and elsewhere
 it is at most that (uneven pieces pad less).
+
+A point-to-point step leaves one record (``op="point_to_point"``, ``axis=None``) on every
+rank that sends or receives a message in it: ``ranks`` are its peers, ``bytes_sent`` the
+boxes it sent to them (what it copies to itself is not sent and not counted), and
+``planned_bytes`` the step's ``bytes`` (the largest per-rank max(sent, received)).
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ import attrs
 
 @attrs.frozen
 class CommRecord:
-    """One collective of one reshard on the calling rank."""
+    """One collective (or point-to-point step) of one reshard on the calling rank."""
 
     tensor: str | None
     step: int
     op: str
-    axis: int
+    axis: int | None
     ranks: tuple[int, ...]
     bytes_sent: int
     planned_bytes: int

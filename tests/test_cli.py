@@ -24,7 +24,7 @@ from tests.conftest import EXAMPLES
 
 SCRIPT = Path(sys.executable).with_name("shardlang")
 SVG = "{http://www.w3.org/2000/svg}"
-PAIR_KEYS = {"src", "dst", "shape", "dtype", "steps", "total_bytes", "total_seconds"}
+PAIR_KEYS = {"src", "dst", "shape", "dtype", "steps", "total_bytes", "total_seconds", "lower_bound_bytes"}
 STEP_KEYS = {"op", "axis", "dim", "to_dim", "reduce_op", "layout", "bytes", "seconds"}
 HAR = ["R | P01 over mesh[2,8]", "R over mesh[2,8]", "--shape", "1048576", "--bandwidth", "25e9,300e9"]
 
@@ -265,7 +265,11 @@ def test_bad_arguments_give_one_message_and_an_exit_code(tmp_path: Path) -> None
     cases = [
         (["plan", "S0 over mesh[2]", "R over mesh[2]"], 2, "--shape"),
         (["plan", "S0 over mesh[2", "R over mesh[2]", "--shape", "4"], 1, "SRC:1:"),
-        (["plan", "S0 over mesh[2]", "R over mesh[3]", "--shape", "4"], 1, "different meshes"),
+        (
+            ["plan", "S0 over mesh[2,2]", "S0 over mesh[4] ranks 4..7", "--shape", "8", "--bandwidth", "1,2"],
+            1,
+            "2 values",
+        ),
         (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "4x4"], 1, "2 dims"),
         (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "four"], 2, "not a shape"),
         (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "4", "--bandwidth", "1,2"], 1, "2 values"),

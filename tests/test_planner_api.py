@@ -70,7 +70,8 @@ def test_json_has_the_issue_schema():
                        planner.CostModel(bandwidth=(25e9, 300e9)))  # fmt: skip
     data = json.loads(json.dumps(got.to_json()))
     assert list(data)[: len(ISSUE_KEYS)] == ISSUE_KEYS
-    assert set(data) - set(ISSUE_KEYS) == {"cost"}  # the model the seconds come from
+    # the model the seconds come from, and the receive lower bound (point-to-point issue)
+    assert set(data) - set(ISSUE_KEYS) == {"cost", "lower_bound_bytes"}
     assert data["src"] == "R | P01 over mesh[2,8]" and data["dst"] == "R over mesh[2,8]"
     assert data["shape"] == [1 << 20] and data["dtype"] == "f32"
     assert data["cost"] == {"alpha": 5e-6, "bandwidth": [25e9, 300e9]}
@@ -158,11 +159,11 @@ def test_planning_again_cold_gives_the_same_plan():
 
 
 # --- errors -------------------------------------------------------------------------------
-def test_layouts_on_different_meshes_are_refused():
+def test_collective_plans_refuse_layouts_on_different_meshes():
     with pytest.raises(planner.PlanError, match=r"different meshes \(mesh\[2,2\] and mesh\[4\]\)"):
-        planner.plan(L("S0 over mesh[2,2]"), L("S0 over mesh[4]"), (8,))
+        planner.collective_plan(L("S0 over mesh[2,2]"), L("S0 over mesh[4]"), (8,))
     with pytest.raises(planner.PlanError, match=r"mesh\[2\] ranks \[1,0\]"):
-        planner.plan(L("S0 over mesh[2]"), L("R over mesh[2] ranks [1,0]"), (8,))
+        planner.collective_plan(L("S0 over mesh[2]"), L("R over mesh[2] ranks [1,0]"), (8,))
 
 
 def test_a_layout_of_another_rank_than_the_shape_is_refused():

@@ -142,6 +142,23 @@ class StateWhere:
         }
 
 
+@attrs.frozen(eq=False)
+class HeldTensor:
+    """One parameter as this rank's optimizer holds it (for checkpoints): its whole shape,
+    param layout and local piece (a DTensor's local tensor; not a copy), and, for every
+    state the optimizer keeps for it, where that state lies and its current value (none
+    before the first step); states are of ``state_dtype``."""
+
+    name: str
+    shape: tuple[int, ...]
+    param_layout: Layout
+    param: torch.Tensor
+    step: int
+    state_dtype: torch.dtype
+    wheres: Mapping[str, StateWhere]
+    states: Mapping[str, torch.Tensor]
+
+
 @attrs.frozen
 class StepTraffic:
     """What one step communicates on this rank, as planned: reshard bytes and collectives
@@ -410,6 +427,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Bytes of optimizer state this rank holds (master shards included)."""
         return sum(t.numel() * t.element_size() for slot in self._slots for t in slot.states.values())
 
+    def held_tensors(self) -> list[HeldTensor]:
+        """Every parameter whose states this rank keeps, with where each state lies."""
+        return [
+            HeldTensor(
+                name=slot.name,
+                shape=slot.shape,
+                param_layout=slot.param_layout,
+                param=slot.local_param(),
+                step=slot.step,
+                state_dtype=slot.dtype,
+                wheres={name: self._where(slot, name) for name in sorted(self._state_names(slot))},
+                states=dict(slot.states),
+            )
+            for slot in self._slots
+            if slot.shard is not None
+        ]
+
+    def _state_names(self, slot: Slot) -> set[str]:
+        return set(self._initial_states(slot)) | ({"master"} if slot.needs_master else set())
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's states, each with the layout it lies in."""
         tensors = {}
@@ -444,7 +481,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             entry = state_dict["tensors"].get(slot.name)
             if slot.shard is None or entry is None:
                 continue
-            expected = set(self._initial_states(slot)) | ({"master"} if slot.needs_master else set())
+            expected = self._state_names(slot)
             if set(entry["states"]) != expected:
                 raise OptimizerError(
                     f"tensor '{slot.name}': the state dict holds states {sorted(entry['states'])}, "

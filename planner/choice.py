@@ -1,0 +1,205 @@
+"""``planner.plan``: collectives, point-to-point steps, or a mix of both.
+
+Two layouts on one mesh get the baseline move set by default: the cheapest sequence of
+collectives over one mesh axis at a time (``planner.search``, exact in that move set; the shared
+conformance data is its optimum). With ``point_to_point=True``, and always for layouts on
+different meshes (no collective joins two meshes), the plan is the cheapest of these candidates,
+compared by (time, steps, candidate order) in the exact integer units of ``planner.p2p.Links``:
+
+1. the collective plan (one mesh only);
+2. mixes ``collectives on the source mesh -> one point-to-point step -> collectives on the
+   target mesh`` through two intermediate layouts, neither partial (the state around a
+   point-to-point step never is): ``M`` on the source mesh and ``M'`` on the target mesh.
+
+   - ``M``: the source with every pending reduction resolved, each partial axis either dropped
+     (all_reduce) or appended as the innermost split of a dim (reduce_scatter); the source
+     itself when it is not partial.
+   - ``M'``: the target without its pending reductions, or with some of its axes that split no
+     dim appended, in ascending order, as the innermost splits of one dim. The point-to-point
+     step then fills thinner pieces and all_gathers on the target mesh fan them out, which
+     beats messages when few ranks hold a block that many need.
+
+   Axes are appended only to the dims that the layout across the step splits (so pieces line
+   up with it) and to the longest dim (the most even pieces), which bounds the candidates.
+
+   The legs ``src -> M`` and ``M' -> dst`` are exact cheapest collective plans (a partial
+   target's leg ends in local ``partial`` steps). Pairs are priced lazily, cheapest bound
+   first: the legs' time, then plus a lower bound on the step (``planner.p2p.time_lower_bound``),
+   then exactly; pairs whose bound is no better than the best exact price are never priced.
+
+The collective legs are exact; the set of intermediate layouts is a choice (the plan is the
+cheapest among these candidates, not over every possible mix). ``max_local_bytes`` bounds every
+state, intermediate layouts included. Results are memoized on all arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+
+import attrs
+
+from planner.cost import CostModel, PlanError, collective_rounds
+from planner.p2p import Exchange, Links, time_lower_bound
+from planner.plan import Plan, same_geometry
+from planner.search import check_request, collective_plan
+from shardlang.dtypes import itemsize as dtype_itemsize
+from shardlang.errors import ShardlangError
+from shardlang.layout import Layout
+
+_DEFAULT_COST = CostModel()
+
+
+def plan(
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...] | list[int],
+    dtype: str = "f32",
+    cost: CostModel | None = None,
+    *,
+    max_local_bytes: int | None = None,
+    point_to_point: bool = False,
+) -> Plan:
+    """The cheapest plan from ``src`` to ``dst`` for a tensor of ``shape`` and ``dtype``.
+
+    Layouts on one mesh: the cheapest collective plan (the baseline move set), or with
+    ``point_to_point=True`` the cheapest of collective, point-to-point and mixed plans. Layouts
+    on different meshes (another shape or rank set, overlapping or disjoint): always the latter
+    without the collective plan. Among equally cheap plans, one with the fewest steps.
+
+    With ``max_local_bytes``, the cheapest plan whose every state (source and target
+    included) holds at most that many bytes per rank; a :class:`PlanError` when none does.
+    """
+    if same_geometry(src.mesh, dst.mesh) and not point_to_point:
+        return collective_plan(src, dst, shape, dtype, cost, max_local_bytes=max_local_bytes)
+    shape = check_request(src, dst, shape, dtype, max_local_bytes)
+    return _cheapest(src, dst, shape, dtype, cost or _DEFAULT_COST, max_local_bytes)
+
+
+def joinable_dims(layout: Layout, other: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The dims an intermediate layout next to ``layout`` appends axes to: the dims that the
+    layout on the other side of the point-to-point step splits (pieces that line up with it
+    cross in fewer, larger messages) and the longest dim (the most even pieces)."""
+    longest = max(range(len(shape)), key=lambda d: (shape[d], -d)) if shape else None
+    return tuple(sorted({d for d, axes in enumerate(other.dims) if axes} | ({longest} - {None})))
+
+
+def source_resolutions(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[Layout, ...]:
+    """The layouts ``M`` (module docstring): every way to resolve the source's pending reductions."""
+    if not src.partial:
+        return (src,)
+    mesh = src.mesh
+    dims_to_join = joinable_dims(src, dst, shape)
+    choices = [(None,) if mesh.shape[a] == 1 else (None, *dims_to_join) for a, _ in src.partial]
+    out = []
+    for placement in itertools.product(*choices):
+        dims = [list(axes) for axes in src.dims]
+        for (axis, _), d in zip(src.partial, placement, strict=True):
+            if d is not None:
+                dims[d].append(axis)
+        out.append(Layout(dims=dims, mesh=mesh))
+    return tuple(out)
+
+
+def target_fillings(dst: Layout, src: Layout, shape: tuple[int, ...]) -> tuple[Layout, ...]:
+    """The layouts ``M'`` (module docstring): the target without pending reductions, then with
+    every nonempty set of its non-splitting axes (size > 1) appended to one dim."""
+    mesh = dst.mesh
+    filled = Layout(dims=dst.dims, mesh=mesh)
+    free = [a for a in range(mesh.ndim) if dst.dim_of_axis(a) is None and mesh.shape[a] > 1]
+    out = [filled]
+    for count in range(1, len(free) + 1):
+        for axes in itertools.combinations(free, count):
+            for d in joinable_dims(dst, src, shape):
+                dims = [list(x) for x in dst.dims]
+                dims[d].extend(axes)
+                out.append(Layout(dims=dims, mesh=mesh))
+    return tuple(out)
+
+
+@attrs.frozen
+class _Mix:
+    """A mixed candidate: the leg ``src -> M``, the leg ``M' -> dst``, their time in units, and
+    once priced, the point-to-point exchange ``M -> M'``."""
+
+    before: Plan
+    after: Plan
+    legs_units: int
+    exchange: Exchange | None = None
+
+
+def _leg(
+    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, limit: int | None
+) -> Plan | None:
+    """The cheapest collective plan, or ``None`` when none keeps within ``limit``."""
+    try:
+        return collective_plan(src, dst, shape, dtype, cost, max_local_bytes=limit)
+    except PlanError:
+        return None
+
+
+def _units(leg: Plan, rates: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
+    per_round, per_byte = rates
+    shape = leg.src.mesh.shape
+    return sum(
+        collective_rounds(s.op, shape[s.axis]) * per_round[s.axis] + s.bytes * per_byte[s.axis] for s in leg.steps
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest(
+    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, max_local_bytes: int | None
+) -> Plan:
+    try:
+        links = Links(cost, src.mesh, dst.mesh)
+    except ShardlangError as e:
+        raise PlanError(f"cannot plan {src} -> {dst}: {e.message}") from None
+    one_mesh = same_geometry(src.mesh, dst.mesh)
+    itemsize = dtype_itemsize(dtype)
+    for name, layout in (("source", src), ("target", dst)):
+        held = math.prod(layout.local_shape(shape)) * itemsize
+        if max_local_bytes is not None and held > max_local_bytes:
+            raise PlanError(
+                f"cannot plan {src} -> {dst}: the {name} holds {held} bytes per rank, "
+                f"more than max_local_bytes={max_local_bytes}"
+            )
+    # Candidates are refined lazily, cheapest bound first (as A* does). An entry is (bound on
+    # time units, steps, order, stage, candidate): a mix enters with the time of its legs
+    # (stage 0), then gets the point-to-point lower bound added (1), then is priced exactly
+    # (2). The first exact entry out of the queue is the cheapest by (time, steps, order).
+    queue: list[tuple[int, int, int, int, Plan | _Mix]] = []
+    if one_mesh:
+        whole = _leg(src, dst, shape, dtype, cost, max_local_bytes)
+        if whole is not None:
+            queue.append((_units(whole, links.src_rates), len(whole.steps), 0, 2, whole))
+    befores = [(leg, _units(leg, links.src_rates)) for m in source_resolutions(src, dst, shape)
+               if (leg := _leg(src, m, shape, dtype, cost, max_local_bytes)) is not None]  # fmt: skip
+    afters = [(leg, _units(leg, links.dst_rates)) for m in target_fillings(dst, src, shape)
+              if (leg := _leg(m, dst, shape, dtype, cost, max_local_bytes)) is not None]  # fmt: skip
+    for order, ((before, b_units), (after, a_units)) in enumerate(itertools.product(befores, afters), start=1):
+        if one_mesh and before.dst.dims == after.src.dims:
+            continue  # the step would only copy locally: the collective plan through it is never worse
+        steps = len(before.steps) + 1 + len(after.steps)
+        queue.append((b_units + a_units, steps, order, 0, _Mix(before, after, b_units + a_units)))
+    heapq.heapify(queue)
+    while queue:
+        units, steps, order, stage, candidate = heapq.heappop(queue)
+        if stage == 2:
+            break
+        mix: _Mix = candidate  # type: ignore[assignment]
+        if stage == 0:
+            units += time_lower_bound(mix.before.dst, mix.after.src, shape, itemsize, links)
+        else:
+            mix = attrs.evolve(mix, exchange=Exchange(mix.before.dst, mix.after.src, shape, itemsize, links))
+            units = mix.legs_units + mix.exchange.units
+        heapq.heappush(queue, (units, steps, order, stage + 1, mix))
+    else:
+        limit = f" within max_local_bytes={max_local_bytes}" if max_local_bytes is not None else ""
+        raise PlanError(f"no plan takes {src} to {dst}{limit}")
+    if isinstance(candidate, Plan):
+        steps = candidate.steps
+    else:
+        steps = (*candidate.before.steps, candidate.exchange.step(), *candidate.after.steps)
+    return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=steps, cost=cost)

@@ -1,0 +1,110 @@
+"""What each rank holds of a global tensor, what a target rank lacks, and the receive lower bound.
+
+A layout cuts every tensor dim into intervals (``Layout.piece``): the leaves of its nested
+``torch.chunk`` splits, which are disjoint and cover the dim. A block is one interval per dim;
+every combination occurs, distinct blocks are disjoint and together they cover the tensor.
+The ranks that differ only on axes splitting no dim hold the same block: its holders.
+
+Receive lower bound: a target rank must receive every element of its target piece that it
+does not already hold. It holds an element when it is in the source mesh, the element is in
+its source piece, and the source holds final values (no pending reduction over an axis of size
+greater than 1). The bound of a pair is the largest, over the target ranks, of those bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import math
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+
+from shardlang.dtypes import itemsize as dtype_itemsize
+from shardlang.layout import Layout
+
+Box = tuple[tuple[int, int], ...]
+
+
+def box_elements(box: Box) -> int:
+    return math.prod(hi - lo for lo, hi in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common block of two boxes, or ``None`` when they share no element."""
+    out = []
+    for (alo, ahi), (blo, bhi) in zip(a, b, strict=True):
+        lo, hi = max(alo, blo), min(ahi, bhi)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def holds_values(layout: Layout) -> bool:
+    """Whether each rank's piece holds final values: no pending reduction over an axis of size > 1."""
+    return all(layout.mesh.shape[axis] == 1 for axis, _ in layout.partial)
+
+
+class Blocks:
+    """The nonempty blocks of a layout for one tensor shape, with their holders.
+
+    ``intervals[d]``: the distinct nonempty intervals of dim ``d``, ascending. ``holders[box]``:
+    the ranks holding block ``box``, in mesh order. ``of_rank[rank]``: each rank's block.
+    """
+
+    def __init__(self, layout: Layout, shape: tuple[int, ...]) -> None:
+        self.of_rank: dict[int, Box] = {rank: layout.rank_piece(shape, rank) for rank in layout.mesh.ranks}
+        self.holders: dict[Box, tuple[int, ...]] = {}
+        for rank, box in self.of_rank.items():
+            if box_elements(box):
+                self.holders[box] = (*self.holders.get(box, ()), rank)
+        self.intervals = tuple(tuple(sorted({box[d] for box in self.holders})) for d in range(len(shape)))
+        self._starts = tuple(tuple(lo for lo, _ in dim) for dim in self.intervals)
+
+    def _overlapping_intervals(self, box: Box) -> list[list[tuple[int, int]]]:
+        """Per dim, the intervals that share elements with ``box`` (none anywhere if it is empty)."""
+        if not box_elements(box):
+            return [[] for _ in box]
+        per_dim = []
+        for (lo, hi), intervals, starts in zip(box, self.intervals, self._starts, strict=True):
+            first = max(bisect.bisect_right(starts, lo) - 1, 0)
+            last = bisect.bisect_left(starts, hi)
+            per_dim.append([iv for iv in intervals[first:last] if iv[1] > lo and iv[0] < hi])
+        return per_dim
+
+    def overlapping(self, box: Box) -> Iterator[tuple[Box, Box]]:
+        """Each block sharing elements with ``box``, with the shared part: ``(block, part)``, in
+        ascending block order. The parts partition ``box``."""
+        for block in itertools.product(*self._overlapping_intervals(box)):
+            yield block, tuple((max(lo, blo), min(hi, bhi)) for (lo, hi), (blo, bhi) in zip(box, block, strict=True))
+
+    def count_overlapping(self, box: Box) -> int:
+        """How many blocks share elements with ``box``."""
+        return math.prod(len(dim) for dim in self._overlapping_intervals(box))
+
+
+@functools.lru_cache(maxsize=1024)
+def blocks_of(layout: Layout, shape: tuple[int, ...]) -> Blocks:
+    return Blocks(layout, shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def missing_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str) -> Mapping[int, int]:
+    """Per target rank (in target mesh order), the bytes of its target piece it does not hold
+    (module docstring); a partial target's piece is the block its rank holds addends of."""
+    shape = tuple(shape)
+    itemsize = dtype_itemsize(dtype)
+    source = set(src.mesh.ranks) if holds_values(src) else set()
+    out = {}
+    for rank in dst.mesh.ranks:
+        target = dst.rank_piece(shape, rank)
+        held = intersect(src.rank_piece(shape, rank), target) if rank in source else None
+        out[rank] = (box_elements(target) - (box_elements(held) if held else 0)) * itemsize
+    return MappingProxyType(out)
+
+
+def receive_lower_bound(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str = "f32") -> int:
+    """The largest, over target ranks, of the bytes a target rank must receive to go from
+    ``src`` to ``dst`` (same mesh or not): any plan has a rank that receives at least this."""
+    return max(missing_bytes(src, dst, tuple(int(s) for s in shape), dtype).values(), default=0)

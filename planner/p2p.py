@@ -1,0 +1,232 @@
+"""Point-to-point steps: each target rank receives exactly the elements it lacks, each from one holder.
+
+Messages. For every target rank ``t`` and every source block (``planner.holdings``) that
+overlaps ``t``'s target piece, one transfer carries the overlap: from ``t`` itself when it holds
+that block (a local copy: a rank's own data never goes over the wire), else from one holder of
+the block. The overlaps partition the target piece, so every element arrives exactly once, each
+target rank receives exactly the receive lower bound's bytes, and it receives the fewest
+messages possible: one per block it needs and does not hold (a sender holds one block).
+
+Senders (Alpa's load-balancing problem). What each rank receives is fixed by the layouts; the
+choice of holders only decides what each rank sends. Every source rank holds one block, so the
+choice falls apart into one problem per block: put the block's messages (jobs, sized in bytes)
+on its holders (identical machines) so that the largest volume sent is least (P||Cmax). Each is
+solved by LPT (Graham 1969): messages by decreasing size, each to the holder that has sent the
+least so far (ties: the faster link, then fewer messages, then mesh order). LPT is within a
+factor ``4/3 - 1/(3m)`` of the optimum on ``m`` machines. The step's bytes, the largest per-rank
+``max(sent, received)``, equal ``max(largest received, largest sent)``; the first is fixed and the
+second is a maximum over independent blocks, so they are within ``4/3 - 1/(3m)`` of the best
+sender choice with one holder per message, ``m`` the most holders any block has.
+
+Cost model of a point-to-point step. Per rank ``r``, over its messages sent ``Ms`` and received
+``Mr`` (local copies excluded)::
+
+    time_r = max(sum of alpha_link over Ms, sum of alpha_link over Mr)
+           + max(sum of bytes / beta_link over Ms, sum of bytes / beta_link over Mr)
+
+and the step's time is the largest ``time_r``. Links are full duplex, so sending and receiving
+overlap; with one alpha and beta on every link this is ``messages * alpha + max(sent, received)
+/ beta`` with messages = the larger of the counts sent and received, which prices a ring
+all_gather done by messages (n-1 sent and n-1 received per rank) exactly as the all_gather
+(n-1 rounds). Links: two ranks of one mesh that differ on several mesh axes are joined by the
+slowest of those axes (least bandwidth, largest alpha); between two different meshes (another
+shape or rank set) every message is priced at the slowest bandwidth and largest alpha of all
+axes of both meshes, as nothing says which axis joins them.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from planner.cost import CostModel, PlanError, integer_rates
+from planner.holdings import Box, blocks_of, box_elements, intersect, receive_lower_bound
+from planner.plan import Plan, Step, Transfer, same_geometry
+from planner.search import check_request
+from shardlang.dtypes import itemsize as dtype_itemsize
+from shardlang.errors import ShardlangError
+from shardlang.layout import Layout
+from shardlang.mesh import Mesh
+
+__all__ = ["Exchange", "Links", "point_to_point_plan", "receive_lower_bound", "time_lower_bound"]
+
+
+@attrs.frozen
+class Link:
+    """The price of one message: per message and per byte, in integer units and in seconds."""
+
+    units_per_message: int
+    units_per_byte: int
+    alpha: float
+    bandwidth: float
+
+
+class Links:
+    """Message prices between the ranks of a step from ``src_mesh`` to ``dst_mesh``, and the
+    per-axis collective rates of both meshes, all in one integer scale (``integer_rates``), so
+    that collective and point-to-point steps of one plan compare exactly."""
+
+    def __init__(self, cost: CostModel, src_mesh: Mesh, dst_mesh: Mesh) -> None:
+        src_alpha, src_bandwidth = cost.for_mesh(src_mesh)
+        dst_alpha, dst_bandwidth = cost.for_mesh(dst_mesh)
+        alpha, bandwidth = src_alpha + dst_alpha, src_bandwidth + dst_bandwidth
+        per_round, per_byte = integer_rates(alpha, bandwidth)
+        n = src_mesh.ndim
+        self.src_rates = (per_round[:n], per_byte[:n])
+        self.dst_rates = (per_round[n:], per_byte[n:])
+        self._mesh = dst_mesh if same_geometry(src_mesh, dst_mesh) else None
+        self._axes = tuple(zip(per_round[n:], per_byte[n:], dst_alpha, dst_bandwidth, strict=True))
+        self._slowest = Link(max(per_round), max(per_byte), max(alpha), min(bandwidth))
+        # No message is cheaper than this, per message and per byte (a lower-bound price).
+        self.fastest = (
+            Link(min(per_round[n:]), min(per_byte[n:]), min(dst_alpha), max(dst_bandwidth))
+            if self._mesh is not None
+            else self._slowest
+        )
+        self._links: dict[tuple[int, int], Link] = {}
+
+    def between(self, sender: int, receiver: int) -> Link:
+        """The link a message from global rank ``sender`` to ``receiver`` takes (two distinct ranks)."""
+        if self._mesh is None:
+            return self._slowest
+        key = (sender, receiver)
+        if key not in self._links:
+            a, b = self._mesh.coordinate(sender), self._mesh.coordinate(receiver)
+            axes = [rates for rates, i, j in zip(self._axes, a, b, strict=True) if i != j]
+            self._links[key] = Link(
+                max(r[0] for r in axes), max(r[1] for r in axes), max(r[2] for r in axes), min(r[3] for r in axes)
+            )
+        return self._links[key]
+
+
+@attrs.define
+class _Traffic:
+    """What one rank sends and receives in a step (local copies excluded)."""
+
+    sent: int = 0
+    received: int = 0
+    units: list[int] = attrs.Factory(lambda: [0, 0, 0, 0])  # latency sent, received; bytes sent, received
+    seconds: list[float] = attrs.Factory(lambda: [0.0, 0.0, 0.0, 0.0])
+
+    def add(self, link: Link, nbytes: int, receiving: bool) -> None:
+        if receiving:
+            self.received += nbytes
+        else:
+            self.sent += nbytes
+        self.units[receiving] += link.units_per_message
+        self.units[2 + receiving] += nbytes * link.units_per_byte
+        self.seconds[receiving] += link.alpha
+        self.seconds[2 + receiving] += nbytes / link.bandwidth
+
+    def time_units(self) -> int:
+        u = self.units
+        return max(u[0], u[1]) + max(u[2], u[3])
+
+    def time_seconds(self) -> float:
+        s = self.seconds
+        return max(s[0], s[1]) + max(s[2], s[3])
+
+
+class Exchange:
+    """The messages of a point-to-point step from ``before`` to ``after`` (neither partial; on
+    the meshes ``links`` was made for), senders chosen; ``units`` is its time in the integer
+    units of ``links``. :meth:`step` makes the step record."""
+
+    def __init__(self, before: Layout, after: Layout, shape: tuple[int, ...], itemsize: int, links: Links) -> None:
+        blocks = blocks_of(before, shape)
+        # One slot per (target rank, overlapping block), in target mesh order then block
+        # order: [sender (None until chosen), receiver, part]; per block, its messages.
+        slots: list[list] = []
+        jobs: dict[Box, list[tuple[int, int, int]]] = {}
+        for position, receiver in enumerate(after.mesh.ranks):
+            own = blocks.of_rank.get(receiver)
+            for block, part in blocks.overlapping(after.rank_piece(shape, receiver)):
+                if block == own:
+                    slots.append([receiver, receiver, part])
+                else:
+                    jobs.setdefault(block, []).append((-box_elements(part), position, len(slots)))
+                    slots.append([None, receiver, part])
+        traffic: dict[int, _Traffic] = {}
+        for block, messages in jobs.items():
+            holders = blocks.holders[block]
+            load = dict.fromkeys(holders, 0)
+            count = dict.fromkeys(holders, 0)
+            for negative_size, _, slot in sorted(messages):  # LPT: largest first
+                receiver = slots[slot][1]
+                sender = min(
+                    holders,
+                    key=lambda h, r=receiver: (  # type: ignore[misc]
+                        load[h],
+                        links.between(h, r).units_per_byte,
+                        links.between(h, r).units_per_message,
+                        count[h],
+                    ),
+                )
+                load[sender] -= negative_size
+                count[sender] += 1
+                slots[slot][0] = sender
+                link = links.between(sender, receiver)
+                nbytes = -negative_size * itemsize
+                traffic.setdefault(sender, _Traffic()).add(link, nbytes, receiving=False)
+                traffic.setdefault(receiver, _Traffic()).add(link, nbytes, receiving=True)
+        self.after = after
+        self._slots = slots
+        self._traffic = traffic
+        self.units = max((t.time_units() for t in traffic.values()), default=0)
+
+    def step(self) -> Step:
+        traffic = self._traffic.values()
+        return Step(
+            op="point_to_point",
+            axis=None,
+            dim=None,
+            to_dim=None,
+            reduce_op=None,
+            layout=self.after,
+            bytes=max((max(t.sent, t.received) for t in traffic), default=0),
+            seconds=max((t.time_seconds() for t in traffic), default=0.0),
+            transfers=tuple(Transfer(sender, receiver, part) for sender, receiver, part in self._slots),
+        )
+
+
+def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], itemsize: int, links: Links) -> int:
+    """A lower bound on ``Exchange(before, after, ...).units`` without choosing senders: the
+    largest, over target ranks, of what receiving alone costs on the fastest link."""
+    source = blocks_of(before, shape)
+    fastest = links.fastest
+    bound = 0
+    for target, receivers in blocks_of(after, shape).holders.items():
+        messages, elements = source.count_overlapping(target), box_elements(target)
+        least_held = 0 if any(r not in source.of_rank for r in receivers) else elements
+        for receiver in receivers:
+            if least_held:
+                held = intersect(source.of_rank[receiver], target)
+                least_held = min(least_held, box_elements(held) if held else 0)
+        # The receiver that holds least needs the most bytes; it lacks all blocks but (maybe) one.
+        missing = (elements - least_held) * itemsize
+        bound = max(bound, (messages - (least_held > 0)) * fastest.units_per_message + missing * fastest.units_per_byte)
+    return bound
+
+
+def point_to_point_plan(
+    src: Layout, dst: Layout, shape: tuple[int, ...] | list[int], dtype: str = "f32", cost: CostModel | None = None
+) -> Plan:
+    """The plan of one point-to-point step from ``src`` to ``dst`` (same mesh or not, neither
+    partial): every target rank receives exactly the elements it lacks (the receive lower
+    bound), each from one holder, senders balanced as the module docstring says.
+
+    ``planner.plan`` chooses between this, collectives and mixes; this is the plain step.
+    """
+    shape = check_request(src, dst, shape, dtype, None)
+    for name, layout in (("source", src), ("target", dst)):
+        if layout.is_partial:
+            raise PlanError(
+                f"cannot plan {src} -> {dst} by one point-to-point step: the {name} is partial "
+                f"(planner.plan(..., point_to_point=True) resolves partials with collectives)"
+            )
+    cost = cost or CostModel()
+    try:
+        links = Links(cost, src.mesh, dst.mesh)
+    except ShardlangError as e:
+        raise PlanError(f"cannot plan {src} -> {dst}: {e.message}") from None
+    step = Exchange(src, dst, shape, dtype_itemsize(dtype), links).step()
+    return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(step,), cost=cost)

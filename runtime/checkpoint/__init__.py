@@ -1,0 +1,32 @@
+"""Checkpoints of sharded tensors and optimizer states, loadable under any other mesh and layout.
+
+    runtime.checkpoint.save("ckpt", optimizer=optimizer)             # parameters and states
+    runtime.checkpoint.save("ckpt", {"buf": LocalPiece(piece, layout, shape)})
+    report = runtime.checkpoint.load("ckpt", optimizer=other_optimizer)   # another mesh, other layouts
+
+Every rank writes the pieces it stores (one holder per replicated piece) to its own file; a
+metadata file (JSON) records each tensor's layout, shape and dtype and, for every piece, its
+box of the global tensor and its byte range. A save is committed by atomically replacing the
+metadata file, so a save that fails or crashes leaves the previous checkpoint intact. A load
+reads only the byte runs its target pieces need. Values are stored in global coordinates
+(``items``): flat ZeRO chunks, CAME's row and column statistics and partial layouts included.
+Save and load are collective over the default process group: every rank calls them.
+"""
+
+from runtime.checkpoint.errors import CheckpointError
+from runtime.checkpoint.items import LocalPiece, state_key
+from runtime.checkpoint.loading import LoadReport, load, verify
+from runtime.checkpoint.metadata import Metadata, read_metadata
+from runtime.checkpoint.saving import save
+
+__all__ = [
+    "CheckpointError",
+    "LoadReport",
+    "LocalPiece",
+    "Metadata",
+    "load",
+    "read_metadata",
+    "save",
+    "state_key",
+    "verify",
+]
