@@ -67,6 +67,7 @@ def reshard(
     name: str | None = None,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    point_to_point: bool = False,
 ) -> torch.Tensor | None:
     """This rank's piece in ``dst`` of the tensor whose piece in ``src`` is ``local``.
 
@@ -75,7 +76,8 @@ def reshard(
     overrides the planner's choice (it must be a plan from ``src`` to ``dst`` for this shape
     and dtype). Every wait is bounded by ``timeout`` (seconds or a timedelta; default 5
     minutes). ``verify`` first checks that every rank of the mesh (of both meshes) runs the
-    same plan. ``name`` labels errors and communication records.
+    same plan. ``name`` labels errors and communication records. ``point_to_point`` lets the
+    planner choose point-to-point and mixed plans on one mesh too (across meshes it always may).
 
     Across meshes every rank of either mesh calls: ``local`` is ``None`` on a rank outside
     the source mesh (give it ``dtype``, unless ``plan`` is given, and optionally ``device``,
@@ -94,7 +96,7 @@ def reshard(
             f"{label}: a DeviceMesh describes one mesh, but {src.mesh.describe()} -> {dst.mesh.describe()} spans two; "
             "pass no mesh to use shardlang's groups"
         )
-    program = _program(src, dst, shape, _dtype(local, dtype, plan, rank, label), plan, rank, label)
+    program = _program(src, dst, shape, _dtype(local, dtype, plan, rank, label), plan, point_to_point, rank, label)
     if local is not None and tuple(local.shape) != program.source_shape:
         raise ReshardError(
             f"{label}: rank {rank} holds a piece of shape {list(local.shape)}, but '{src}' gives it "
@@ -263,11 +265,18 @@ class _Program:
 
 
 def _program(
-    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, plan: Plan | None, rank: int, label: str
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...],
+    dtype: str,
+    plan: Plan | None,
+    point_to_point: bool,
+    rank: int,
+    label: str,
 ) -> _Program:
     try:
         if plan is None:
-            return _planned_program(src, dst, shape, dtype, rank)
+            return _planned_program(src, dst, shape, dtype, point_to_point, rank)
         if (plan.src, plan.dst, plan.shape, plan.dtype) != (src, dst, shape, dtype):
             raise ReshardError(
                 f"the plan given is for {plan.src} -> {plan.dst}, shape {list(plan.shape)}, {plan.dtype}; "
@@ -279,8 +288,10 @@ def _program(
 
 
 @functools.lru_cache(maxsize=4096)
-def _planned_program(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, rank: int) -> _Program:
-    return _Program(planner.plan(src, dst, shape, dtype), rank)
+def _planned_program(
+    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, point_to_point: bool, rank: int
+) -> _Program:
+    return _Program(planner.plan(src, dst, shape, dtype, point_to_point=point_to_point), rank)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -54,8 +54,9 @@ def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list:
                 src,
                 dst,
                 global_shape=shape,
-                plan=None if how == "auto" else case_plan(case),
-                dtype=dtype if how == "auto" else None,  # a given plan says the dtype
+                plan=case_plan(case) if how == "hand" else None,
+                dtype=None if how == "hand" else dtype,  # a given plan says the dtype
+                point_to_point=how == "p2p",
                 timeout=60,
                 verify=i % 4 == 0,
                 name=f"case{i}",

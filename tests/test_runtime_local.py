@@ -41,12 +41,12 @@ def test_bytes_sent_match_the_cost_model_on_the_busiest_rank(plan: planner.Plan)
 def test_plans_are_made_once_per_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = planner.plan
-    monkeypatch.setattr(planner, "plan", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: calls.append(a) or real(*a, **k))
     executor._planned_program.cache_clear()
     src, dst = parse_layout("S0,R over mesh[2]"), parse_layout("R,R over mesh[2]")
-    first = executor._program(src, dst, (5, 3), "f32", None, 1, "t")
+    first = executor._program(src, dst, (5, 3), "f32", None, False, 1, "t")
     for _ in range(3):
-        assert executor._program(src, dst, (5, 3), "f32", None, 1, "t") is first
+        assert executor._program(src, dst, (5, 3), "f32", None, False, 1, "t") is first
     assert len(calls) == 1
     assert first.source_shape == (2, 3)
 
