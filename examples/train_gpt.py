@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--flat-axis", default=None, help="keep states as flat chunks over this mesh axis")
     parser.add_argument("--spec", default=str(Path(__file__).with_name("tiny_gpt_dp4.shard")))
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 for came, 3e-3 for adamw)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -99,10 +100,11 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial model on every rank
     model = TinyGPT()
     spec = shardlang.load_spec(args.spec)
+    lr = args.lr if args.lr is not None else 1e-3 if args.optimizer == "came" else 3e-3
     if args.optimizer == "came":
-        optimizer = ShardedCAME(model.named_parameters(), spec, lr=1e-2, flat_axis=args.flat_axis)
+        optimizer = ShardedCAME(model.named_parameters(), spec, lr=lr, flat_axis=args.flat_axis)
     else:
-        optimizer = ShardedAdamW(model.named_parameters(), spec, lr=3e-3, weight_decay=0.0, flat_axis=args.flat_axis)
+        optimizer = ShardedAdamW(model.named_parameters(), spec, lr=lr, weight_decay=0.0, flat_axis=args.flat_axis)
     data = encode(TEXT)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
