@@ -5,37 +5,25 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 import attrs
 
 from cli.terminal import Progress
-from planner.model import SpecPlan, TensorPlans, cost_for, plan_tensor
+from planner.model import SpecPlan, TensorPlans, plan_spec
 from shardlang import Spec, TensorSpec
 
 
 def plan_spec_with_progress(
-    spec: Spec,
-    stream: TextIO,
-    *,
-    tensors: Sequence[TensorSpec] | None = None,
-    alpha: object = None,
-    bandwidth: object = None,
-    max_local_bytes: int | None = None,
-    point_to_point: bool = False,
+    spec: Spec, stream: TextIO, *, tensors: Sequence[TensorSpec] | None = None, **options: Any
 ) -> SpecPlan:
-    """:func:`planner.model.plan_spec`, one tensor at a time so that a terminal sees progress."""
+    """:func:`planner.model.plan_spec` (``options`` are its keywords), with progress on a terminal."""
     chosen = spec.tensors if tensors is None else tuple(tensors)
     progress = Progress("planning", len(chosen), stream)
-    planned = []
     try:
-        for t in chosen:
-            progress.advance(t.name)
-            cost = cost_for(spec, t, alpha=alpha, bandwidth=bandwidth)
-            planned.append(plan_tensor(t, cost, max_local_bytes=max_local_bytes, point_to_point=point_to_point))
+        return plan_spec(spec, tensors=chosen, on_tensor=lambda t: progress.advance(t.name), **options)
     finally:
         progress.close()
-    return SpecPlan(spec=spec, tensors=tuple(planned))
 
 
 @attrs.frozen

@@ -8,6 +8,8 @@ the default is brought to the default layout for the update and taken back after
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import attrs
 
 from planner.choice import plan
@@ -101,30 +103,31 @@ def plan_tensor(
 def plan_spec(
     spec: Spec,
     *,
-    tensors: list[str] | None = None,
+    tensors: Sequence[str | TensorSpec] | None = None,
     alpha: object = None,
     bandwidth: object = None,
     max_local_bytes: int | None = None,
     point_to_point: bool = False,
+    on_tensor: Callable[[TensorSpec], None] | None = None,
 ) -> SpecPlan:
-    """Plans of one optimizer step for every declared tensor (or the named ones).
+    """Plans of one optimizer step for every declared tensor, or for ``tensors``: names of
+    declared tensors, or tensor specs the caller resolved (``Spec.resolve``, rules included).
 
     ``point_to_point=True`` lets every leg use point-to-point steps and mixes where they are
     cheaper (:func:`planner.plan`); by default legs are collective plans (the baseline move set).
+    ``on_tensor`` is called with each tensor before it is planned (progress display).
 
     Plans are memoized by :func:`planner.plan`, so tensors with equal layouts, shape and
     dtype are planned once.
     """
-    chosen = spec.tensors if tensors is None else tuple(spec.tensor(n) for n in tensors)
-    return SpecPlan(
-        spec=spec,
-        tensors=tuple(
-            plan_tensor(
-                t,
-                cost_for(spec, t, alpha=alpha, bandwidth=bandwidth),
-                max_local_bytes=max_local_bytes,
-                point_to_point=point_to_point,
-            )
-            for t in chosen
-        ),
-    )
+    if tensors is None:
+        chosen = spec.tensors
+    else:
+        chosen = tuple(t if isinstance(t, TensorSpec) else spec.tensor(t) for t in tensors)
+    planned = []
+    for t in chosen:
+        if on_tensor is not None:
+            on_tensor(t)
+        cost = cost_for(spec, t, alpha=alpha, bandwidth=bandwidth)
+        planned.append(plan_tensor(t, cost, max_local_bytes=max_local_bytes, point_to_point=point_to_point))
+    return SpecPlan(spec=spec, tensors=tuple(planned))
