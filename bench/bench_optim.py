@@ -39,14 +39,12 @@ import torch
 import torch.distributed as dist
 
 import runtime
+from runtime.comm import all_gather_single, reduce_scatter_single
 from runtime.optim import ShardedAdamW, ShardedCAME
 from shardlang import parse_layout, parse_spec
 from shardlang.spec import Layouts
 from tests.dist_harness import run_ranks
 
-# torch 2.13 renamed all_gather_into_tensor; older releases have only the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 HYPER = {"adamw": {"lr": 1e-3, "weight_decay": 0.01}, "came": {"lr": 1e-3, "weight_decay": 0.01}}
 STATES = {"replicated": ("R,R", "R", None), "zero rows": ("S(dp),R", "S(dp)", None), "flat": ("R,R", "R", "dp")}
 
@@ -145,12 +143,12 @@ def hand_written(rank: int, world: int, shapes: dict[str, tuple[int, ...]], zero
             padded = torch.zeros(c * world)
             padded[: g.numel()] = g.flatten()
             shard.grad = torch.empty(c)
-            _reduce_scatter_single(shard.grad, padded)
+            reduce_scatter_single(shard.grad, padded)
             shard.grad /= world
         optimizer.step()
         for p, shard, c in zip(params, shards, chunks, strict=True):
             gathered = torch.empty(c * world)
-            _all_gather_single(gathered, shard.detach())
+            all_gather_single(gathered, shard.detach())
             p.data.copy_(gathered[: p.numel()].view_as(p))
 
     return zero2

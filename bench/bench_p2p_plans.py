@@ -32,10 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_planner_quality as quality  # the DTensor helpers, shared
 
 import planner
+from cli.messages import step_messages
 from planner import choice, search
-from planner.holdings import box_elements
 from shardlang import Layout, Mesh
-from shardlang.dtypes import itemsize as dtype_itemsize
 
 WORLD = 64
 
@@ -73,17 +72,10 @@ def cross_pairs(rng: random.Random, count: int) -> list[tuple[Layout, Layout, tu
 def received(plan: planner.Plan) -> int:
     """The most bytes a rank receives over the plan: each collective step's modeled bytes (a
     rank receives what it sends in them) plus the point-to-point step's largest receive."""
-    total = 0
-    for step in plan.steps:
-        if step.op != "point_to_point":
-            total += step.bytes
-            continue
-        into: Counter[int] = Counter()
-        for t in step.transfers:
-            if t.src_rank != t.dst_rank:
-                into[t.dst_rank] += box_elements(t.box)
-        total += max(into.values(), default=0) * dtype_itemsize(plan.dtype)
-    return total
+    return sum(
+        step_messages(step, plan.dtype).most_received if step.op == "point_to_point" else step.bytes
+        for step in plan.steps
+    )
 
 
 def describe(values: list[float]) -> str:
@@ -147,17 +139,11 @@ def main() -> None:
           f"mean {statistics.fmean(total_ratio):.3f}")  # fmt: skip
 
     # --- modeled time: same mesh --------------------------------------------------------------
-    models = {
-        "default (5 us, 100 GB/s every axis)": lambda mesh: planner.CostModel(),
-        "hierarchical (axis 0 25 GB/s, others 300 GB/s)": lambda mesh: planner.CostModel(
-            bandwidth=(25e9,) + (300e9,) * (mesh.ndim - 1)
-        ),
-    }
     transforms = {
         name: [quality.dtensor_transforms(src, dst, shape, dtype, graph) for src, dst, shape, dtype in same]
         for name, graph in (("greedy", False), ("graph", True))
     }
-    for model_name, model in models.items():
+    for model_name, model in quality.COST_MODELS.items():
         print(f"\n=== same mesh, cost model: {model_name}")
         ours_total = collective_total = 0.0
         cheaper, ratios = 0, []

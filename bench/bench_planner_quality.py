@@ -38,6 +38,13 @@ MESHES = [(8,), (3,), (64,), (2, 8), (4, 4), (2, 3), (8, 8), (2, 2, 2), (2, 4, 8
 LENGTHS = (1, 3, 7, 37, 64, 100, 1000, 1024, 4096, 11008, 50304)
 WORLD = 64
 TORCH_DTYPE = {"f32": torch.float32, "bf16": torch.bfloat16}
+# The cost models plans are compared under, per mesh.
+COST_MODELS = {
+    "default (5 us, 100 GB/s every axis)": lambda mesh: planner.CostModel(),
+    "hierarchical (axis 0 25 GB/s, others 300 GB/s)": lambda mesh: planner.CostModel(
+        bandwidth=(25e9,) + (300e9,) * (mesh.ndim - 1)
+    ),
+}
 
 
 def random_layout(rng: random.Random, mesh: Mesh, ndim: int, partial: bool) -> Layout:
@@ -188,12 +195,6 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     rng = random.Random(args.seed)
     pairs = random_pairs(rng, args.pairs)
-    models = {
-        "default (5 us, 100 GB/s every axis)": lambda mesh: planner.CostModel(),
-        "hierarchical (axis 0 25 GB/s, others 300 GB/s)": lambda mesh: planner.CostModel(
-            bandwidth=(25e9,) + (300e9,) * (mesh.ndim - 1)
-        ),
-    }
     print(f"{len(pairs)} random pairs DTensor can express, seed {args.seed}")
     print(f"meshes: {sorted(Counter(p[0].mesh.shape for p in pairs).items())}")
     print(f"partial sources: {sum(p[0].is_partial for p in pairs)}")
@@ -201,7 +202,7 @@ def main() -> None:
         name: [dtensor_transforms(src, dst, shape, dtype, graph) for src, dst, shape, dtype in pairs]
         for name, graph in (("greedy", False), ("graph", True))
     }
-    for model_name, model in models.items():
+    for model_name, model in COST_MODELS.items():
         print(f"\n=== cost model: {model_name}")
         for name, sequences in transforms.items():
             ours_total = theirs_total = 0.0

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import planner
 from runtime import axis_group, reshard, shard
+from runtime.comm import all_gather_single, reduce_scatter_single
 from shardlang import parse_layout
 from shardlang.interop import to_dtensor_placements
 from tests.dist_harness import run_ranks
@@ -57,8 +58,6 @@ PAIRS = [
     ("R,R | P1:max over mesh[2,2]", "R,R over mesh[2,2]"),
 ]
 COLUMNS = 1024
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def hand_step(step: planner.Step, x: torch.Tensor, group: dist.ProcessGroup | None, n: int, k: int) -> torch.Tensor:
@@ -71,7 +70,7 @@ def hand_step(step: planner.Step, x: torch.Tensor, group: dist.ProcessGroup | No
     reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}.get(step.reduce_op)
     if op == "all_gather":
         out = x.new_empty(n * x.numel())
-        _all_gather_single(out, x.contiguous().view(-1), group=group)
+        all_gather_single(out, x.contiguous().view(-1), group=group)
         return torch.cat(list(out.view(n, *x.shape)), dim=dim) if dim else out.view(n * x.shape[0], *x.shape[1:])
     if op == "all_reduce":
         out = x.clone()
@@ -79,7 +78,7 @@ def hand_step(step: planner.Step, x: torch.Tensor, group: dist.ProcessGroup | No
     elif op == "reduce_scatter":
         flat = torch.cat([c.contiguous().view(-1) for c in x.chunk(n, dim)]) if dim else x.contiguous().view(-1)
         out = x.new_empty(flat.numel() // n)
-        _reduce_scatter_single(out, flat, op=reduce_op, group=group)
+        reduce_scatter_single(out, flat, op=reduce_op, group=group)
         out = out.view(*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:])
     else:  # all_to_all
         to = step.to_dim

@@ -1,20 +1,21 @@
-"""Command-line values (shapes, durations, bandwidths, byte counts) and what they name
-(a pair of layouts or a spec file, and the cost model to plan with)."""
+"""Command-line values (shapes, durations, bandwidths, byte counts) and what they name (a pair
+of layouts or a spec file)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import attrs
 
-from planner import CostModel
 from shardlang import Layout, Spec, load_spec, parse_layout
 from shardlang.errors import ShardlangError
+from shardlang.parser import parse_duration
 
-_TIME_UNITS = {"ns": Decimal("1e-9"), "us": Decimal("1e-6"), "ms": Decimal("1e-3"), "s": Decimal(1)}
+_MAX_BYTES = 2**63  # no memory is larger; a bigger count is a typo
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -44,21 +45,24 @@ def _number(text: str) -> Decimal:
 
 
 def duration_arg(text: str) -> float:
-    """Seconds: ``5e-6``, ``5us``, ``0.01ms``; zero or positive."""
-    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(ns|us|ms|s)?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a duration; write seconds like 5e-6 or 5us")
-    value = _number(m.group(1)) * _TIME_UNITS[m.group(2) or "s"]
-    if value < 0:
+    """Seconds, as spec files write them: ``5e-6``, ``5us``, ``0.01 ms``; zero or positive."""
+    compact = "".join(text.split())
+    if compact.startswith("-"):
         raise argparse.ArgumentTypeError(f"'{text}' is negative; a latency is zero or more")
-    return float(value)
+    try:
+        value = parse_duration(compact)
+    except ShardlangError as e:
+        raise argparse.ArgumentTypeError(e.message) from None
+    if not value < math.inf:
+        raise argparse.ArgumentTypeError(f"'{text}' is too large a duration")
+    return value
 
 
 def bandwidth_arg(text: str) -> float | tuple[float, ...]:
     """Bytes per second: one number for every mesh axis, or one per axis: ``25e9,300e9``."""
     values = [float(_number(v)) for v in text.split(",")]
-    if any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"'{text}': bandwidths must be positive (bytes per second)")
+    if any(not 0 < v < math.inf for v in values):
+        raise argparse.ArgumentTypeError(f"'{text}': bandwidths must be positive and below infinity (bytes per second)")
     return values[0] if len(values) == 1 else tuple(values)
 
 
@@ -67,7 +71,12 @@ def bytes_arg(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).lower() not in _BYTE_UNITS:
         raise argparse.ArgumentTypeError(f"'{text}' is not a byte count; write 1048576, 64MiB or 2GB")
-    value = _number(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    try:
+        value = _number(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    except ArithmeticError:  # decimal's Overflow on absurd exponents
+        value = Decimal(_MAX_BYTES)
+    if value >= _MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"'{text}' is too large a byte count (at most {_MAX_BYTES - 1})")
     if value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"'{text}' is not a whole number of bytes")
     return int(value)
@@ -99,12 +108,3 @@ def read_spec(path: str) -> Spec:
     if not Path(path).exists() and " over " in path:
         raise UsageError(f"'{path}' looks like a layout: give two layouts (SRC DST) with --shape, or one spec file")
     return load_spec(path)
-
-
-def cost_model(alpha: float | None, bandwidth: float | tuple[float, ...] | None) -> CostModel:
-    """The planner's defaults where an option is not given."""
-    base = CostModel()
-    return CostModel(
-        alpha=base.alpha if alpha is None else alpha,
-        bandwidth=base.bandwidth if bandwidth is None else bandwidth,
-    )

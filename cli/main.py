@@ -24,7 +24,6 @@ from cli.inputs import (
     UsageError,
     bandwidth_arg,
     bytes_arg,
-    cost_model,
     duration_arg,
     read_pair,
     read_spec,
@@ -36,7 +35,7 @@ from cli.render import FORMATS, RenderError, draw, output_format, write
 from cli.show import format_show, show_json
 from cli.summary import TensorGroup, group_tensors, plan_spec_with_progress
 from cli.terminal import Progress, Style
-from planner import Plan, plan
+from planner import CostModel, Plan, plan
 from planner.model import SpecPlan
 from shardlang import Spec, TensorSpec, load_spec, parse_layout
 from shardlang.dtypes import ITEMSIZE
@@ -202,7 +201,7 @@ def _spec_tensors(
 
 
 def _plan_pair(pair: Pair, args: argparse.Namespace) -> Plan:
-    cost = cost_model(args.alpha, args.bandwidth)
+    cost = CostModel().with_overrides(alpha=args.alpha, bandwidth=args.bandwidth)
     return plan(
         pair.src, pair.dst, pair.shape, pair.dtype, cost, max_local_bytes=args.max_local_bytes, point_to_point=args.p2p
     )
@@ -303,7 +302,7 @@ def _render_each(groups: list[TensorGroup], output: str | None, fmt: str) -> int
 
 def cmd_explain(args: argparse.Namespace) -> int:
     pair = read_pair(args.src, args.dst, args.shape, args.dtype)
-    cost = cost_model(args.alpha, args.bandwidth)
+    cost = CostModel().with_overrides(alpha=args.alpha, bandwidth=args.bandwidth)
     ex = explain(pair.src, pair.dst, pair.shape, pair.dtype, cost, point_to_point=args.p2p)
     if args.format == "json":
         _emit_json(explained_json(ex))
@@ -315,7 +314,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def run_main_job(path: Path, bundled: bool) -> int:
     """Check a spec file, print its optimizer-step plans with totals, draw the summary."""
     style = Style.for_stream(sys.stdout)
-    shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+    relative = os.path.relpath(path)
+    shown = str(path) if relative.startswith("..") else relative
     origin = " (the bundled example; run `shardlang FILE.shard` for your own)" if bundled else ""
     print(f"{style('shardlang', 'bold')}: {shown}{origin}\n")
     spec = load_spec(shown)

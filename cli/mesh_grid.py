@@ -79,18 +79,16 @@ def arrange(mesh: Mesh, max_columns: int = MAX_COLUMNS) -> Grid:
     n = mesh.size
     root = math.isqrt(n - 1) + 1  # ceil(sqrt(n))
     columns = next((c for c in range(root, max_columns + 1) if n % c == 0), min(root, max_columns))
-    rows = []
-    for i in range(0, n, columns):
-        row = coords[i : i + columns]
-        rows.append(tuple(row) + (None,) * (columns - len(row)))
+    rows = [coords[i : i + columns] for i in range(0, n, columns)]
     if mesh.ndim == 1:
         name = mesh.axis_label(0) if mesh.axis_names else "axis 0"
-        row_labels = tuple(f"{name}={r[0][0]}..{r[0][0] + columns - 1}" for r in rows)  # type: ignore[index]
+        # The last row may be short: it names the coordinates it holds.
+        row_labels = tuple(f"{name}={r[0][0]}" + (f"..{r[-1][0]}" if len(r) > 1 else "") for r in rows)
     else:
-        row_labels = tuple(f"from {coordinate_text(r[0])}" for r in rows)  # type: ignore[arg-type]
+        row_labels = tuple(f"from {coordinate_text(r[0])}" for r in rows)
     return Grid(
         row_labels=row_labels,
         column_labels=tuple(f"+{j}" for j in range(columns)),
-        cells=tuple(rows),
+        cells=tuple(tuple(r) + (None,) * (columns - len(r)) for r in rows),
         wrapped=mesh.ndim > 1,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import colorsys
 import itertools
+import math
 from collections.abc import Iterable
 from html import escape
 
@@ -142,10 +143,14 @@ def _block_colors(picture: Picture) -> dict[tuple[tuple[int, int], ...], str]:
     colors = {}
     for i, bounds in enumerate(ordered):
         # Hues from orange round to violet (0.83 of the wheel), skipping back to red.
-        hue = (0.08 + 0.75 * i / max(1, len(ordered) - 1)) % 1.0
-        r, g, b = colorsys.hsv_to_rgb(hue, 0.38, 0.98)
-        colors[bounds] = f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
+        colors[bounds] = _hsv_color((0.08 + 0.75 * i / max(1, len(ordered) - 1)) % 1.0, 0.38, 0.98)
     return colors
+
+
+def _hsv_color(hue: float, saturation: float, value: float) -> str:
+    """``#rrggbb`` of a color given as hue, saturation and value (each 0 to 1)."""
+    r, g, b = colorsys.hsv_to_rgb(hue, saturation, value)
+    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
 
 
 def _cell_color(block: Block, colors: dict[tuple[tuple[int, int], ...], str]) -> str:
@@ -161,9 +166,7 @@ def _panel_label(panel: Panel, picture: Picture, colors: dict[tuple[tuple[int, i
     mesh = layout.mesh
     grid = arrange(mesh)
     local = layout.local_shape(picture.shape)
-    nbytes = itemsize(picture.dtype)
-    for n in local:
-        nbytes *= n
+    nbytes = math.prod(local) * itemsize(picture.dtype)
     details = [f"piece per rank [{', '.join(map(str, local))}] = {format_bytes(nbytes)}"]
     if layout.partial:
         ops = ", ".join(f"{op} over axis {mesh.axis_label(a)}" for a, op in layout.partial)
@@ -187,8 +190,9 @@ def _panel_label(panel: Panel, picture: Picture, colors: dict[tuple[tuple[int, i
             if grid.wrapped:
                 where += " " + coordinate_text(coordinate)
             text = escape(block.text())
-            if block.mark():
-                text += f'<BR/><FONT POINT-SIZE="8">{block.mark()}</FONT>'
+            mark = block.mark()
+            if mark:
+                text += f'<BR/><FONT POINT-SIZE="8">{mark}</FONT>'
             cells.append(
                 f'<TD BGCOLOR="{_cell_color(block, colors)}"{style}>'
                 f'<FONT POINT-SIZE="8" COLOR="#555555">{where}</FONT><BR/>{text}</TD>'
@@ -205,7 +209,7 @@ def _small(text: str) -> str:
 def _arrow_label(step: Step) -> str:
     mesh = step.layout.mesh
     if step.axis is None:  # point_to_point: its messages are drawn in a box of their own
-        count = sum(t.src_rank != t.dst_rank for t in step.transfers)
+        count = step.message_count
         cost = f"{format_bytes(step.bytes)} per rank (most sent or received), {format_seconds(step.seconds)}"
         return (
             f'<<B>{step.op}</B> ({count} message{"s" * (count != 1)})<BR ALIGN="LEFT"/>{escape(cost)}'
@@ -270,8 +274,7 @@ def _messages_label(title: str, messages: Messages) -> str:
 
 def _shade(fraction: float) -> str:
     """A blue from pale (little) to dark (the most), never white."""
-    r, g, b = colorsys.hsv_to_rgb(0.6, 0.15 + 0.75 * fraction, 0.98 - 0.35 * fraction)
-    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
+    return _hsv_color(0.6, 0.15 + 0.75 * fraction, 0.98 - 0.35 * fraction)
 
 
 def _quote(text: str) -> str:

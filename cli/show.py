@@ -65,9 +65,10 @@ def format_show(layout: Layout, shape: tuple[int, ...], style: Style, width: int
             if grid.wrapped:
                 where += " " + coordinate_text(coordinate)
             lines = [style(where, "bold"), block.text()]
-            if block.mark():
-                marks.add(block.mark())
-                lines.append(style(block.mark(), "yellow" if block.padded else "dim"))
+            mark = block.mark()
+            if mark:
+                marks.add(mark)
+                lines.append(style(mark, "yellow" if block.padded else "dim"))
             texts.append("\n".join(lines))
         cells.append(texts)
     # Columns that do not fit the terminal go to further tables below, as numpy prints arrays.

@@ -42,9 +42,12 @@ class PlanError(ShardlangError):
 
 
 def _per_axis(value: object) -> float | tuple[float, ...]:
-    if isinstance(value, (int, float)):
-        return float(value)
-    return tuple(float(v) for v in value)  # type: ignore[union-attr]
+    try:
+        if isinstance(value, (int, float)):
+            return float(value)
+        return tuple(float(v) for v in value)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise PlanError(f"a latency or bandwidth is a number or one number per mesh axis, not {value!r}") from None
 
 
 @attrs.frozen
@@ -64,12 +67,17 @@ class CostModel:
             raise PlanError(f"bandwidth must be finite and positive, got {self.bandwidth}")
 
     @classmethod
-    def from_hints(cls, hints: CostHints, base: CostModel | None = None) -> CostModel:
+    def from_hints(cls, hints: CostHints) -> CostModel:
         """The model a spec file's mesh declaration asks for, defaults where it is silent."""
-        base = base or cls()
-        return cls(
-            alpha=hints.latency if hints.latency is not None else base.alpha,
-            bandwidth=hints.bandwidth if hints.bandwidth is not None else base.bandwidth,
+        return cls().with_overrides(alpha=hints.latency, bandwidth=hints.bandwidth)
+
+    def with_overrides(
+        self, alpha: float | tuple[float, ...] | None = None, bandwidth: float | tuple[float, ...] | None = None
+    ) -> CostModel:
+        """This model with ``alpha`` and ``bandwidth`` replaced where they are given (not ``None``)."""
+        return CostModel(
+            alpha=self.alpha if alpha is None else alpha,
+            bandwidth=self.bandwidth if bandwidth is None else bandwidth,
         )
 
     def for_mesh(self, mesh: Mesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -89,6 +97,10 @@ class CostModel:
             "alpha": list(self.alpha) if isinstance(self.alpha, tuple) else self.alpha,
             "bandwidth": list(self.bandwidth) if isinstance(self.bandwidth, tuple) else self.bandwidth,
         }
+
+
+# Shared by every request that names no model (building one runs its checks; plans are memoized).
+DEFAULT_COST = CostModel()
 
 
 def collective_rounds(op: str, n: int) -> int:

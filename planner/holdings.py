@@ -55,10 +55,11 @@ class Blocks:
 
     def __init__(self, layout: Layout, shape: tuple[int, ...]) -> None:
         self.of_rank: dict[int, Box] = {rank: layout.rank_piece(shape, rank) for rank in layout.mesh.ranks}
-        self.holders: dict[Box, tuple[int, ...]] = {}
+        holders: dict[Box, list[int]] = {}
         for rank, box in self.of_rank.items():
             if box_elements(box):
-                self.holders[box] = (*self.holders.get(box, ()), rank)
+                holders.setdefault(box, []).append(rank)
+        self.holders = {box: tuple(ranks) for box, ranks in holders.items()}
         self.intervals = tuple(tuple(sorted({box[d] for box in self.holders})) for d in range(len(shape)))
         self._starts = tuple(tuple(lo for lo, _ in dim) for dim in self.intervals)
 
@@ -93,7 +94,6 @@ def blocks_of(layout: Layout, shape: tuple[int, ...]) -> Blocks:
 def missing_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str) -> Mapping[int, int]:
     """Per target rank (in target mesh order), the bytes of its target piece it does not hold
     (module docstring); a partial target's piece is the block its rank holds addends of."""
-    shape = tuple(shape)
     itemsize = dtype_itemsize(dtype)
     source = set(src.mesh.ranks) if holds_values(src) else set()
     out = {}

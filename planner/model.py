@@ -58,31 +58,33 @@ class SpecPlan:
         return sum(t.total_seconds for t in self.tensors)
 
 
-def cost_for(spec: Spec, tensor: TensorSpec, *, alpha: object = None, bandwidth: object = None) -> CostModel:
+def cost_for(
+    spec: Spec,
+    tensor: TensorSpec,
+    *,
+    alpha: float | tuple[float, ...] | None = None,
+    bandwidth: float | tuple[float, ...] | None = None,
+) -> CostModel:
     """The cost model of a tensor's mesh: the spec's hints, overridden by explicit values."""
-    hinted = CostModel.from_hints(spec.hints(tensor.param.mesh))
-    return CostModel(
-        alpha=hinted.alpha if alpha is None else alpha,
-        bandwidth=hinted.bandwidth if bandwidth is None else bandwidth,
-    )
+    return CostModel.from_hints(spec.hints(tensor.param.mesh)).with_overrides(alpha=alpha, bandwidth=bandwidth)
 
 
 def plan_tensor(
-    tensor: TensorSpec,
-    cost: CostModel,
-    *,
-    dtype: str | None = None,
-    max_local_bytes: int | None = None,
-    point_to_point: bool = False,
+    tensor: TensorSpec, cost: CostModel, *, max_local_bytes: int | None = None, point_to_point: bool = False
 ) -> TensorPlans:
     """The plans of one tensor's optimizer step; ``point_to_point`` as in :func:`planner.plan`."""
-    dtype = dtype or tensor.dtype
     state = tensor.state()
 
     def leg(src: Layout, dst: Layout) -> Plan:
         try:
             return plan(
-                src, dst, tensor.shape, dtype, cost, max_local_bytes=max_local_bytes, point_to_point=point_to_point
+                src,
+                dst,
+                tensor.shape,
+                tensor.dtype,
+                cost,
+                max_local_bytes=max_local_bytes,
+                point_to_point=point_to_point,
             )
         except PlanError as e:
             raise PlanError(f"tensor '{tensor.name}': {e.message}", tensor.position) from None
@@ -104,8 +106,8 @@ def plan_spec(
     spec: Spec,
     *,
     tensors: Sequence[str | TensorSpec] | None = None,
-    alpha: object = None,
-    bandwidth: object = None,
+    alpha: float | tuple[float, ...] | None = None,
+    bandwidth: float | tuple[float, ...] | None = None,
     max_local_bytes: int | None = None,
     point_to_point: bool = False,
     on_tensor: Callable[[TensorSpec], None] | None = None,

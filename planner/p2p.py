@@ -38,16 +38,15 @@ from __future__ import annotations
 
 import attrs
 
-from planner.cost import CostModel, PlanError, integer_rates
-from planner.holdings import Box, blocks_of, box_elements, intersect, receive_lower_bound
+from planner.cost import DEFAULT_COST, CostModel, PlanError, integer_rates
+from planner.holdings import Box, blocks_of, box_elements, intersect
 from planner.plan import Plan, Step, Transfer, same_geometry
 from planner.search import check_request
 from shardlang.dtypes import itemsize as dtype_itemsize
-from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 
-__all__ = ["Exchange", "Links", "point_to_point_plan", "receive_lower_bound", "time_lower_bound"]
+__all__ = ["Exchange", "Links", "point_to_point_plan", "time_lower_bound"]
 
 
 @attrs.frozen
@@ -216,17 +215,13 @@ def point_to_point_plan(
 
     ``planner.plan`` chooses between this, collectives and mixes; this is the plain step.
     """
-    shape = check_request(src, dst, shape, dtype, None)
+    cost = cost or DEFAULT_COST
+    shape = check_request(src, dst, shape, dtype, cost, None)
     for name, layout in (("source", src), ("target", dst)):
         if layout.is_partial:
             raise PlanError(
                 f"cannot plan {src} -> {dst} by one point-to-point step: the {name} is partial "
                 f"(planner.plan(..., point_to_point=True) resolves partials with collectives)"
             )
-    cost = cost or CostModel()
-    try:
-        links = Links(cost, src.mesh, dst.mesh)
-    except ShardlangError as e:
-        raise PlanError(f"cannot plan {src} -> {dst}: {e.message}") from None
-    step = Exchange(src, dst, shape, dtype_itemsize(dtype), links).step()
+    step = Exchange(src, dst, shape, dtype_itemsize(dtype), Links(cost, src.mesh, dst.mesh)).step()
     return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(step,), cost=cost)

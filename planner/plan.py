@@ -56,10 +56,15 @@ class Step:
     seconds: float
     transfers: tuple[Transfer, ...] = ()
 
+    @property
+    def message_count(self) -> int:
+        """The messages over the wire of a point-to-point step: its transfers but local copies."""
+        return sum(t.src_rank != t.dst_rank for t in self.transfers)
+
     def describe(self) -> str:
         """``all_gather(axis=1, dim=0)``: the op and its arguments, without the cost."""
-        if self.axis is None:  # point_to_point: its messages over the wire (local copies aside)
-            return f"{self.op}(messages={sum(t.src_rank != t.dst_rank for t in self.transfers)})"
+        if self.axis is None:  # point_to_point
+            return f"{self.op}(messages={self.message_count})"
         args = [f"axis={self.layout.mesh.axis_label(self.axis)}"]
         if self.dim is not None:
             args.append(f"dim={self.dim}")

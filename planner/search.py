@@ -14,7 +14,7 @@ import heapq
 import math
 
 from planner.bound import LowerBound, Terms
-from planner.cost import CostModel, PlanError, integer_rates
+from planner.cost import DEFAULT_COST, CostModel, PlanError, integer_rates
 from planner.plan import Plan, Step, same_geometry
 from planner.space import Move, Space, roles_of
 from shardlang.dtypes import itemsize as dtype_itemsize
@@ -23,21 +23,39 @@ from shardlang.layout import Layout
 
 
 def check_request(
-    src: Layout, dst: Layout, shape: tuple[int, ...] | list[int], dtype: str, max_local_bytes: int | None
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...] | list[int],
+    dtype: str,
+    cost: CostModel,
+    max_local_bytes: int | None,
 ) -> tuple[int, ...]:
-    """The shape as a tuple of ints, once the shape fits both layouts, the dtype is known and
-    ``max_local_bytes`` is a byte count or ``None``; a :class:`PlanError` naming the pair if not."""
-    shape = tuple(int(s) for s in shape)
+    """The shape as a tuple of ints, once the request makes sense: the shape fits both layouts,
+    the dtype is known, the cost model fits both meshes, and ``max_local_bytes`` is ``None`` or
+    a byte count that both ends fit in; a :class:`PlanError` naming the pair if not."""
+    try:
+        shape = tuple(int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise PlanError(f"cannot plan {src} -> {dst}: the shape {shape!r} is not a sequence of lengths") from None
     try:
         src.check_shape(shape)
         dst.check_shape(shape)
-        dtype_itemsize(dtype)
+        itemsize = dtype_itemsize(dtype)
+        cost.for_mesh(src.mesh)
+        cost.for_mesh(dst.mesh)
     except ShardlangError as e:
         raise PlanError(f"cannot plan {src} -> {dst}: {e.message}") from None
-    if max_local_bytes is not None and (
-        isinstance(max_local_bytes, bool) or not isinstance(max_local_bytes, int) or max_local_bytes < 0
-    ):
+    if max_local_bytes is None:
+        return shape
+    if isinstance(max_local_bytes, bool) or not isinstance(max_local_bytes, int) or max_local_bytes < 0:
         raise PlanError(f"cannot plan {src} -> {dst}: max_local_bytes must be a byte count, got {max_local_bytes!r}")
+    for name, layout in (("source", src), ("target", dst)):
+        held = math.prod(layout.local_shape(shape)) * itemsize
+        if held > max_local_bytes:
+            raise PlanError(
+                f"cannot plan {src} -> {dst}: the {name} holds {held} bytes per rank, "
+                f"more than max_local_bytes={max_local_bytes}"
+            )
     return shape
 
 
@@ -57,16 +75,14 @@ def collective_plan(
     included) holds at most that many bytes per rank; a :class:`PlanError` when none does.
     Results are memoized on all arguments.
     """
-    shape = check_request(src, dst, shape, dtype, max_local_bytes)
+    cost = cost or DEFAULT_COST
+    shape = check_request(src, dst, shape, dtype, cost, max_local_bytes)
     if not same_geometry(src.mesh, dst.mesh):
         raise PlanError(
             f"cannot plan {src} -> {dst} with collectives: the layouts are on different meshes "
             f"({src.mesh.describe()} and {dst.mesh.describe()})"
         )
-    return _plan_cached(src, dst, shape, dtype, cost or _DEFAULT_COST, max_local_bytes)
-
-
-_DEFAULT_COST = CostModel()
+    return _plan_cached(src, dst, shape, dtype, cost, max_local_bytes)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -75,20 +91,10 @@ def _plan_cached(
 ) -> Plan:
     mesh = dst.mesh
     itemsize = dtype_itemsize(dtype)
-    try:
-        alpha, bandwidth = cost.for_mesh(mesh)
-    except PlanError as e:
-        raise PlanError(f"cannot plan {src} -> {dst}: {e.message}") from None
+    alpha, bandwidth = cost.for_mesh(mesh)  # check_request made sure it fits
     per_round, per_byte = integer_rates(alpha, bandwidth)
     twin_key = tuple(zip(mesh.shape, per_round, per_byte, strict=True))
     space = Space(mesh.shape, shape, itemsize, (dst.dims, dst.partial), twin_key)
-    if max_local_bytes is not None:
-        for name, layout in (("source", src), ("target", dst)):
-            if space.local_bytes(layout.dims) > max_local_bytes:
-                raise PlanError(
-                    f"cannot plan {src} -> {dst}: the {name} holds {space.local_bytes(layout.dims)} bytes per rank, "
-                    f"more than max_local_bytes={max_local_bytes}"
-                )
     if src.dims == dst.dims and src.partial == dst.partial:
         return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(), cost=cost)
     bound = LowerBound(

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from shardlang.layout import REDUCE_OPS, reduce_ops_commute
+from shardlang.layout import REDUCE_OPS, padded_length, reduce_ops_commute
 
 Dims = tuple[tuple[int, ...], ...]
 Partial = tuple[tuple[int, str], ...]
@@ -144,12 +144,9 @@ class Space:
     # --- sizes ---------------------------------------------------------------------------
     def local_elements(self, dims: Dims) -> int:
         return math.prod(
-            -(-length // math.prod(self.mesh_shape[a] for a in axes))
+            padded_length(length, (self.mesh_shape[a] for a in axes))
             for length, axes in zip(self.shape, dims, strict=True)
         )
-
-    def local_bytes(self, dims: Dims) -> int:
-        return self.local_elements(dims) * self.itemsize
 
     # --- moves ---------------------------------------------------------------------------
     def moves(self, state: int, elements: int, last: Move | None) -> Iterator[Move]:

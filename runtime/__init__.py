@@ -10,9 +10,10 @@ It is the one layer that communicates; it reads layouts (``shardlang``) and plan
 * ``recording``: measure what each collective sent.
 """
 
+from runtime.comm import DEFAULT_TIMEOUT
 from runtime.dtypes import dtype_name, torch_dtype
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
-from runtime.executor import DEFAULT_TIMEOUT, plan_fingerprint, reshard
+from runtime.executor import plan_fingerprint, reshard
 from runtime.groups import axis_group
 from runtime.pieces import shard, unshard
 from runtime.simulate import simulate

@@ -3,6 +3,8 @@
 Everything backend-specific stays here; the executor above only names the collective. Each
 collective is issued asynchronously and its work handle waited on with a timeout, so a peer
 that died or never arrives surfaces as a :class:`DistributedError` instead of a hang.
+``timeout_of`` reads the ``timeout=`` that every communicating entry point takes (``reshard``,
+the sharded optimizers, checkpoints), default :data:`DEFAULT_TIMEOUT`.
 
 Point-to-point messages (``post_point_to_point``, ``wait_point_to_point``) go between global
 ranks of the default process group through ``batch_isend_irecv``, all of a step's messages in
@@ -18,15 +20,19 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from runtime.errors import DistributedError
+from shardlang.errors import ShardlangError
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -57,9 +63,9 @@ def collective(
         return received
     try:
         if op == "all_gather":
-            work = _all_gather_single(received, send, group=group, async_op=True)
+            work = all_gather_single(received, send, group=group, async_op=True)
         elif op == "reduce_scatter":
-            work = _reduce_scatter_single(received, send, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
+            work = reduce_scatter_single(received, send, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
         elif op == "all_reduce":
             work = dist.all_reduce(received, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
         else:
@@ -106,6 +112,22 @@ def default_device() -> torch.device:
     if "nccl" in dist.get_backend() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def timeout_of(
+    timeout: float | datetime.timedelta | None, error: Callable[[str], ShardlangError]
+) -> datetime.timedelta:
+    """``timeout`` (seconds or a timedelta) as a timedelta, ``None`` as :data:`DEFAULT_TIMEOUT`;
+    anything else (not positive, not a number) raises ``error(message)``."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    try:
+        wait = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
+    except (TypeError, ValueError, OverflowError):
+        wait = None
+    if wait is None or wait <= datetime.timedelta(0):
+        raise error(f"timeout must be positive (seconds or a timedelta), got {timeout!r}")
+    return wait
 
 
 def wait(work: dist.Work, timeout: datetime.timedelta) -> None:

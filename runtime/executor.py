@@ -3,8 +3,8 @@
 Every rank of the layout's mesh calls :func:`reshard` with its own piece; each step runs on
 the process group of its mesh axis (``runtime.groups``), through the collective layer
 (``runtime.comm``), with the rank's compiled moves (``runtime.program``) doing the padding
-and trimming. Plans and compiled moves are cached per (src, dst, shape, dtype, rank), so a
-training loop plans once.
+and trimming. Plans and compiled moves are cached per (src, dst, shape, dtype, rank, and
+whether point-to-point plans are allowed), so a training loop plans once.
 
 A point-to-point step (``runtime.exchange``) sends boxes between global ranks of the default
 group in one ``batch_isend_irecv``; a rank's own boxes are copied, never sent. Across meshes
@@ -41,17 +41,16 @@ from torch.distributed.tensor import DTensor
 import planner
 from planner.plan import Plan, same_geometry
 from runtime import stats
-from runtime.comm import collective, default_device, post_point_to_point, wait_point_to_point
+from runtime.blocks import piece_shape
+from runtime.comm import collective, default_device, post_point_to_point, timeout_of, wait_point_to_point
 from runtime.dtypes import dtype_name, torch_dtype
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
 from runtime.exchange import Exchange
 from runtime.groups import axis_group, group_for, ranks_group
-from runtime.program import Move, bytes_sent, compile_plan, piece_shape
+from runtime.program import Move, bytes_sent, compile_plan
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
-
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def reshard(
@@ -102,7 +101,7 @@ def reshard(
             f"{label}: rank {rank} holds a piece of shape {list(local.shape)}, but '{src}' gives it "
             f"{list(program.source_shape)} of {list(shape)}"
         )
-    wait = _timeout(timeout, label)
+    wait = timeout_of(timeout, lambda message: ReshardError(f"{label}: {message}"))
     where = local.device if local is not None else _device(device, label)
     with torch.no_grad():  # collectives are not differentiable; nothing here records a graph
         if verify:
@@ -304,15 +303,6 @@ def _shape(global_shape: Sequence[int], label: str) -> tuple[int, ...]:
         return tuple(int(s) for s in global_shape)
     except (TypeError, ValueError):
         raise ReshardError(f"{label}: global_shape must be a sequence of ints, not {global_shape!r}") from None
-
-
-def _timeout(timeout: float | datetime.timedelta | None, label: str) -> datetime.timedelta:
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    wait = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
-    if wait.total_seconds() <= 0:
-        raise ReshardError(f"{label}: timeout must be positive, got {timeout!r}")
-    return wait
 
 
 def _where(move: Move | Exchange, plan: Plan) -> str:

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
+from runtime.blocks import piece_shape
 from runtime.errors import ReshardError
-from runtime.program import piece_shape
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 

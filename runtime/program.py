@@ -21,22 +21,18 @@ sits next to), ``None`` where it takes no part.
 from __future__ import annotations
 
 import functools
+import math
 
 import attrs
 import torch
 
 from planner.plan import Plan, Step, same_geometry
-from runtime.blocks import crop, pack, unpack
+from runtime.blocks import crop, pack, piece_shape, unpack
+from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError
 from runtime.exchange import Exchange, compile_exchange
 from runtime.groups import axis_ranks
 from shardlang.layout import padded_length
-
-FLOAT_DTYPES = ("f64", "f32", "bf16", "f16")
-
-
-def piece_shape(bounds: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    return tuple(stop - start for start, stop in bounds)
 
 
 @attrs.frozen
@@ -117,7 +113,7 @@ def _block(step: Step, before: tuple[int, ...], after: tuple[int, ...], n: int) 
 
 def check_reducible(plan: Plan) -> None:
     """A :class:`ReshardError` if the plan averages an integer tensor (no exact result)."""
-    if plan.dtype not in FLOAT_DTYPES:
+    if not torch_dtype(plan.dtype).is_floating_point:
         for step in plan.steps:
             if step.reduce_op == "avg" and step.op != "partial":
                 raise ReshardError(
@@ -178,9 +174,9 @@ def bytes_sent(move: Move | Exchange, itemsize: int) -> int:
     actual sizes); for a point-to-point step, the boxes it sends to other ranks."""
     if isinstance(move, Exchange):
         return move.elements_sent * itemsize
-    n, op, block = move.n, move.step.op, torch.Size(move.block).numel() * itemsize
     if move.is_local:
         return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * padded_length(torch.Size(move.before).numel(), (n,)) * itemsize
-    return (n - 1) * block
+    n = move.n
+    if move.step.op == "all_reduce":
+        return 2 * (n - 1) * padded_length(math.prod(move.before), (n,)) * itemsize
+    return (n - 1) * math.prod(move.block) * itemsize

@@ -14,6 +14,9 @@ A point-to-point step leaves one record (``op="point_to_point"``, ``axis=None``)
 rank that sends or receives a message in it: ``ranks`` are its peers, ``bytes_sent`` the
 boxes it sent to them (what it copies to itself is not sent and not counted), and
 ``planned_bytes`` the step's ``bytes`` (the largest per-rank max(sent, received)).
+
+The sharded optimizers' statistics all-reduces (``runtime.optim.sums``) are recorded too
+(``step=0``, ``tensor`` the owners' names joined by commas).
 """
 
 from __future__ import annotations

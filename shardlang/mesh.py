@@ -36,6 +36,9 @@ class Mesh:
     ranks: tuple[int, ...] = attrs.field(converter=_as_int_tuple)
     axis_names: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_names)
     name: str | None = None
+    # rank -> its row-major position in ``ranks``, built once by __attrs_post_init__ (derived, so
+    # left out of equality, hashing and repr): rank lookups are on every planning and runtime path.
+    _flat_index: dict[int, int] = attrs.field(init=False, eq=False, hash=False, repr=False)
 
     @ranks.default
     def _row_major_ranks(self) -> tuple[int, ...]:
@@ -51,13 +54,14 @@ class Mesh:
             raise LayoutError(
                 f"mesh[{','.join(map(str, self.shape))}] holds {self.size} ranks but {len(self.ranks)} are given"
             )
-        seen: set[int] = set()
-        for r in self.ranks:
+        flat_index: dict[int, int] = {}
+        for flat, r in enumerate(self.ranks):
             if r < 0:
                 raise LayoutError(f"rank {r} is negative")
-            if r in seen:
+            if r in flat_index:
                 raise LayoutError(f"rank {r} appears twice in the mesh")
-            seen.add(r)
+            flat_index[r] = flat
+        object.__setattr__(self, "_flat_index", flat_index)
         if self.axis_names is not None:
             if len(self.axis_names) != len(self.shape):
                 raise LayoutError(f"{len(self.axis_names)} axis names for a {len(self.shape)}-axis mesh")
@@ -95,10 +99,9 @@ class Mesh:
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """The mesh coordinate of a global rank id."""
-        try:
-            flat = self.ranks.index(rank)
-        except ValueError:
-            raise LayoutError(f"rank {rank} is not in {self.describe()}") from None
+        flat = self._flat_index.get(rank)
+        if flat is None:
+            raise LayoutError(f"rank {rank} is not in {self.describe()}")
         coord = []
         for size in reversed(self.shape):
             coord.append(flat % size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping
 from decimal import Decimal
 from importlib import resources
@@ -18,7 +19,7 @@ import attrs
 import lark
 from lark import Token, Tree
 
-from shardlang.dtypes import ITEMSIZE
+from shardlang.dtypes import itemsize
 from shardlang.errors import LayoutError, ParseError, ShardlangError, SourcePosition, SpecError
 from shardlang.layout import REDUCE_OPS, Layout
 from shardlang.mesh import Mesh, check_identifier
@@ -71,6 +72,8 @@ def _describe_expected(names: set[str] | frozenset[str]) -> str:
 
 
 def _parse_tree(text: str, start: str, filename: str | None) -> Tree:
+    if not isinstance(text, str):
+        raise ParseError(f"a {start} is text, not {type(text).__name__}")
     try:
         return _lark().parse(text, start=start)
     except lark.exceptions.UnexpectedCharacters as e:
@@ -296,17 +299,9 @@ class _Reader:
         return value
 
     def duration(self, token: Token) -> float:
-        """Seconds, from a number with an optional unit (s, ms, us, ns)."""
-        text = str(token)
-        unit = next((u for u in ("ms", "us", "ns", "s") if text.endswith(u)), "s")
-        number = text[: -len(unit)] if text.endswith(unit) else text
-        try:
-            # Decimal keeps 5us exactly 5e-06 (a float product would give 4.9999...e-06).
-            value = float(Decimal(number) * _TIME_UNITS[unit])
-        except ArithmeticError:  # decimal's Overflow and InvalidOperation on absurd exponents
-            value = math.inf
+        value = parse_duration(str(token))  # a DURATION token is always well formed
         if not value < math.inf:
-            raise SpecError(f"latency {text} is out of range (a finite number of seconds)", self.pos(token))
+            raise SpecError(f"latency {token} is out of range (a finite number of seconds)", self.pos(token))
         return value
 
     def per_axis(self, hint: Tree, mesh: Mesh, what: str, values: list[float]) -> tuple[float, ...]:
@@ -366,8 +361,10 @@ class _Reader:
         name_token, dtype_token, *rest = tree.children
         assert isinstance(name_token, Token) and isinstance(dtype_token, Token)
         dtype = str(dtype_token)
-        if dtype not in ITEMSIZE:
-            raise SpecError(f"unknown dtype '{dtype}' (expected one of {', '.join(ITEMSIZE)})", self.pos(dtype_token))
+        try:
+            itemsize(dtype)
+        except LayoutError as e:
+            raise SpecError(e.message, self.pos(dtype_token)) from None
         shape = tuple(self.int(t) for t in rest if isinstance(t, Token))
         entries = [t for t in rest if isinstance(t, Tree)]
         try:
@@ -397,10 +394,22 @@ def parse_layout(text: str, meshes: Mapping[str, Mesh] | None = None, *, filenam
 
     ``meshes`` gives the declared meshes that ``over NAME`` may refer to.
     """
-    if not isinstance(text, str):
-        raise ParseError(f"a layout is text, not {type(text).__name__}")
     tree = _parse_tree(text, "layout", filename)
     return _Reader(text, filename, meshes or {}).layout(tree)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from a duration as the language writes it: a number and an optional unit, ``s``
+    (the default), ``ms``, ``us`` or ``ns``: ``5us``, ``1.5e-3``. Like ``float``, ``math.inf``
+    when it is beyond a float; a :class:`ParseError` (without a position) when it is no duration."""
+    if not re.fullmatch(_lark().get_terminal("DURATION").pattern.to_regexp(), text):
+        raise ParseError(f"'{text}' is not a duration; write seconds like 5e-6, or a number and a unit like 5us")
+    unit = next((u for u in ("ms", "us", "ns", "s") if text.endswith(u)), "s")
+    try:
+        # Decimal keeps 5us exactly 5e-06 (a float product would give 4.9999...e-06).
+        return float(Decimal(text.removesuffix(unit)) * _TIME_UNITS[unit])
+    except ArithmeticError:  # decimal's Overflow, and InvalidOperation on absurd exponents
+        return math.inf
 
 
 def parse_spec(text: str, filename: str | None = None) -> Spec:

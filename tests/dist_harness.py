@@ -7,6 +7,7 @@ Ranks meet through a TCPStore served by this process on a port the OS picks.
 Each rank's return value comes back in rank order; an exception on any rank is re-raised
 here with that rank's traceback; a run that outlives ``timeout`` is killed and fails.
 Spawning costs seconds per process (importing torch), so batch many cases into one run.
+``attempt(call)`` records what a call raised on a rank (and how soon), for fault tests.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ def _rendezvous_store(timeout: float) -> dist.TCPStore:
     return dist.TCPStore(
         "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False
     )
+
+
+def attempt(call: Callable[[], object]) -> tuple[str, str, float]:
+    """What ``call`` did on this rank, for fault tests: ``("ok", "", seconds)``, or the name and
+    message of the exception it raised and the seconds until it did."""
+    started = time.monotonic()
+    try:
+        call()
+    except Exception as e:  # the test inspects the type and message
+        return type(e).__name__, str(e), time.monotonic() - started
+    return "ok", "", time.monotonic() - started
 
 
 class RankFailed(AssertionError):

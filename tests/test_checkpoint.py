@@ -179,11 +179,16 @@ def test_what_a_crashed_save_leaves_is_ignored_then_removed(tmp_path: Path) -> N
     ]
 
 
-def test_bad_pieces_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+def test_bad_pieces_and_timeouts_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
     bad = {"w": LocalPiece(torch.zeros(36, 24), _layout("R,R"), (37, 24))}
     with pytest.raises(CheckpointError, match=r"tensor 'w'.*\[36, 24\].*\[37, 24\].*nothing was written"):
         checkpoint.save(target, bad)
+    for timeout in (-1, "soon"):
+        with pytest.raises(CheckpointError, match="timeout must be positive"):
+            checkpoint.save(target, _tensors(), timeout=timeout)
+        with pytest.raises(CheckpointError, match="timeout must be positive"):
+            checkpoint.load(target, _blank(_tensors()), timeout=timeout)
     assert not target.exists()
 
 

@@ -7,6 +7,7 @@ Expected numbers come from the cost model's formulas worked by hand, or from tor
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -15,11 +16,14 @@ import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from shardlang import parse_layout
+from cli.inputs import bandwidth_arg, bytes_arg, duration_arg
+from cli.mesh_grid import arrange
+from shardlang import Mesh, parse_layout
 from tests.conftest import EXAMPLES
 
 SCRIPT = Path(sys.executable).with_name("shardlang")
@@ -274,6 +278,12 @@ def test_bad_arguments_give_one_message_and_an_exit_code(tmp_path: Path) -> None
         (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "four"], 2, "not a shape"),
         (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "4", "--bandwidth", "1,2"], 1, "2 values"),
         (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "4", "--bandwidth", "-1"], 2, "positive"),
+        (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "4", "--alpha", "1e999999999us"], 2, "too large"),
+        (
+            ["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "4", "--max-local-bytes", "1e999999999GiB"],
+            2,
+            "too large a byte count",
+        ),
         (
             ["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "100", "--max-local-bytes", "100"],
             1,
@@ -307,6 +317,48 @@ def test_bad_arguments_give_one_message_and_an_exit_code(tmp_path: Path) -> None
         assert result.stdout == "", args
 
 
+@pytest.mark.parametrize(
+    ("read", "text", "value"),
+    [
+        (duration_arg, "5us", 5e-6),
+        (duration_arg, " 2.5 ms ", 2.5e-3),
+        (duration_arg, "7e-9", 7e-9),
+        (duration_arg, ".5ns", 0.5e-9),
+        (duration_arg, "0", 0.0),
+        (bytes_arg, "64MiB", 64 * 2**20),
+        (bytes_arg, "2GB", 2 * 10**9),
+        (bytes_arg, "1e3", 1000),
+        (bytes_arg, str(2**63 - 1), 2**63 - 1),
+        (bandwidth_arg, "25e9,300e9", (25e9, 300e9)),
+        (bandwidth_arg, "1e11", 1e11),
+    ],
+)
+def test_option_values_read_as_written(read: Callable[[str], object], text: str, value: object) -> None:
+    assert read(text) == value
+
+
+@pytest.mark.parametrize(
+    ("read", "text", "words"),
+    [
+        (duration_arg, "5xs", "is not a duration"),
+        (duration_arg, "nan", "is not a duration"),
+        (duration_arg, "-5us", "is negative"),
+        (duration_arg, "1e999999999us", "too large"),  # beyond decimal's exponent range
+        (duration_arg, "1e400", "too large"),  # beyond a float
+        (bytes_arg, "1e999999999GiB", "too large"),
+        (bytes_arg, str(2**63), "too large"),
+        (bytes_arg, "1.5", "not a whole number"),
+        (bytes_arg, "64 parsecs", "not a byte count"),
+        (bandwidth_arg, "1e999999999", "positive and below infinity"),
+        (bandwidth_arg, "1e9,0", "positive"),
+        (bandwidth_arg, "inf", "not a finite number"),
+    ],
+)
+def test_bad_option_values_are_usage_errors(read: Callable[[str], object], text: str, words: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=words):
+        read(text)
+
+
 # --- show ---------------------------------------------------------------------------------
 def test_show_gives_every_rank_its_torch_chunk_block() -> None:
     import torch  # the independent reference: torch.chunk
@@ -334,6 +386,20 @@ def test_show_gives_every_rank_its_torch_chunk_block() -> None:
         assert f"rank {rank}" in text
     assert "axis 0=1" in text and "axis 1=2" in text
     assert "[6:7, :]" in text and "empty" in text and "padded" in text
+
+
+@pytest.mark.parametrize("size", [17, 21, 31, 64, 97])
+def test_wrapped_grid_rows_are_labelled_with_the_ranks_they_hold(size: int) -> None:
+    # A one-axis mesh too wide for one row is wrapped; each row label names its first and last
+    # coordinate, also in a short last row.
+    grid = arrange(Mesh(shape=(size,)))
+    held = []
+    for label, row in zip(grid.row_labels, grid.cells, strict=True):
+        coordinates = [c[0] for c in row if c is not None]
+        first, _, last = label.removeprefix("axis 0=").partition("..")
+        assert (int(first), int(last or first)) == (coordinates[0], coordinates[-1]), label
+        held += coordinates
+    assert held == list(range(size))
 
 
 # --- render -------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 subprocesses: the receive lower bound in text and JSON, the messages, ``--p2p``, explain,
 and pictures that show both meshes and the messages (a 64-rank grid included).
 
-Expected numbers come from element sets cut by torch.chunk here, not from the planner.
+Expected numbers come from element sets cut by torch.chunk (the references of
+``tests/test_planner_p2p.py``), not from the planner.
 """
 
 from __future__ import annotations
@@ -14,34 +15,16 @@ from pathlib import Path
 
 import torch
 
-from shardlang import Layout, parse_layout
-from tests.test_cli import SVG, no_traceback, run
+from shardlang import parse_layout
+from tests.test_cli import SVG, _svg, _text, no_traceback, run
+from tests.test_planner_p2p import flat_piece, lower_bound_by_hand
 
 SWAP = ["S0,S1 over mesh[2,2]", "S1,S0 over mesh[2,2]"]
 CROSS = ["S0,S1 over mesh[2,2]", "S0,R over mesh[4] ranks 4..7"]
 
 
-def piece(layout: Layout, shape: tuple[int, ...], rank: int) -> set[int]:
-    """Flat indices a rank holds, by torch.chunk on an index tensor (nested splits chunk again)."""
-    mesh = layout.mesh
-    flat, coordinate = mesh.ranks.index(rank), []
-    for size in reversed(mesh.shape):
-        coordinate.append(flat % size)
-        flat //= size
-    coordinate.reverse()
-    x = torch.arange(math.prod(shape)).reshape(shape)
-    for d, axes in enumerate(layout.dims):
-        for a in axes:
-            chunks = torch.chunk(x, mesh.shape[a], dim=d)
-            x = chunks[coordinate[a]] if coordinate[a] < len(chunks) else x.narrow(d, 0, 0)
-    return set(x.flatten().tolist())
-
-
 def lower_bound(src: str, dst: str, shape: tuple[int, ...], itemsize: int = 4) -> int:
-    a, b = parse_layout(src), parse_layout(dst)
-    return max(
-        len(piece(b, shape, r) - (piece(a, shape, r) if r in a.mesh.ranks else set())) * itemsize for r in b.mesh.ranks
-    )
+    return lower_bound_by_hand(parse_layout(src), parse_layout(dst), shape, itemsize)
 
 
 def test_plan_of_a_cross_mesh_pair_shows_the_bound_and_the_messages() -> None:
@@ -72,7 +55,8 @@ def test_json_gives_the_bound_and_every_transfer_covering_each_target_piece() ->
             for t in step["transfers"]
             if t["dst"] == rank
         ]
-        assert sum(map(len, got)) == len(piece(dst, shape, rank)) and set().union(*got) == piece(dst, shape, rank)
+        need = flat_piece(dst, shape, rank)
+        assert sum(map(len, got)) == len(need) and set().union(*got) == need
 
 
 def test_the_p2p_flag_turns_on_point_to_point_for_one_mesh() -> None:
@@ -96,14 +80,6 @@ def test_explain_across_meshes_has_no_greedy_baseline() -> None:
     data = json.loads(run("explain", *CROSS, "--shape", "37x24", "--format", "json").stdout)
     assert data["greedy"] is None and "different meshes" in data["greedy_unavailable"]
     assert data["chosen"]["lower_bound_bytes"] == lower_bound(*CROSS, (37, 24))
-
-
-def _svg(path: Path) -> ET.Element:
-    return ET.parse(path).getroot()
-
-
-def _text(element: ET.Element) -> str:
-    return " ".join(t.text or "" for t in element.iter(f"{SVG}text"))
 
 
 def _node(root: ET.Element, node_id: str) -> ET.Element:

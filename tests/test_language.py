@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from shardlang import (
     format_layout,
     padded_length,
     parse_layout,
+    parse_spec,
 )
 from shardlang.mesh import RESERVED_WORDS
 
@@ -286,6 +288,26 @@ def test_rank_piece_follows_explicit_ranks() -> None:
         layout.rank_piece(shape, 4)
 
 
+@settings(max_examples=200, deadline=None)
+@given(meshes())
+def test_coordinates_and_ranks_are_inverse(mesh: Mesh) -> None:
+    # Row-major order, the last axis fastest: the i-th coordinate of itertools.product is ranks[i].
+    for flat, coordinate in enumerate(itertools.product(*(range(n) for n in mesh.shape))):
+        assert mesh.rank_at(coordinate) == mesh.ranks[flat]
+        assert mesh.coordinate(mesh.ranks[flat]) == coordinate
+    with pytest.raises(LayoutError, match=f"rank {max(mesh.ranks) + 1} is not in"):
+        mesh.coordinate(max(mesh.ranks) + 1)
+
+
+def test_rank_lookups_do_not_scan_the_mesh() -> None:
+    # The receive lower bound and point-to-point plans look up every rank of a mesh: a scan of
+    # the rank list per lookup made them quadratic (minutes on the largest meshes).
+    mesh = Mesh(shape=(512, 512), ranks=tuple(reversed(range(512 * 512))))
+    started = time.perf_counter()
+    assert [mesh.coordinate(r) for r in range(2000)] == [(511 - r // 512, 511 - r % 512) for r in range(2000)]
+    assert time.perf_counter() - started < 1.0
+
+
 def test_shape_must_match_the_layout() -> None:
     layout = parse_layout("S0,R over mesh[2]")
     with pytest.raises(LayoutError, match=r"describes a 2-d tensor but the shape \[4\] has 1 dims"):
@@ -356,9 +378,12 @@ def test_the_caret_keeps_tabs() -> None:
     assert str(caught.value).splitlines()[-1] == "    \t ^"
 
 
-def test_a_layout_must_be_text() -> None:
+def test_a_layout_and_a_spec_must_be_text() -> None:
     with pytest.raises(ParseError, match="a layout is text, not int"):
         parse_layout(5)  # type: ignore[arg-type]
+    for value in (None, b"mesh w = [2]"):
+        with pytest.raises(ParseError, match=f"a spec is text, not {type(value).__name__}"):
+            parse_spec(value)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ of flat chunks against dense sums, the batching of sums, and every error a user 
 
 from __future__ import annotations
 
+import datetime
 import math
 
 import came_pytorch
@@ -190,6 +191,8 @@ def test_construction_errors_name_the_tensor() -> None:
     assert "'w'" in _error(lambda: ShardedAdamW([("w", w)], spec, flat_axis="tp"))
     assert "lr" in _error(lambda: ShardedCAME([("w", w)], spec, lr=-1.0))
     assert "no parameters" in _error(lambda: ShardedAdamW([], spec))
+    for timeout in (0, -1.5, "soon", float("nan"), datetime.timedelta(0)):
+        assert "timeout must be positive" in _error(lambda t=timeout: ShardedCAME([("w", w)], spec, lr=0.1, timeout=t))
     wrong_rank = parse_spec(SPEC.replace("rule", 'rule "x.bias" { param = R,R over world }\nrule'))
     assert "'x.bias'" in _error(lambda: ShardedAdamW([("x.bias", torch.nn.Parameter(torch.zeros(5)))], wrong_rank))
 

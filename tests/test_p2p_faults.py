@@ -23,7 +23,7 @@ import torch
 
 from runtime import DistributedError, PlanMismatchError, ReshardError, reshard
 from shardlang import parse_layout
-from tests.dist_harness import run_ranks
+from tests.dist_harness import attempt, run_ranks
 
 SHORT = 2.0  # seconds: the timeout of the phase where a peer never sends
 SLACK = 4.0  # scheduling on a loaded 2-core machine
@@ -31,15 +31,6 @@ SLACK = 4.0  # scheduling on a loaded 2-core machine
 SRC = parse_layout("S0 over mesh[1] ranks [0]")
 DST = parse_layout("S0 over mesh[1] ranks [1]")
 FULL = torch.arange(6.0)
-
-
-def _attempt(call) -> tuple[str, str, float]:
-    started = time.monotonic()
-    try:
-        call()
-    except Exception as e:  # the test inspects the type and message
-        return type(e).__name__, str(e), time.monotonic() - started
-    return "ok", "", time.monotonic() - started
 
 
 def _phases(rank: int, world_size: int) -> dict[str, object]:
@@ -60,12 +51,12 @@ def _phases(rank: int, world_size: int) -> dict[str, object]:
             lambda: reshard(None, SRC, parse_layout("S0 over mesh[1] ranks [5]"), global_shape=(6,), dtype="f32"),
         ),
     }
-    out["bad"] = {what: _attempt(call) for what, (only, call) in calls.items() if only in (None, rank)}
+    out["bad"] = {what: attempt(call) for what, (only, call) in calls.items() if only in (None, rank)}
 
     if rank == 0:  # a group of its own first: now rank 0 holds one more group than rank 1
         gathered = reshard(local, SRC, parse_layout("R over mesh[1] ranks [0]"), global_shape=(6,), verify=True)
         out["alone"] = torch.equal(gathered, FULL)
-    moved = _attempt(
+    moved = attempt(
         lambda: out.__setitem__(
             "moved", reshard(local, SRC, DST, global_shape=(6,), dtype="f32", verify=True, timeout=30, name="m")
         )
@@ -73,12 +64,12 @@ def _phases(rank: int, world_size: int) -> dict[str, object]:
     out["union"] = moved
 
     dtype = "f32" if rank == 0 else "f64"
-    out["mismatch"] = _attempt(
+    out["mismatch"] = attempt(
         lambda: reshard(local, SRC, DST, global_shape=(6,), dtype=dtype, verify=True, timeout=30, name="w")
     )
 
     if rank == 1:  # rank 0 never sends
-        out["silent_peer"] = _attempt(
+        out["silent_peer"] = attempt(
             lambda: reshard(None, SRC, DST, global_shape=(6,), dtype="f32", timeout=SHORT, name="x")
         )
     else:

@@ -130,16 +130,24 @@ _DETERMINISM_SCRIPT = """
 import json, random, sys
 sys.path.insert(0, {repo!r})
 import planner
+from shardlang import parse_layout as L
 from tests.test_planner_optimal import random_case
 rng = random.Random(21)
 cases = [random_case(rng, naxes=rng.randint(1, 4), sizes=(1, 2, 2, 4)) for _ in range(150)]
-print(json.dumps([planner.plan(*c).to_json() for c in cases]))
+plans = [planner.plan(*c) for c in cases]
+# Point-to-point and mixed plans: cross-mesh pairs, and a same-mesh pair with the flag.
+pairs = [('R,R | P01 over mesh[2,2]', 'S0,R over mesh[3] ranks [5,1,2]', False),
+         ('S0,R over mesh[8,8]', 'S1,R over mesh[8,8]', True),
+         ('R,S0 over mesh[2,4]', 'S01,R over mesh[4,2] ranks [7,6,5,4,3,2,1,0]', False)]
+plans += [planner.plan(L(a), L(b), (37, 100), point_to_point=f) for a, b, f in pairs]
+print(json.dumps([p.to_json() for p in plans]))
 """
 
 
 def test_plans_are_deterministic_across_processes_and_hash_seeds():
-    """Equal inputs give the same plan, also among equal-cost alternatives, whatever the
-    process's hash seed (string hashing changes set and dict orders)."""
+    """Equal inputs give the same plan, also among equal-cost alternatives and the senders of
+    point-to-point steps, whatever the process's hash seed (string hashing changes set and
+    dict orders)."""
     script = _DETERMINISM_SCRIPT.format(repo=str(REPO))
     outputs = set()
     for seed in ("1", "2", "12345"):
@@ -173,6 +181,9 @@ def test_a_layout_of_another_rank_than_the_shape_is_refused():
         planner.plan(L("S0,R over mesh[2]"), L("R,R over mesh[2]"), (8,))
     with pytest.raises(planner.PlanError, match="negative"):
         planner.plan(L("S0 over mesh[2]"), L("R over mesh[2]"), (-3,))
+    for shape in (("eight",), None, 8):
+        with pytest.raises(planner.PlanError, match="is not a sequence of lengths"):
+            planner.plan(L("S0 over mesh[2]"), L("R over mesh[2]"), shape)  # type: ignore[arg-type]
 
 
 def test_an_unknown_dtype_is_refused():
@@ -200,6 +211,9 @@ def test_cost_models_of_the_wrong_length_are_refused(cost, message):
         (dict(alpha=-1e-6), "latency .* must be finite and zero or positive"),
         (dict(alpha=float("nan")), "latency .* must be finite and zero or positive"),
         (dict(bandwidth=()), "bandwidth must be finite and positive"),
+        (dict(alpha="fast"), "is a number or one number per mesh axis, not 'fast'"),
+        (dict(bandwidth=None), "is a number or one number per mesh axis, not None"),
+        (dict(bandwidth=(1e9, "x")), r"not \(1000000000.0, 'x'\)"),
     ],
 )
 def test_bad_cost_numbers_are_refused(cost, message):

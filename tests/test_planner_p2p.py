@@ -12,10 +12,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import random
-import subprocess
-import sys
+import time
 from collections import Counter
 from functools import cache
 
@@ -24,6 +22,7 @@ import torch
 
 import planner
 from planner import choice
+from planner.holdings import Blocks
 from planner.p2p import point_to_point_plan
 from planner.plan import Plan
 from planner.search import collective_plan
@@ -378,6 +377,16 @@ def test_sender_choice_is_within_the_lpt_bound_of_the_best():
     assert checked >= 40 and tight >= 30
 
 
+def test_the_holders_of_a_block_are_gathered_in_linear_time():
+    """A layout replicated over a large mesh has one block with every rank as a holder; growing
+    its holder tuple one rank at a time took quadratic time (seconds at 65536 ranks)."""
+    layout = L("R over mesh[256,256] ranks 1..65536")
+    started = time.perf_counter()
+    blocks = Blocks(layout, (8,))
+    assert time.perf_counter() - started < 1.5
+    assert blocks.holders == {((0, 8),): tuple(range(1, 65537))}
+
+
 # --- JSON, memo, limits, flags, errors --------------------------------------------------
 def test_json_round_trip_keeps_transfers_and_reports_the_lower_bound():
     for src, dst, shape, flag in [
@@ -412,24 +421,6 @@ def test_planning_is_deterministic_and_memoized():
     assert again == first and again is not first
 
 
-def test_plans_are_the_same_in_processes_with_other_hash_seeds():
-    script = (
-        "import json, planner, shardlang\n"
-        "L = shardlang.parse_layout\n"
-        "pairs = [('R,R | P01 over mesh[2,2]', 'S0,R over mesh[3] ranks [5,1,2]', False),\n"
-        "         ('S0,R over mesh[8,8]', 'S1,R over mesh[8,8]', True),\n"
-        "         ('R,S0 over mesh[2,4]', 'S01,R over mesh[4,2] ranks [7,6,5,4,3,2,1,0]', False)]\n"
-        "print(json.dumps([planner.plan(L(a), L(b), (37, 100), point_to_point=f).to_json() for a, b, f in pairs]))\n"
-    )
-    outputs = set()
-    for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
-        assert result.returncode == 0, result.stderr
-        outputs.add(result.stdout)
-    assert len(outputs) == 1
-
-
 def test_max_local_bytes_bounds_every_state_of_a_mixed_plan():
     src, dst, shape = L("R | P0 over mesh[4]"), L("R over mesh[4] ranks 4..7"), (1 << 12,)
     free = planner.plan(src, dst, shape)
@@ -453,7 +444,7 @@ def test_the_flag_reaches_whole_spec_planning():
     )
     baseline = plan_spec(spec)
     extended = plan_spec(spec, point_to_point=True)
-    assert {s.op for leg in baseline.tensors[0].plans() for s in leg[1].steps} != {"point_to_point"}
+    assert "point_to_point" not in {s.op for _, leg in baseline.tensors[0].plans() for s in leg.steps}
     assert [s.op for _, leg in extended.tensors[0].plans() for s in leg.steps] == ["point_to_point"] * 2
     assert extended.total_seconds < baseline.total_seconds
 

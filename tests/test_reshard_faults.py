@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import time
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import planner
 from runtime import DistributedError, PlanMismatchError, ReshardError, reshard, shard
 from shardlang import parse_layout
-from tests.dist_harness import run_ranks
+from tests.dist_harness import attempt, run_ranks
 
 SHORT = 2.0  # seconds: the timeout of the phases where a peer never arrives
 DEATH_TIMEOUT = 5.0
@@ -34,15 +33,6 @@ S0R = parse_layout("S0,R over mesh[4]")
 FULL = torch.arange(32.0).reshape(8, 4)
 
 
-def _attempt(call) -> tuple[str, str, float]:
-    started = time.monotonic()
-    try:
-        call()
-    except Exception as e:  # the test inspects the type and message
-        return type(e).__name__, str(e), time.monotonic() - started
-    return "ok", "", time.monotonic() - started
-
-
 def _bad_inputs(rank: int, piece: torch.Tensor) -> dict[str, tuple[str, str, float]]:
     rr = parse_layout("R,R over mesh[4]")
     device_mesh = init_device_mesh("cpu", (2, 2))  # ranks [[0, 1], [2, 3]]
@@ -50,18 +40,19 @@ def _bad_inputs(rank: int, piece: torch.Tensor) -> dict[str, tuple[str, str, flo
     three = parse_layout("R over mesh[3] ranks 1..3")
     other_plan = planner.plan(S0R, parse_layout("R,S0 over mesh[4]"), (8, 4))
     return {
-        "wrong piece": _attempt(lambda: reshard(piece[:1], S0R, rr, global_shape=(8, 4), name="w")),
-        "wrong plan": _attempt(lambda: reshard(piece, S0R, rr, global_shape=(8, 4), plan=other_plan)),
-        "not a tensor": _attempt(lambda: reshard(piece.tolist(), S0R, rr, global_shape=(8, 4))),
-        "text layout": _attempt(lambda: reshard(piece, str(S0R), rr, global_shape=(8, 4))),
-        "wrong rank count": _attempt(lambda: reshard(piece, S0R, rr, global_shape=(8,), name="w")),
-        "outside the mesh": _attempt(lambda: reshard(torch.zeros(2), three, three, global_shape=(2,))),
-        "integer average": _attempt(
+        "wrong piece": attempt(lambda: reshard(piece[:1], S0R, rr, global_shape=(8, 4), name="w")),
+        "wrong plan": attempt(lambda: reshard(piece, S0R, rr, global_shape=(8, 4), plan=other_plan)),
+        "not a tensor": attempt(lambda: reshard(piece.tolist(), S0R, rr, global_shape=(8, 4))),
+        "text layout": attempt(lambda: reshard(piece, str(S0R), rr, global_shape=(8, 4))),
+        "wrong rank count": attempt(lambda: reshard(piece, S0R, rr, global_shape=(8,), name="w")),
+        "outside the mesh": attempt(lambda: reshard(torch.zeros(2), three, three, global_shape=(2,))),
+        "integer average": attempt(
             lambda: reshard(torch.zeros(4, 4, dtype=torch.int64), parse_layout("S0,R | P1:avg over mesh[2,2]"),
                             parse_layout("S0,R over mesh[2,2]"), global_shape=(8, 4))
         ),
-        "bad timeout": _attempt(lambda: reshard(piece, S0R, rr, global_shape=(8, 4), timeout=-1)),
-        "wrong device mesh": _attempt(
+        "bad timeout": attempt(lambda: reshard(piece, S0R, rr, global_shape=(8, 4), timeout=-1)),
+        "unreadable timeout": attempt(lambda: reshard(piece, S0R, rr, global_shape=(8, 4), timeout="soon", name="w")),
+        "wrong device mesh": attempt(
             lambda: reshard(shard(FULL, shuffled, rank), shuffled, parse_layout("R,R over mesh[2,2] ranks [2,0,3,1]"),
                             global_shape=(8, 4), mesh=device_mesh, name="w")
         ),
@@ -72,7 +63,7 @@ def _phases(rank: int, world_size: int) -> dict[str, object]:
     piece = shard(FULL, S0R, rank)
     out: dict[str, object] = {"bad": _bad_inputs(rank, piece)}
     wrong = "R,R over mesh[4]" if rank < 2 else "R,S0 over mesh[4]"
-    out["mismatch"] = _attempt(
+    out["mismatch"] = attempt(
         lambda: reshard(piece, S0R, parse_layout(wrong), global_shape=(8, 4), verify=True, name="w", timeout=30)
     )
     gathered = reshard(piece, S0R, parse_layout("R,R over mesh[4]"), global_shape=(8, 4), verify=True, timeout=30)
@@ -83,21 +74,21 @@ def _phases(rank: int, world_size: int) -> dict[str, object]:
         half = shard(torch.arange(4.0), pair, rank)
         reshard(half, pair, parse_layout("R over mesh[2] ranks 0..1"), global_shape=(4,), timeout=SHORT)
         if rank == 0:  # rank 1 never comes to the second call
-            out["absent_peer"] = _attempt(
+            out["absent_peer"] = attempt(
                 lambda: reshard(half, pair, parse_layout("R over mesh[2] ranks 0..1"), global_shape=(4,),
                                 timeout=SHORT, name="x")
             )
     new_pair = parse_layout("S0 over mesh[2] ranks [3,2]")
     if rank == 2:  # rank 3 never comes to create the group
         half = shard(torch.arange(4.0), new_pair, rank)
-        out["absent_creator"] = _attempt(
+        out["absent_creator"] = attempt(
             lambda: reshard(half, new_pair, parse_layout("R over mesh[2] ranks [3,2]"), global_shape=(4,),
                             timeout=SHORT, name="z")
         )
 
     if rank == 3:
         os._exit(0)  # dies without a word, its sockets closed
-    out["dead_peer"] = _attempt(
+    out["dead_peer"] = attempt(
         lambda: reshard(piece, S0R, parse_layout("R,R over mesh[4]"), global_shape=(8, 4), timeout=DEATH_TIMEOUT,
                         name="y")
     )
@@ -120,6 +111,7 @@ def test_bad_input_raises_before_communicating() -> None:
         "wrong rank count": r"tensor 'w': cannot plan .* 2-d tensor but the shape \[8\] has 1 dims",
         "integer average": "cannot average a tensor of i64",
         "bad timeout": "timeout must be positive",
+        "unreadable timeout": r"tensor 'w': timeout must be positive .*'soon'",
         "wrong device mesh": r"tensor 'w': step 1 of 1 .* the DeviceMesh \[\[0, 1\], \[2, 3\]\] is not the layout's",
     }
     for rank in range(3):

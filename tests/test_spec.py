@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import shardlang.parser
 from shardlang import (
@@ -181,9 +182,23 @@ def test_scalars_and_empty_dims() -> None:
 
 
 def test_dtypes() -> None:
-    for dtype, size in ITEMSIZE.items():
+    # Sizes against torch's own element sizes.
+    torch_dtypes = {
+        "f64": torch.float64,
+        "f32": torch.float32,
+        "bf16": torch.bfloat16,
+        "f16": torch.float16,
+        "i64": torch.int64,
+        "i32": torch.int32,
+        "i16": torch.int16,
+        "i8": torch.int8,
+        "u8": torch.uint8,
+        "bool": torch.bool,
+    }
+    assert set(ITEMSIZE) == set(torch_dtypes)
+    for dtype, torch_dtype in torch_dtypes.items():
         spec = parse_spec(f"tensor t : {dtype}[2] {{ param = R over mesh[1] }}")
-        assert itemsize(spec.tensor("t").dtype) == size
+        assert itemsize(spec.tensor("t").dtype) == torch.empty((), dtype=torch_dtype).element_size()
     with pytest.raises(LayoutError, match="unknown dtype 'f8'"):
         itemsize("f8")
 

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from runtime.checkpoint.errors import CheckpointError
 from runtime.comm import collective, default_device
 from runtime.errors import DistributedError
-from runtime.executor import DEFAULT_TIMEOUT
 from shardlang.errors import ShardlangError
 
 MESSAGE_BYTES = 1024  # longer messages are cut
@@ -25,16 +24,6 @@ def rank_and_size() -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
-
-
-def timeout_of(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
-    """``timeout`` (seconds or a timedelta) as a timedelta; ``None``: the runtime's default."""
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    wait = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-    if wait.total_seconds() <= 0:
-        raise CheckpointError(f"timeout must be positive, got {timeout!r}")
-    return wait
 
 
 def all_or_none(

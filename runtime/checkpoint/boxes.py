@@ -14,29 +14,14 @@ import math
 from collections.abc import Iterator
 
 from planner.plan import Box
-from runtime.program import piece_shape
-
-
-def numel(box: Box) -> int:
-    return math.prod(piece_shape(box))
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """The common box of ``a`` and ``b``, or ``None`` when they share no element."""
-    out = tuple((max(lo, c), min(hi, d)) for (lo, hi), (c, d) in zip(a, b, strict=True))
-    return None if any(lo >= hi for lo, hi in out) else out
-
-
-def relative(box: Box, within: Box) -> tuple[slice, ...]:
-    """Index of ``box`` inside a tensor holding ``within``."""
-    return tuple(slice(lo - start, hi - start) for (lo, hi), (start, _) in zip(box, within, strict=True))
+from runtime.blocks import piece_shape, relative
 
 
 def byte_runs(stored: Box, sub: Box, itemsize: int) -> Iterator[tuple[int, int]]:
     """``(offset, length)`` in bytes, from the start of ``stored``'s data, of the contiguous
     runs that hold ``sub`` (inside ``stored``), in ``sub``'s row-major order."""
     shape = piece_shape(stored)
-    rel = [(lo - start, hi - start) for (lo, hi), (start, _) in zip(sub, stored, strict=True)]
+    rel = relative(sub, stored)
     if any(lo >= hi for lo, hi in rel):
         return
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]

@@ -30,12 +30,12 @@ import attrs
 import torch
 
 from planner.plan import Box
+from runtime.blocks import piece_shape
 from runtime.checkpoint.boxes import flat_range_boxes
 from runtime.checkpoint.errors import CheckpointError
 from runtime.dtypes import dtype_name
 from runtime.executor import reshard
 from runtime.optim.base import StateWhere
-from runtime.program import piece_shape
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 
@@ -140,19 +140,23 @@ def resolved(key: str, piece: LocalPiece, rank: int, timeout: datetime.timedelta
     return LocalPiece(local, target, piece.shape)
 
 
-def saved_piece(key: str, piece: LocalPiece, rank: int) -> Item:
-    layout = piece.layout
-    assert piece.tensor is not None and not layout.is_partial
+def _block_item(key: str, layout: Layout, shape: tuple[int, ...], data: torch.Tensor, rank: int) -> Item:
+    """``data``, the rank's block of a tensor of ``shape`` in ``layout`` (not partial)."""
     return Item(
         key=key,
         layout=layout_text(layout),
         flat_axis=None,
-        shape=piece.shape,
-        dtype=dtype_name(piece.tensor.dtype),
-        boxes=(layout.rank_piece(piece.shape, rank),),
-        data=piece.tensor,
+        shape=shape,
+        dtype=dtype_name(data.dtype),
+        boxes=(layout.rank_piece(shape, rank),),
+        data=data,
         stores=stores(key, layout, layout.replicated_axes(), rank),
     )
+
+
+def saved_piece(key: str, piece: LocalPiece, rank: int) -> Item:
+    assert piece.tensor is not None and not piece.layout.is_partial
+    return _block_item(key, piece.layout, piece.shape, piece.tensor, rank)
 
 
 def wanted_piece(key: str, piece: LocalPiece, rank: int) -> Item:
@@ -179,16 +183,7 @@ def state_item(key: str, where: StateWhere, tensor_shape: tuple[int, ...], data:
     says; ``tensor_shape`` is its parameter's (what a flat chunk is a part of)."""
     layout = where.layout
     if where.flat_of is None:
-        return Item(
-            key=key,
-            layout=layout_text(layout),
-            flat_axis=None,
-            shape=where.shape,
-            dtype=dtype_name(data.dtype),
-            boxes=(layout.rank_piece(where.shape, rank),),
-            data=data,
-            stores=stores(key, layout, layout.replicated_axes(), rank),
-        )
+        return _block_item(key, layout, where.shape, data, rank)
     (axis,) = layout.dims[0]
     ((lo, hi),) = layout.rank_piece(where.shape, rank)
     block = where.flat_of.rank_piece(tensor_shape, rank)

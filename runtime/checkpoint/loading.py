@@ -15,8 +15,10 @@ from pathlib import Path
 import attrs
 import torch
 
+from planner.holdings import box_elements, intersect
+from runtime.blocks import piece_shape, region, relative
 from runtime.checkpoint import agree
-from runtime.checkpoint.boxes import byte_runs, intersect, numel, relative
+from runtime.checkpoint.boxes import byte_runs
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.files import RangeReader, raw_bytes
 from runtime.checkpoint.items import (
@@ -28,9 +30,9 @@ from runtime.checkpoint.items import (
     wanted_piece,
 )
 from runtime.checkpoint.metadata import METADATA_FILE, Metadata, StoredTensor, read_metadata
+from runtime.comm import timeout_of
 from runtime.dtypes import torch_dtype
 from runtime.optim.base import STATE_DICT_FORMAT, ShardedOptimizer
-from runtime.program import piece_shape
 
 
 @attrs.frozen
@@ -84,7 +86,7 @@ def load(
         report.append(LoadReport(dict(reader.bytes_read), reader.reads, metadata_bytes))
 
     what = f"loading the checkpoint {directory}"
-    agree.all_or_none(read, timeout=agree.timeout_of(timeout), what=what, outcome="nothing was changed")
+    agree.all_or_none(read, timeout=timeout_of(timeout, CheckpointError), what=what, outcome="nothing was changed")
     with torch.no_grad():  # parameters are leaves that require gradients
         for change in changes:
             change()
@@ -168,7 +170,7 @@ def _read(reader: RangeReader, stored: StoredTensor, item: Item, source: str) ->
     flat = item.data.reshape(-1)
     position = 0
     for box in item.boxes:
-        n = numel(box)
+        n = box_elements(box)
         target = flat[position : position + n].view(piece_shape(box))
         covered = 0
         for piece in stored.pieces:
@@ -184,8 +186,8 @@ def _read(reader: RangeReader, stored: StoredTensor, item: Item, source: str) ->
                     f"{piece.offset} does not match its checksum (the file is corrupt)"
                 )
             if into is not target:
-                target[relative(common, box)] = into
-            covered += numel(common)
+                region(target, relative(common, box)).copy_(into)
+            covered += box_elements(common)
         if covered != n:
             raise CheckpointError(
                 f"{source}: {label}: the stored pieces hold {covered} of the {n} elements of "

@@ -20,8 +20,8 @@ from typing import Any
 
 import attrs
 
+from planner.holdings import box_elements
 from planner.plan import Box
-from runtime.checkpoint.boxes import numel
 from runtime.checkpoint.errors import CheckpointError
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
@@ -40,7 +40,7 @@ class StoredPiece:
     crc32: int
 
     def to_json(self, itemsize: int) -> dict[str, Any]:
-        length = numel(self.box) * itemsize
+        length = box_elements(self.box) * itemsize
         return {
             "file": self.file,
             "offset": self.offset,
@@ -184,7 +184,7 @@ def _stored_tensor(entry: dict[str, Any], files: Mapping[str, int], source: str,
             not 0 <= lo <= hi <= n for (lo, hi), n in zip(stored.box, shape, strict=True)
         ):
             raise fail(f"the piece {list(map(list, stored.box))} is not inside the shape {list(shape)}")
-        length = numel(stored.box) * itemsize
+        length = box_elements(stored.box) * itemsize
         if _count(piece["length"]) != length:
             raise fail(
                 f"the piece {list(map(list, stored.box))} records {piece['length']} bytes, its box holds {length}"
@@ -192,7 +192,7 @@ def _stored_tensor(entry: dict[str, Any], files: Mapping[str, int], source: str,
         if stored.offset + length > files[stored.file]:
             raise fail(f"the piece {list(map(list, stored.box))} ends past the end of {stored.file}")
         pieces.append(stored)
-    covered = sum(numel(p.box) for p in pieces)
+    covered = sum(box_elements(p.box) for p in pieces)
     if covered != math.prod(shape):
         raise fail(f"its pieces hold {covered} elements, the shape {list(shape)} has {math.prod(shape)}")
     return StoredTensor(entry["layout"], entry["flat_axis"], shape, dtype, pieces)

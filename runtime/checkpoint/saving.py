@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import secrets
 import shutil
@@ -23,8 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from planner.holdings import box_elements
 from runtime.checkpoint import agree
-from runtime.checkpoint.boxes import numel
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.files import RankFileWriter, fsync_folder, replace_synced
 from runtime.checkpoint.items import (
@@ -38,6 +39,7 @@ from runtime.checkpoint.items import (
     state_key,
 )
 from runtime.checkpoint.metadata import METADATA_FILE, Metadata, StoredOptimizer, StoredPiece, StoredTensor
+from runtime.comm import timeout_of
 from runtime.optim.base import HeldTensor, ShardedOptimizer
 from shardlang.parser import parse_layout
 
@@ -59,7 +61,7 @@ def save(
     fails; a ``DistributedError`` if a rank does not arrive within ``timeout`` (seconds or a
     timedelta; default the runtime's)."""
     directory = Path(path)
-    timeout = agree.timeout_of(timeout)
+    timeout = timeout_of(timeout, CheckpointError)
     what = f"saving the checkpoint {directory}"
     rank, size = agree.rank_and_size()
     pieces: dict[str, LocalPiece] = {}
@@ -136,7 +138,7 @@ def _write_part(path: Path, items: list[Item]) -> dict[str, Any]:
                 flat = item.data.reshape(-1)
                 position = 0
                 for box in item.boxes:
-                    n = numel(box)
+                    n = box_elements(box)
                     if n:
                         offset, crc = writer.write(flat[position : position + n])
                         pieces.append({"offset": offset, "box": [list(b) for b in box], "crc32": crc})
@@ -182,7 +184,7 @@ def _merge(indexes: list[dict[str, Any]], data: str, size: int) -> Metadata:
     tensors = {}
     for key, (_, header) in headers.items():
         stored = StoredTensor(pieces=pieces[key], **header)
-        covered, total = sum(numel(p.box) for p in stored.pieces), numel(tuple((0, n) for n in stored.shape))
+        covered, total = sum(box_elements(p.box) for p in stored.pieces), math.prod(stored.shape)
         if covered != total:
             missing = sorted(set(parse_layout(stored.layout).mesh.ranks) - holders[key])
             raise CheckpointError(

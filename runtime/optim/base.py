@@ -34,14 +34,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from planner.cost import CostModel
+from runtime.blocks import piece_shape
+from runtime.comm import timeout_of
 from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError
-from runtime.executor import DEFAULT_TIMEOUT
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.routes import Hop, Route, flat_view, without_axis
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumReducer, SumSpec, plan_collectives
-from runtime.program import piece_shape
 from shardlang.errors import ShardlangError
 from shardlang.interop import from_dtensor_placements, mesh_from_device_mesh
 from shardlang.layout import Layout
@@ -92,26 +92,20 @@ class Slot:
         return grad, self.grad_layout
 
     # --- routes between placements (each hop planned by the planner) ---------------------
-    def grad_route(self, grad_layout: Layout) -> Route:
+    def route_to_state(self, layout: Layout) -> Route:
+        """From ``layout`` (the gradient's or the parameter's) to the state layout; with flat
+        sharding, to the base block (keeping ``layout``'s pending reduction over the flat axis),
+        then to its flat chunk."""
         if self.flat_axis is None:
-            return Route((Hop(grad_layout, self.state_layout, self.shape),), self.cost)
+            return Route((Hop(layout, self.state_layout, self.shape),), self.cost)
         assert self.shard is not None
-        base = self.shard.layout
-        partial = tuple((a, op) for a, op in grad_layout.partial if a == self.flat_axis)
-        arriving = attrs.evolve(base, partial=partial)
+        partial = tuple((a, op) for a, op in layout.partial if a == self.flat_axis)
+        arriving = attrs.evolve(self.shard.layout, partial=partial)
         src, dst = flat_view(arriving, self.flat_axis)
         n = math.prod(self.shard.block_shape)
-        return Route((Hop(grad_layout, arriving, self.shape), Hop(src, dst, (n,), view=(n,))), self.cost)
+        return Route((Hop(layout, arriving, self.shape), Hop(src, dst, (n,), view=(n,))), self.cost)
 
-    def param_in_route(self) -> Route:
-        if self.flat_axis is None:
-            return Route((Hop(self.param_layout, self.state_layout, self.shape),), self.cost)
-        assert self.shard is not None
-        src, dst = flat_view(self.shard.layout, self.flat_axis)
-        n = math.prod(self.shard.block_shape)
-        return Route((Hop(self.param_layout, self.shard.layout, self.shape), Hop(src, dst, (n,), view=(n,))), self.cost)
-
-    def param_out_route(self) -> Route:
+    def route_to_param(self) -> Route:
         if self.flat_axis is None:
             return Route((Hop(self.state_layout, self.param_layout, self.shape),), self.cost)
         assert self.shard is not None
@@ -211,12 +205,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise OptimizerError(
                 f"{type(self).__name__} needs named parameters: pass model.named_parameters(), not model.parameters()"
             )
-        if timeout is None:
-            self.timeout = DEFAULT_TIMEOUT
-        else:
-            self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-        if self.timeout.total_seconds() <= 0:
-            raise OptimizerError(f"timeout must be positive, got {timeout!r}")
+        self.timeout = timeout_of(timeout, OptimizerError)
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self._reducer = SumReducer(self.rank, self.timeout)
         self._slots = [
@@ -339,26 +328,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grads, params, states = [], [], []
         for slot in slots:
             local, layout = slot.local_grad()
-            grads.append(move(slot, slot.grad_route(layout), local, "its gradient to the state layout").to(slot.dtype))
+            grad = move(slot, slot.route_to_state(layout), local, "its gradient to the state layout")
+            grads.append(grad.to(slot.dtype))
             state = slot.states or self._initial_states(slot)
-            if slot.needs_master and "master" not in state:
-                master = move(slot, slot.param_in_route(), slot.local_param(), "the parameter to the state layout")
-                state = state | {"master": master.to(slot.dtype)}
+            if slot.needs_master and "master" in state:
+                param = state["master"]
+            else:  # the parameter's shard in the state layout (with a master: the first step only)
+                route = slot.route_to_state(slot.param_layout)
+                param = move(slot, route, slot.local_param(), "the parameter to the state layout").to(slot.dtype)
+                if slot.needs_master:
+                    state = state | {"master": param}
             states.append(state)
-            if slot.needs_master:
-                params.append(state["master"])
-            else:
-                local = move(slot, slot.param_in_route(), slot.local_param(), "the parameter to the state layout")
-                params.append(local.to(slot.dtype))
+            params.append(param)
         results, sum_bytes, sum_collectives = self._exchange(slots, self._updates(slots, grads, params, states))
         staged = []
         for slot, (param, new_states) in zip(slots, results, strict=True):
             if slot.needs_master:
                 new_states["master"] = param
             local = param.to(slot.param.dtype)
-            staged.append(
-                (move(slot, slot.param_out_route(), local, "the updated parameter to its layout"), new_states)
-            )
+            staged.append((move(slot, slot.route_to_param(), local, "the updated parameter to its layout"), new_states))
         return staged, StepTraffic(reshard_bytes, reshard_collectives, sum_bytes, sum_collectives)
 
     def _exchange(
@@ -407,9 +395,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reshard_bytes = reshard_collectives = 0
         for slot in slots:
             grad, grad_layout = slot.local_grad()
-            legs = [(slot.grad_route(grad_layout), grad.dtype), (slot.param_out_route(), slot.param.dtype)]
+            legs = [(slot.route_to_state(grad_layout), grad.dtype), (slot.route_to_param(), slot.param.dtype)]
             if not slot.needs_master or "master" not in slot.states:
-                legs.append((slot.param_in_route(), slot.param.dtype))
+                legs.append((slot.route_to_state(slot.param_layout), slot.param.dtype))
             for route, dtype in legs:
                 for plan in route.plans(dtype):
                     reshard_bytes += plan.total_bytes

@@ -20,7 +20,7 @@ import math
 import attrs
 import torch
 
-from runtime.program import piece_shape
+from runtime.blocks import piece_shape
 from shardlang.layout import Layout, chunk_bounds
 
 Axes = frozenset[int]

@@ -21,7 +21,7 @@ import torch
 
 from runtime.comm import collective
 from runtime.errors import DistributedError
-from runtime.groups import axis_group, axis_ranks
+from runtime.groups import axis_ranks, ranks_group
 from runtime.optim.shards import Axes
 from runtime.stats import CommRecord, is_recording, record
 from shardlang.mesh import Mesh
@@ -111,7 +111,7 @@ def plan_collectives(sums: Sequence[SumSpec], rank: int) -> tuple[Collective, ..
 
 class SumReducer:
     """Runs the all-reduces of :func:`plan_collectives` on the runtime's process groups
-    (``runtime.groups.axis_group``) and collective layer (bounded waits), recording each in
+    (``runtime.groups``) and collective layer (bounded waits), recording each in
     the runtime's communication log like any reshard collective."""
 
     def __init__(self, rank: int, timeout: datetime.timedelta) -> None:
@@ -129,9 +129,10 @@ class SumReducer:
             parts = [torch.zeros_like(values[i]) if masked else values[i] for i, masked in c.members]
             buffer = torch.cat([p.reshape(-1) for p in parts])
             owners = sorted({sums[i].owner for i, _ in c.members})
+            ranks = axis_ranks(c.mesh, c.axes, self.rank)
             started = time.perf_counter()
             try:
-                group = axis_group(c.mesh, c.axes, timeout=self.timeout)
+                group = ranks_group(ranks, timeout=self.timeout)
                 buffer = collective("all_reduce", buffer, c.group_size, "sum", group, self.timeout)
             except DistributedError as e:
                 axes = ",".join(c.mesh.axis_label(a) for a in c.axes)
@@ -146,7 +147,7 @@ class SumReducer:
                         step=0,
                         op="all_reduce",
                         axis=c.axes[0],
-                        ranks=axis_ranks(c.mesh, c.axes, self.rank),
+                        ranks=ranks,
                         bytes_sent=c.bytes,
                         planned_bytes=c.bytes,
                         seconds=time.perf_counter() - started,
