@@ -45,6 +45,7 @@ rely on consistency (a state reached again more cheaply is expanded again).
 
 from __future__ import annotations
 
+import functools
 import math
 
 from planner.space import REPLICATED, role_code
@@ -79,19 +80,10 @@ class LowerBound:
             for a, (n, r, target) in enumerate(zip(mesh_shape, units_per_round, target_roles, strict=True))
         )
         self.total = total_elements
-        self.size = math.prod(mesh_shape)
         self.target = target_elements
-        growing = [b for n, b in zip(mesh_shape, units_per_byte, strict=True) if n > 1]
-        self.growth = itemsize * min(growing, default=0)
-        # (A) and (B) are computed scaled by q * mesh size, so that the rates (n-1)/n and the
-        # floors T * n / N are integers, then divided back, rounding down.
-        self.q = math.lcm(*mesh_shape)
-        self.scale = self.q * self.size
-        self.rate = tuple(
-            (n - 1) * itemsize * b * (self.q // n) for n, b in zip(mesh_shape, units_per_byte, strict=True)
+        self.size, self.scale, self.growth, self.rate, self.moving_growth, self.reduce_order = _mesh_rates(
+            mesh_shape, itemsize, units_per_byte
         )
-        self.moving_growth = min((r for n, r in zip(mesh_shape, self.rate, strict=True) if n > 1), default=0)
-        self.reduce_order = sorted(range(len(mesh_shape)), key=lambda a: (units_per_byte[a], a))
         self._ordered: dict[int, int] = {}
         self._floors: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self._moving: dict[tuple[int, int, int], int] = {}
@@ -140,6 +132,24 @@ class LowerBound:
             for a in range(len(self.mesh_shape))
             if mask >> a & 1
         ]
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_rates(
+    mesh_shape: tuple[int, ...], itemsize: int, units_per_byte: tuple[int, ...]
+) -> tuple[int, int, int, tuple[int, ...], int, tuple[int, ...]]:
+    """What the bytes bounds need of a mesh and cost model, whatever the pair: (mesh size,
+    scale, growth rate, per-axis rate, moving growth rate, axes in reduction order). Cached:
+    a model plans many pairs on one mesh."""
+    size = math.prod(mesh_shape)
+    growth = itemsize * min((b for n, b in zip(mesh_shape, units_per_byte, strict=True) if n > 1), default=0)
+    # (A) and (B) are computed scaled by q * mesh size, so that the rates (n-1)/n and the
+    # floors T * n / N are integers, then divided back, rounding down.
+    q = math.lcm(*mesh_shape)
+    rate = tuple((n - 1) * itemsize * b * (q // n) for n, b in zip(mesh_shape, units_per_byte, strict=True))
+    moving_growth = min((r for n, r in zip(mesh_shape, rate, strict=True) if n > 1), default=0)
+    reduce_order = tuple(sorted(range(len(mesh_shape)), key=lambda a: (units_per_byte[a], a)))
+    return size, q * size, growth, rate, moving_growth, reduce_order
 
 
 _FIRST_PARTIAL = role_code("P", "sum")

@@ -116,8 +116,8 @@ def integer_rates(alpha: tuple[float, ...], bandwidth: tuple[float, ...]) -> tup
     ``D / bandwidth[a]`` for one common scale ``D``, so that a step's time times ``D`` is the
     integer ``rounds * units_per_round[a] + bytes * units_per_byte[a]``, exactly."""
     # Floats are exact ratios of integers: alpha = p / q, and 1 / bandwidth = q / p.
-    ratios = {value: value.as_integer_ratio() for value in (*alpha, *bandwidth)}
-    scale = math.lcm(*(q for _, q in (ratios[a] for a in alpha)), *(p for p, _ in (ratios[b] for b in bandwidth)))
-    per_round = tuple(ratios[a][0] * scale // ratios[a][1] for a in alpha)
-    per_byte = tuple(ratios[b][1] * scale // ratios[b][0] for b in bandwidth)
+    ratios = {value: value.as_integer_ratio() for value in {*alpha, *bandwidth}}
+    scale = math.lcm(*{ratios[a][1] for a in alpha}, *{ratios[b][0] for b in bandwidth})
+    per_round = tuple(ratios[a][0] * (scale // ratios[a][1]) for a in alpha)
+    per_byte = tuple(ratios[b][1] * (scale // ratios[b][0]) for b in bandwidth)
     return per_round, per_byte
