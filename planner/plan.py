@@ -90,7 +90,9 @@ class Step:
         return out
 
 
-@attrs.frozen
+# The hash is cached: the runtime looks plans up by value on every reshard(plan=...) call, and
+# a point-to-point plan holds one record per message.
+@attrs.frozen(cache_hash=True)
 class Plan:
     """The steps that take a tensor of ``shape`` and ``dtype`` from ``src`` to ``dst``."""
 
