@@ -36,16 +36,21 @@ def crop(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return x
 
 
-def pack(x: torch.Tensor, dim: int, n: int, block: Sequence[int]) -> torch.Tensor:
-    """A contiguous ``[n, *block]`` tensor whose block ``i`` holds ``x``'s elements
+def pack(x: torch.Tensor, dim: int, n: int, block: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """A ``[n, *block]`` tensor whose block ``i`` holds ``x``'s elements
     ``[i * block[dim], (i + 1) * block[dim])`` along ``dim``, zero-padded; ``x`` is at most
-    ``block`` in every other dim and at most ``n * block[dim]`` along ``dim``."""
+    ``block`` in every other dim and at most ``n * block[dim]`` along ``dim``. Written into
+    ``out`` (``[n, *block]``, e.g. a member's part of a bucket buffer) when given, else a
+    contiguous tensor (``x`` itself, viewed, when it already is one)."""
     block = tuple(block)
     b, length = block[dim], x.shape[dim]
     padded = length != n * b or any(x.shape[k] != block[k] for k in range(x.dim()) if k != dim)
-    if not padded and x.is_contiguous() and (n == 1 or math.prod(block[:dim]) == 1):
+    if out is None and not padded and x.is_contiguous() and (n == 1 or math.prod(block[:dim]) == 1):
         return x.view(n, *block)
-    out = x.new_zeros((n, *block)) if padded else x.new_empty((n, *block))
+    if out is None:
+        out = x.new_zeros((n, *block)) if padded else x.new_empty((n, *block))
+    elif padded:
+        out.zero_()
     if x.numel() == 0:
         return out
     spread = crop(out.movedim(0, dim), [*x.shape[:dim], n, b, *x.shape[dim + 1 :]])

@@ -89,8 +89,28 @@ class Move:
             buffer = x.contiguous() if writable else x.clone(memory_format=torch.contiguous_format)
         return buffer.view(-1)
 
+    @property
+    def chunk(self) -> int:
+        """Elements this rank puts in the collective per peer (all_gather: in all; all_reduce:
+        its whole piece), which every rank of its group shares."""
+        return math.prod(self.before) if self.step.op == "all_reduce" else math.prod(self.block)
+
+    def send_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Write this rank's contribution into ``out``, its part of a bucket buffer: ``[n,
+        chunk]`` for reduce_scatter and all_to_all (one row per peer), ``[chunk]`` otherwise."""
+        op, dim = self.step.op, self.step.dim
+        if op == "all_gather":
+            pack(x, dim, 1, self.block, out=out.view(1, *self.block))
+        elif op == "reduce_scatter":
+            pack(x, dim, self.n, self.block, out=out.view(self.n, *self.block))
+        elif op == "all_to_all":
+            pack(x, self.step.to_dim, self.n, self.block, out=out.view(self.n, *self.block))
+        else:
+            out.view(self.before).copy_(x)
+
     def finish(self, received: torch.Tensor) -> torch.Tensor:
-        """The rank's piece after the step, from the collective's flat result."""
+        """The rank's piece after the step, from the collective's result: flat, or for
+        all_gather and all_to_all a ``[n, chunk]`` part of a bucket's result."""
         op = self.step.op
         if op == "all_reduce":
             return received.view(self.after)

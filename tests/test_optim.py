@@ -202,10 +202,19 @@ def test_state_layouts_that_cannot_hold_states() -> None:
     layouts = Layouts(param=parse_layout("R over mesh[2]"), grad=partial, states=(("", partial),))
     p = torch.nn.Parameter(torch.zeros(6))
     assert "partial" in _error(lambda: ShardedAdamW([("p", p)], {"p": layouts}))
-    own = parse_spec(
-        "tensor p : f32[6] { param = R over mesh[2]  state = S0 over mesh[2]  state.exp_avg_sq = R over mesh[2] }"
+    unknown = parse_spec(
+        "tensor p : f32[6] { param = R over mesh[2]  state = S0 over mesh[2]  state.momentum = R over mesh[2] }"
     )
-    assert "state.exp_avg_sq" in _error(lambda: ShardedAdamW([("p", p)], own))
+    message = _error(lambda: ShardedAdamW([("p", p)], unknown))
+    assert "'p'" in message and "state.momentum" in message and "exp_avg, exp_avg_sq" in message
+    factored = parse_spec(
+        "tensor w : f32[4, 6] { param = R,R over mesh[2]  state = S0,R over mesh[2]  "
+        "state.exp_avg_sq = R,R over mesh[2] }"
+    )
+    w = torch.nn.Parameter(torch.zeros(4, 6))
+    message = _error(lambda: ShardedCAME([("w", w)], factored, lr=0.1))
+    assert "'w'" in message and "state.exp_avg_sq" in message
+    assert "does not have the parameter's shape" in message or "keeps no state" in message
 
 
 def test_load_state_dict_checks_every_layout_before_changing_anything() -> None:

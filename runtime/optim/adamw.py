@@ -4,7 +4,9 @@ AdamW is elementwise, so on any shard it equals the single-device optimizer bit 
 it performs the same floating-point operations in the same order: decoupled weight decay
 ``p *= 1 - lr*wd``, ``m.lerp_(g, 1-beta1)``, ``v = v*beta2 + (1-beta2) g*g``, and
 ``p += -lr/(1-beta1^t) * m / (sqrt(v)/sqrt(1-beta2^t) + eps)`` (``_single_tensor_adam``).
-Everything is computed out of place so that a failed step can be dropped.
+The same elementwise operations run on a flat buffer holding many tensors give the same bits,
+so the optimizer steps all tensors of one param group at once. Results go to new buffers, so
+that a failed step can be dropped.
 """
 
 from __future__ import annotations
@@ -15,45 +17,42 @@ from typing import Any
 
 import torch
 
-from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, Update, computed
+from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StepWork, Update, done
 from runtime.optim.errors import OptimizerError
+from runtime.optim.flat import flat_or_copy, scatter_back
 
 ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 
 
 def adamw_update(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    states: Sequence[dict[str, torch.Tensor]],
-    steps: Sequence[int],
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    step: int,
     *,
     lr: float,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """New parameters and states for one step; ``steps`` are the step numbers being taken
-    (1 on the first step). Nothing passed in is modified."""
-    if not params:
-        return [], []
+) -> None:
+    """One step (``step``: 1 on the first) of tensors of one shape, usually the flat buffers
+    of many tensors at once: the new parameter, ``exp_avg`` and ``exp_avg_sq`` are written to
+    ``out``. Nothing passed in is modified."""
     beta1, beta2 = betas
-    exp_avgs = [s["exp_avg"] for s in states]
-    exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+    new_param, new_exp_avg, new_exp_avg_sq = out
     if weight_decay != 0:
-        new_params = list(torch._foreach_mul(params, 1 - lr * weight_decay))
+        torch.mul(param, 1 - lr * weight_decay, out=new_param)
     else:
-        new_params = [p.clone() for p in params]
-    new_exp_avgs = list(torch._foreach_lerp(exp_avgs, grads, 1 - beta1))
-    new_exp_avg_sqs = list(torch._foreach_mul(exp_avg_sqs, beta2))
-    torch._foreach_addcmul_(new_exp_avg_sqs, grads, grads, 1 - beta2)
-    step_sizes = [-(lr / (1 - beta1**t)) for t in steps]
-    bias_correction2_sqrts = [(1 - beta2**t) ** 0.5 for t in steps]
-    denoms = torch._foreach_sqrt(new_exp_avg_sqs)
-    torch._foreach_div_(denoms, bias_correction2_sqrts)
-    torch._foreach_add_(denoms, eps)
-    torch._foreach_addcdiv_(new_params, new_exp_avgs, denoms, step_sizes)
-    new_states = [{"exp_avg": m, "exp_avg_sq": v} for m, v in zip(new_exp_avgs, new_exp_avg_sqs, strict=True)]
-    return new_params, new_states
+        new_param.copy_(param)
+    torch.lerp(exp_avg, grad, 1 - beta1, out=new_exp_avg)
+    torch.mul(exp_avg_sq, beta2, out=new_exp_avg_sq)
+    new_exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
+    denom = new_exp_avg_sq.sqrt()
+    denom.div_((1 - beta2**step) ** 0.5)
+    denom.add_(eps)
+    new_param.addcdiv_(new_exp_avg, denom, value=-(lr / (1 - beta1**step)))
 
 
 class ShardedAdamW(ShardedOptimizer):
@@ -66,7 +65,11 @@ class ShardedAdamW(ShardedOptimizer):
     ``flat_axis``: keep every state as flat equal chunks over this mesh axis (flat ZeRO).
     ``state_dtype``: of states and math (default fp32, fp64 for fp64 parameters); lower
     precision parameters keep a master shard. ``timeout``: how long any collective may wait
-    (seconds or a timedelta; default the runtime's, 5 minutes).
+    (seconds or a timedelta; default the runtime's, 5 minutes). ``bucket_bytes``: the most
+    buffer one bucket's collective may hold per rank (default
+    :data:`planner.step.DEFAULT_BUCKET_BYTES`). ``verify``: check once per step plan that the
+    ranks of every group hold the same buckets (a :class:`~runtime.PlanMismatchError`
+    otherwise, instead of a hang or a wrong result).
     """
 
     def __init__(
@@ -81,39 +84,71 @@ class ShardedAdamW(ShardedOptimizer):
         flat_axis: str | int | None = None,
         state_dtype: torch.dtype | None = None,
         timeout: float | datetime.timedelta | None = None,
+        bucket_bytes: int | None = None,
+        verify: bool = True,
     ) -> None:
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0 or not all(0 <= b < 1 for b in betas):
             raise OptimizerError(
                 f"invalid AdamW hyperparameters: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
             )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(named_params, spec, defaults, flat_axis=flat_axis, state_dtype=state_dtype, timeout=timeout)
+        super().__init__(
+            named_params,
+            spec,
+            defaults,
+            flat_axis=flat_axis,
+            state_dtype=state_dtype,
+            timeout=timeout,
+            bucket_bytes=bucket_bytes,
+            verify=verify,
+        )
 
-    def _initial_states(self, slot: Slot) -> dict[str, torch.Tensor]:
+    def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
         assert slot.shard is not None
-        device = slot.local_param().device
-        return {name: torch.zeros(slot.shard.local_shape, dtype=slot.dtype, device=device) for name in ADAMW_STATES}
+        return dict.fromkeys(ADAMW_STATES, slot.shard.local_shape)
 
-    def _updates(
-        self,
-        slots: Sequence[Slot],
-        grads: Sequence[torch.Tensor],
-        params: Sequence[torch.Tensor],
-        states: Sequence[dict[str, torch.Tensor]],
-    ) -> list[Update]:
-        results: list[Update | None] = [None] * len(slots)
-        for group in self.param_groups:
-            chosen = [i for i, slot in enumerate(slots) if slot.group is group]
-            new_params, new_states = adamw_update(
-                [params[i] for i in chosen],
-                [grads[i] for i in chosen],
-                [states[i] for i in chosen],
-                [slots[i].step + 1 for i in chosen],
+    def _updates(self, work: StepWork) -> list[Update]:
+        """The math of every run of consecutive slots with one param group and step count, on
+        their flat buffers at once (views where the buffers already are flat, else copies)."""
+        for run in _runs(work):
+            slot = work.slots[run[0]]
+            group, dtype = slot.group, slot.dtype
+
+            def flat(tensors: Sequence[torch.Tensor], dtype: torch.dtype = dtype) -> torch.Tensor:
+                return flat_or_copy(tensors, dtype)
+
+            outs = [
+                [work.new_params[i] for i in run],
+                [work.new_states[i]["exp_avg"] for i in run],
+                [work.new_states[i]["exp_avg_sq"] for i in run],
+            ]
+            targets = [flat(o) for o in outs]
+            adamw_update(
+                flat([work.params[i] for i in run]),
+                flat([work.grads[i] for i in run]),
+                flat([work.states[i]["exp_avg"] for i in run]),
+                flat([work.states[i]["exp_avg_sq"] for i in run]),
+                (targets[0], targets[1], targets[2]),
+                slot.step + 1,
                 lr=group["lr"],
                 betas=group["betas"],
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
             )
-            for i, param, state in zip(chosen, new_params, new_states, strict=True):
-                results[i] = computed(param, state)
-        return [r for r in results if r is not None]
+            for target, views in zip(targets, outs, strict=True):
+                scatter_back(target, views)
+        return [done()]
+
+
+def _runs(work: StepWork) -> list[list[int]]:
+    """Indices of ``work.slots`` in runs of consecutive slots sharing param group, step count,
+    dtype and device (one flat update each)."""
+    runs: list[list[int]] = []
+    last: tuple | None = None
+    for i, slot in enumerate(work.slots):
+        key = (id(slot.group), slot.step, slot.dtype, work.grads[i].device)
+        if key != last:
+            runs.append([])
+            last = key
+        runs[-1].append(i)
+    return runs

@@ -1,29 +1,36 @@
 """What both sharded optimizers share: placing every parameter, and the step.
 
-Every parameter gets its layouts (param, grad, state) from the spec, or from its DTensor
-placements, and this rank's part of its state (:class:`StateShard`). A step is staged, then
-committed:
+Every parameter gets its layouts (param, grad, state, and any state kept in a layout of its
+own) from the spec, or from its DTensor placements, and this rank's part of its state
+(:class:`StateShard`). A step runs one step plan (``planner.step``), built once for the
+gradients' layouts and cached:
 
-1. every gradient is resharded from its grad layout to the state layout (``routes``);
-2. the optimizer math runs on the local shards out of place; the partial sums it needs
-   (CAME) are completed phase by phase, all tensors' sums of a phase batched
-   (``sums.plan_collectives``);
-3. every updated parameter is resharded from the state layout to its param layout.
+1. before the update, one collective per bucket: every gradient into the state layout, every
+   parameter's state-layout shard (while it has no fp32 master; usually a slice), every
+   state kept in its own layout into the state layout (``runtime.buckets``);
+2. the optimizer math on the local shards, whole flat buffers at a time
+   (``runtime.optim.flat``); the partial sums it needs (CAME) are completed phase by phase,
+   all tensors' sums of a phase batched (``sums.plan_collectives``);
+3. after it, one collective per bucket again: every updated parameter into its param layout,
+   every own-layout state back into its layout.
 
-Only when all of that succeeded are the parameters and states replaced on this rank. An
-error in any reshard or reduction (a bad layout, a peer that died) raises
-:class:`OptimizerStepError` naming the tensor, and leaves this rank's parameters and states
-as they were. (A rank whose peers failed after it had finished cannot know; ranks that
-raise are consistent with each other.)
+The math writes new state buffers and never the ones it reads; only when all of that
+succeeded are the parameters written and the new buffers swapped in. An error in any
+collective or reduction (a bad layout, a peer that died) raises :class:`OptimizerStepError`
+naming the bucket or tensor, and leaves this rank's parameters and states as they were. (A
+rank whose peers failed after it had finished cannot know; ranks that raise are consistent
+with each other.)
 
 Parameters in a lower precision than the states (bf16) keep an fp32 master shard in the
 state layout (state ``master``); otherwise the parameter's state-layout shard is taken from
-the parameter each step (usually a slice: no communication).
+the parameter each step.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import math
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
@@ -34,12 +41,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from planner.cost import CostModel
+from planner.plan import same_geometry
+from planner.step import AFTER, BEFORE, StepPlan, StepTensor, plan_step, without_axis
 from runtime.blocks import piece_shape
-from runtime.comm import timeout_of
+from runtime.buckets import run_stage
+from runtime.comm import collective, timeout_of
 from runtime.dtypes import dtype_name
-from runtime.errors import DistributedError
+from runtime.errors import DistributedError, PlanMismatchError
+from runtime.groups import axis_ranks, group_for
 from runtime.optim.errors import OptimizerError, OptimizerStepError
-from runtime.optim.routes import Hop, Route, flat_view, without_axis
+from runtime.optim.flat import FlatStates
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumReducer, SumSpec, plan_collectives
 from shardlang.errors import ShardlangError
@@ -50,15 +61,16 @@ from shardlang.spec import STATE_DEFAULT, Layouts, Spec, TensorSpec
 STATE_DICT_FORMAT = "shardlang.sharded_optimizer/1"
 
 SpecLike = Spec | Mapping[str, Layouts | TensorSpec] | None
-# The math of one tensor's step: yields the partial sums of each phase, is sent them
-# completed, returns the new parameter and states.
-Update = Generator[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# The math of the step's tensors: yields the partial sums of each phase, is sent them
+# completed; it writes its results into the destinations it was given.
+Update = Generator[list[torch.Tensor], list[torch.Tensor], None]
 
 
 @attrs.define(eq=False)
 class Slot:
     """One parameter as this rank's optimizer sees it."""
 
+    index: int  # in the optimizer's order (the step plan's and the flat buffers')
     name: str
     param: torch.Tensor
     shape: tuple[int, ...]  # the whole tensor's
@@ -66,12 +78,13 @@ class Slot:
     param_layout: Layout
     grad_layout: Layout | None  # None: read from the gradient (DTensor)
     state_layout: Layout
+    own_layouts: dict[str, Layout]  # states kept in a layout of their own
     shard: StateShard | None  # None: this rank is outside the tensor's mesh
     flat_axis: int | None
     device_mesh: DeviceMesh | None
     dtype: torch.dtype  # of the states and the math
     cost: CostModel  # the reshards are planned under
-    states: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    own_states: dict[str, torch.Tensor] = attrs.field(factory=dict)  # pieces in their own layouts
     step: int = 0
 
     @property
@@ -91,30 +104,9 @@ class Slot:
             raise OptimizerError(f"tensor '{self.name}' is a DTensor but its gradient is a plain tensor")
         return grad, self.grad_layout
 
-    # --- routes between placements (each hop planned by the planner) ---------------------
-    def route_to_state(self, layout: Layout) -> Route:
-        """From ``layout`` (the gradient's or the parameter's) to the state layout; with flat
-        sharding, to the base block (keeping ``layout``'s pending reduction over the flat axis),
-        then to its flat chunk."""
-        if self.flat_axis is None:
-            return Route((Hop(layout, self.state_layout, self.shape),), self.cost)
-        assert self.shard is not None
-        partial = tuple((a, op) for a, op in layout.partial if a == self.flat_axis)
-        arriving = attrs.evolve(self.shard.layout, partial=partial)
-        src, dst = flat_view(arriving, self.flat_axis)
-        n = math.prod(self.shard.block_shape)
-        return Route((Hop(layout, arriving, self.shape), Hop(src, dst, (n,), view=(n,))), self.cost)
-
-    def route_to_param(self) -> Route:
-        if self.flat_axis is None:
-            return Route((Hop(self.state_layout, self.param_layout, self.shape),), self.cost)
-        assert self.shard is not None
-        src, dst = flat_view(self.shard.layout, self.flat_axis)
-        n = math.prod(self.shard.block_shape)
-        return Route(
-            (Hop(dst, src, (n,)), Hop(self.shard.layout, self.param_layout, self.shape, view=self.shard.block_shape)),
-            self.cost,
-        )
+    def own_piece_shape(self, state: str, rank: int) -> tuple[int, ...]:
+        """The shape of ``rank``'s piece of a state kept in its own layout."""
+        return piece_shape(self.own_layouts[state].rank_piece(self.shape, rank))
 
 
 @attrs.frozen
@@ -155,8 +147,8 @@ class HeldTensor:
 
 @attrs.frozen
 class StepTraffic:
-    """What one step communicates on this rank, as planned: reshard bytes and collectives
-    (planner), statistics all-reduces and their bytes (``sums.plan_collectives``)."""
+    """What one step communicates on this rank, as planned: bucket bytes and collectives
+    (the step plan), statistics all-reduces and their bytes (``sums.plan_collectives``)."""
 
     reshard_bytes: int = 0
     reshard_collectives: int = 0
@@ -172,9 +164,31 @@ class StepTraffic:
         return self.reshard_collectives + self.sum_collectives
 
 
-def computed(param: torch.Tensor, states: dict[str, torch.Tensor]) -> Update:
-    """The update of math that needs no sums: its result, already computed."""
-    return param, states
+@attrs.frozen(eq=False)
+class StepWork:
+    """What the math of one step gets, per stepped slot (in the optimizer's order): the
+    gradient and parameter in the state layout (of the state dtype, possibly views), the
+    states as they are, and where to write the new parameter and states."""
+
+    slots: tuple[Slot, ...]
+    grads: tuple[torch.Tensor, ...]
+    params: tuple[torch.Tensor, ...]
+    states: tuple[Mapping[str, torch.Tensor], ...]
+    new_params: tuple[torch.Tensor, ...]
+    new_states: tuple[Mapping[str, torch.Tensor], ...]
+
+
+@attrs.frozen(eq=False)
+class _Compiled:
+    """A step plan and, per (tensor, leg), the leg's index in it."""
+
+    plan: StepPlan
+    legs: Mapping[tuple[str, str], int]
+
+
+def done() -> Update:
+    """The update of math that needs no sums (it has already written its results)."""
+    return
     yield  # a generator that yields nothing
 
 
@@ -193,6 +207,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flat_axis: str | int | None = None,
         state_dtype: torch.dtype | None = None,
         timeout: float | datetime.timedelta | None = None,
+        bucket_bytes: int | None = None,
+        verify: bool = True,
     ) -> None:
         named = list(named_params)
         if not named:
@@ -205,29 +221,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise OptimizerError(
                 f"{type(self).__name__} needs named parameters: pass model.named_parameters(), not model.parameters()"
             )
+        if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes < 1):
+            raise OptimizerError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
         self.timeout = timeout_of(timeout, OptimizerError)
+        self.bucket_bytes = bucket_bytes
+        self.verify = verify
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self._reducer = SumReducer(self.rank, self.timeout)
-        self._slots = [
-            self._place(name, p, group, spec, flat_axis, state_dtype)
-            for group in self.param_groups
-            for name, p in zip(group["param_names"], group["params"], strict=True)
-        ]
+        self._slots: list[Slot] = []
+        for group in self.param_groups:
+            for name, p in zip(group["param_names"], group["params"], strict=True):
+                self._slots.append(self._place(len(self._slots), name, p, group, spec, flat_axis, state_dtype))
+        self._flat: FlatStates | None = None  # allocated at the first step
+        self._plans: dict[tuple, _Compiled] = {}
         self.last_traffic = StepTraffic()
 
     # --- what subclasses give ----------------------------------------------------------
-    def _initial_states(self, slot: Slot) -> dict[str, torch.Tensor]:
-        """Zero states in the slot's shard (master excluded)."""
+    def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
+        """The local shape of every state the slot keeps in its state layout (master excluded)."""
         raise NotImplementedError
 
-    def _updates(
-        self,
-        slots: Sequence[Slot],
-        grads: Sequence[torch.Tensor],
-        params: Sequence[torch.Tensor],
-        states: Sequence[dict[str, torch.Tensor]],
-    ) -> list[Update]:
-        """One generator per slot (see :data:`Update`), each yielding once per phase."""
+    def _updates(self, work: StepWork) -> list[Update]:
+        """The math of the step: generators (see :data:`Update`), each yielding once per
+        phase the sums of its slots in :meth:`_sum_specs` order; their slots, in order, are
+        ``work.slots``."""
         raise NotImplementedError
 
     def _sum_specs(self, slot: Slot) -> tuple[tuple[SumSpec, ...], ...]:
@@ -237,6 +254,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _where(self, slot: Slot, name: str) -> StateWhere:
         """Where state ``name`` lies; by default it has the parameter's shape."""
         assert slot.shard is not None
+        if name in slot.own_layouts:
+            layout = slot.own_layouts[name]
+            return StateWhere(layout, slot.shape, None, slot.own_piece_shape(name, self.rank))
         layout, shape = slot.shard.data_layout()
         flat_of = slot.shard.layout if slot.flat_axis is not None else None
         return StateWhere(layout, shape, flat_of, slot.shard.local_shape)
@@ -244,6 +264,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # --- placing parameters ------------------------------------------------------------
     def _place(
         self,
+        index: int,
         name: str,
         param: torch.Tensor,
         group: dict[str, Any],
@@ -252,14 +273,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state_dtype: torch.dtype | None,
     ) -> Slot:
         try:
-            shape, param_layout, grad_layout, state_layout, device_mesh = _layouts(name, param, spec)
-            # A spec file's cost hints for the mesh (bandwidth, latency) steer the reshard plans.
+            shape, param_layout, grad_layout, state_layout, own, device_mesh = _layouts(name, param, spec)
+            # A spec file's cost hints for the state mesh (bandwidth, latency) steer the plans.
             cost = CostModel.from_hints(spec.hints(state_layout.mesh)) if isinstance(spec, Spec) else CostModel()
-            for layout in (param_layout, grad_layout, state_layout):
+            for layout in (param_layout, grad_layout, state_layout, *own.values()):
                 if layout is not None:
                     layout.check_shape(shape)
-            if param_layout.is_partial or state_layout.is_partial:
+            if param_layout.is_partial or state_layout.is_partial or any(lay.is_partial for lay in own.values()):
                 raise OptimizerError("its param and state layouts must not be partial")
+            for layout in (param_layout, grad_layout, *own.values()):
+                if layout is not None and not same_geometry(layout.mesh, state_layout.mesh):
+                    raise OptimizerError(
+                        f"its layouts lie on different meshes ({layout.mesh.describe()} and "
+                        f"{state_layout.mesh.describe()}); an optimizer step moves tensors within one mesh"
+                    )
             axis = None if flat_axis is None else state_layout.mesh.axis_index(flat_axis)
             block = state_layout if axis is None else without_axis(state_layout, axis)
             inside = self.rank in state_layout.mesh.ranks
@@ -274,7 +301,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except ShardlangError as e:
             raise OptimizerError(f"tensor '{name}': {e.message}") from None
         dtype = state_dtype or (param.dtype if param.dtype in (torch.float32, torch.float64) else torch.float32)
-        return Slot(
+        slot = Slot(
+            index=index,
             name=name,
             param=param,
             shape=shape,
@@ -282,12 +310,115 @@ class ShardedOptimizer(torch.optim.Optimizer):
             param_layout=param_layout,
             grad_layout=grad_layout,
             state_layout=state_layout,
+            own_layouts=own,
             shard=shard,
             flat_axis=axis,
             device_mesh=device_mesh,
             dtype=dtype,
             cost=cost,
         )
+        if shard is not None:
+            self._check_own_layouts(slot)
+        return slot
+
+    def _check_own_layouts(self, slot: Slot) -> None:
+        """Only a state of the parameter's shape can be kept in a layout of its own."""
+        shapes = self._state_shapes(slot)
+        assert slot.shard is not None
+        for state in slot.own_layouts:
+            if state not in shapes:
+                raise OptimizerError(
+                    f"tensor '{slot.name}': the spec gives state.{state} a layout, but {type(self).__name__} keeps "
+                    f"no state '{state}' for it (it keeps {', '.join(sorted(shapes))})"
+                )
+            if shapes[state] != slot.shard.local_shape:
+                raise OptimizerError(
+                    f"tensor '{slot.name}': state.{state} does not have the parameter's shape "
+                    f"({type(self).__name__} derives it from the state layout), so it cannot have a layout of its own"
+                )
+
+    # --- the step plan -----------------------------------------------------------------
+    def _stepped(self) -> list[Slot]:
+        return [s for s in self._slots if s.shard is not None and s.param.grad is not None]
+
+    def _compiled(self, slots: Sequence[Slot], grads: Sequence[tuple[torch.Tensor, Layout]]) -> _Compiled:
+        """The step plan for these slots and gradients, built once per combination."""
+        key = tuple(
+            (slot.index, layout, grad.dtype, slot.needs_master and slot.step > 0)
+            for slot, (grad, layout) in zip(slots, grads, strict=True)
+        )
+        compiled = self._plans.get(key)
+        if compiled is None:
+            tensors = [
+                StepTensor(
+                    name=slot.name,
+                    shape=slot.shape,
+                    param=slot.param_layout,
+                    grad=layout,
+                    state=slot.state_layout,
+                    param_dtype=dtype_name(slot.param.dtype),
+                    grad_dtype=dtype_name(grad.dtype),
+                    state_dtype=dtype_name(slot.dtype),
+                    own_states=tuple(sorted(slot.own_layouts.items())),
+                    flat_axis=slot.flat_axis,
+                    fetch_param=not (slot.needs_master and slot.step > 0),
+                    cost=slot.cost,
+                )
+                for slot, (grad, layout) in zip(slots, grads, strict=True)
+            ]
+            try:
+                plan = plan_step(tensors, self.rank, bucket_bytes=self.bucket_bytes)
+            except ShardlangError as e:
+                raise OptimizerError(e.message) from None
+            legs = {(leg.tensor, leg.what): i for i, leg in enumerate(plan.legs)}
+            compiled = self._plans[key] = _Compiled(plan, legs)
+            if self.verify:
+                self._verify(plan)
+        return compiled
+
+    def step_plan(self) -> StepPlan:
+        """The plan of the next step, for the parameters that have gradients now."""
+        slots = self._stepped()
+        return self._compiled(slots, [s.local_grad() for s in slots]).plan
+
+    def _verify(self, plan: StepPlan) -> None:
+        """Every rank of every group a bucket runs on holds the same buckets for it (in order,
+        with the same members and sizes): a digest per group, all-gathered once per plan."""
+        groups: dict[tuple, list[dict[str, Any]]] = {}
+        for bucket in plan.buckets:
+            if bucket.axis is None:
+                continue
+            key = (bucket.mesh.shape, bucket.mesh.ranks, bucket.axis)
+            record = bucket.to_json() | {
+                "members": [(plan.legs[m.leg].tensor, plan.legs[m.leg].what, m.hop, m.step) for m in bucket.members]
+            }
+            groups.setdefault(key, []).append(record)
+        for (shape, ranks, axis), records in sorted(groups.items()):
+            mesh = next(b.mesh for b in plan.buckets if (b.mesh.shape, b.mesh.ranks, b.axis) == (shape, ranks, axis))
+            members = axis_ranks(mesh, (axis,), self.rank)
+            text = json.dumps(records, sort_keys=True, default=str)
+            mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+            device = next(iter(self._slots)).local_param().device
+            try:
+                group = group_for(mesh, (axis,), members, timeout=self.timeout)
+                gathered = collective(
+                    "all_gather",
+                    torch.tensor([mine], dtype=torch.int64, device=device),
+                    len(members),
+                    None,
+                    group,
+                    self.timeout,
+                )
+            except DistributedError as e:
+                raise OptimizerStepError(f"checking the step plan on ranks {list(members)} failed: {e.message}") from e
+            prints = gathered.tolist()
+            if any(p != mine for p in prints):
+                differ = [r for r, p in zip(members, prints, strict=True) if p != mine]
+                raise PlanMismatchError(
+                    f"the ranks of {mesh.describe()} along axis {mesh.axis_label(axis)} disagree on the step plan: "
+                    f"rank {self.rank}'s buckets ({len(records)} on this axis) differ from those of ranks {differ}; "
+                    "every rank must give the optimizer the same parameters, layouts and gradients"
+                )
 
     # --- the step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -296,124 +427,212 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        slots = [s for s in self._slots if s.shard is not None and s.param.grad is not None]
-        staged, traffic = self._stage(slots)
-        for slot, (local, states) in zip(slots, staged, strict=True):
-            slot.local_param().copy_(local)
-            slot.states = states
-            slot.step += 1
-        self.last_traffic = traffic
+        slots = self._stepped()
+        if not slots:
+            return loss
+        commit = self._stage(slots)
+        commit()
         return loss
 
-    def _stage(self, slots: list[Slot]) -> tuple[list[tuple[torch.Tensor, dict[str, torch.Tensor]]], StepTraffic]:
-        """New local parameters and states for ``slots`` (nothing is changed), and the
-        traffic as planned."""
-        reshard_bytes = reshard_collectives = 0
-
-        def move(slot: Slot, route: Route, local: torch.Tensor, what: str) -> torch.Tensor:
-            nonlocal reshard_bytes, reshard_collectives
-            try:
-                out = route.run(local, name=slot.name, device_mesh=slot.device_mesh, timeout=self.timeout)
-            except (ShardlangError, RuntimeError) as e:
-                message = e.message if isinstance(e, ShardlangError) else str(e)
-                raise OptimizerStepError(
-                    f"step {slot.step + 1} of tensor '{slot.name}' failed moving {what}: {message}; "
-                    "parameters and optimizer states are unchanged"
-                ) from e
-            for plan in route.plans(local.dtype):
-                reshard_bytes += plan.total_bytes
-                reshard_collectives += len(plan.collectives)
-            return out
-
-        grads, params, states = [], [], []
-        for slot in slots:
-            local, layout = slot.local_grad()
-            grad = move(slot, slot.route_to_state(layout), local, "its gradient to the state layout")
-            grads.append(grad.to(slot.dtype))
-            state = slot.states or self._initial_states(slot)
-            if slot.needs_master and "master" in state:
-                param = state["master"]
-            else:  # the parameter's shard in the state layout (with a master: the first step only)
-                route = slot.route_to_state(slot.param_layout)
-                param = move(slot, route, slot.local_param(), "the parameter to the state layout").to(slot.dtype)
+    def _flat_states(self) -> FlatStates:
+        if self._flat is None:
+            entries = []
+            for slot in self._slots:
+                if slot.shard is None:
+                    continue
+                shapes = {k: v for k, v in self._state_shapes(slot).items() if k not in slot.own_layouts}
                 if slot.needs_master:
-                    state = state | {"master": param}
-            states.append(state)
-            params.append(param)
-        results, sum_bytes, sum_collectives = self._exchange(slots, self._updates(slots, grads, params, states))
-        staged = []
-        for slot, (param, new_states) in zip(slots, results, strict=True):
-            if slot.needs_master:
-                new_states["master"] = param
-            local = param.to(slot.param.dtype)
-            staged.append((move(slot, slot.route_to_param(), local, "the updated parameter to its layout"), new_states))
-        return staged, StepTraffic(reshard_bytes, reshard_collectives, sum_bytes, sum_collectives)
+                    shapes["master"] = slot.shard.local_shape
+                entries.append((slot.index, shapes, slot.dtype, slot.local_param().device))
+            self._flat = FlatStates(entries)
+        return self._flat
 
-    def _exchange(
-        self, slots: Sequence[Slot], updates: list[Update]
-    ) -> tuple[list[tuple[torch.Tensor, dict[str, torch.Tensor]]], int, int]:
-        """Drive the slots' math in lockstep, one batch of reductions per phase; the
-        results, and the bytes and all-reduces the reductions took."""
-        specs = [self._sum_specs(slot) for slot in slots]
-        results: list[Any] = [None] * len(updates)
+    def _stage(self, slots: list[Slot]) -> Callable[[], None]:
+        """Run the step's communication and math without changing anything; returns what
+        commits it."""
+        grads = [slot.local_grad() for slot in slots]
+        compiled = self._compiled(slots, grads)
+        plan, legs = compiled.plan, compiled.legs
+        flat = self._flat_states()
+        step_number = min(s.step for s in slots) + 1
+
+        def run(stage: str, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            try:
+                return run_stage(
+                    plan,
+                    stage,
+                    inputs,
+                    rank=self.rank,
+                    device_meshes={s.name: s.device_mesh for s in slots},
+                    timeout=self.timeout,
+                )
+            except ShardlangError as e:
+                raise OptimizerStepError(
+                    f"step {step_number} failed {stage}: {e.message}; parameters and optimizer states are unchanged"
+                ) from e
+
+        # 1. Before the update.
+        inputs: dict[int, torch.Tensor] = {}
+        for slot, (grad, _) in zip(slots, grads, strict=True):
+            inputs[legs[(slot.name, "grad -> state")]] = grad
+            fetch = legs.get((slot.name, "param -> state"))
+            if fetch is not None:
+                inputs[fetch] = slot.local_param()
+            for state in slot.own_layouts:
+                held = slot.own_states.get(state)
+                if held is None:
+                    held = torch.zeros(slot.own_piece_shape(state, self.rank), dtype=slot.dtype, device=grad.device)
+                inputs[legs[(slot.name, f"state.{state} -> state")]] = held
+        arrived = run(BEFORE, inputs)
+
+        # 2. The math, into new buffers.
+        new_buffers = flat.fresh(s.index for s in slots)
+        params, states, new_params, new_states = [], [], [], []
+        fresh_params = self._fresh_params(slots)
+        for slot in slots:
+            fetch = legs.get((slot.name, "param -> state"))
+            params.append(arrived[fetch].to(slot.dtype) if fetch is not None else flat.view(slot.index, "master"))
+            old, new = {}, {}
+            for state in self._state_shapes(slot):
+                if state in slot.own_layouts:
+                    old[state] = arrived[legs[(slot.name, f"state.{state} -> state")]]
+                    new[state] = torch.empty_like(old[state], dtype=slot.dtype)
+                else:
+                    old[state] = flat.view(slot.index, state)
+                    new[state] = flat.view(slot.index, state, new_buffers)
+            states.append(old)
+            new_states.append(new)
+            new_params.append(
+                flat.view(slot.index, "master", new_buffers) if slot.needs_master else fresh_params[slot.index]
+            )
+        work = StepWork(
+            slots=tuple(slots),
+            grads=tuple(arrived[legs[(s.name, "grad -> state")]] for s in slots),
+            params=tuple(params),
+            states=tuple(states),
+            new_params=tuple(new_params),
+            new_states=tuple(new_states),
+        )
+        sum_bytes, sum_collectives = self._exchange(work, step_number)
+
+        # 3. After the update.
+        inputs = {}
+        for slot, param, new in zip(slots, new_params, new_states, strict=True):
+            inputs[legs[(slot.name, "state -> param")]] = param.to(slot.param.dtype)
+            for state in slot.own_layouts:
+                inputs[legs[(slot.name, f"state -> state.{state}")]] = new[state]
+        back = run(AFTER, inputs)
+        traffic = StepTraffic(plan.total_bytes, plan.collectives, sum_bytes, sum_collectives)
+
+        def commit() -> None:
+            for slot in slots:
+                slot.local_param().copy_(back[legs[(slot.name, "state -> param")]])
+                for state in slot.own_layouts:
+                    slot.own_states[state] = back[legs[(slot.name, f"state -> state.{state}")]].clone()
+                slot.step += 1
+            flat.replace(new_buffers)
+            self.last_traffic = traffic
+
+        return commit
+
+    @staticmethod
+    def _fresh_params(slots: Sequence[Slot]) -> dict[int, torch.Tensor]:
+        """Where the new state-layout shard of every parameter without a master goes: views of
+        one flat buffer per (dtype, device), in the slots' order."""
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        for slot in slots:
+            if not slot.needs_master:
+                assert slot.shard is not None
+                key = (slot.dtype, slot.local_param().device)
+                sizes[key] = sizes.get(key, 0) + math.prod(slot.shard.local_shape)
+        buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+        out, offsets = {}, dict.fromkeys(sizes, 0)
+        for slot in slots:
+            if not slot.needs_master:
+                assert slot.shard is not None
+                key = (slot.dtype, slot.local_param().device)
+                n = math.prod(slot.shard.local_shape)
+                out[slot.index] = buffers[key][offsets[key] : offsets[key] + n].view(slot.shard.local_shape)
+                offsets[key] += n
+        return out
+
+    def _exchange(self, work: StepWork, step_number: int) -> tuple[int, int]:
+        """Drive the math in lockstep, one batch of reductions per phase; the bytes and
+        all-reduces the reductions took."""
+        updates = self._updates(work)
+        specs = [self._sum_specs(slot) for slot in work.slots]
+        pending: list[Update] = []
         sent: list[list[torch.Tensor]] = []
-        for i, update in enumerate(updates):
+        for update in updates:
             try:
                 sent.append(next(update))
-            except StopIteration as stop:  # no phases: the math is local
-                results[i] = stop.value
-                sent.append([])
+                pending.append(update)
+            except StopIteration:  # no phases: the math is local
+                pass
+        if pending and len(pending) != len(work.slots):
+            raise AssertionError("updates with phases come one per slot")
         total_bytes = total_collectives = 0
+        if not pending:
+            return 0, 0
         for k, phase in enumerate(self.phases):
             phase_specs = [spec for slot_specs in specs for spec in slot_specs[k]]
             values = [v for slot_values in sent for v in slot_values]
             try:
-                done, collectives = self._reducer.reduce(phase_specs, values, phase)
+                completed, collectives = self._reducer.reduce(phase_specs, values, phase)
             except DistributedError as e:
                 raise OptimizerStepError(
-                    f"step {slots[0].step + 1} failed reducing {phase}: {e.message}; "
+                    f"step {step_number} failed reducing {phase}: {e.message}; "
                     "parameters and optimizer states are unchanged"
                 ) from e
             total_bytes += sum(c.bytes for c in collectives)
             total_collectives += len(collectives)
             offset = 0
-            for i, update in enumerate(updates):
+            for i, update in enumerate(pending):
                 n = len(specs[i][k])
                 try:
-                    sent[i] = update.send(done[offset : offset + n])
-                except StopIteration as stop:
-                    results[i] = stop.value
+                    sent[i] = update.send(completed[offset : offset + n])
+                except StopIteration:
+                    sent[i] = []
                 offset += n
-        return results, total_bytes, total_collectives
+        return total_bytes, total_collectives
 
     # --- what a step communicates ------------------------------------------------------
     def planned_traffic(self) -> StepTraffic:
-        """What the next step will communicate on this rank, from the plans alone: every
-        reshard (planner) and every statistics all-reduce, for the parameters that have
-        gradients now."""
-        slots = [s for s in self._slots if s.shard is not None and s.param.grad is not None]
-        reshard_bytes = reshard_collectives = 0
-        for slot in slots:
-            grad, grad_layout = slot.local_grad()
-            legs = [(slot.route_to_state(grad_layout), grad.dtype), (slot.route_to_param(), slot.param.dtype)]
-            if not slot.needs_master or "master" not in slot.states:
-                legs.append((slot.route_to_state(slot.param_layout), slot.param.dtype))
-            for route, dtype in legs:
-                for plan in route.plans(dtype):
-                    reshard_bytes += plan.total_bytes
-                    reshard_collectives += len(plan.collectives)
+        """What the next step will communicate on this rank, from its step plan and the
+        statistics all-reduces, for the parameters that have gradients now."""
+        slots = self._stepped()
+        if not slots:
+            return StepTraffic()
+        plan = self._compiled(slots, [s.local_grad() for s in slots]).plan
         specs = [self._sum_specs(slot) for slot in slots]
         sum_bytes = sum_collectives = 0
         for k in range(len(self.phases)):
             collectives = plan_collectives([spec for s in specs for spec in s[k]], self.rank)
             sum_bytes += sum(c.bytes for c in collectives)
             sum_collectives += len(collectives)
-        return StepTraffic(reshard_bytes, reshard_collectives, sum_bytes, sum_collectives)
+        return StepTraffic(plan.total_bytes, plan.collectives, sum_bytes, sum_collectives)
+
+    @property
+    def bucket_buffer_bytes(self) -> int:
+        """The largest bucket buffer of the step plans built so far (the memory buckets add)."""
+        return max((c.plan.max_buffer_bytes for c in self._plans.values()), default=0)
 
     # --- memory and checkpoints --------------------------------------------------------
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (master shards included)."""
-        return sum(t.numel() * t.element_size() for slot in self._slots for t in slot.states.values())
+        flat = 0 if self._flat is None else self._flat.nbytes
+        return flat + sum(t.numel() * t.element_size() for slot in self._slots for t in slot.own_states.values())
+
+    def _states(self, slot: Slot) -> dict[str, torch.Tensor]:
+        """The slot's states (views), none before its first step."""
+        if slot.step == 0 or self._flat is None:
+            return {}
+        out = {
+            name: self._flat.view(slot.index, name)
+            for name in self._state_names(slot)
+            if self._flat.has(slot.index, name)
+        }
+        return out | dict(slot.own_states)
 
     def held_tensors(self) -> list[HeldTensor]:
         """Every parameter whose states this rank keeps, with where each state lies."""
@@ -426,24 +645,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 step=slot.step,
                 state_dtype=slot.dtype,
                 wheres={name: self._where(slot, name) for name in sorted(self._state_names(slot))},
-                states=dict(slot.states),
+                states=self._states(slot),
             )
             for slot in self._slots
             if slot.shard is not None
         ]
 
     def _state_names(self, slot: Slot) -> set[str]:
-        return set(self._initial_states(slot)) | ({"master"} if slot.needs_master else set())
+        return set(self._state_shapes(slot)) | ({"master"} if slot.needs_master else set())
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's states, each with the layout it lies in."""
         tensors = {}
         for slot in self._slots:
-            if slot.shard is None or not slot.states:
+            states = self._states(slot) if slot.shard is not None else {}
+            if not states:
                 continue
-            records = {}
-            for name, tensor in slot.states.items():
-                records[name] = self._where(slot, name).record() | {"tensor": tensor.clone()}
+            records = {name: self._where(slot, name).record() | {"tensor": t.clone()} for name, t in states.items()}
             tensors[slot.name] = {"step": slot.step, "states": records}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {
@@ -490,18 +708,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         f"tensor '{slot.name}', state '{name}': the saved piece has shape {list(tensor.shape)}, "
                         f"rank {self.rank} holds {list(where.local_shape)}"
                     )
-                states[name] = tensor.to(dtype=slot.dtype, device=slot.local_param().device, copy=True)
+                states[name] = tensor
             loaded.append((slot, int(entry["step"]), states))
+        flat = self._flat_states()
         for slot, step, states in loaded:
-            slot.step, slot.states = step, states
+            slot.step = step
+            for name, tensor in states.items():
+                if name in slot.own_layouts:
+                    slot.own_states[name] = tensor.to(dtype=slot.dtype, device=slot.local_param().device, copy=True)
+                else:
+                    flat.view(slot.index, name).copy_(tensor)
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "param_names"})
 
 
 def _layouts(
     name: str, param: torch.Tensor, spec: SpecLike
-) -> tuple[tuple[int, ...], Layout, Layout | None, Layout, DeviceMesh | None]:
-    """The whole tensor's shape, its (param, grad, state) layouts and device mesh.
+) -> tuple[tuple[int, ...], Layout, Layout | None, Layout, dict[str, Layout], DeviceMesh | None]:
+    """The whole tensor's shape, its (param, grad, state) layouts, the states the spec gives a
+    layout of their own (other than the state layout), and its device mesh.
 
     A DTensor's param layout is its placements, its grad layout its gradient's (read each
     step), and the spec, when it places the tensor, gives the state layout (else the param
@@ -515,17 +740,16 @@ def _layouts(
         if entry is not None and entry.shape != shape:
             raise OptimizerError(f"the spec declares shape {list(entry.shape)}, the DTensor has {list(shape)}")
         state = entry.state() if entry is not None else layout
-        return shape, layout, None, state, param.device_mesh
+        own = _own_layouts(entry) if entry is not None else {}
+        return shape, layout, None, state, own, param.device_mesh
     entry = _spec_entry(name, tuple(param.shape), param.dtype, spec)
     if entry is None:
         raise OptimizerError("it has no layouts: the spec does not place it, and it is not a DTensor")
-    for key, layout in entry.layouts.states:
-        if key != STATE_DEFAULT and layout != entry.state():
-            raise OptimizerError(
-                f"state.{key} has its own layout '{layout}'; the sharded optimizers keep every state in "
-                f"the tensor's state layout '{entry.state()}'"
-            )
-    return entry.shape, entry.param, entry.grad, entry.state(), None
+    return entry.shape, entry.param, entry.grad, entry.state(), _own_layouts(entry), None
+
+
+def _own_layouts(entry: TensorSpec) -> dict[str, Layout]:
+    return {k: lay for k, lay in entry.layouts.states if k != STATE_DEFAULT and lay != entry.state()}
 
 
 def _spec_entry(name: str, shape: tuple[int, ...], dtype: torch.dtype, spec: SpecLike) -> TensorSpec | None:

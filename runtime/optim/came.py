@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
 import attrs
 import torch
 
-from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StateWhere, Update
+from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StateWhere, StepWork, Update
 from runtime.optim.errors import OptimizerError
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumSpec
@@ -45,20 +45,17 @@ class CameHyper:
     weight_decay: float
 
 
-def came_states(shard: StateShard, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Zero states, as ``came_pytorch`` names them, in the rank's part of the tensor."""
-
-    def zeros(shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device)
-
+def came_state_shapes(shard: StateShard) -> dict[str, tuple[int, ...]]:
+    """The local shape of every state, as ``came_pytorch`` names them, in the rank's part of
+    the tensor."""
     if not shard.factored:
-        return {"exp_avg": zeros(shard.local_shape), "exp_avg_sq": zeros(shard.local_shape)}
+        return {"exp_avg": shard.local_shape, "exp_avg_sq": shard.local_shape}
     return {
-        "exp_avg": zeros(shard.local_shape),
-        "exp_avg_sq_row": zeros(shard.row_stat_shape),
-        "exp_avg_sq_col": zeros(shard.col_stat_shape),
-        "exp_avg_res_row": zeros(shard.row_stat_shape),
-        "exp_avg_res_col": zeros(shard.col_stat_shape),
+        "exp_avg": shard.local_shape,
+        "exp_avg_sq_row": shard.row_stat_shape,
+        "exp_avg_sq_col": shard.col_stat_shape,
+        "exp_avg_res_row": shard.row_stat_shape,
+        "exp_avg_res_col": shard.col_stat_shape,
     }
 
 
@@ -94,63 +91,80 @@ def came_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[t
 def came_update(
     grad: torch.Tensor,
     param: torch.Tensor,
-    state: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
     shard: StateShard,
     hyper: CameHyper,
+    new_param: torch.Tensor,
+    new: Mapping[str, torch.Tensor],
 ) -> Update:
     """One CAME step on local data, as a generator: it yields the partial sums of each phase
-    and is sent them completed; it returns the new parameter and states. Nothing passed in
-    is modified."""
+    and is sent them completed; it writes the new parameter into ``new_param`` and the new
+    states into ``new`` (of the states' shapes). Nothing passed in is modified."""
     beta1, beta2, beta3 = hyper.betas
     eps1, eps2 = hyper.eps
-    new: dict[str, torch.Tensor] = {}
     second = grad.square().add_(eps1)
     if shard.factored:
         row, col, norm = yield from _factored_ema(
-            second, state["exp_avg_sq_row"], state["exp_avg_sq_col"], beta2, shard
+            second,
+            state["exp_avg_sq_row"],
+            state["exp_avg_sq_col"],
+            beta2,
+            shard,
+            (new["exp_avg_sq_row"], new["exp_avg_sq_col"]),
         )
-        new["exp_avg_sq_row"], new["exp_avg_sq_col"] = row, col
         update = _approx_rsqrt(row, col, norm, shard).mul_(grad)
     else:
         yield []
-        new["exp_avg_sq"] = state["exp_avg_sq"].mul(beta2).add_(second, alpha=1.0 - beta2)
+        torch.mul(state["exp_avg_sq"], beta2, out=new["exp_avg_sq"]).add_(second, alpha=1.0 - beta2)
         update = new["exp_avg_sq"].rsqrt().mul_(grad)
 
     (square_sum,) = yield [torch.linalg.vector_norm(update).square().reshape(1)]
     rms = square_sum.sqrt()[0] / math.sqrt(shard.numel)
     update.div_((rms / hyper.clip_threshold).clamp_(min=1.0))
 
-    exp_avg = state["exp_avg"].mul(beta1).add_(update, alpha=1 - beta1)
-    new["exp_avg"] = exp_avg
+    exp_avg = torch.mul(state["exp_avg"], beta1, out=new["exp_avg"]).add_(update, alpha=1 - beta1)
     if shard.factored:
         instability = torch.sub(update, exp_avg).square_().add_(eps2)
         row, col, norm = yield from _factored_ema(
-            instability, state["exp_avg_res_row"], state["exp_avg_res_col"], beta3, shard
+            instability,
+            state["exp_avg_res_row"],
+            state["exp_avg_res_col"],
+            beta3,
+            shard,
+            (new["exp_avg_res_row"], new["exp_avg_res_col"]),
         )
-        new["exp_avg_res_row"], new["exp_avg_res_col"] = row, col
         update = _approx_rsqrt(row, col, norm, shard).mul_(exp_avg)
     else:
         yield []
         update = exp_avg
 
-    new_param = param.add(param, alpha=-hyper.weight_decay * hyper.lr) if hyper.weight_decay != 0 else param.clone()
-    return new_param.sub_(update.mul(hyper.lr)), new
+    if hyper.weight_decay != 0:
+        torch.add(param, param, alpha=-hyper.weight_decay * hyper.lr, out=new_param)
+    else:
+        new_param.copy_(param)
+    new_param.sub_(update.mul(hyper.lr))
 
 
 def _factored_ema(
-    x: torch.Tensor, row: torch.Tensor, col: torch.Tensor, beta: float, shard: StateShard
+    x: torch.Tensor,
+    row: torch.Tensor,
+    col: torch.Tensor,
+    beta: float,
+    shard: StateShard,
+    out: tuple[torch.Tensor, torch.Tensor],
 ) -> Generator[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Row and column EMAs of the means of ``x``, and the per-matrix mean of the new rows."""
+    """Row and column EMAs of the means of ``x`` (written to ``out``), and the per-matrix
+    mean of the new rows."""
     sums = [shard.row_sums(x), shard.col_sums(x)]
     spans = _rows_span_ranks(shard)
     if spans:
         sums += [shard.matrix_sums(x), row.sum(-1)]
-    done = yield sums
+    completed = yield sums
     height, width = shard.shape[-2], shard.shape[-1]
-    new_row = row.mul(beta).add_(done[0] / width, alpha=1.0 - beta)
-    new_col = col.mul(beta).add_(done[1] / height, alpha=1.0 - beta)
+    new_row = torch.mul(row, beta, out=out[0]).add_(completed[0] / width, alpha=1.0 - beta)
+    new_col = torch.mul(col, beta, out=out[1]).add_(completed[1] / height, alpha=1.0 - beta)
     if spans:  # the rows are split: sum_H of the new rows from the sums (see the module doc)
-        return new_row, new_col, (done[3] * beta + done[2] / width * (1.0 - beta)) / height
+        return new_row, new_col, (completed[3] * beta + completed[2] / width * (1.0 - beta)) / height
     return new_row, new_col, new_row.mean(dim=-1)
 
 
@@ -184,6 +198,8 @@ class ShardedCAME(ShardedOptimizer):
         flat_axis: str | int | None = None,
         state_dtype: torch.dtype | None = None,
         timeout: float | datetime.timedelta | None = None,
+        bucket_bytes: int | None = None,
+        verify: bool = True,
     ) -> None:
         if not lr > 0 or not clip_threshold > 0 or not weight_decay >= 0 or not all(0 <= b <= 1 for b in betas):
             raise OptimizerError(
@@ -197,11 +213,20 @@ class ShardedCAME(ShardedOptimizer):
             "betas": tuple(betas),
             "weight_decay": weight_decay,
         }
-        super().__init__(named_params, spec, defaults, flat_axis=flat_axis, state_dtype=state_dtype, timeout=timeout)
+        super().__init__(
+            named_params,
+            spec,
+            defaults,
+            flat_axis=flat_axis,
+            state_dtype=state_dtype,
+            timeout=timeout,
+            bucket_bytes=bucket_bytes,
+            verify=verify,
+        )
 
-    def _initial_states(self, slot: Slot) -> dict[str, torch.Tensor]:
+    def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
         assert slot.shard is not None
-        return came_states(slot.shard, slot.dtype, slot.local_param().device)
+        return came_state_shapes(slot.shard)
 
     def _sum_specs(self, slot: Slot) -> tuple[tuple[SumSpec, ...], ...]:
         assert slot.shard is not None
@@ -215,15 +240,9 @@ class ShardedCAME(ShardedOptimizer):
             return StateWhere(*slot.shard.col_stat_layout(), None, slot.shard.col_stat_shape)
         return super()._where(slot, name)
 
-    def _updates(
-        self,
-        slots: Sequence[Slot],
-        grads: Sequence[torch.Tensor],
-        params: Sequence[torch.Tensor],
-        states: Sequence[dict[str, torch.Tensor]],
-    ) -> list[Update]:
+    def _updates(self, work: StepWork) -> list[Update]:
         updates = []
-        for slot, grad, param, state in zip(slots, grads, params, states, strict=True):
+        for i, slot in enumerate(work.slots):
             assert slot.shard is not None
             group = slot.group
             hyper = CameHyper(
@@ -233,5 +252,10 @@ class ShardedCAME(ShardedOptimizer):
                 betas=group["betas"],
                 weight_decay=group["weight_decay"],
             )
-            updates.append(came_update(grad, param, state, slot.shard, hyper))
+            grad = work.grads[i].to(slot.dtype)
+            updates.append(
+                came_update(
+                    grad, work.params[i], work.states[i], slot.shard, hyper, work.new_params[i], work.new_states[i]
+                )
+            )
         return updates

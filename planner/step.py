@@ -1,0 +1,489 @@
+"""The optimizer step as one plan: every tensor's routes, and the buckets that move them together.
+
+A step of a sharded optimizer moves each tensor along *legs*, each a route of one or two
+planned reshards (*hops*):
+
+- before the update: ``grad -> state`` (the gradient into the state layout), ``param -> state``
+  (the parameter's state-layout shard, while no fp32 master exists: usually a slice, no
+  communication) and ``state.X -> state`` for every state ``X`` kept in its own layout;
+- after the update: ``state -> param`` and ``state -> state.X``.
+
+With flat sharding over mesh axis ``a`` the state is the rank's chunk of its *base block* (the
+piece under the state layout without ``a``) flattened, so a leg into the state takes two hops,
+``layout -> base block (keeping layout's pending reduction over a)`` and, on the 1-d view of
+the base block, ``R | P(a) -> S(a)`` (one reduce_scatter); out of the state, ``S(a) -> R`` (one
+all_gather) and ``base block -> layout``. The flat hop's shape is the rank's base block, so a
+plan with a flat axis is the plan of one rank (``StepPlan.rank``); ranks that share a flat
+group share it exactly.
+
+**Buckets.** Every communicating step of every leg is put in a bucket: steps that run the same
+collective (op, reduce op) over the same process group (mesh and mesh axis) on the same wire
+dtype share one collective, each tensor's per-peer chunk packed peer-major into one buffer (as
+FSDP2's ``foreach_reduce`` and Megatron's grad buffers do). Buckets are scheduled per stage
+(before, then after the update) and per mesh (meshes in one global order, so ranks in several
+meshes never wait on each other in a cycle). Within a mesh, a leg's steps must run in order;
+the schedule repeatedly takes the collective kind whose waiting legs have the most steps left
+(a weighted majority merge, the usual heuristic for the shortest common supersequence of the
+legs' step sequences; legs of one pattern take one bucket per step) and runs all legs waiting
+on it. A bucket holds at most ``bucket_bytes`` of buffer per rank (see
+:data:`DEFAULT_BUCKET_BYTES`); a kind with more is cut into several buckets, in leg order.
+Point-to-point steps are never merged (each is its own bucket).
+
+Modeled time of a bucket: the rounds of its collective times the axis latency, plus its bytes
+over the axis bandwidth (``planner.cost``): merging ``k`` steps saves ``k - 1`` latencies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from planner.choice import plan as plan_pair
+from planner.cost import CostModel, PlanError, collective_rounds
+from planner.plan import Plan, same_geometry
+from shardlang.layout import Layout
+from shardlang.mesh import Mesh
+
+# Extra buffer memory a bucket may hold per rank. 32 MiB: under the default cost model (5 us a
+# round, 100 GB/s) a bucket of this size on an axis of up to 8 ranks spends under 5% of its
+# time in latency, so larger buckets gain little and cost memory linearly; DDP's 25 MB and
+# Megatron's 40M-element buckets are of the same order (README, "Buckets").
+DEFAULT_BUCKET_BYTES = 32 * 2**20
+
+BEFORE, AFTER = "before the update", "after the update"
+STAGES = (BEFORE, AFTER)
+
+
+def flat_view(layout: Layout, axis: int) -> tuple[Layout, Layout]:
+    """The 1-d layouts of a flattened base block: as it arrives (partial over ``axis`` when
+    ``layout`` is, else replicated) and as the state holds it (split over ``axis``)."""
+    partial = tuple((a, op) for a, op in layout.partial if a == axis)
+    return Layout(dims=((),), mesh=layout.mesh, partial=partial), Layout(dims=((axis,),), mesh=layout.mesh)
+
+
+def without_axis(layout: Layout, axis: int) -> Layout:
+    """``layout``'s dims with ``axis`` taken out (the base of flat sharding over ``axis``)."""
+    return Layout(dims=tuple(tuple(a for a in axes if a != axis) for axes in layout.dims), mesh=layout.mesh)
+
+
+@attrs.frozen
+class StepTensor:
+    """What the step plan needs of one tensor: its whole shape, layouts, dtypes (language
+    names: ``f32``, ``bf16``), the states kept in a layout of their own, the flat axis (an
+    index into the state mesh) and whether the step fetches the parameter's state-layout shard
+    (no fp32 master yet). ``cost`` is the model its reshards are planned under."""
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=lambda s: tuple(int(x) for x in s))
+    param: Layout
+    grad: Layout
+    state: Layout
+    param_dtype: str = "f32"
+    grad_dtype: str = "f32"
+    state_dtype: str = "f32"
+    own_states: tuple[tuple[str, Layout], ...] = ()
+    flat_axis: int | None = None
+    fetch_param: bool = True
+    cost: CostModel = attrs.field(factory=CostModel)
+
+    @property
+    def base(self) -> Layout:
+        """The layout of the block the rank's state covers (flat: before it is cut)."""
+        return self.state if self.flat_axis is None else without_axis(self.state, self.flat_axis)
+
+
+@attrs.frozen
+class Hop:
+    """One planned reshard of a leg; ``view`` is the local shape the piece is viewed as before
+    it (``None``: as it comes)."""
+
+    plan: Plan
+    view: tuple[int, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"view": None if self.view is None else list(self.view), "plan": self.plan.to_json()}
+
+
+@attrs.frozen
+class Leg:
+    """One route of one tensor: ``what`` is ``grad -> state``, ``param -> state``,
+    ``state.X -> state``, ``state -> state.X`` or ``state -> param``; ``dtype`` is what travels."""
+
+    tensor: str
+    what: str
+    stage: str
+    dtype: str
+    hops: tuple[Hop, ...]
+
+    @property
+    def communicating(self) -> tuple[tuple[int, int], ...]:
+        """``(hop, step)`` of every step that communicates, in order."""
+        return tuple(
+            (h, k) for h, hop in enumerate(self.hops) for k, step in enumerate(hop.plan.steps) if _communicates(step)
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(hop.plan.total_bytes for hop in self.hops)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(hop.plan.total_seconds for hop in self.hops)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor,
+            "leg": self.what,
+            "stage": self.stage,
+            "dtype": self.dtype,
+            "hops": [h.to_json() for h in self.hops],
+        }
+
+
+def _communicates(step: Any) -> bool:
+    """A step that moves data between ranks: not local, and on an axis of more than one rank."""
+    if step.op in ("slice", "partial"):
+        return False
+    return step.axis is None or step.layout.mesh.shape[step.axis] > 1
+
+
+@attrs.frozen
+class Member:
+    """One step of one leg inside a bucket: ``leg`` indexes ``StepPlan.legs``."""
+
+    leg: int
+    hop: int
+    step: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"leg": self.leg, "hop": self.hop, "step": self.step}
+
+
+@attrs.frozen
+class Bucket:
+    """One collective of the step: ``members`` are the leg steps it runs together, in the
+    order their chunks lie in each peer's part of the buffer. ``bytes`` are sent per rank (the
+    members' planned bytes), ``buffer_bytes`` the larger of the buffers a rank passes in or gets
+    back, ``seconds`` the modeled time of the one collective."""
+
+    stage: str
+    op: str
+    mesh: Mesh
+    axis: int | None
+    reduce_op: str | None
+    dtype: str
+    members: tuple[Member, ...]
+    bytes: int
+    buffer_bytes: int
+    seconds: float
+
+    def describe(self) -> str:
+        """``reduce_scatter(axis=dp, op=avg) f32``: the collective and its wire dtype."""
+        args = [] if self.axis is None else [f"axis={self.mesh.axis_label(self.axis)}"]
+        if self.reduce_op is not None:
+            args.append(f"op={self.reduce_op}")
+        return f"{self.op}({', '.join(args)}) {self.dtype}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "op": self.op,
+            "mesh": self.mesh.describe(),
+            "axis": self.axis,
+            "reduce_op": self.reduce_op,
+            "dtype": self.dtype,
+            "members": [m.to_json() for m in self.members],
+            "bytes": self.bytes,
+            "buffer_bytes": self.buffer_bytes,
+            "seconds": self.seconds,
+        }
+
+
+@attrs.frozen
+class StepPlan:
+    """One optimizer step of every tensor a rank holds: the legs (``legs_of`` per tensor) and
+    the buckets, in the order every rank runs them."""
+
+    rank: int
+    tensors: tuple[str, ...]
+    legs: tuple[Leg, ...]
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+
+    def legs_of(self, tensor: str) -> tuple[Leg, ...]:
+        return tuple(leg for leg in self.legs if leg.tensor == tensor)
+
+    def stage_buckets(self, stage: str) -> tuple[Bucket, ...]:
+        return tuple(b for b in self.buckets if b.stage == stage)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.bytes for b in self.buckets)
+
+    @property
+    def total_seconds(self) -> float:
+        """Modeled time of the step's communication, bucketed."""
+        return sum(b.seconds for b in self.buckets)
+
+    @property
+    def unbucketed_seconds(self) -> float:
+        """Modeled time were every step its own collective (the legs' plans summed)."""
+        return sum(leg.total_seconds for leg in self.legs)
+
+    @property
+    def collectives(self) -> int:
+        return len(self.buckets)
+
+    @property
+    def unbucketed_collectives(self) -> int:
+        return sum(len(leg.communicating) for leg in self.legs)
+
+    @property
+    def max_buffer_bytes(self) -> int:
+        """The largest bucket buffer a rank holds (the memory buckets add)."""
+        return max((b.buffer_bytes for b in self.buckets), default=0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "bucket_bytes": self.bucket_bytes,
+            "tensors": list(self.tensors),
+            "legs": [leg.to_json() for leg in self.legs],
+            "buckets": [b.to_json() for b in self.buckets],
+            "total_bytes": self.total_bytes,
+            "total_seconds": self.total_seconds,
+            "collectives": self.collectives,
+            "unbucketed_collectives": self.unbucketed_collectives,
+            "unbucketed_seconds": self.unbucketed_seconds,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StepPlan:
+        """Read back what :meth:`to_json` wrote."""
+        try:
+            legs = tuple(
+                Leg(
+                    tensor=str(leg["tensor"]),
+                    what=str(leg["leg"]),
+                    stage=str(leg["stage"]),
+                    dtype=str(leg["dtype"]),
+                    hops=tuple(
+                        Hop(Plan.from_json(h["plan"]), None if h["view"] is None else tuple(h["view"]))
+                        for h in leg["hops"]
+                    ),
+                )
+                for leg in data["legs"]
+            )
+            meshes = {
+                leg_step.layout.mesh.describe(): leg_step.layout.mesh
+                for leg in legs
+                for hop in leg.hops
+                for leg_step in (*hop.plan.steps,)
+            }
+            buckets = tuple(
+                Bucket(
+                    stage=str(b["stage"]),
+                    op=str(b["op"]),
+                    mesh=meshes[b["mesh"]],
+                    axis=None if b["axis"] is None else int(b["axis"]),
+                    reduce_op=b["reduce_op"],
+                    dtype=str(b["dtype"]),
+                    members=tuple(Member(int(m["leg"]), int(m["hop"]), int(m["step"])) for m in b["members"]),
+                    bytes=int(b["bytes"]),
+                    buffer_bytes=int(b["buffer_bytes"]),
+                    seconds=float(b["seconds"]),
+                )
+                for b in data["buckets"]
+            )
+            return cls(
+                rank=int(data["rank"]),
+                tensors=tuple(str(t) for t in data["tensors"]),
+                legs=legs,
+                buckets=buckets,
+                bucket_bytes=int(data["bucket_bytes"]),
+            )
+        except PlanError as e:
+            raise PlanError(f"not a step plan in JSON form: {e.message}") from None
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"not a step plan in JSON form: {type(e).__name__}: {e}") from None
+
+
+# --- building it -----------------------------------------------------------------------------
+def plan_step(
+    tensors: Sequence[StepTensor],
+    rank: int,
+    *,
+    bucket_bytes: int | None = None,
+    max_local_bytes: int | None = None,
+    point_to_point: bool = False,
+) -> StepPlan:
+    """The step plan of ``rank`` for ``tensors`` (in the order given, which must be the same on
+    every rank). ``bucket_bytes`` caps a bucket's buffer (default :data:`DEFAULT_BUCKET_BYTES`;
+    1 puts every step in a bucket of its own); ``max_local_bytes`` and ``point_to_point`` are
+    passed to :func:`planner.plan` for every hop."""
+    cap = DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
+    if cap < 1:
+        raise PlanError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
+    legs: list[Leg] = []
+    for tensor in tensors:
+        try:
+            legs += _legs(tensor, rank, max_local_bytes, point_to_point)
+        except PlanError as e:
+            raise PlanError(f"tensor '{tensor.name}': {e.message}", e.position) from None
+    costs = {t.name: t.cost for t in tensors}
+    buckets = [b for stage in STAGES for b in _schedule(legs, stage, costs, cap)]
+    return StepPlan(
+        rank=rank, tensors=tuple(t.name for t in tensors), legs=tuple(legs), buckets=tuple(buckets), bucket_bytes=cap
+    )
+
+
+def _legs(tensor: StepTensor, rank: int, max_local_bytes: int | None, point_to_point: bool) -> list[Leg]:
+    def hop(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, view: tuple[int, ...] | None = None) -> Hop:
+        planned = plan_pair(
+            src, dst, shape, dtype, tensor.cost, max_local_bytes=max_local_bytes, point_to_point=point_to_point
+        )
+        return Hop(planned, view)
+
+    axis, base = tensor.flat_axis, tensor.base
+    block = None
+    if axis is not None:
+        bounds = base.rank_piece(tensor.shape, rank)
+        block = tuple(hi - lo for lo, hi in bounds)
+
+    def into_state(layout: Layout, dtype: str) -> tuple[Hop, ...]:
+        if axis is None or block is None:
+            return (hop(layout, tensor.state, tensor.shape, dtype),)
+        partial = tuple((a, op) for a, op in layout.partial if a == axis)
+        arriving = attrs.evolve(base, partial=partial)
+        src, dst = flat_view(arriving, axis)
+        n = math.prod(block)
+        return hop(layout, arriving, tensor.shape, dtype), hop(src, dst, (n,), dtype, view=(n,))
+
+    def out_of_state(layout: Layout, dtype: str) -> tuple[Hop, ...]:
+        if axis is None or block is None:
+            return (hop(tensor.state, layout, tensor.shape, dtype),)
+        src, dst = flat_view(base, axis)
+        n = math.prod(block)
+        return hop(dst, src, (n,), dtype), hop(base, layout, tensor.shape, dtype, view=block)
+
+    name, state_dtype = tensor.name, tensor.state_dtype
+    legs = [Leg(name, "grad -> state", BEFORE, tensor.grad_dtype, into_state(tensor.grad, tensor.grad_dtype))]
+    if tensor.fetch_param:
+        legs.append(
+            Leg(name, "param -> state", BEFORE, tensor.param_dtype, into_state(tensor.param, tensor.param_dtype))
+        )
+    for state, layout in tensor.own_states:
+        legs.append(Leg(name, f"state.{state} -> state", BEFORE, state_dtype, into_state(layout, state_dtype)))
+    legs.append(Leg(name, "state -> param", AFTER, tensor.param_dtype, out_of_state(tensor.param, tensor.param_dtype)))
+    for state, layout in tensor.own_states:
+        legs.append(Leg(name, f"state -> state.{state}", AFTER, state_dtype, out_of_state(layout, state_dtype)))
+    return legs
+
+
+def _mesh_key(mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return mesh.shape, mesh.ranks
+
+
+def _schedule(legs: Sequence[Leg], stage: str, costs: Mapping[str, CostModel], cap: int) -> Iterable[Bucket]:
+    """The buckets of one stage (see the module doc), mesh by mesh in one global order."""
+    chains: dict[tuple, list[tuple[int, list[tuple[int, int]]]]] = {}
+    for index, leg in enumerate(legs):
+        if leg.stage != stage or not leg.communicating:
+            continue
+        first_hop, first_step = leg.communicating[0]
+        mesh = leg.hops[first_hop].plan.steps[first_step].layout.mesh
+        chains.setdefault(_mesh_key(mesh), []).append((index, list(leg.communicating)))
+    for key in sorted(chains):
+        yield from _merge(legs, stage, chains[key], costs, cap)
+
+
+def _kind(leg: Leg, where: tuple[int, int], cost: CostModel) -> tuple:
+    """What a step must share with others to run in one collective with them."""
+    step = leg.hops[where[0]].plan.steps[where[1]]
+    if step.op == "point_to_point":  # never merged
+        return (1, step.op, id(step), leg.dtype)
+    return (0, step.op, step.axis, step.reduce_op or "", leg.dtype, _mesh_key(step.layout.mesh), cost)
+
+
+def _merge(
+    legs: Sequence[Leg],
+    stage: str,
+    chains: list[tuple[int, list[tuple[int, int]]]],
+    costs: Mapping[str, CostModel],
+    cap: int,
+) -> Iterable[Bucket]:
+    """Weighted majority merge of the legs' step sequences on one mesh."""
+    position = [0] * len(chains)
+    order: dict[tuple, int] = {}  # kinds in the order first met, to break ties the same way everywhere
+    while True:
+        waiting: dict[tuple, list[int]] = {}
+        weight: dict[tuple, int] = {}
+        for c, (index, steps) in enumerate(chains):
+            if position[c] == len(steps):
+                continue
+            leg = legs[index]
+            kind = _kind(leg, steps[position[c]], costs[leg.tensor])
+            order.setdefault(kind, len(order))
+            waiting.setdefault(kind, []).append(c)
+            weight[kind] = weight.get(kind, 0) + len(steps) - position[c]
+        if not waiting:
+            return
+        chosen = max(waiting, key=lambda k: (weight[k], -order[k]))
+        group: list[tuple[Member, Any]] = []
+        held = 0
+        for c in waiting[chosen]:
+            index, steps = chains[c]
+            h, k = steps[position[c]]
+            position[c] += 1
+            step = legs[index].hops[h].plan.steps[k]
+            size = _buffer_bytes(step)
+            if group and (held + size > cap or chosen[0] == 1):
+                yield _bucket(legs, stage, group, costs)
+                group, held = [], 0
+            group.append((Member(index, h, k), step))
+            held += size
+        yield _bucket(legs, stage, group, costs)
+
+
+def _buffer_bytes(step: Any) -> int:
+    """The larger buffer (in or out) a rank passes to the step's collective: ``n`` padded blocks
+    (all_gather, reduce_scatter, all_to_all) or the whole piece (all_reduce), from the step's
+    bytes (``planner.cost``'s table)."""
+    if step.axis is None:
+        return step.bytes
+    n = step.layout.mesh.shape[step.axis]
+    if step.op == "all_reduce":
+        return step.bytes // (2 * (n - 1)) * n
+    return step.bytes // (n - 1) * n
+
+
+def _bucket(legs: Sequence[Leg], stage: str, group: list[tuple[Member, Any]], costs: Mapping[str, CostModel]) -> Bucket:
+    first_member, first = group[0]
+    leg = legs[first_member.leg]
+    total = sum(step.bytes for _, step in group)
+    if first.axis is None:  # point_to_point: its own plan's time
+        seconds = first.seconds
+    else:
+        alphas, bandwidths = costs[leg.tensor].for_mesh(first.layout.mesh)
+        rounds = collective_rounds(first.op, first.layout.mesh.shape[first.axis])
+        seconds = rounds * alphas[first.axis] + total / bandwidths[first.axis]
+    return Bucket(
+        stage=stage,
+        op=first.op,
+        mesh=first.layout.mesh,
+        axis=first.axis,
+        reduce_op=first.reduce_op,
+        dtype=leg.dtype,
+        members=tuple(m for m, _ in group),
+        bytes=total,
+        buffer_bytes=sum(_buffer_bytes(step) for _, step in group),
+        seconds=seconds,
+    )
+
+
+def same_mesh_legs(step_plan: StepPlan) -> bool:
+    """Whether every leg stays on one mesh (no point-to-point step joins two)."""
+    return all(same_geometry(hop.plan.src.mesh, hop.plan.dst.mesh) for leg in step_plan.legs for hop in leg.hops)
