@@ -1,9 +1,11 @@
-"""Whole-model planning: what one optimizer step communicates, tensor by tensor.
+"""Whole-model planning: the step plan (``planner.step``) of a spec file's tensors.
 
-Per tensor the step is: the gradient moves from its grad layout to the (default) state
-layout, the update runs there, and the parameter moves from the state layout back to its
-param layout. A state given its own layout (``state.exp_avg_sq = ...``) that differs from
-the default is brought to the default layout for the update and taken back after it.
+This is the plan the sharded optimizers run for the same tensors: per tensor its legs (the
+gradient into the state layout; the parameter's state-layout shard while it has no fp32
+master; every state kept in a layout of its own into the state layout and back; the updated
+parameter into its param layout), each leg one or two planned hops, and the buckets that run
+the legs' collectives together. The cost model of a tensor is its state mesh's hints, as the
+optimizers take it.
 """
 
 from __future__ import annotations
@@ -12,50 +14,65 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from planner.choice import plan
 from planner.cost import CostModel, PlanError
 from planner.plan import Plan
-from shardlang.layout import Layout
+from planner.step import Leg, StepPlan, StepTensor, plan_step
+from shardlang.errors import ShardlangError
 from shardlang.spec import STATE_DEFAULT, Spec, TensorSpec
+
+# States are kept in f32, or f64 for f64 parameters; other parameters keep an f32 master.
+_STATE_DTYPES = {"f64": "f64"}
 
 
 @attrs.frozen
 class TensorPlans:
+    """One tensor's legs of the step plan and the cost model they were planned under."""
+
     tensor: TensorSpec
-    grad_to_state: Plan
-    state_to_param: Plan
-    # (state name, override -> default, default -> override) for states with their own layout.
-    state_moves: tuple[tuple[str, Plan, Plan], ...] = ()
+    legs: tuple[Leg, ...]
+    cost: CostModel
 
     def plans(self) -> tuple[tuple[str, Plan], ...]:
-        """Every plan of the step, labelled (``grad -> state``, ``state -> param``, ...)."""
-        out = [("grad -> state", self.grad_to_state)]
-        for name, to_default, from_default in self.state_moves:
-            out += [(f"state.{name} -> state", to_default), (f"state -> state.{name}", from_default)]
-        out.append(("state -> param", self.state_to_param))
+        """Every hop of the step, labelled (``grad -> state``, ``state -> param``; a leg of two
+        hops, with flat sharding, as ``grad -> state (1/2)`` and ``(2/2)``)."""
+        out = []
+        for leg in self.legs:
+            for k, hop in enumerate(leg.hops):
+                label = leg.what if len(leg.hops) == 1 else f"{leg.what} ({k + 1}/{len(leg.hops)})"
+                out.append((label, hop.plan))
         return tuple(out)
+
+    def plan_of(self, what: str) -> Plan:
+        """The plan of the one-hop leg ``what`` (``grad -> state``, ...)."""
+        (leg,) = (leg for leg in self.legs if leg.what == what)
+        (hop,) = leg.hops
+        return hop.plan
 
     @property
     def total_bytes(self) -> int:
-        return sum(p.total_bytes for _, p in self.plans())
+        return sum(leg.total_bytes for leg in self.legs)
 
     @property
     def total_seconds(self) -> float:
-        return sum(p.total_seconds for _, p in self.plans())
+        """Modeled time of the tensor's plans on their own (buckets share latency; see
+        :attr:`SpecPlan.total_seconds`)."""
+        return sum(leg.total_seconds for leg in self.legs)
 
 
 @attrs.frozen
 class SpecPlan:
     spec: Spec
     tensors: tuple[TensorPlans, ...]
+    step: StepPlan
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.total_bytes for t in self.tensors)
+        return self.step.total_bytes
 
     @property
     def total_seconds(self) -> float:
-        return sum(t.total_seconds for t in self.tensors)
+        """Modeled time of the step, bucketed."""
+        return self.step.total_seconds
 
 
 def cost_for(
@@ -65,40 +82,33 @@ def cost_for(
     alpha: float | tuple[float, ...] | None = None,
     bandwidth: float | tuple[float, ...] | None = None,
 ) -> CostModel:
-    """The cost model of a tensor's mesh: the spec's hints, overridden by explicit values."""
-    return CostModel.from_hints(spec.hints(tensor.param.mesh)).with_overrides(alpha=alpha, bandwidth=bandwidth)
+    """The cost model of a tensor's state mesh: the spec's hints, overridden by explicit values."""
+    return CostModel.from_hints(spec.hints(tensor.state().mesh)).with_overrides(alpha=alpha, bandwidth=bandwidth)
 
 
-def plan_tensor(
-    tensor: TensorSpec, cost: CostModel, *, max_local_bytes: int | None = None, point_to_point: bool = False
-) -> TensorPlans:
-    """The plans of one tensor's optimizer step; ``point_to_point`` as in :func:`planner.plan`."""
+def step_tensor(tensor: TensorSpec, cost: CostModel, flat_axis: str | int | None = None) -> StepTensor:
+    """What the step plan needs of a spec's tensor (dtypes as the optimizers choose them)."""
     state = tensor.state()
-
-    def leg(src: Layout, dst: Layout) -> Plan:
-        try:
-            return plan(
-                src,
-                dst,
-                tensor.shape,
-                tensor.dtype,
-                cost,
-                max_local_bytes=max_local_bytes,
-                point_to_point=point_to_point,
-            )
-        except PlanError as e:
-            raise PlanError(f"tensor '{tensor.name}': {e.message}", tensor.position) from None
-
-    moves = tuple(
-        (name, leg(layout, state), leg(state, layout))
-        for name, layout in tensor.layouts.states
-        if name != STATE_DEFAULT and layout != state
-    )
-    return TensorPlans(
-        tensor=tensor,
-        grad_to_state=leg(tensor.grad, state),
-        state_to_param=leg(state, tensor.param),
-        state_moves=moves,
+    state_dtype = _STATE_DTYPES.get(tensor.dtype, "f32")
+    try:
+        axis = None if flat_axis is None else state.mesh.axis_index(flat_axis)
+    except ShardlangError as e:
+        raise PlanError(f"tensor '{tensor.name}': flat axis: {e.message}", tensor.position) from None
+    return StepTensor(
+        name=tensor.name,
+        shape=tensor.shape,
+        param=tensor.param,
+        grad=tensor.grad,
+        state=state,
+        param_dtype=tensor.dtype,
+        grad_dtype=tensor.dtype,
+        state_dtype=state_dtype,
+        own_states=tuple(
+            (name, layout) for name, layout in tensor.layouts.states if name != STATE_DEFAULT and layout != state
+        ),
+        flat_axis=axis,
+        fetch_param=state_dtype == tensor.dtype,
+        cost=cost,
     )
 
 
@@ -110,13 +120,18 @@ def plan_spec(
     bandwidth: float | tuple[float, ...] | None = None,
     max_local_bytes: int | None = None,
     point_to_point: bool = False,
+    flat_axis: str | int | None = None,
+    bucket_bytes: int | None = None,
+    rank: int = 0,
     on_tensor: Callable[[TensorSpec], None] | None = None,
 ) -> SpecPlan:
-    """Plans of one optimizer step for every declared tensor, or for ``tensors``: names of
-    declared tensors, or tensor specs the caller resolved (``Spec.resolve``, rules included).
+    """The step plan of every declared tensor, or of ``tensors``: names of declared tensors,
+    or tensor specs the caller resolved (``Spec.resolve``, rules included), as seen by ``rank``
+    (with ``flat_axis``, the flat hop's length is the rank's base block).
 
-    ``point_to_point=True`` lets every leg use point-to-point steps and mixes where they are
-    cheaper (:func:`planner.plan`); by default legs are collective plans (the baseline move set).
+    ``point_to_point=True`` lets every hop use point-to-point steps and mixes where they are
+    cheaper (:func:`planner.plan`); by default hops are collective plans (the baseline move set,
+    which the optimizers run). ``flat_axis`` and ``bucket_bytes`` are the optimizers' options.
     ``on_tensor`` is called with each tensor before it is planned (progress display).
 
     Plans are memoized by :func:`planner.plan`, so tensors with equal layouts, shape and
@@ -126,10 +141,21 @@ def plan_spec(
         chosen = spec.tensors
     else:
         chosen = tuple(t if isinstance(t, TensorSpec) else spec.tensor(t) for t in tensors)
-    planned = []
+    inputs = []
     for t in chosen:
         if on_tensor is not None:
             on_tensor(t)
         cost = cost_for(spec, t, alpha=alpha, bandwidth=bandwidth)
-        planned.append(plan_tensor(t, cost, max_local_bytes=max_local_bytes, point_to_point=point_to_point))
-    return SpecPlan(spec=spec, tensors=tuple(planned))
+        item = step_tensor(t, cost, flat_axis)
+        try:  # plan each tensor here, so that an error names its line
+            plan_step([item], rank, max_local_bytes=max_local_bytes, point_to_point=point_to_point)
+        except PlanError as e:
+            raise PlanError(e.message, t.position) from None
+        inputs.append(item)
+    step = plan_step(
+        inputs, rank, bucket_bytes=bucket_bytes, max_local_bytes=max_local_bytes, point_to_point=point_to_point
+    )
+    plans = tuple(
+        TensorPlans(tensor=t, legs=step.legs_of(t.name), cost=item.cost) for t, item in zip(chosen, inputs, strict=True)
+    )
+    return SpecPlan(spec=spec, tensors=plans, step=step)
