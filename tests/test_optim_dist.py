@@ -72,7 +72,13 @@ def _flat_tp(n: int) -> tuple[str, str, str]:
     return param, param + " | P(dp):avg", param
 
 
+def _rows_over_dp(n: int) -> dict[str, str]:
+    return {"exp_avg": _dims(n, {0: "S(dp)"})}
+
+
 DP4, TP4, DP2_TP2, THREE = "mesh[dp=4]", "mesh[tp=4]", "mesh[dp=2,tp=2]", "mesh[3] ranks 0..2"
+# Configs whose exp_avg is kept in a layout of its own (the other states in the state layout).
+OWN_STATES: dict[str, Callable[[int], dict[str, str]]] = {"own_exp_avg": _rows_over_dp, "own_exp_avg_flat": _rows_over_dp}
 # name: (mesh, layouts (param, grad, state) of an n-d tensor, flat axis)
 CONFIGS: dict[str, tuple[str, Callable[[int], tuple[str, str, str]], str | None]] = {
     "zero_rows": (DP4, _zero_rows, None),
@@ -84,6 +90,8 @@ CONFIGS: dict[str, tuple[str, Callable[[int], tuple[str, str, str]], str | None]
     "three_ranks": (THREE, _three_ranks, None),
     "replicated": (DP4, _replicated, None),
     "flat_zero_with_tp": (DP2_TP2, _flat_tp, "dp"),
+    "own_exp_avg": (DP4, _replicated, None),
+    "own_exp_avg_flat": (DP4, _replicated, "dp"),
 }
 
 
@@ -142,14 +150,21 @@ def reference(kind: str, params: dict[str, torch.Tensor], hyper: dict) -> tuple[
 
 
 # --- what the ranks run ----------------------------------------------------------------
-def _spec(mesh: str, layouts_of: Callable[[int], tuple[str, str, str]], shapes=SHAPES):
+def _spec(
+    mesh: str,
+    layouts_of: Callable[[int], tuple[str, str, str]],
+    shapes=SHAPES,
+    own: Callable[[int], dict[str, str]] | None = None,
+):
     from shardlang import parse_layout
     from shardlang.spec import Layouts, TensorSpec
 
     spec = {}
     for name, shape in shapes.items():
         param, grad, state = (parse_layout(f"{text} over {mesh}") for text in layouts_of(len(shape)))
-        layouts = Layouts(param=param, grad=grad, states=(("", state),))
+        extra = {} if own is None else own(len(shape))
+        states = (("", state), *((k, parse_layout(f"{text} over {mesh}")) for k, text in sorted(extra.items())))
+        layouts = Layouts(param=param, grad=grad, states=states)
         spec[name] = TensorSpec(name=name, dtype="f32", shape=shape, layouts=layouts)
     return spec
 
@@ -166,7 +181,7 @@ def _run_config(rank: int, config: str, kind: str, dtype: torch.dtype, seed: int
     import runtime
 
     mesh, layouts_of, flat_axis = CONFIGS[config]
-    spec = _spec(mesh, layouts_of)
+    spec = _spec(mesh, layouts_of, own=OWN_STATES.get(config))
     the_mesh = next(iter(spec.values())).param.mesh
     if rank not in the_mesh.ranks:  # idle rank: holds the tensors, takes part in nothing
         params = {n: torch.nn.Parameter(t) for n, t in initial_params(dtype, seed).items()}
@@ -443,6 +458,32 @@ def test_bytes_sent_agree_with_the_plans(ranks: list[dict[str, Any]], config: st
                 assert sent <= planned
                 if not any(case["coordinate"]):
                     assert sent == planned, f"{config} {kind}: rank at coordinate 0 sent {sent}, planned {planned}"
+
+
+@pytest.mark.slow
+def test_every_kind_of_collective_runs_once_per_step(ranks: list[dict[str, Any]]) -> None:
+    """The five tensors of a config share one collective per kind of move: ZeRO is one
+    reduce_scatter in and one all_gather out, DDP one all_reduce; a layout that splits rows
+    over dp for the 2-d tensors and columns over tp for the 1-d one still moves only over dp;
+    an own-layout exp_avg split by rows adds its all_gather into the replicated state (its way
+    back is a slice)."""
+    expected = {
+        "zero_rows": 2,
+        "flat_zero": 2,
+        "tp_col": 0,
+        "tp_row": 0,
+        "dp2_tp2": 2,
+        "nested_tp_dp": 2,
+        "three_ranks": 2,
+        "replicated": 1,
+        "flat_zero_with_tp": 2,
+        "own_exp_avg": 2,
+        "own_exp_avg_flat": 3,
+    }
+    assert set(expected) == set(CONFIGS)
+    for config, count in expected.items():
+        case = ranks[0][(config, "adamw", str(torch.float32))]
+        assert {records for *_, records in case["traffic"]} == {count}, (config, case["traffic"])
 
 
 @pytest.mark.slow

@@ -1,0 +1,136 @@
+"""Buckets on real gloo process groups: many tensors' moves in one collective each, exact.
+
+Random layout pairs (random nesting, partial ops, uneven shapes with empty pieces, f32/bf16/i64)
+are planned twelve at a time as the ``grad -> state`` legs of one step plan, so buckets mix
+tensors of other shapes, dims and padding; the stage's results must equal the torch.chunk
+block of each full tensor (or reduce back to it, for a partial target), each bucket must run
+one collective, and the busiest rank must send the bucket's planned bytes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import io
+
+import pytest
+import torch
+
+from planner.step import BEFORE, StepTensor, plan_step
+from runtime import recording, torch_dtype, unshard
+from runtime.buckets import run_stage
+from shardlang import parse_layout
+from tests.dist_harness import run_ranks
+from tests.test_reshard_dist import Case, corpus
+from tests.test_runtime_support import full_tensor, reference_piece, source_pieces
+
+BATCH = 12
+MESHES = [
+    ("mesh[4]", corpus("mesh[4]", 48, 21)),
+    ("mesh[2,2]", corpus("mesh[2,2]", 48, 22)),
+    ("mesh[2,2] ranks [2,0,3,1]", corpus("mesh[2,2] ranks [2,0,3,1]", 48, 23)),
+]
+
+
+def step_plan(cases: list[Case], rank: int, bucket_bytes: int | None = None):
+    tensors = []
+    for i, (src_text, dst_text, shape, dtype, _) in enumerate(cases):
+        src, dst = parse_layout(src_text), parse_layout(dst_text)
+        tensors.append(
+            StepTensor(
+                name=f"case{i}",
+                shape=shape,
+                param=dst,
+                grad=src,
+                state=dst,
+                param_dtype=dtype,
+                grad_dtype=dtype,
+                state_dtype=dtype,
+                fetch_param=False,
+            )
+        )
+    return plan_step(tensors, rank, bucket_bytes=bucket_bytes)
+
+
+def _batches(cases: list[Case]) -> list[list[Case]]:
+    return [cases[i : i + BATCH] for i in range(0, len(cases), BATCH)]
+
+
+def _run(rank: int, world_size: int) -> list:
+    out = []
+    for _, cases in MESHES:
+        for batch in _batches(cases):
+            for bucket_bytes in (None, 64):  # default buckets, and buckets cut small
+                plan = step_plan(batch, rank, bucket_bytes)
+                inputs = {}
+                for i, (src_text, _, shape, dtype, seed) in enumerate(batch):
+                    full = full_tensor(shape, torch_dtype(dtype), seed)
+                    leg = next(k for k, leg in enumerate(plan.legs) if leg.tensor == f"case{i}")
+                    inputs[leg] = source_pieces(full, parse_layout(src_text), seed)[rank]
+                with recording() as log:
+                    results = run_stage(
+                        plan, BEFORE, inputs, rank=rank, device_meshes={}, timeout=datetime.timedelta(seconds=60)
+                    )
+                pieces = [_to_bytes(results[k].contiguous()) for k in sorted(results)]
+                out.append((pieces, [(r.step, r.bytes_sent, len(r.tensor.split(","))) for r in log.records]))
+    return out
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(t.clone(), buffer)
+    return buffer.getvalue()
+
+
+@functools.cache
+def _results() -> list:
+    return run_ranks(_run, 4, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_index", range(len(MESHES)))
+def test_bucketed_moves_equal_the_blocks_of_the_full_tensors(mesh_index: int) -> None:
+    results = _results()
+    per_mesh = len(_batches(MESHES[0][1])) * 2
+    mesh_text, cases = MESHES[mesh_index]
+    runs = [(batch, bucket_bytes) for batch in _batches(cases) for bucket_bytes in (None, 64)]
+    shared = 0
+    for r, (batch, bucket_bytes) in enumerate(runs):
+        got = {rank: results[rank][mesh_index * per_mesh + r] for rank in range(4)}
+        plan = step_plan(batch, 0, bucket_bytes)
+        before = [(k, b) for k, b in enumerate(plan.buckets) if b.stage == BEFORE]
+        if bucket_bytes is None:
+            shared += sum(len(leg.communicating) for leg in plan.legs if leg.stage == BEFORE) - len(before)
+        for rank, (_, records) in got.items():
+            assert [step for step, *_ in records] == [k for k, _ in before], f"{mesh_text} rank {rank}"
+        for k, bucket in before:
+            sent = [next(s for step, s, _ in records if step == k) for _, records in got.values()]
+            assert max(sent) == bucket.bytes, f"{mesh_text} bucket {k}: sent {sent}, planned {bucket.bytes}"
+        for i, (src_text, dst_text, shape, dtype, seed) in enumerate(batch):
+            dst = parse_layout(dst_text)
+            full = full_tensor(shape, torch_dtype(dtype), seed)
+            out = {rank: torch.load(io.BytesIO(pieces[i])) for rank, (pieces, _) in got.items()}
+            label = f"{mesh_text} {src_text} -> {dst_text} {shape} {dtype}"
+            if dst.partial:
+                assert torch.equal(unshard(out, dst), full), label
+                continue
+            for rank, piece in out.items():
+                assert torch.equal(piece, reference_piece(full, dst, rank)), f"{label}: rank {rank}"
+    assert shared > 0, "no two tensors shared a collective"
+
+
+@pytest.mark.slow
+def test_buckets_hold_many_tensors() -> None:
+    """The corpus really mixes tensors: buckets carry tensors of different shapes, and every
+    collective runs some bucket of several tensors."""
+    mixed, shared_ops = 0, set()
+    for _, cases in MESHES:
+        for batch in _batches(cases):
+            plan = step_plan(batch, 0)
+            for bucket in plan.buckets:
+                shapes = {plan.legs[m.leg].hops[m.hop].plan.shape for m in bucket.members}
+                mixed += len(shapes) > 1
+                if len(bucket.members) > 1:
+                    shared_ops.add(bucket.op)
+    assert mixed >= 10
+    assert shared_ops == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
