@@ -1,0 +1,219 @@
+"""The step plan (planner.step): legs, buckets, their sizes and times, checked by hand."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import pytest
+
+import planner
+from planner.step import AFTER, BEFORE, DEFAULT_BUCKET_BYTES, StepPlan, StepTensor, plan_step
+from shardlang import parse_layout
+from tests.test_runtime_support import random_layout
+
+DP4 = "mesh[dp=4]"
+# Uneven and empty pieces on 4 ranks: 37 rows are 10,10,10,7; 3 rows are 1,1,1,0.
+SHAPES = {"w": (37, 24), "b": (24,), "t": (4, 6, 5), "e": (3, 7)}
+
+
+def L(text: str):
+    return parse_layout(text)
+
+
+def zero2(name: str, shape: tuple[int, ...], mesh: str = DP4) -> StepTensor:
+    replicated = ",".join("R" for _ in shape)
+    rows = ",".join(["S(dp)"] + ["R"] * (len(shape) - 1))
+    return StepTensor(
+        name=name,
+        shape=shape,
+        param=L(f"{replicated} over {mesh}"),
+        grad=L(f"{replicated} | P(dp):avg over {mesh}"),
+        state=L(f"{rows} over {mesh}"),
+    )
+
+
+def padded_rows_bytes(shape: tuple[int, ...], n: int = 4, itemsize: int = 4) -> int:
+    """Bytes one rank sends in a ring reduce_scatter/all_gather of the rows: (n-1) padded blocks."""
+    rest = 1
+    for length in shape[1:]:
+        rest *= length
+    return (n - 1) * -(-shape[0] // n) * rest * itemsize
+
+
+def test_zero2_is_one_reduce_scatter_and_one_all_gather_for_every_tensor() -> None:
+    tensors = [zero2(n, s) for n, s in SHAPES.items()]
+    step = plan_step(tensors, 0)
+    assert [b.describe() for b in step.buckets] == ["reduce_scatter(axis=dp, op=avg) f32", "all_gather(axis=dp) f32"]
+    assert [b.stage for b in step.buckets] == [BEFORE, AFTER]
+    names = [[step.legs[m.leg].tensor for m in b.members] for b in step.buckets]
+    assert names == [list(SHAPES)] * 2  # in the order given
+    expected = sum(padded_rows_bytes(s) for s in SHAPES.values())
+    assert [b.bytes for b in step.buckets] == [expected, expected]
+    # One latency of 3 rounds per bucket instead of one per tensor.
+    alpha, bandwidth = planner.DEFAULT_ALPHA, planner.DEFAULT_BANDWIDTH
+    assert step.buckets[0].seconds == pytest.approx(3 * alpha + expected / bandwidth)
+    assert step.unbucketed_seconds == pytest.approx(2 * (len(SHAPES) * 3 * alpha + expected / bandwidth))
+    assert step.collectives == 2 and step.unbucketed_collectives == 2 * len(SHAPES)
+    # The buffer is n padded blocks per tensor: 4/3 of what a rank sends.
+    assert step.max_buffer_bytes == expected // 3 * 4
+    # The parameter's shard is a slice of the replicated parameter: a leg, but no collective.
+    fetch = [leg for leg in step.legs if leg.what == "param -> state"]
+    assert len(fetch) == len(SHAPES) and not any(leg.communicating for leg in fetch)
+    assert step.bucket_bytes == DEFAULT_BUCKET_BYTES
+
+
+def test_bucket_bytes_cuts_a_kind_into_buckets_in_order() -> None:
+    tensors = [zero2(f"w{i}", (40, 10)) for i in range(5)]  # each a 40*10*4 = 1600-byte buffer
+    step = plan_step(tensors, 0, bucket_bytes=3200)
+    sizes = [[step.legs[m.leg].tensor for m in b.members] for b in step.stage_buckets(BEFORE)]
+    assert sizes == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    assert all(b.buffer_bytes <= 3200 for b in step.buckets)
+    alone = plan_step(tensors, 0, bucket_bytes=1)
+    assert alone.collectives == alone.unbucketed_collectives == 10
+    assert alone.total_seconds == pytest.approx(alone.unbucketed_seconds)
+    with pytest.raises(planner.PlanError, match="bucket_bytes must be at least 1"):
+        plan_step(tensors, 0, bucket_bytes=0)
+
+
+def test_other_dtypes_axes_and_ops_never_share_a_bucket() -> None:
+    mesh = "mesh[dp=2, tp=2]"
+    a = zero2("a", (8, 4), mesh)
+    bf16 = attrs.evolve(zero2("b", (8, 4), mesh), grad_dtype="bf16", param_dtype="bf16")
+    summed = attrs.evolve(zero2("c", (8, 4), mesh), grad=L(f"R,R | P(dp) over {mesh}"))
+    tp = StepTensor(
+        name="d",
+        shape=(8, 4),
+        param=L(f"R,R over {mesh}"),
+        grad=L(f"R,R | P(tp):avg over {mesh}"),
+        state=L(f"R,S(tp) over {mesh}"),
+    )
+    step = plan_step([a, bf16, summed, tp], 0)
+    before = [(b.describe(), [step.legs[m.leg].tensor for m in b.members]) for b in step.stage_buckets(BEFORE)]
+    assert sorted(before) == [
+        ("reduce_scatter(axis=dp, op=avg) bf16", ["b"]),
+        ("reduce_scatter(axis=dp, op=avg) f32", ["a"]),
+        ("reduce_scatter(axis=dp, op=sum) f32", ["c"]),
+        ("reduce_scatter(axis=tp, op=avg) f32", ["d"]),
+    ]
+    after = [(b.describe(), [step.legs[m.leg].tensor for m in b.members]) for b in step.stage_buckets(AFTER)]
+    assert sorted(after) == [
+        ("all_gather(axis=dp) bf16", ["b"]),
+        ("all_gather(axis=dp) f32", ["a", "c"]),
+        ("all_gather(axis=tp) f32", ["d"]),
+    ]
+
+
+def test_flat_sharding_takes_two_hops_sized_by_the_ranks_base_block() -> None:
+    # Base block of 'w' under R,S(tp) on [dp=2, tp=2]: 37 x 12 for every rank; flat over dp: 444 each half.
+    mesh = "mesh[dp=2, tp=2]"
+    w = StepTensor(
+        name="w",
+        shape=(37, 25),
+        param=L(f"R,S(tp) over {mesh}"),
+        grad=L(f"R,S(tp) | P(dp):avg over {mesh}"),
+        state=L(f"R,S(tp) over {mesh}"),
+        flat_axis=0,
+    )
+    for rank, columns in ((0, 13), (1, 12)):
+        step = plan_step([w], rank)
+        grad = step.legs_of("w")[0]
+        assert grad.what == "grad -> state" and len(grad.hops) == 2
+        assert not grad.hops[0].plan.steps  # the gradient already is the base block, pending over dp
+        flat = grad.hops[1]
+        assert flat.plan.shape == (37 * columns,) and flat.view == (37 * columns,)
+        assert [s.describe() for s in flat.plan.steps] == ["reduce_scatter(axis=dp, dim=0, op=avg)"]
+        back = step.legs_of("w")[-1]
+        assert back.what == "state -> param" and back.hops[1].view == (37, columns)
+        assert [s.describe() for s in back.hops[0].plan.steps] == ["all_gather(axis=dp, dim=0)"]
+
+
+def test_own_layout_states_get_a_leg_each_way() -> None:
+    t = attrs.evolve(zero2("w", (8, 4)), own_states=(("exp_avg_sq", L("R,S(dp) over mesh[dp=4]")),))
+    step = plan_step([t], 0)
+    assert [(leg.what, leg.stage, leg.dtype) for leg in step.legs] == [
+        ("grad -> state", BEFORE, "f32"),
+        ("param -> state", BEFORE, "f32"),
+        ("state.exp_avg_sq -> state", BEFORE, "f32"),
+        ("state -> param", AFTER, "f32"),
+        ("state -> state.exp_avg_sq", AFTER, "f32"),
+    ]
+    # R,S(dp) -> S(dp),R is one all_to_all; back the same way.
+    assert [b.describe() for b in step.buckets] == [
+        "reduce_scatter(axis=dp, op=avg) f32",
+        "all_to_all(axis=dp) f32",
+        "all_gather(axis=dp) f32",
+        "all_to_all(axis=dp) f32",
+    ]
+
+
+def test_a_leg_waits_for_its_earlier_steps_and_kinds_with_more_left_go_first() -> None:
+    """On [2,2], 'a' reduces over tp and then scatters over dp, 'b' only scatters over dp: the
+    schedule runs a's first step alone, then both scatters in one bucket."""
+    mesh = "mesh[dp=2, tp=2]"
+    a = StepTensor(
+        name="a",
+        shape=(8, 8),
+        param=L(f"S(dp),R over {mesh}"),
+        grad=L(f"R,R | P(dp),P(tp) over {mesh}"),
+        state=L(f"S(dp),R over {mesh}"),
+    )
+    b = attrs.evolve(a, name="b", grad=L(f"R,R | P(dp) over {mesh}"))
+    step = plan_step([b, a], 0)
+    a_ops = [s.op for h in step.legs_of("a")[0].hops for s in h.plan.steps]
+    before = [(b.op, [step.legs[m.leg].tensor for m in b.members]) for b in step.stage_buckets(BEFORE)]
+    if a_ops == ["all_reduce", "reduce_scatter"]:
+        assert before == [("all_reduce", ["a"]), ("reduce_scatter", ["b", "a"])]
+    else:  # scatter first (cheaper): both scatter together, then a reduces
+        assert a_ops[0] == "reduce_scatter" and before[0] == ("reduce_scatter", ["b", "a"]) and len(before) == 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_schedules_of_random_legs_keep_every_leg_in_order(seed: int) -> None:
+    """Every communicating step runs exactly once, in its leg's order, in a bucket of one
+    collective kind; buckets respect the cap."""
+    rng = random.Random(seed)
+    mesh = parse_layout("() over mesh[2,2]").mesh
+    tensors = []
+    for i in range(10):
+        shape = rng.choice([(8, 6), (5, 3), (7,), (4, 4, 2)])
+        grad = random_layout(rng, mesh, len(shape))
+        state = random_layout(rng, mesh, len(shape))
+        state = parse_layout(str(state).split(" | ")[0] + " over mesh[2,2]") if state.partial else state
+        param = random_layout(rng, mesh, len(shape))
+        param = parse_layout(str(param).split(" | ")[0] + " over mesh[2,2]") if param.partial else param
+        tensors.append(StepTensor(name=f"t{i}", shape=shape, param=param, grad=grad, state=state))
+    cap = rng.choice([1, 64, 256, None])
+    step = plan_step(tensors, 0, bucket_bytes=cap)
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for bucket in step.buckets:
+        kinds = set()
+        for m in bucket.members:
+            leg = step.legs[m.leg]
+            s = leg.hops[m.hop].plan.steps[m.step]
+            assert leg.stage == bucket.stage
+            kinds.add((s.op, s.axis, s.reduce_op, leg.dtype))
+            seen.setdefault(m.leg, []).append((m.hop, m.step))
+        assert len(kinds) == 1
+        if cap is not None and len(bucket.members) > 1:
+            assert bucket.buffer_bytes <= cap
+    for index, leg in enumerate(step.legs):
+        assert seen.get(index, []) == list(leg.communicating), leg
+    assert step.collectives <= step.unbucketed_collectives
+    assert step.total_bytes == sum(leg.total_bytes for leg in step.legs)
+
+
+def test_a_step_plan_survives_json() -> None:
+    mesh = "mesh[dp=2, tp=2]"
+    tensors = [zero2(n, s, mesh) for n, s in SHAPES.items()]
+    tensors.append(attrs.evolve(tensors[0], name="flat", flat_axis=0))
+    step = plan_step(tensors, 3)
+    again = StepPlan.from_json(step.to_json())
+    assert again == step
+    with pytest.raises(planner.PlanError, match="not a step plan in JSON form"):
+        StepPlan.from_json({"legs": []})
+
+
+def test_errors_name_the_tensor() -> None:
+    with pytest.raises(planner.PlanError, match=r"tensor 'w': .*100"):
+        plan_step([zero2("v", (4, 4)), zero2("w", (64, 64))], 0, max_local_bytes=100)
