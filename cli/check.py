@@ -21,10 +21,11 @@ class Checked:
     error: ShardlangError | None
 
 
-def check_file(path: str, progress: TextIO) -> Checked:
+def check_file(path: str, progress: TextIO, flat_axis: str | int | None = None) -> Checked:
+    """Load and plan one file (with ``flat_axis``, as the optimizers' flat sharding over it)."""
     try:
         spec = load_spec(path)
-        plan_spec_with_progress(spec, progress)
+        plan_spec_with_progress(spec, progress, flat_axis=flat_axis)
     except ShardlangError as e:
         return Checked(path, None, e)
     return Checked(path, spec, None)
@@ -52,8 +53,8 @@ def error_json(checked: Checked) -> dict[str, Any]:
     return data
 
 
-def run_check(paths: list[str], fmt: str, out: TextIO, err: TextIO) -> int:
-    results = [check_file(p, err) for p in paths]
+def run_check(paths: list[str], fmt: str, out: TextIO, err: TextIO, flat_axis: str | int | None = None) -> int:
+    results = [check_file(p, err, flat_axis) for p in paths]
     if fmt == "json":
         files = [
             {

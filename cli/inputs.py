@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import attrs
 
-from shardlang import Layout, Spec, load_spec, parse_layout
+from shardlang import Layout, Spec, TensorSpec, load_spec, parse_layout
 from shardlang.errors import ShardlangError
 from shardlang.parser import parse_duration
 
@@ -21,6 +22,11 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**1
 
 class UsageError(ShardlangError):
     """Arguments that do not fit together (a pair without --shape, ...)."""
+
+
+class OptionError(ShardlangError):
+    """An option's value that does not fit the input it applies to (a flat axis that a
+    tensor's state mesh lacks): bad input, exit 1, as a spec's own errors."""
 
 
 def shape_arg(text: str) -> tuple[int, ...]:
@@ -80,6 +86,37 @@ def bytes_arg(text: str) -> int:
     if value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"'{text}' is not a whole number of bytes")
     return int(value)
+
+
+def axis_arg(text: str) -> str | int:
+    """A mesh axis: its name (``dp``) or its index (``0``)."""
+    name = text.strip()
+    if name.isdigit():
+        return int(name)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a mesh axis; give its name (dp) or index (0)")
+    return name
+
+
+def bucket_bytes_arg(text: str) -> int:
+    """The most buffer bytes a bucket holds per rank: a byte count of at least 1."""
+    value = bytes_arg(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"'{text}': a bucket holds at least 1 byte (1 puts every step in a bucket of its own)"
+        )
+    return value
+
+
+def check_flat_axis(tensors: Sequence[TensorSpec], axis: str | int | None) -> None:
+    """Every tensor's state mesh has the flat axis, else an :class:`OptionError` naming one that lacks it."""
+    if axis is None:
+        return
+    for tensor in tensors:
+        try:
+            tensor.state().mesh.axis_index(axis)
+        except ShardlangError as e:
+            raise OptionError(f"--flat-axis {axis}: tensor '{tensor.name}', its state mesh: {e.message}") from None
 
 
 @attrs.frozen

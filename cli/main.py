@@ -17,20 +17,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cli.buckets import summary_line
 from cli.check import describe_spec, error_text, run_check
 from cli.explain import explain, explained_json, format_explained
 from cli.inputs import (
     Pair,
     UsageError,
+    axis_arg,
     bandwidth_arg,
+    bucket_bytes_arg,
     bytes_arg,
+    check_flat_axis,
     duration_arg,
     read_pair,
     read_spec,
     shape_arg,
 )
 from cli.picture import picture_dot, plan_picture, summary_dot, tensor_picture
-from cli.plan_report import format_plan, format_spec_summary, format_tensor_plans, plan_json, spec_plan_json
+from cli.plan_report import format_plan, format_spec_report, format_spec_summary, plan_json, spec_plan_json
 from cli.render import FORMATS, RenderError, draw, output_format, write
 from cli.show import format_show, show_json
 from cli.summary import TensorGroup, group_tensors, plan_spec_with_progress
@@ -78,6 +82,25 @@ def _add_cost_options(p: argparse.ArgumentParser, memory: bool = True) -> None:
         )
 
 
+def _add_step_options(p: argparse.ArgumentParser, buckets: bool = True) -> None:
+    """The optimizers' step options, for a spec file (README, "Optimizers")."""
+    p.add_argument(
+        "--flat-axis",
+        type=axis_arg,
+        metavar="AXIS",
+        help="with a spec file: flat sharding over this mesh axis (name or index), as the optimizers' "
+        "flat_axis; the plan is rank 0's",
+    )
+    if buckets:
+        p.add_argument(
+            "--bucket-bytes",
+            type=bucket_bytes_arg,
+            metavar="N",
+            help="with a spec file: the most buffer bytes a bucket holds per rank (default 32MiB; 1 puts every "
+            "step in a bucket of its own)",
+        )
+
+
 def _add_tensor_options(p: argparse.ArgumentParser, shape_required: bool = False) -> None:
     p.add_argument(
         "--shape",
@@ -109,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "file:line:col: message, with the line and a caret; exit 1 on any error.",
     )
     p.add_argument("files", nargs="+", metavar="FILE")
+    _add_step_options(p, buckets=False)
     p.add_argument("--format", choices=("text", "json"), default="text")
 
     pair_or_spec = "two layouts (SRC DST, with --shape) or one spec file (FILE.shard)"
@@ -126,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_tensor_options(p)
     _add_cost_options(p)
+    _add_step_options(p)
     p.add_argument("--format", choices=("text", "json"), default="text")
 
     p = sub.add_parser(
@@ -151,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--each", action="store_true", help="with a spec file: one picture per tensor into -o DIR")
     _add_tensor_options(p)
     _add_cost_options(p)
+    _add_step_options(p)
     p.add_argument("--format", choices=FORMATS, help="dot, svg or png (default: from -o's suffix, else svg)")
     p.add_argument("-o", "--output", metavar="FILE", help="where to write (default: standard output)")
 
@@ -173,6 +199,8 @@ def _target(args: argparse.Namespace) -> Pair | Spec:
     if len(args.targets) == 2:
         if args.tensor:
             raise UsageError("--tensor applies to a spec file, not to a pair of layouts")
+        if args.flat_axis is not None or args.bucket_bytes is not None:
+            raise UsageError("--flat-axis and --bucket-bytes apply to a spec file, not to a pair of layouts")
         return read_pair(args.targets[0], args.targets[1], args.shape, args.dtype)
     if len(args.targets) == 1:
         if (args.shape is not None or args.dtype is not None) and not (args.tensor and args.shape is not None):
@@ -208,7 +236,8 @@ def _plan_pair(pair: Pair, args: argparse.Namespace) -> Plan:
 
 
 def _plan_spec(spec: Spec, args: argparse.Namespace) -> SpecPlan:
-    tensors = _spec_tensors(spec, args.tensor, args.shape, args.dtype) if args.tensor else None
+    tensors = _spec_tensors(spec, args.tensor, args.shape, args.dtype) if args.tensor else list(spec.tensors)
+    check_flat_axis(tensors, args.flat_axis)
     return plan_spec_with_progress(
         spec,
         sys.stderr,
@@ -217,6 +246,8 @@ def _plan_spec(spec: Spec, args: argparse.Namespace) -> SpecPlan:
         bandwidth=args.bandwidth,
         max_local_bytes=args.max_local_bytes,
         point_to_point=args.p2p,
+        flat_axis=args.flat_axis,
+        bucket_bytes=args.bucket_bytes,
     )
 
 
@@ -238,10 +269,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec_plan = _plan_spec(target, args)
     if args.format == "json":
         _emit_json(spec_plan_json(spec_plan))
-    elif args.tensor:
-        print("\n\n".join(format_tensor_plans(tp, style) for tp in spec_plan.tensors))
     else:
-        print(format_spec_summary(spec_plan, style))
+        print(format_spec_report(spec_plan, style, each_tensor=bool(args.tensor), flat_axis=args.flat_axis))
     return 0
 
 
@@ -270,11 +299,20 @@ def cmd_render(args: argparse.Namespace) -> int:
     else:
         if args.tensor and len(args.tensor) > 1:
             raise UsageError("render draws one --tensor per picture; use --each for every tensor")
+        if (args.tensor or args.each) and args.flat_axis is not None:
+            raise UsageError(
+                "a tensor's picture draws layouts of the whole tensor, and a flat hop is a 1-d view of a rank's "
+                "block: drop --flat-axis (the summary picture and `shardlang plan` take it)"
+            )
         spec_plan = _plan_spec(target, args)
         groups = group_tensors(spec_plan)
         if args.each:
             return _render_each(groups, args.output, fmt)
-        dot = picture_dot(tensor_picture(spec_plan.tensors[0])) if args.tensor else summary_dot(spec_plan, groups)
+        dot = (
+            picture_dot(tensor_picture(spec_plan.tensors[0]))
+            if args.tensor
+            else summary_dot(spec_plan, groups, args.flat_axis)
+        )
     written = write(draw(dot, fmt), args.output, fmt)
     if written:
         print(f"wrote {written}", file=sys.stderr)
@@ -322,6 +360,7 @@ def run_main_job(path: Path, bundled: bool) -> int:
     spec_plan = plan_spec_with_progress(spec, sys.stderr)
     print(f"check: {style('ok', 'green')}: {describe_spec(spec)}\n")
     print(format_spec_summary(spec_plan, style) + "\n")
+    print(f"{style('buckets', 'bold')}: {summary_line(spec_plan.step)}\n")
     dot = summary_dot(spec_plan, group_tensors(spec_plan))
     stem = Path("out") / path.name.removesuffix(".shard")
     try:
@@ -334,6 +373,7 @@ def run_main_job(path: Path, bundled: bool) -> int:
     first = spec.tensors[0].name if spec.tensors else "NAME"
     print(
         "\nnext:\n"
+        f"  shardlang plan {shown}    # the buckets: one collective each\n"
         f"  shardlang plan {shown} --tensor {first}\n"
         f"  shardlang render {shown} --tensor {first} -o {stem}.{_file_name(first)}.svg\n"
         f"  shardlang explain 'R,S1 | P0 over mesh[2,2]' 'S0,S1 over mesh[2,2]' --shape 32000x1024"
@@ -342,7 +382,7 @@ def run_main_job(path: Path, bundled: bool) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    return run_check(args.files, args.format, sys.stdout, sys.stderr)
+    return run_check(args.files, args.format, sys.stdout, sys.stderr, flat_axis=args.flat_axis)
 
 
 COMMAND_FUNCTIONS = {

@@ -21,6 +21,7 @@ from html import escape
 import attrs
 
 from cli.blocks import Block, block_at
+from cli.buckets import bucket_rows, buffer_line, heading, summary_line
 from cli.mesh_grid import arrange, check_drawable, coordinate_text
 from cli.messages import Messages, step_messages
 from cli.plan_report import describe_cost, describe_plan_cost, leg_ops, lower_bound_text
@@ -117,7 +118,7 @@ def tensor_picture(tp: TensorPlans, label: str | None = None) -> Picture:
     title = (
         f"{label or t.name} : {t.dtype}[{', '.join(map(str, t.shape))}]  one optimizer step\n"
         f"{shape} {t.dtype}: {_steps_text(len(arrows))}, {_cost_text(tp.total_bytes, tp.total_seconds)}\n"
-        f"cost model: {describe_cost(tp.grad_to_state.cost, t.param.mesh)}"
+        f"cost model: {describe_cost(tp.cost, t.param.mesh)}"
     )
     return Picture(title, t.shape, t.dtype, tuple(panels.values()), tuple(arrows))
 
@@ -318,17 +319,30 @@ def picture_dot(picture: Picture) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary_dot(spec_plan: SpecPlan, groups: Iterable[TensorGroup]) -> str:
-    """One table of the whole optimizer step: per tensor (group) its plans, bytes and time,
-    largest first, with a bar for the time."""
-    ordered = largest_first(list(groups))
+def summary_dot(spec_plan: SpecPlan, groups: Iterable[TensorGroup], flat_axis: str | int | None = None) -> str:
+    """The whole optimizer step: a table per tensor (group) of its plans, bytes and time,
+    largest first, with a bar for the time; below it a table of the step's buckets."""
     spec = spec_plan.spec
     n = len(spec_plan.tensors)
     title = (
         f"{spec.filename or 'spec'}: one optimizer step, {n} tensors, "
-        f"{_cost_text(spec_plan.total_bytes, spec_plan.total_seconds)}\n"
-        "largest first; a row with a count sums its tensors"
+        f"{format_bytes(spec_plan.total_bytes)} sent per rank\n"
+        f"{heading(spec_plan.step, flat_axis).partition(':')[0]}: {summary_line(spec_plan.step)}\n"
+        "tensors largest first; a row with a count sums its tensors; times are each tensor's plans on their own"
     )
+    lines = _graph_header("summary", title)
+    lines += [
+        f'  summary [id="summary", label={_tensors_table(spec_plan, groups)}];',
+        f'  buckets [id="buckets", label={_buckets_table(spec_plan)}];',
+        "  summary -> buckets [style=invis];",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _tensors_table(spec_plan: SpecPlan, groups: Iterable[TensorGroup]) -> str:
+    ordered = largest_first(list(groups))
+    n = len(spec_plan.tensors)
     longest = max((g.total_seconds for g in ordered), default=0.0) or 1.0
     bar_width = 160
     head = ["tensor", "count", "shape", "dtype", "plans: op(axis), ...", "bytes/rank", "time", ""]
@@ -353,10 +367,42 @@ def summary_dot(spec_plan: SpecPlan, groups: Iterable[TensorGroup]) -> str:
     rows.append(
         '<TR><TD ALIGN="LEFT"><B>total</B></TD>'
         f'<TD ALIGN="RIGHT"><B>{n}</B></TD><TD></TD><TD></TD><TD></TD>'
-        f'<TD ALIGN="RIGHT"><B>{format_bytes(spec_plan.total_bytes)}</B></TD>'
-        f'<TD ALIGN="RIGHT"><B>{format_seconds(spec_plan.total_seconds)}</B></TD><TD></TD></TR>'
+        f'<TD ALIGN="RIGHT"><B>{format_bytes(sum(g.total_bytes for g in ordered))}</B></TD>'
+        f'<TD ALIGN="RIGHT"><B>{format_seconds(sum(g.total_seconds for g in ordered))}</B></TD><TD></TD></TR>'
     )
-    table = '<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="4">' + "".join(rows) + "</TABLE>>"
-    lines = _graph_header("summary", title)
-    lines += [f'  summary [id="summary", label={table}];', "}"]
-    return "\n".join(lines) + "\n"
+    return _html_table(rows)
+
+
+def _html_table(rows: list[str]) -> str:
+    return '<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="4">' + "".join(rows) + "</TABLE>>"
+
+
+def _buckets_table(spec_plan: SpecPlan) -> str:
+    """One row per bucket, in the order every rank runs them: its collective, tensors, bytes and time."""
+    step = spec_plan.step
+    head = ["#", "stage", "collective", "tensors", "bytes/rank", "buffer", "time"]
+    rows = [
+        '<TR><TD COLSPAN="7" BGCOLOR="#f4f4f4" ALIGN="LEFT"><B>buckets</B>: one collective each, in the order '
+        "every rank runs them</TD></TR>",
+        "<TR>" + "".join(f'<TD BGCOLOR="#f4f4f4"><B>{h}</B></TD>' for h in head) + "</TR>",
+    ]
+    for r in bucket_rows(spec_plan):
+        cells = [
+            f'<TD ALIGN="RIGHT">{r.number}</TD>',
+            f'<TD ALIGN="LEFT">{r.stage}</TD>',
+            f'<TD ALIGN="LEFT">{escape(r.collective)}</TD>',
+            f'<TD ALIGN="LEFT">{escape(r.count)}: {escape(r.names)}</TD>',
+            f'<TD ALIGN="RIGHT">{format_bytes(r.bytes)}</TD>',
+            f'<TD ALIGN="RIGHT">{format_bytes(r.buffer_bytes)}</TD>',
+            f'<TD ALIGN="RIGHT">{format_seconds(r.seconds)}</TD>',
+        ]
+        rows.append("<TR>" + "".join(cells) + "</TR>")
+    if not step.buckets:
+        rows.append('<TR><TD COLSPAN="7" ALIGN="LEFT">none: no step of any tensor communicates</TD></TR>')
+    rows.append(
+        f'<TR><TD></TD><TD ALIGN="LEFT"><B>total</B></TD><TD ALIGN="LEFT">{step.collectives} collectives</TD><TD></TD>'
+        f'<TD ALIGN="RIGHT"><B>{format_bytes(step.total_bytes)}</B></TD><TD></TD>'
+        f'<TD ALIGN="RIGHT"><B>{format_seconds(step.total_seconds)}</B></TD></TR>'
+    )
+    rows.append(f'<TR><TD COLSPAN="7" ALIGN="LEFT">{escape(buffer_line(step))}</TD></TR>')
+    return _html_table(rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cli.buckets import format_buckets
 from cli.messages import step_messages
 from cli.summary import TensorGroup, group_tensors, largest_first
 from cli.tables import format_bytes, format_seconds, format_table
@@ -43,6 +44,7 @@ def spec_plan_json(spec_plan: SpecPlan) -> dict[str, Any]:
         "tensors": [tensor_json(tp) for tp in spec_plan.tensors],
         "total_bytes": spec_plan.total_bytes,
         "total_seconds": spec_plan.total_seconds,
+        "step": spec_plan.step.to_json(),
     }
 
 
@@ -160,14 +162,16 @@ def format_tensor_plans(tp: TensorPlans, style: Style) -> str:
     t = tp.tensor
     out = [
         f"{style(t.name, 'bold')} : {t.dtype}[{', '.join(map(str, t.shape))}]; cost model: "
-        f"{describe_cost(tp.grad_to_state.cost, t.param.mesh)}"
+        f"{describe_cost(tp.cost, t.param.mesh)}"
     ]
     for label, plan in tp.plans():
-        out.append(f"\n{style(label, 'bold')}:  {plan.src}  ->  {plan.dst}")
+        # A flat hop plans the rank's block as one dim (README, "Optimizers": flat ZeRO).
+        view = "" if plan.shape == t.shape else f"  (on the flat view [{', '.join(map(str, plan.shape))}])"
+        out.append(f"\n{style(label, 'bold')}:  {plan.src}  ->  {plan.dst}{view}")
         out.append(steps_table(plan, style))
     out.append(
-        f"\n{style('optimizer step total', 'bold')}: {format_bytes(tp.total_bytes)} sent per rank, "
-        f"{format_seconds(tp.total_seconds)}"
+        f"\n{style('tensor total', 'bold')}: {format_bytes(tp.total_bytes)} sent per rank, "
+        f"{format_seconds(tp.total_seconds)} (its plans on their own; buckets share latency)"
     )
     return "\n".join(out)
 
@@ -203,10 +207,10 @@ def format_spec_summary(spec_plan: SpecPlan, style: Style) -> str:
     n = len(spec_plan.tensors)
     lines = [
         f"{style(spec.filename or 'spec', 'bold')}: one optimizer step, {n} tensor{'s' * (n != 1)} "
-        "(largest first; a row with a count sums its tensors)",
+        "(largest first; a row with a count sums its tensors; times are each tensor's plans on their own)",
     ]
     # The cost model each mesh was planned with: the spec's hints unless options overrode them.
-    for mesh, cost in dict.fromkeys((tp.tensor.param.mesh, tp.grad_to_state.cost) for tp in spec_plan.tensors):
+    for mesh, cost in dict.fromkeys((tp.tensor.param.mesh, tp.cost) for tp in spec_plan.tensors):
         name = f"{mesh.name} = {mesh.describe()}" if mesh.name else mesh.describe()
         lines.append(f"  mesh {name}; cost model: {describe_cost(cost, mesh)}")
     rows = summary_rows(groups, style)
@@ -217,10 +221,22 @@ def format_spec_summary(spec_plan: SpecPlan, style: Style) -> str:
             "",
             "",
             "",
-            style(format_bytes(spec_plan.total_bytes), "bold"),
-            style(format_seconds(spec_plan.total_seconds), "bold"),
+            style(format_bytes(sum(tp.total_bytes for tp in spec_plan.tensors)), "bold"),
+            style(format_seconds(sum(tp.total_seconds for tp in spec_plan.tensors)), "bold"),
         ]
     )
     headers = ["tensor", "count", "shape", "dtype", "plans (op(axis), ...)", "bytes/rank", "time"]
     lines.append(format_table(headers, rows, "<><<<>>", "  "))
     return "\n".join(lines)
+
+
+def format_spec_report(
+    spec_plan: SpecPlan, style: Style, *, each_tensor: bool = False, flat_axis: str | int | None = None
+) -> str:
+    """``shardlang plan FILE.shard``: the tensors (a summary, or each tensor's plans), then the
+    step's buckets."""
+    if each_tensor:
+        tensors = "\n\n".join(format_tensor_plans(tp, style) for tp in spec_plan.tensors)
+    else:
+        tensors = format_spec_summary(spec_plan, style)
+    return f"{tensors}\n\n{format_buckets(spec_plan, style, flat_axis)}"

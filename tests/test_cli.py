@@ -237,30 +237,52 @@ def test_plan_spec_json_text_and_a_rule_matched_tensor(tmp_path: Path) -> None:
     data = json.loads(run("plan", str(spec), "--format", "json").stdout)
     assert [t["name"] for t in data["tensors"]] == ["emb", "h.0.w", "h.1.w", "h.2.w", "bias"]
     for t in data["tensors"]:
-        assert [leg["leg"] for leg in t["legs"]] == ["grad -> state", "state -> param"]
+        # f32 tensors have no fp32 master: the step fetches the parameter's state-layout shard.
+        fetch = ["param -> state"] if t["dtype"] == "f32" else []
+        assert [leg["leg"] for leg in t["legs"]] == ["grad -> state", *fetch, "state -> param"]
         for leg in t["legs"]:
             assert set(leg) == PAIR_KEYS | {"leg"}
         assert t["total_bytes"] == sum(leg["total_bytes"] for leg in t["legs"])
     assert data["total_bytes"] == sum(t["total_bytes"] for t in data["tensors"])
     emb = data["tensors"][0]
     # grad R,S(tp) | P(dp) -> state S(dp),S(tp): one reduce-scatter over dp of the [19, 12] f32
-    # piece: (2-1) * 19*12*4 bytes; state -> param: one all-gather of the same piece.
+    # piece: (2-1) * 19*12*4 bytes; param -> state: a local slice over dp; state -> param: one
+    # all-gather of the same piece.
     assert [(s["op"], s["axis"], s["bytes"]) for leg in emb["legs"] for s in leg["steps"]] == [
         ("reduce_scatter", 0, 19 * 12 * 4),
+        ("slice", 0, 0),
         ("all_gather", 0, 19 * 12 * 4),
     ]
     assert math.isclose(emb["legs"][0]["steps"][0]["seconds"], 5e-6 + 912 / 25e9, rel_tol=1e-12)
     assert data["tensors"][4]["total_bytes"] == 0  # bias: replicated everywhere
+    # The step plan: the three bf16 h.*.w share one reduce-scatter and one all-gather, emb
+    # (another wire dtype and reduce op) has its own: 4 collectives instead of 8, and the
+    # bucketed time is the step's total.
+    step = data["step"]
+    assert [(b["stage"], b["op"], b["dtype"], len(b["members"])) for b in step["buckets"]] == [
+        ("before the update", "reduce_scatter", "bf16", 3),
+        ("before the update", "reduce_scatter", "f32", 1),
+        ("after the update", "all_gather", "bf16", 3),
+        ("after the update", "all_gather", "f32", 1),
+    ]
+    assert (step["collectives"], step["unbucketed_collectives"]) == (4, 8)
+    assert math.isclose(data["total_seconds"], step["total_seconds"], rel_tol=1e-12)
+    # Merging three 5-us collectives saves two latencies per stage.
+    assert math.isclose(step["unbucketed_seconds"] - step["total_seconds"], 4 * 5e-6, rel_tol=1e-9)
 
     text = run("plan", str(spec)).stdout
     assert re.search(r"^\s+h\.\{0\.\.2\}\.w\s+3\s+5x3\s+bf16", text, re.M)  # one row for the three
     assert re.search(r"^\s+total\s+5\s", text, re.M)
+    assert re.search(
+        r"^\s+1\s+before\s+reduce_scatter\(axis=dp, op=avg\) bf16\s+world\s+3\s+h\.\{0\.\.2\}\.w\s", text, re.M
+    )
+    assert "4 collectives (8 unbucketed" in text
 
     ruled = run("plan", str(spec), "--tensor", "h.7.b", "--shape", "6", "--format", "json")
     assert ruled.returncode == 0, ruled.stderr
     (t,) = json.loads(ruled.stdout)["tensors"]
     assert (t["name"], t["shape"], t["dtype"]) == ("h.7.b", [6], "f32")
-    assert [s["op"] for leg in t["legs"] for s in leg["steps"]] == ["reduce_scatter", "all_gather"]
+    assert [s["op"] for leg in t["legs"] for s in leg["steps"]] == ["reduce_scatter", "slice", "all_gather"]
     unknown = run("plan", str(spec), "--tensor", "nope")
     assert unknown.returncode == 1 and "no tensor named 'nope'" in unknown.stderr
 
@@ -497,9 +519,10 @@ def test_render_a_spec_tensor_the_summary_and_each_tensor(tmp_path: Path) -> Non
     emb = tmp_path / "emb.svg"
     assert run("render", str(spec), "--tensor", "emb", "-o", str(emb)).returncode == 0
     root = _svg(emb)
-    # grad -> state (1 step) and state -> param (1 step): three states, two edges.
+    # grad -> state (1 step), param -> state (a slice: f32, no master) and state -> param
+    # (1 step): three states, three edges.
     assert [p.get("id") for p in _groups(root, "node")] == ["panel-grad", "panel-state", "panel-param"]
-    assert [e.get("id") for e in _groups(root, "edge")] == ["step-1", "step-2"]
+    assert sorted(e.get("id") for e in _groups(root, "edge")) == ["step-1", "step-2", "step-3"]
 
     summary = tmp_path / "summary.svg"
     assert run("render", str(spec), "-o", str(summary)).returncode == 0
@@ -509,6 +532,10 @@ def test_render_a_spec_tensor_the_summary_and_each_tensor(tmp_path: Path) -> Non
     # Largest first: h.{0..2}.w is three tensors of two 5-us collectives each (>= 30 us), emb
     # two collectives of 5 us + 912 B / 25 GB/s (10.1 us), bias nothing.
     assert text.index("h.{0..2}.w") < text.index("emb ") < text.index("bias")
+    # Below it, the buckets: one row per collective, in the order the ranks run them.
+    buckets = _text(next(g for g in _groups(_svg(summary), "node") if g.get("id") == "buckets"))
+    assert buckets.count("reduce_scatter(axis=dp") == 2 and buckets.count("all_gather(axis=dp)") == 2
+    assert "3: h.{0..2}.w" in buckets and "4 collectives" in buckets
 
     each = tmp_path / "each"
     result = run("render", str(spec), "--each", "-o", str(each), "--format", "dot")
@@ -551,6 +578,7 @@ def test_the_main_job_on_the_bundled_example(tmp_path: Path) -> None:
     out = result.stdout
     assert "check: ok" in out and "gpt2_small_dp2_tp2.shard" in out
     assert re.search(r"^\s+total\s+\d+\s", out, re.M)
+    assert re.search(r"^buckets: \d+ collectives \(\d+ unbucketed.*modeled", out, re.M)
     picture = tmp_path / "out" / "gpt2_small_dp2_tp2.summary.svg"
     assert f"summary picture: {picture.relative_to(tmp_path)}" in out
     _svg(picture)  # parses

@@ -121,7 +121,10 @@ def test_spec_plans_take_the_flag_and_report_bounds(tmp_path: Path) -> None:
     )
     data = json.loads(run("plan", str(spec), "--p2p", "--format", "json").stdout)
     legs = data["tensors"][0]["legs"]
-    assert [s["op"] for leg in legs for s in leg["steps"]] == ["point_to_point"] * 2
+    # grad -> state, param -> state (f32: no master, the step fetches the state-layout shard)
+    # and state -> param: each one point-to-point swap.
+    assert [leg["leg"] for leg in legs] == ["grad -> state", "param -> state", "state -> param"]
+    assert [s["op"] for leg in legs for s in leg["steps"]] == ["point_to_point"] * 3
     assert all(leg["lower_bound_bytes"] == 16 << 20 for leg in legs)
     plain = json.loads(run("plan", str(spec), "--format", "json").stdout)
     assert "point_to_point" not in {s["op"] for leg in plain["tensors"][0]["legs"] for s in leg["steps"]}

@@ -1,0 +1,150 @@
+"""The step plan's buckets (``planner.step``) for display: one collective per bucket, in the
+order every rank runs them, as a text table, a summary line and rows for the summary picture
+(README, "The `shardlang` command")."""
+
+from __future__ import annotations
+
+import itertools
+
+import attrs
+
+from cli.summary import fold_names
+from cli.tables import format_bytes, format_seconds, format_table
+from cli.terminal import Style
+from planner.model import SpecPlan
+from planner.step import Bucket, StepPlan
+
+# The tensors column lists names (folded per declaration) up to about this many characters.
+NAMES_WIDTH = 48
+
+
+@attrs.frozen
+class BucketRow:
+    """What a reader needs of one bucket: its stage (``before``/``after`` the update), its
+    collective, the tensors in buffer order and the steps they contribute."""
+
+    number: int
+    stage: str
+    collective: str
+    mesh: str
+    tensors: tuple[str, ...]
+    steps: int
+    names: str
+    bytes: int
+    buffer_bytes: int
+    seconds: float
+
+    @property
+    def count(self) -> str:
+        """``4``, or ``4 (5 steps)`` when a tensor has more than one step in the bucket."""
+        n = len(self.tensors)
+        return str(n) if self.steps == n else f"{n} ({self.steps} steps)"
+
+
+def bucket_rows(spec_plan: SpecPlan) -> list[BucketRow]:
+    step = spec_plan.step
+    declared = {tp.tensor.name: tp.tensor.position for tp in spec_plan.tensors}
+    rows = []
+    for number, bucket in enumerate(step.buckets, 1):
+        tensors = bucket_tensors(step, bucket)
+        rows.append(
+            BucketRow(
+                number=number,
+                stage=bucket.stage.split()[0],
+                collective=bucket.describe(),
+                mesh=bucket.mesh.name or bucket.mesh.describe(),
+                tensors=tensors,
+                steps=len(bucket.members),
+                names=names_text(tensors, declared),
+                bytes=bucket.bytes,
+                buffer_bytes=bucket.buffer_bytes,
+                seconds=bucket.seconds,
+            )
+        )
+    return rows
+
+
+def bucket_tensors(step: StepPlan, bucket: Bucket) -> tuple[str, ...]:
+    """The bucket's tensors, each once, in the order their chunks lie in the buffer."""
+    return tuple(dict.fromkeys(step.legs[m.leg].tensor for m in bucket.members))
+
+
+def names_text(tensors: tuple[str, ...], declared: dict[str, object], width: int = NAMES_WIDTH) -> str:
+    """``wpe, h.{0..11}.attn.c_attn.weight, +13 more``: neighbours of one declaration folded,
+    runs listed while they fit ``width`` (always the first)."""
+    runs = [list(run) for _, run in itertools.groupby(tensors, key=lambda name: declared.get(name, name))]
+    shown: list[str] = []
+    listed = 0
+    for run in runs:
+        label = fold_names(run)
+        if shown and len(", ".join([*shown, label])) > width:
+            break
+        shown.append(label)
+        listed += len(run)
+    rest = len(tensors) - listed
+    return ", ".join(shown) + (f", +{rest} more" if rest else "")
+
+
+def summary_line(step: StepPlan) -> str:
+    """``10 collectives (102 unbucketed, ...): 5.06 ms modeled (5.98 ms unbucketed)``."""
+    n = step.collectives
+    return (
+        f"{n} collective{'s' * (n != 1)} ({step.unbucketed_collectives} unbucketed, one per communicating "
+        f"step of every tensor): {format_seconds(step.total_seconds)} modeled "
+        f"({format_seconds(step.unbucketed_seconds)} unbucketed)"
+    )
+
+
+def buffer_line(step: StepPlan) -> str:
+    """The memory the buckets add and the cap they were cut under."""
+    text = (
+        f"largest bucket buffer {format_bytes(step.max_buffer_bytes)} per rank; "
+        f"cap {format_bytes(step.bucket_bytes)} (--bucket-bytes)"
+    )
+    if step.max_buffer_bytes > step.bucket_bytes:
+        text += "; a step over the cap is a bucket of its own"
+    return text
+
+
+def heading(step: StepPlan, flat_axis: str | int | None = None) -> str:
+    """``buckets`` and, with flat sharding, whose plan it is (the flat hop is a rank's block)."""
+    whose = "" if flat_axis is None else f", flat over axis {flat_axis} (the plan of rank {step.rank})"
+    return f"buckets{whose}: one collective each, in the order every rank runs them (stage: before or after the update)"
+
+
+def format_buckets(spec_plan: SpecPlan, style: Style, flat_axis: str | int | None = None) -> str:
+    """The bucket table of the step, a total row, then the summary and buffer lines."""
+    step = spec_plan.step
+    title = style(heading(step, flat_axis), "bold")
+    if not step.buckets:
+        return f"{title}\n  none: no step of any tensor communicates"
+    rows = [
+        [
+            str(r.number),
+            r.stage,
+            style(r.collective, "cyan"),
+            r.mesh,
+            r.count,
+            r.names,
+            format_bytes(r.bytes),
+            format_bytes(r.buffer_bytes),
+            format_seconds(r.seconds),
+        ]
+        for r in bucket_rows(spec_plan)
+    ]
+    rows.append(
+        [
+            "",
+            style("total", "bold"),
+            "",
+            "",
+            "",
+            "",
+            style(format_bytes(step.total_bytes), "bold"),
+            "",
+            style(format_seconds(step.total_seconds), "bold"),
+        ]
+    )
+    headers = ["#", "stage", "collective", "mesh", "count", "tensors (buffer order)", "bytes/rank", "buffer", "time"]
+    table = format_table(headers, rows, "><<<><>>>", "  ")
+    return "\n".join([title, table, f"  {summary_line(step)}", f"  {buffer_line(step)}"])
