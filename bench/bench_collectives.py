@@ -1,0 +1,85 @@
+"""Raw collectives on gloo: why the runtime's reduce_scatter is an all_to_all plus a local sum.
+
+    .venv/bin/python bench/bench_collectives.py                   # 4 ranks, 256 KiB .. 16 MiB, f32
+    .venv/bin/python bench/bench_collectives.py --ranks 2 --reps 30
+
+For each buffer size (the whole buffer a rank passes in, ``B``), the median over repetitions of
+rank 0's time (ranks aligned by a barrier before each) for:
+
+* ``all_reduce`` of ``B``;
+* gloo's own ``reduce_scatter_tensor`` of ``B`` into ``B/n``;
+* ``all_to_all_single`` of ``B`` followed by the sum of the ``n`` received blocks (what
+  ``runtime.comm.collective`` runs for a reduce_scatter on gloo);
+* ``all_gather_into_tensor`` of ``B/n`` into ``B``.
+
+All ways are interleaved repetition by repetition, so that noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+
+from runtime.comm import all_gather_single, reduce_scatter_single
+from tests.dist_harness import run_ranks
+
+WAYS = ("all_reduce", "reduce_scatter (gloo)", "all_to_all + sum", "all_gather")
+
+
+def _one(way: str, x: torch.Tensor, part: torch.Tensor, full: torch.Tensor, n: int) -> None:
+    if way == "all_reduce":
+        dist.all_reduce(x)
+    elif way == "reduce_scatter (gloo)":
+        reduce_scatter_single(part, x)
+    elif way == "all_to_all + sum":
+        dist.all_to_all_single(full, x)
+        torch.sum(full.view(n, -1), 0, out=part)
+    else:
+        all_gather_single(full, part)
+
+
+def _rank(rank: int, world: int, sizes: list[int], reps: int) -> dict[int, dict[str, float]]:
+    torch.set_num_threads(1)
+    out = {}
+    for size in sizes:
+        numel = size // 4 // world * world
+        x, part, full = torch.ones(numel), torch.empty(numel // world), torch.empty(numel)
+        times: dict[str, list[float]] = {way: [] for way in WAYS}
+        for _ in range(reps):
+            for way in WAYS:
+                dist.barrier()
+                started = time.perf_counter()
+                _one(way, x, part, full, world)
+                times[way].append(time.perf_counter() - started)
+        out[size] = {way: statistics.median(t[2:]) for way, t in times.items()}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--sizes", default="256KiB,1MiB,4MiB,16MiB")
+    args = parser.parse_args()
+    units = {"KiB": 2**10, "MiB": 2**20}
+    sizes = [int(s[:-3]) * units[s[-3:]] for s in args.sizes.split(",")]
+    results = run_ranks(_rank, args.ranks, args=(sizes, args.reps), timeout=600)[0]
+    print(f"gloo, {args.ranks} ranks, median ms of rank 0 over {args.reps - 2} repetitions")
+    print("| buffer | " + " | ".join(WAYS) + " | reduce_scatter / (all_to_all + sum) |")
+    print("|---|" + "---|" * (len(WAYS) + 1))
+    for size, row in results.items():
+        ratio = row["reduce_scatter (gloo)"] / row["all_to_all + sum"]
+        cells = " | ".join(f"{row[w] * 1e3:.2f}" for w in WAYS)
+        print(f"| {size // 1024} KiB | {cells} | {ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
