@@ -135,14 +135,14 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint(tmp_path: Path, mo
     original = checkpoint.files.RankFileWriter.write
     calls = []
 
-    def write_then_fail(self: Any, data: torch.Tensor) -> Any:
+    def write_then_fail(self: Any, data: torch.Tensor, block_bytes: int) -> Any:
         calls.append(1)
         if len(calls) > 2:
             raise OSError(28, "No space left on device (injected)")
-        return original(self, data)
+        return original(self, data, block_bytes)
 
     monkeypatch.setattr(checkpoint.files.RankFileWriter, "write", write_then_fail)
-    with pytest.raises(CheckpointError, match=r"No space left.*previous checkpoint is unchanged"):
+    with pytest.raises(CheckpointError, match=r"No space left.*not committed; the previous checkpoint is unchanged"):
         checkpoint.save(tmp_path, _tensors(2.0))
     assert len(calls) == 3
     _still_the_first(tmp_path, before)
@@ -153,17 +153,15 @@ def test_a_commit_failing_before_the_metadata_leaves_the_previous_checkpoint(
 ) -> None:
     import importlib
 
-    saving = importlib.import_module("runtime.checkpoint.saving")
+    commit = importlib.import_module("runtime.checkpoint.commit")
     before = _first_and_digest(tmp_path)
 
-    def crash(path: Path, data: bytes) -> None:
-        path.with_name(path.name + ".tmp").write_bytes(data[: len(data) // 2])  # half written, then down
+    def crash(source: Path, target: Path) -> None:
         raise OSError(5, "Input/output error (injected)")
 
-    monkeypatch.setattr(saving, "replace_synced", crash)
-    with pytest.raises(CheckpointError, match="Input/output error"):
+    monkeypatch.setattr(commit, "replace_synced", crash)
+    with pytest.raises(CheckpointError, match=r"Input/output error.*the new checkpoint was not committed"):
         checkpoint.save(tmp_path, _tensors(2.0))
-    (tmp_path / "metadata.json.tmp").unlink()
     _still_the_first(tmp_path, before)
 
 
@@ -236,7 +234,7 @@ def test_metadata_that_does_not_describe_its_files(saved: Path) -> None:
         "does not fit": lambda m: m["tensors"]["w"].update(layout="R over mesh[1]"),
         "unknown dtype": lambda m: m["tensors"]["w"].update(dtype="f8"),
         "hold 0 elements": lambda m: m["tensors"]["w"].update(pieces=[]),
-        "is malformed": lambda m: m["tensors"]["w"].pop("shape"),
+        "has 2 block checksums": lambda m: m["tensors"]["w"]["pieces"][0]["block_crc32"].append(0),
     }
     for pattern, edit in edits.items():
         broken = json.loads(json.dumps(good))
@@ -259,17 +257,17 @@ def test_a_truncated_rank_file(saved: Path) -> None:
 
 
 def test_a_corrupt_rank_file(saved: Path) -> None:
-    """A flipped byte in a piece that is read whole fails its checksum; in a piece read in
-    part the load cannot see it, ``verify`` does."""
+    """A flipped byte in a piece fails its block's checksum, whether the piece is read whole
+    or in part (rows 0..18 of 'w', one block of 1 MiB), and in ``verify``."""
     rank_file = _rank_file(saved)
     data = bytearray(rank_file.read_bytes())
     (piece,) = json.loads((saved / "metadata.json").read_text())["tensors"]["w"]["pieces"]
     data[piece["offset"] + 100] ^= 0x10  # in row 1 of 'w'
     rank_file.write_bytes(bytes(data))
-    _refused(saved, _blank(_tensors()), str(rank_file), "tensor 'w'", "checksum")
+    _refused(saved, _blank(_tensors()), str(rank_file), "tensor 'w'", "block 0", "checksum")
     partial = {"w": LocalPiece(torch.zeros(19, 24), parse_layout("S0,R over mesh[2] ranks [0,1]"), (37, 24))}
-    checkpoint.load(saved, partial)  # rows 0..18 read in part: not detected here
-    with pytest.raises(CheckpointError, match=r"rank-00000.bin: tensor 'w'.*checksum"):
+    _refused(saved, partial, str(rank_file), "tensor 'w'", "block 0 of the piece [[0, 37], [0, 24]]", "checksum")
+    with pytest.raises(CheckpointError, match=r"rank-00000.bin: tensor 'w'.*block 0.*checksum"):
         checkpoint.verify(saved)
 
 

@@ -81,6 +81,9 @@ TENSORS: dict[str, tuple[tuple[int, ...], str, dict[int, str]]] = {
     "empty": ((4, 0), "S(dp),R over mesh[dp=4]", {2: "R,S0 over mesh[2]", 8: "S01,R over mesh[4,2]"}),
     "scalar": ((), "() over mesh[dp=2,tp=2]", {2: "() over mesh[2]", 8: "() over mesh[8]"}),
 }
+# Checksum blocks of one f32 element: reading the whole blocks a load touches then reads
+# exactly the elements it needs, which the tests below count (the default is 1 MiB).
+BLOCK = 4
 # The same rows over 4 ranks, read back over 2 (each rank reads the files of the rows it needs).
 ROWS_2 = "S(dp),R over mesh[dp=2]"
 COLUMNS_4 = "R,S(dp) over mesh[dp=4]"
@@ -199,8 +202,9 @@ def _save_run(rank: int, world_size: int, root: Path) -> dict[str, Any]:
             params = _params(spec, rank, initial_params(torch.float32, SEED))
             optimizer = _optimizer(kind, list(params.items()), spec, flat_axis=flat_axis)
             _train(optimizer, params, spec, rank, range(SAVE_AT))
-            checkpoint.save(root / f"{kind}-{config}", optimizer=optimizer)
-    checkpoint.save(root / "tensors", {name: _piece(name, saved, rank) for name, (_, saved, _) in TENSORS.items()})
+            checkpoint.save(root / f"{kind}-{config}", optimizer=optimizer, block_bytes=BLOCK)
+    pieces = {name: _piece(name, saved, rank) for name, (_, saved, _) in TENSORS.items()}
+    checkpoint.save(root / "tensors", pieces, block_bytes=BLOCK)
     out["atomic"] = _failed_saves(rank, root / "atomic")
     return out
 
@@ -214,13 +218,13 @@ def _failed_saves(rank: int, directory: Path) -> dict[str, Any]:
     from runtime import checkpoint
     from runtime.checkpoint import files
 
-    saving = importlib.import_module("runtime.checkpoint.saving")
+    commit = importlib.import_module("runtime.checkpoint.commit")
     first = {n: _piece(n, TENSORS[n][1], rank) for n in ("e", "acc")}
     second = {n: _piece(n, TENSORS[n][1], rank, full_tensor(n) * 2) for n in first}
     checkpoint.save(directory, first)
     before = _digest(directory)
     messages = []
-    for active, owner, name in ((rank == 2, files.RankFileWriter, "write"), (rank == 0, saving, "replace_synced")):
+    for active, owner, name in ((rank == 2, files.RankFileWriter, "write"), (rank == 0, commit, "replace_synced")):
         with _failing(active, owner, name, 1 if name == "write" else 0, _disk_full):
             try:
                 checkpoint.save(directory, second)
@@ -265,22 +269,35 @@ def _load_run(rank: int, world_size: int, root: Path) -> dict[str, Any]:
     return out
 
 
-def _crash_run(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
-    """Rank 1 dies as it starts writing its pieces of the second save."""
+def _crash_run(rank: int, world_size: int, directory: Path, dies: str) -> dict[str, Any]:
+    """A first save, then a second one in which a rank dies: rank 1 as it starts writing its
+    pieces (``"writing"``), or rank 0 just before it moves the new metadata into place
+    (``"committing"``) or just after (``"committed"``)."""
+    import importlib
+
     from runtime import checkpoint
     from runtime.checkpoint import files
-    from runtime.errors import DistributedError
 
+    commit = importlib.import_module("runtime.checkpoint.commit")
     layouts = {"e": ROWS_2, "r": "R,R over mesh[dp=2]"}
     checkpoint.save(directory, {n: _piece(n, text, rank) for n, text in layouts.items()}, timeout=10)
     before = _digest(directory)
     second = {n: _piece(n, text, rank, full_tensor(n) * 3) for n, text in layouts.items()}
+    original = commit.replace_synced
+
+    def die_at_the_commit(source: Path, target: Path) -> None:
+        if dies == "committed":
+            original(source, target)
+        os._exit(1)
+
+    if rank == 0 and dies != "writing":
+        commit.replace_synced = die_at_the_commit
     started = time.monotonic()
-    with _failing(rank == 1, files.RankFileWriter, "write", 0, lambda: os._exit(1)):
+    with _failing(rank == 1 and dies == "writing", files.RankFileWriter, "write", 0, lambda: os._exit(1)):
         try:
             checkpoint.save(directory, second, timeout=10)
             message = None
-        except (checkpoint.CheckpointError, DistributedError) as e:
+        except Exception as e:  # the test checks its type and message
             message = f"{type(e).__name__}: {e}"
     return {"message": message, "seconds": time.monotonic() - started, "before": before, "after": _digest(directory)}
 
@@ -478,17 +495,44 @@ def test_a_failed_save_leaves_the_previous_checkpoint(saved: list[dict[str, Any]
         assert torch.equal(case["e"], want)
 
 
-@pytest.mark.slow
-def test_a_rank_that_dies_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+def _load_whole(directory: Path) -> dict[str, torch.Tensor]:
+    """The tensors 'e' and 'r' of a checkpoint, read whole by this one process."""
     from runtime import checkpoint
     from runtime.checkpoint import LocalPiece
     from shardlang import parse_layout
 
-    result = run_ranks(_crash_run, 2, (tmp_path,), timeout=90, collective_timeout=20, allow_missing=(1,))[0]
+    whole = {n: LocalPiece(torch.zeros(TENSORS[n][0]), parse_layout("R,R over mesh[1]"), TENSORS[n][0]) for n in "er"}
+    checkpoint.load(directory, whole)
+    return {n: p.tensor for n, p in whole.items()}
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    result = run_ranks(_crash_run, 2, (tmp_path, "writing"), timeout=90, collective_timeout=20, allow_missing=(1,))[0]
     assert result["message"] is not None, "the save succeeded without rank 1"
+    assert result["message"].startswith("CheckpointError: "), result["message"]
+    assert "the new checkpoint was not committed; the previous checkpoint is unchanged" in result["message"]
     assert result["seconds"] < 15
     assert result["after"] == result["before"]
-    whole = {n: LocalPiece(torch.zeros(TENSORS[n][0]), parse_layout("R,R over mesh[1]"), TENSORS[n][0]) for n in "er"}
-    checkpoint.load(tmp_path, whole)  # one process reads what two wrote
-    for name, piece in whole.items():
-        assert torch.equal(piece.tensor, full_tensor(name)), name
+    for name, tensor in _load_whole(tmp_path).items():  # one process reads what two wrote
+        assert torch.equal(tensor, full_tensor(name)), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dies", ["committing", "committed"])
+def test_when_rank_0_dies_at_the_commit_the_others_tell_the_outcome(tmp_path: Path, dies: str) -> None:
+    """Rank 0 dies just before or just after it moves the new metadata into place: rank 1
+    raises a CheckpointError saying which, and the checkpoint on disk is the one it names."""
+    result = run_ranks(_crash_run, 2, (tmp_path, dies), timeout=90, collective_timeout=20, allow_missing=(0,))[1]
+    message = result["message"]
+    assert message is not None and message.startswith("CheckpointError: "), message
+    assert result["seconds"] < 15
+    loaded = _load_whole(tmp_path)
+    if dies == "committing":
+        assert "the new checkpoint was not committed; the previous checkpoint is unchanged" in message, message
+        assert result["after"] == result["before"]
+        assert all(torch.equal(loaded[n], full_tensor(n)) for n in loaded)
+    else:
+        assert "the new checkpoint was committed" in message and "not committed" not in message, message
+        assert result["after"] != result["before"]
+        assert all(torch.equal(loaded[n], full_tensor(n) * 3) for n in loaded)

@@ -6,9 +6,11 @@
 
 Every rank writes the pieces it stores (one holder per replicated piece) to its own file; a
 metadata file (JSON) records each tensor's layout, shape and dtype and, for every piece, its
-box of the global tensor and its byte range. A save is committed by atomically replacing the
-metadata file, so a save that fails or crashes leaves the previous checkpoint intact. A load
-reads only the byte runs its target pieces need. Values are stored in global coordinates
+box of the global tensor, its byte range and a CRC-32 per block. A save is committed by
+atomically replacing the metadata file, so a save that fails or crashes leaves the previous
+checkpoint intact, and every rank's error says whether the new one was committed (``commit``).
+A load reads the checksum blocks its target pieces' byte runs touch, and checks them; every
+path it reads stays inside the checkpoint (``paths``). Values are stored in global coordinates
 (``items``): flat ZeRO chunks, CAME's row and column statistics and partial layouts included.
 Save and load are collective over the default process group: every rank calls them.
 """

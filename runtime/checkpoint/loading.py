@@ -1,14 +1,14 @@
 """Loading: every rank reads the metadata, works out the boxes of its target pieces (its
-tensors' layouts, its optimizer's own state layouts), and reads from the rank files only the
-byte runs of the stored pieces that intersect them. Nothing the caller holds changes until
-every rank has read and checked its part; then parameters, tensors and optimizer states are
-replaced together (on every rank, or on none)."""
+tensors' layouts, its optimizer's own state layouts), and reads from the rank files the
+byte runs of the stored pieces that intersect them, in whole checksum blocks, each block
+checked (``reader``). Nothing the caller holds changes until every rank has read and checked
+its part; then parameters, tensors and optimizer states are replaced together (on every
+rank, or on none)."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -20,7 +20,8 @@ from runtime.blocks import piece_shape, region, relative
 from runtime.checkpoint import agree
 from runtime.checkpoint.boxes import byte_runs
 from runtime.checkpoint.errors import CheckpointError
-from runtime.checkpoint.files import RangeReader, raw_bytes
+from runtime.checkpoint.fields import field
+from runtime.checkpoint.files import raw_bytes
 from runtime.checkpoint.items import (
     Item,
     LocalPiece,
@@ -30,6 +31,7 @@ from runtime.checkpoint.items import (
     wanted_piece,
 )
 from runtime.checkpoint.metadata import METADATA_FILE, Metadata, StoredTensor, read_metadata
+from runtime.checkpoint.reader import RangeReader
 from runtime.comm import timeout_of
 from runtime.dtypes import torch_dtype
 from runtime.optim.base import STATE_DICT_FORMAT, ShardedOptimizer
@@ -77,8 +79,10 @@ def load(
                 changes.append(lambda piece=piece, item=item: piece.tensor.copy_(item.data))
         if optimizer is not None:
             items += _optimizer_targets(metadata, source, optimizer, changes)
-        reader = RangeReader(directory / metadata.data, metadata.files)
+        reader = RangeReader(directory, metadata.data, metadata.files, metadata.block_bytes)
         try:
+            for item in items:
+                reader.check_files(sorted({p.file for p in metadata.tensors[item.key].pieces}), f"tensor '{item.key}'")
             for item in items:
                 _read(reader, metadata.tensors[item.key], item, source)
         finally:
@@ -123,6 +127,7 @@ def _optimizer_targets(
         raise CheckpointError(f"{source}: the checkpoint holds the states of a {stored.kind}, not of a {kind}")
     if [g.get("param_names") for g in stored.param_groups] != [g["param_names"] for g in optimizer.param_groups]:
         raise CheckpointError(f"{source}: the checkpoint's parameters or param groups differ from the optimizer's")
+    _check_hyperparameters(stored.param_groups, optimizer.param_groups, source)
     rank = agree.rank_and_size()[0]
     items, params, tensors = [], [], {}
     for held in optimizer.held_tensors():
@@ -164,6 +169,38 @@ def _optimizer_targets(
     return items
 
 
+def _check_hyperparameters(saved: tuple[dict, ...], current: list[dict], source: str) -> None:
+    """Every hyperparameter that a saved param group and the optimizer's both have is of the
+    same kind (a number, a string, a flag, a list of as many), and none is called ``params``."""
+    for i, (group, now) in enumerate(zip(saved, current, strict=True)):
+        path = field("optimizer.param_groups", i)
+        if "params" in group:
+            raise CheckpointError(f"{source}: field {field(path, 'params')} is not a hyperparameter")
+        for name in sorted(set(group) & set(now)):
+            problem = _unlike(group[name], now[name])
+            if problem:
+                raise CheckpointError(f"{source}: field {field(path, name)} must be {problem}, as the optimizer has it")
+
+
+def _unlike(saved: object, now: object) -> str | None:
+    """What the JSON value ``saved`` must be to stand for the hyperparameter value ``now``, or
+    None when it can."""
+    if now is None:
+        return None
+    if isinstance(now, bool):
+        return None if isinstance(saved, bool) else "true or false"
+    if isinstance(now, int | float):
+        return None if isinstance(saved, int | float) and not isinstance(saved, bool) else "a number"
+    if isinstance(now, str):
+        return None if isinstance(saved, str) else "a string"
+    if isinstance(now, list | tuple):
+        inner = [_unlike(a, b) for a, b in zip(saved, now, strict=False)] if isinstance(saved, list) else []
+        if not isinstance(saved, list) or len(saved) != len(now) or any(inner):
+            kinds = ", ".join(_unlike(None, b) or "any value" for b in now) if now else "nothing"
+            return f"a list of {len(now)} ({kinds})"
+    return None
+
+
 def _read(reader: RangeReader, stored: StoredTensor, item: Item, source: str) -> None:
     """Fill ``item.data``: for every box, the byte runs of every stored piece it meets."""
     label = f"tensor '{item.key}'"
@@ -178,13 +215,8 @@ def _read(reader: RangeReader, stored: StoredTensor, item: Item, source: str) ->
             if common is None:
                 continue
             into = target if common == box else torch.empty(piece_shape(common), dtype=item.data.dtype)
-            raw = raw_bytes(into)
-            reader.read(piece.file, piece.offset, byte_runs(piece.box, common, stored.itemsize), raw, label)
-            if common == piece.box and zlib.crc32(raw) != piece.crc32:
-                raise CheckpointError(
-                    f"{reader.folder / piece.file}: {label}: the piece {[list(b) for b in piece.box]} at byte "
-                    f"{piece.offset} does not match its checksum (the file is corrupt)"
-                )
+            runs = byte_runs(piece.box, common, stored.itemsize)
+            reader.read(piece, runs, box_elements(piece.box) * stored.itemsize, raw_bytes(into), label)
             if into is not target:
                 region(target, relative(common, box)).copy_(into)
             covered += box_elements(common)
@@ -197,12 +229,14 @@ def _read(reader: RangeReader, stored: StoredTensor, item: Item, source: str) ->
 
 
 def verify(path: str | os.PathLike[str]) -> int:
-    """Read every stored piece of the checkpoint at ``path`` whole and check its checksum
-    (loading checks only the pieces it reads whole); the bytes checked. One process suffices."""
+    """Read every stored piece of the checkpoint at ``path`` and check every block's checksum
+    (loading checks the blocks it reads); the bytes checked. One process suffices."""
     directory = Path(path)
     metadata, _ = read_metadata(directory)
-    reader = RangeReader(directory / metadata.data, metadata.files)
+    reader = RangeReader(directory, metadata.data, metadata.files, metadata.block_bytes)
     try:
+        for key, stored in sorted(metadata.tensors.items()):  # sizes first: the pieces lie inside them
+            reader.check_files(sorted({p.file for p in stored.pieces}), f"tensor '{key}'")
         for key, stored in sorted(metadata.tensors.items()):
             whole = Item(key, stored.layout, stored.flat_axis, stored.shape, stored.dtype, (), torch.empty(0))
             for piece in stored.pieces:

@@ -3,16 +3,21 @@
 ``metadata.json`` (JSON, so that people and other tools can read it) names the data folder
 and, per stored tensor, its layout as saved (canonical text, the mesh inline), global shape,
 dtype and pieces: each piece a box of the global tensor stored row-major at a byte offset of
-one rank file, with its CRC-32. Reading it checks that it describes its files: every piece
-inside its file and its tensor, of the length its box and dtype give, the pieces of a tensor
-covering it exactly (their sizes add up to the tensor's; a save never writes overlapping
-pieces). Any failure is a :class:`CheckpointError` naming the metadata file and the tensor.
+one rank file, with one CRC-32 per block of ``block_bytes`` bytes of the piece (the last
+block may be shorter), so that a rank reading part of a piece checks the blocks it reads.
+Reading it checks that it describes its files: every field of its type, every piece inside
+its file and its tensor, of the length its box and dtype give, with one checksum per block,
+the pieces of a tensor covering it exactly (their sizes add up to the tensor's; a save never
+writes overlapping pieces). Any failure is a :class:`CheckpointError` naming the metadata
+file and the field or the tensor; the file is a regular file inside the checkpoint, not a
+link out of it (``paths``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,13 +28,24 @@ import attrs
 from planner.holdings import box_elements
 from planner.plan import Box
 from runtime.checkpoint.errors import CheckpointError
+from runtime.checkpoint.fields import Fields, field, too_deep
+from runtime.checkpoint.paths import open_inside
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 from shardlang.parser import parse_layout
 
-FORMAT = "shardlang.checkpoint/1"
+FORMAT = "shardlang.checkpoint/2"  # 2: a CRC-32 per block of each piece (1: one per piece)
 METADATA_FILE = "metadata.json"
+BLOCK_BYTES = 1 << 20
+"""The default checksum block: one CRC-32 per MiB of every stored piece. A rank reading part
+of a piece reads (and checks) the whole blocks its byte runs touch."""
 _NAME = re.compile(r"[A-Za-z0-9_.-]+\Z")  # data folders and rank files: no path separators
+_CRC_BELOW = 1 << 32
+
+
+def block_count(length: int, block_bytes: int) -> int:
+    """How many checksum blocks a piece of ``length`` bytes has."""
+    return -(-length // block_bytes)
 
 
 @attrs.frozen
@@ -37,7 +53,7 @@ class StoredPiece:
     file: str
     offset: int
     box: Box = attrs.field(converter=lambda b: tuple((int(lo), int(hi)) for lo, hi in b))
-    crc32: int
+    block_crc32: tuple[int, ...] = attrs.field(converter=tuple)
 
     def to_json(self, itemsize: int) -> dict[str, Any]:
         length = box_elements(self.box) * itemsize
@@ -46,7 +62,7 @@ class StoredPiece:
             "offset": self.offset,
             "length": length,
             "box": [list(b) for b in self.box],
-            "crc32": self.crc32,
+            "block_crc32": list(self.block_crc32),
         }
 
 
@@ -100,12 +116,14 @@ class Metadata:
     files: Mapping[str, int]  # rank file -> its size in bytes
     tensors: Mapping[str, StoredTensor]
     optimizer: StoredOptimizer | None
+    block_bytes: int = BLOCK_BYTES
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
             "data": self.data,
             "world_size": self.world_size,
+            "block_bytes": self.block_bytes,
             "files": dict(self.files),
             "tensors": {k: t.to_json() for k, t in self.tensors.items()},
             "optimizer": None if self.optimizer is None else self.optimizer.to_json(),
@@ -123,102 +141,144 @@ class Metadata:
 def read_metadata(directory: Path) -> tuple[Metadata, int]:
     """The checkpoint's metadata, checked, and the bytes read."""
     path = directory / METADATA_FILE
+    fd = open_inside(directory, path, "the metadata file", missing="no checkpoint here (the metadata file is missing)")
     try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no checkpoint here (the metadata file is missing)") from None
+        with os.fdopen(fd, "rb") as f:
+            text = f.read()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read the metadata file: {e.strerror}") from None
     try:
         raw = json.loads(text)
+    except RecursionError:
+        deep = too_deep(text.decode(errors="replace")) or "(the top)"
+        raise CheckpointError(f"{path}: field {deep} nests deeper than any checkpoint's metadata (corrupt)") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: the metadata file is not valid JSON (corrupt or truncated): {e}") from None
     return parse_metadata(raw, str(path)), len(text)
 
 
 def parse_metadata(raw: object, source: str) -> Metadata:
-    """``raw`` (parsed JSON) as checked :class:`Metadata`; errors name ``source``."""
+    """``raw`` (parsed JSON) as checked :class:`Metadata`; errors name ``source`` and the field."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        if isinstance(found, str) and found.startswith(FORMAT.split("/")[0] + "/"):
+            raise CheckpointError(f"{source}: a checkpoint of format {found!r}; this version reads {FORMAT!r}")
         raise CheckpointError(f"{source}: not a shardlang checkpoint (format {found!r}, expected {FORMAT!r})")
-    key = None
-    try:
-        data = _name(raw["data"], "data folder")
-        files = {_name(f, "rank file"): _count(size) for f, size in raw["files"].items()}
-        tensors = {}
-        for key, entry in raw["tensors"].items():
-            tensors[key] = _stored_tensor(entry, files, source, key)
-        key = None
-        optimizer = None if raw["optimizer"] is None else _stored_optimizer(raw["optimizer"], tensors, source)
-        return Metadata(data, _count(raw["world_size"]), files, tensors, optimizer)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        where = f"tensor '{key}'" if key is not None else "the metadata"
-        raise CheckpointError(f"{source}: {where} is malformed ({type(e).__name__}: {e})") from None
+    fields = Fields(source)
+    data = _name(fields, fields.get(raw, "data", ""), "data", "a data folder")
+    world_size = fields.count(fields.get(raw, "world_size", ""), "world_size", least=1)
+    block_bytes = fields.count(fields.get(raw, "block_bytes", ""), "block_bytes", least=1)
+    files = {}
+    for name, size in fields.object(fields.get(raw, "files", ""), "files").items():
+        path = field("files", name)
+        files[_name(fields, name, path, "a rank file")] = fields.count(size, path)
+    tensors = {}
+    for key, entry in fields.object(fields.get(raw, "tensors", ""), "tensors").items():
+        reader = _TensorReader(fields, field("tensors", key), key, files, block_bytes)
+        tensors[key] = reader.tensor(fields.object(entry, reader.path))
+    optimizer = fields.get(raw, "optimizer", "")
+    stored = None if optimizer is None else _stored_optimizer(fields, fields.object(optimizer, "optimizer"), tensors)
+    return Metadata(data, world_size, files, tensors, stored, block_bytes)
 
 
-def _stored_tensor(entry: dict[str, Any], files: Mapping[str, int], source: str, key: str) -> StoredTensor:
-    def fail(message: str) -> CheckpointError:
-        return CheckpointError(f"{source}: tensor '{key}': {message}")
+@attrs.frozen
+class _TensorReader:
+    """Checks one entry of ``tensors``: its fields (named by ``path``) and what they say."""
 
-    shape = tuple(_count(n) for n in entry["shape"])
-    dtype = entry["dtype"]
-    if dtype not in ITEMSIZE:
-        raise fail(f"unknown dtype {dtype!r}")
-    try:
-        layout = parse_layout(entry["layout"])
-        layout.check_shape(shape)
-        flat_axis = entry["flat_axis"]
-        if flat_axis is not None:
-            layout.mesh.axis_index(flat_axis)
-    except ShardlangError as e:
-        raise fail(f"its layout {entry['layout']!r} does not fit: {e.message}") from None
-    itemsize = ITEMSIZE[dtype]
-    pieces = []
-    for piece in entry["pieces"]:
-        stored = StoredPiece(
-            file=piece["file"], offset=_count(piece["offset"]), box=piece["box"], crc32=_count(piece["crc32"])
+    fields: Fields
+    path: str
+    key: str
+    files: Mapping[str, int]
+    block_bytes: int
+
+    def fail(self, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.fields.source}: tensor '{self.key}': {message}")
+
+    def tensor(self, entry: dict[str, Any]) -> StoredTensor:
+        f, path = self.fields, self.path
+        shape_path = field(path, "shape")
+        shape = tuple(
+            f.count(n, field(shape_path, i)) for i, n in enumerate(f.list(f.get(entry, "shape", path), shape_path))
         )
-        if stored.file not in files:
-            raise fail(f"a piece lies in {stored.file!r}, which the checkpoint does not list")
-        if len(stored.box) != len(shape) or any(
-            not 0 <= lo <= hi <= n for (lo, hi), n in zip(stored.box, shape, strict=True)
-        ):
-            raise fail(f"the piece {list(map(list, stored.box))} is not inside the shape {list(shape)}")
-        length = box_elements(stored.box) * itemsize
-        if _count(piece["length"]) != length:
-            raise fail(
-                f"the piece {list(map(list, stored.box))} records {piece['length']} bytes, its box holds {length}"
+        dtype = f.string(f.get(entry, "dtype", path), field(path, "dtype"))
+        if dtype not in ITEMSIZE:
+            raise self.fail(f"unknown dtype {dtype!r}")
+        layout_text = f.string(f.get(entry, "layout", path), field(path, "layout"))
+        flat_axis = f.get(entry, "flat_axis", path)
+        if flat_axis is not None:
+            f.string(flat_axis, field(path, "flat_axis"))
+        try:
+            layout = parse_layout(layout_text)
+            layout.check_shape(shape)
+            if flat_axis is not None:
+                layout.mesh.axis_index(flat_axis)
+        except ShardlangError as e:
+            raise self.fail(f"its layout {layout_text!r} does not fit: {e.message}") from None
+        pieces_path = field(path, "pieces")
+        pieces = [
+            self.piece(f.object(p, field(pieces_path, i)), field(pieces_path, i), shape, ITEMSIZE[dtype])
+            for i, p in enumerate(f.list(f.get(entry, "pieces", path), pieces_path))
+        ]
+        covered = sum(box_elements(p.box) for p in pieces)
+        if covered != math.prod(shape):
+            raise self.fail(f"its pieces hold {covered} elements, the shape {list(shape)} has {math.prod(shape)}")
+        return StoredTensor(layout_text, flat_axis, shape, dtype, pieces)
+
+    def piece(self, piece: dict[str, Any], path: str, shape: tuple[int, ...], itemsize: int) -> StoredPiece:
+        f = self.fields
+        file = f.string(f.get(piece, "file", path), field(path, "file"))
+        if file not in self.files:
+            raise self.fail(f"a piece lies in {file!r}, which the checkpoint does not list")
+        offset = f.count(f.get(piece, "offset", path), field(path, "offset"))
+        box_path = field(path, "box")
+        box = []
+        for d, bounds in enumerate(f.list(f.get(piece, "box", path), box_path)):
+            bounds = f.list(bounds, field(box_path, d))
+            if len(bounds) != 2:
+                raise f.fail(field(box_path, d), f"must be [start, stop], not {len(bounds)} numbers")
+            box.append(tuple(f.count(b, field(field(box_path, d), i)) for i, b in enumerate(bounds)))
+        if len(box) != len(shape) or any(not lo <= hi <= n for (lo, hi), n in zip(box, shape, strict=True)):
+            raise self.fail(f"the piece {list(map(list, box))} is not inside the shape {list(shape)}")
+        length = box_elements(box) * itemsize
+        recorded = f.count(f.get(piece, "length", path), field(path, "length"))
+        if recorded != length:
+            raise self.fail(f"the piece {list(map(list, box))} records {recorded} bytes, its box holds {length}")
+        if offset + length > self.files[file]:
+            raise self.fail(f"the piece {list(map(list, box))} ends past the end of {file}")
+        crc_path = field(path, "block_crc32")
+        crcs = f.list(f.get(piece, "block_crc32", path), crc_path)
+        blocks = block_count(length, self.block_bytes)
+        if len(crcs) != blocks:
+            raise self.fail(
+                f"the piece {list(map(list, box))} has {len(crcs)} block checksums, its {length} bytes make "
+                f"{blocks} blocks of {self.block_bytes}"
             )
-        if stored.offset + length > files[stored.file]:
-            raise fail(f"the piece {list(map(list, stored.box))} ends past the end of {stored.file}")
-        pieces.append(stored)
-    covered = sum(box_elements(p.box) for p in pieces)
-    if covered != math.prod(shape):
-        raise fail(f"its pieces hold {covered} elements, the shape {list(shape)} has {math.prod(shape)}")
-    return StoredTensor(entry["layout"], entry["flat_axis"], shape, dtype, pieces)
+        crcs = [f.count(c, field(crc_path, i), below=_CRC_BELOW) for i, c in enumerate(crcs)]
+        return StoredPiece(file=file, offset=offset, box=box, block_crc32=crcs)
 
 
-def _stored_optimizer(raw: dict[str, Any], tensors: Mapping[str, StoredTensor], source: str) -> StoredOptimizer:
+def _stored_optimizer(fields: Fields, raw: dict[str, Any], tensors: Mapping[str, StoredTensor]) -> StoredOptimizer:
     steps, states = {}, {}
-    for name, entry in raw["tensors"].items():
-        steps[name] = _count(entry["step"])
-        states[name] = dict(entry["states"])
-        for state, key in states[name].items():
+    kind = fields.string(fields.get(raw, "type", "optimizer"), "optimizer.type")
+    for name, entry in fields.object(fields.get(raw, "tensors", "optimizer"), "optimizer.tensors").items():
+        path = field("optimizer.tensors", name)
+        entry = fields.object(entry, path)
+        steps[name] = fields.count(fields.get(entry, "step", path), field(path, "step"))
+        states_path = field(path, "states")
+        states[name] = {}
+        for state, key in fields.object(fields.get(entry, "states", path), states_path).items():
+            key = fields.string(key, field(states_path, state))
             if key not in tensors:
-                raise CheckpointError(f"{source}: tensor '{name}': its state '{state}' ({key!r}) is not stored")
-    groups = raw["param_groups"]
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise TypeError("param_groups must be a list of objects")
-    return StoredOptimizer(str(raw["type"]), groups, steps, states)
+                raise CheckpointError(f"{fields.source}: tensor '{name}': its state '{state}' ({key!r}) is not stored")
+            states[name][state] = key
+    groups = fields.list(fields.get(raw, "param_groups", "optimizer"), "optimizer.param_groups")
+    for i, group in enumerate(groups):
+        fields.object(group, field("optimizer.param_groups", i))
+    return StoredOptimizer(kind, groups, steps, states)
 
 
-def _count(value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{value!r} is not a count")
-    return value
-
-
-def _name(value: object, what: str) -> str:
-    if not isinstance(value, str) or not _NAME.match(value) or value in (".", ".."):
-        raise ValueError(f"{value!r} is not a {what} name")
-    return value
+def _name(fields: Fields, value: object, path: str, what: str) -> str:
+    name = fields.string(value, path)
+    if not _NAME.match(name) or name in (".", ".."):
+        raise fields.fail(path, f"is {name!r}, which is not {what} name (letters, digits, '_', '.', '-')")
+    return name

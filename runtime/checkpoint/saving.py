@@ -1,15 +1,17 @@
 """Saving: every rank writes its pieces to its own file in a staging folder; rank 0 then
-checks that the pieces cover every tensor, renames the folder and replaces the metadata file,
-which is the commit point.
+checks that the pieces cover every tensor and commits (``commit``): it renames the folder and
+replaces the metadata file.
 
     path/metadata.json          -> names data-<id>
     path/data-<id>/rank-00000.bin ...
-    path/.staging-<id>/         a save in progress (or one that crashed)
+    path/.staging-<id>/         a save in progress (or one that crashed or was given up)
 
 Until the new metadata file replaces the old one (``os.replace``, after every rank file and
 the folder were fsynced), the old metadata names the old, untouched data folder; after it,
-the old folder is removed. A save that fails anywhere, on any rank, leaves the previous
-checkpoint as it was and raises on every rank.
+the old folder is removed. A save that fails anywhere, on any rank (an error, a rank that
+dies or does not arrive), raises a :class:`CheckpointError` on every rank that is left, and
+its message says whether the new checkpoint was committed; one reported as not committed
+never is, and then the previous checkpoint is as it was.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from typing import Any
 
 from planner.holdings import box_elements
 from runtime.checkpoint import agree
+from runtime.checkpoint.commit import COMMITTED, NOT_COMMITTED, data_folder, publish, settle, staging_folder
 from runtime.checkpoint.errors import CheckpointError
-from runtime.checkpoint.files import RankFileWriter, fsync_folder, replace_synced
+from runtime.checkpoint.files import RankFileWriter
 from runtime.checkpoint.items import (
     Item,
     LocalPiece,
@@ -38,13 +41,12 @@ from runtime.checkpoint.items import (
     state_item,
     state_key,
 )
-from runtime.checkpoint.metadata import METADATA_FILE, Metadata, StoredOptimizer, StoredPiece, StoredTensor
+from runtime.checkpoint.metadata import BLOCK_BYTES, Metadata, StoredOptimizer, StoredPiece, StoredTensor
 from runtime.comm import timeout_of
 from runtime.optim.base import HeldTensor, ShardedOptimizer
 from shardlang.parser import parse_layout
 
-STAGING = ".staging-"
-DATA = "data-"
+NOTHING_WRITTEN = "nothing was written; " + NOT_COMMITTED
 
 
 def save(
@@ -53,26 +55,35 @@ def save(
     optimizer: ShardedOptimizer | None = None,
     *,
     timeout: float | datetime.timedelta | None = None,
+    block_bytes: int = BLOCK_BYTES,
 ) -> None:
     """Save ``tensors`` (this rank's pieces, by name) and ``optimizer`` (its parameters and
     states) to the checkpoint at ``path``, replacing the one there only once every rank has
-    written its part. Every rank of the job calls it; ranks outside a tensor's mesh pass
-    ``None`` for it or leave it out. A :class:`CheckpointError` on every rank if any rank
-    fails; a ``DistributedError`` if a rank does not arrive within ``timeout`` (seconds or a
-    timedelta; default the runtime's)."""
+    written its part. Every rank of the job calls it, with the same ``block_bytes`` (bytes
+    per checksum block); ranks outside a tensor's mesh pass ``None`` for it or leave it out.
+    A :class:`CheckpointError` on every rank left if any rank fails or does not arrive
+    within ``timeout`` (seconds or a timedelta; default the runtime's); its message says
+    whether the new checkpoint was committed."""
     directory = Path(path)
     timeout = timeout_of(timeout, CheckpointError)
+    if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes < 1:
+        raise CheckpointError(f"block_bytes must be a positive integer, got {block_bytes!r}")
     what = f"saving the checkpoint {directory}"
     rank, size = agree.rank_and_size()
+    token = secrets.token_hex(8) if rank == 0 else ""
     pieces: dict[str, LocalPiece] = {}
+
+    def prepare() -> None:
+        pieces.update(_held_pieces(tensors or {}, optimizer, rank))
+        if rank == 0:  # before any rank may write or give up (commit)
+            staging_folder(directory, token).mkdir(parents=True)
+
+    remove = (lambda: shutil.rmtree(staging_folder(directory, token), ignore_errors=True)) if rank == 0 else None
     messages = agree.all_or_none(
-        lambda: pieces.update(_held_pieces(tensors or {}, optimizer, rank)),
-        payload=secrets.token_hex(8) if rank == 0 else "",
-        timeout=timeout,
-        what=what,
-        outcome="nothing was written",
+        prepare, payload=token, timeout=timeout, what=what, outcome=NOTHING_WRITTEN, cleanup=remove
     )
-    staging = directory / f"{STAGING}{messages[0]}"
+    token = messages[0]
+    staging = staging_folder(directory, token)
 
     def write() -> None:
         items = [saved_piece(key, resolved(key, piece, rank, timeout), rank) for key, piece in sorted(pieces.items())]
@@ -81,15 +92,35 @@ def save(
             held = optimizer.held_tensors()
             items += _state_items(held, rank)
             record = _optimizer_record(optimizer, held)
-        staging.mkdir(parents=True, exist_ok=True)
-        index = _write_part(staging / _rank_file(rank), items) | {"optimizer": record}
+        if not staging.is_dir():
+            raise CheckpointError(f"{staging}: rank 0's staging folder is not here (all ranks must see one directory)")
+        index = _write_part(staging / _rank_file(rank), items, block_bytes) | {"optimizer": record}
         (staging / _index_file(rank)).write_text(json.dumps(index))
 
-    unchanged = "the previous checkpoint is unchanged"
-    cleanup = (lambda: shutil.rmtree(staging, ignore_errors=True)) if rank == 0 else None
-    agree.all_or_none(write, timeout=timeout, what=what, outcome=unchanged, cleanup=cleanup)
-    commit = (lambda: _commit(directory, staging, size)) if rank == 0 else (lambda: None)
-    agree.all_or_none(commit, timeout=timeout, what=what, outcome=unchanged, cleanup=cleanup)
+    def given_up() -> str:  # this rank lost touch with the others
+        return NOT_COMMITTED if rank == 0 else settle(directory, token, rank)
+
+    agree.all_or_none(write, timeout=timeout, what=what, outcome=NOT_COMMITTED, cleanup=remove, lost=given_up)
+    committed = [False]
+
+    def commit() -> None:
+        if rank != 0:
+            return
+        try:
+            metadata = _commit_metadata(staging, data_folder(directory, token).name, size, block_bytes)
+        except Exception as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            reason = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            raise CheckpointError(f"{reason}; {NOT_COMMITTED}") from e
+        publish(directory, token, metadata.dumps().encode())
+        committed[0] = True
+
+    def outcome_after_commit() -> str:
+        if rank == 0:
+            return COMMITTED if committed[0] else NOT_COMMITTED
+        return settle(directory, token, rank)
+
+    agree.all_or_none(commit, timeout=timeout, what=what, outcome="", lost=outcome_after_commit)
 
 
 def _held_pieces(tensors: Mapping[str, LocalPiece], optimizer: ShardedOptimizer | None, rank: int) -> dict:
@@ -127,7 +158,7 @@ def _optimizer_record(optimizer: ShardedOptimizer, held_tensors: list[HeldTensor
     }
 
 
-def _write_part(path: Path, items: list[Item]) -> dict[str, Any]:
+def _write_part(path: Path, items: list[Item], block_bytes: int) -> dict[str, Any]:
     """Write the pieces this rank stores; the part of the metadata they make (every item's
     header, stored or not, so that rank 0 can check the ranks agree)."""
     tensors = {}
@@ -140,33 +171,26 @@ def _write_part(path: Path, items: list[Item]) -> dict[str, Any]:
                 for box in item.boxes:
                     n = box_elements(box)
                     if n:
-                        offset, crc = writer.write(flat[position : position + n])
-                        pieces.append({"offset": offset, "box": [list(b) for b in box], "crc32": crc})
+                        offset, crcs = writer.write(flat[position : position + n], block_bytes)
+                        pieces.append({"offset": offset, "box": [list(b) for b in box], "block_crc32": crcs})
                     position += n
             tensors[item.key] = item.header() | {"pieces": pieces}
-    return {"file": path.name, "size": writer.size, "tensors": tensors}
+    return {"file": path.name, "size": writer.size, "block_bytes": block_bytes, "tensors": tensors}
 
 
-def _commit(directory: Path, staging: Path, size: int) -> None:
+def _commit_metadata(staging: Path, data: str, size: int, block_bytes: int) -> Metadata:
+    """The metadata of the ranks' parts (their index files, which it removes)."""
     indexes = [json.loads((staging / _index_file(r)).read_text()) for r in range(size)]
-    metadata = _merge(indexes, DATA + staging.name.removeprefix(STAGING), size)
+    differ = sorted(r for r, index in enumerate(indexes) if index["block_bytes"] != block_bytes)
+    if differ:
+        raise CheckpointError(f"ranks {differ} save with another block_bytes than rank 0 ({block_bytes})")
+    metadata = _merge(indexes, data, size, block_bytes)
     for r in range(size):
         (staging / _index_file(r)).unlink()
-    fsync_folder(staging)
-    data = directory / metadata.data
-    os.rename(staging, data)
-    try:
-        fsync_folder(directory)
-        replace_synced(directory / METADATA_FILE, metadata.dumps().encode())
-    except BaseException:
-        shutil.rmtree(data, ignore_errors=True)  # named by no metadata: the old checkpoint stands
-        raise
-    for entry in directory.iterdir():  # earlier data, and saves that crashed
-        if entry.name != data.name and entry.name.startswith((DATA, STAGING)) and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
+    return metadata
 
 
-def _merge(indexes: list[dict[str, Any]], data: str, size: int) -> Metadata:
+def _merge(indexes: list[dict[str, Any]], data: str, size: int, block_bytes: int) -> Metadata:
     """The metadata of the ranks' parts; a :class:`CheckpointError` unless the ranks agree on
     every tensor and their pieces cover it."""
     files, headers, pieces, holders = {}, {}, {}, {}
@@ -192,7 +216,7 @@ def _merge(indexes: list[dict[str, Any]], data: str, size: int) -> Metadata:
                 + (f"; ranks {missing} of its mesh did not save it" if missing else "")
             )
         tensors[key] = stored
-    return Metadata(data, size, files, tensors, _merge_optimizers([i["optimizer"] for i in indexes]))
+    return Metadata(data, size, files, tensors, _merge_optimizers([i["optimizer"] for i in indexes]), block_bytes)
 
 
 def _merge_optimizers(records: list[dict[str, Any] | None]) -> StoredOptimizer | None:
