@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
+import stat
 from collections.abc import Mapping
 from decimal import Decimal
 from importlib import resources
@@ -23,13 +25,27 @@ from shardlang.dtypes import itemsize
 from shardlang.errors import LayoutError, ParseError, ShardlangError, SourcePosition, SpecError
 from shardlang.layout import REDUCE_OPS, Layout
 from shardlang.mesh import Mesh, check_identifier
-from shardlang.spec import STATE_DEFAULT, CostHints, Layouts, MeshDecl, Rule, Spec, TensorSpec, expand_braces
+from shardlang.spec import (
+    STATE_DEFAULT,
+    CostHints,
+    Layouts,
+    MeshDecl,
+    Rule,
+    Spec,
+    TensorSpec,
+    brace_choices,
+    expand_braces,
+)
 
 # Guards against text that is valid but would exhaust memory (a mesh of 10^12 ranks).
 MAX_MESH_SIZE = 1 << 20
 MAX_EXPANDED_NAMES = 100_000  # per declaration
 MAX_TENSORS = 1_000_000  # per file
 MAX_INT = 2**63 - 1
+MAX_SOURCE_BYTES = 16 << 20
+"""The largest spec file :func:`load_spec` reads: 16 MiB (the bundled Llama 7B example,
+226 tensors, has 2 KiB). A larger file is refused with a :class:`SpecError` naming it, unread."""
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)  # a FIFO opens at once
 
 _FRIENDLY = {
     "NAME": "a name",
@@ -382,7 +398,7 @@ class _Reader:
         if not pattern:
             raise SpecError("a rule needs a non-empty pattern", self.pos(pattern_token))
         try:
-            expand_braces(pattern, limit=MAX_EXPANDED_NAMES)
+            brace_choices(pattern, limit=MAX_EXPANDED_NAMES)  # checked, never expanded (spec.pattern_regex)
         except ShardlangError as e:
             raise e.at(self.pos(pattern_token)) from None
         layouts = self.entries(entries, f'rule "{pattern}"', tree, None)  # type: ignore[arg-type]
@@ -419,10 +435,51 @@ def parse_spec(text: str, filename: str | None = None) -> Spec:
 
 
 def load_spec(path: str | Path) -> Spec:
-    """Read and parse a spec file; errors name the file."""
+    """Read and parse a spec file; errors name the file (and the line and column where the
+    text is at fault). The file is read as it is, lines ending at ``"\\n"`` as in
+    :func:`parse_spec` (no newline translation: a lone ``"\\r"`` ends no line, and no comment)."""
     path = Path(path)
+    return parse_spec(read_source(path), filename=str(path))
+
+
+def read_source(path: Path) -> str:
+    """The text of the spec file ``path``: a regular file of at most :data:`MAX_SOURCE_BYTES`,
+    in UTF-8. Anything else is a :class:`ShardlangError` naming the file, before more than the
+    limit is read (a FIFO or a device such as ``/dev/zero`` is never read at all)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"{path}: cannot read: {e}") from None
-    return parse_spec(text, filename=str(path))
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        mode, size = info.st_mode, info.st_size
+        if not stat.S_ISREG(mode):
+            raise SpecError(f"{path}: cannot read: it is {_file_kind(mode)}, not a spec file")
+        if size > MAX_SOURCE_BYTES:
+            raise SpecError(f"{path}: the file has {size} bytes; a spec file may have at most {MAX_SOURCE_BYTES}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_SOURCE_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SOURCE_BYTES:  # it grew while being read
+        raise SpecError(f"{path}: the file has more than {MAX_SOURCE_BYTES} bytes, the most a spec file may have")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = data[: e.start]
+        line = before.count(b"\n") + 1
+        column = len(before[before.rfind(b"\n") + 1 :].decode("utf-8")) + 1
+        position = SourcePosition.in_text(data.decode("utf-8", errors="replace"), line, column, str(path))
+        raise ParseError(f"the file is not valid UTF-8 here (byte 0x{data[e.start]:02x})", position) from None
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"

@@ -17,19 +17,23 @@ from shardlang.mesh import Mesh
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"(-?[0-9]+)\.\.(-?[0-9]+)\Z")
 _MAX_RANGE_DIGITS = 18
+_FNMATCH_FORM = re.compile(r"\(\?s:(.*)\)\\[Zz]", re.DOTALL)  # fnmatch.translate's wrapper around a glob
+_FNMATCH_KNOWN = all(_FNMATCH_FORM.fullmatch(fnmatch.translate(g)) for g in ("", "a*b", "*a*b", "[!x]?"))
 
 
-def expand_braces(text: str, limit: int | None = None) -> list[str]:
-    """``h.{0..2}.{q,k}`` -> ``h.0.q, h.0.k, h.1.q, ...`` (ranges inclusive, in order).
+Choice = list[str] | tuple[int, int]  # alternatives, or an inclusive range of integers
 
-    Raises :class:`ParseError` (without a position; the caller adds it) on an empty or
-    malformed brace, or when the text names more than ``limit`` names (counted before any is
-    built, so ``{0..99999999999}`` fails at once).
+
+def brace_choices(text: str, limit: int | None = None) -> list[Choice]:
+    """``text`` cut at its braces: ``[literal], choice, [literal], choice, ..., [literal]``,
+    each choice a list of alternatives or a range ``(lo, hi)``. Raises :class:`ParseError`
+    (without a position; the caller adds it) on an empty or malformed brace, or when the text
+    names more than ``limit`` names (counted, never built, so ``{0..99999999999}`` fails at once).
     """
     parts = _BRACE.split(text)
     if "{" in parts[0] or "}" in parts[0] or any("{" in p or "}" in p for p in parts[2::2]):
         raise ParseError(f"unbalanced brace in '{text}'")
-    choices: list[list[str] | tuple[int, int]] = []
+    choices: list[Choice] = []
     for i, part in enumerate(parts):
         if i % 2 == 0:
             choices.append([part])
@@ -51,6 +55,15 @@ def expand_braces(text: str, limit: int | None = None) -> list[str]:
     count = math.prod(c[1] - c[0] + 1 if isinstance(c, tuple) else len(c) for c in choices)
     if limit is not None and count > limit:
         raise ParseError(f"'{text}' expands to {count} names, more than {limit}")
+    return choices
+
+
+def expand_braces(text: str, limit: int | None = None) -> list[str]:
+    """``h.{0..2}.{q,k}`` -> ``h.0.q, h.0.k, h.1.q, ...`` (ranges inclusive, in order).
+
+    Raises :class:`ParseError` as :func:`brace_choices` does.
+    """
+    choices = brace_choices(text, limit)
     expanded = [[str(k) for k in range(c[0], c[1] + 1)] if isinstance(c, tuple) else c for c in choices]
     return ["".join(combo) for combo in itertools.product(*expanded)]
 
@@ -120,13 +133,92 @@ class Rule:
     position: SourcePosition | None = attrs.field(default=None, eq=False)
 
     def matches(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for p in _globs(self.pattern))
+        return pattern_regex(self.pattern).match(name) is not None
 
 
 @functools.cache
-def _globs(pattern: str) -> tuple[str, ...]:
-    """A rule pattern's braces expanded once (rules are matched against every tensor name)."""
-    return tuple(expand_braces(pattern))
+def pattern_regex(pattern: str) -> re.Pattern[str]:
+    """A rule pattern compiled once into one regular expression that matches exactly the
+    names that one of its brace expansions matches as an ``fnmatch`` glob: ``*``, ``?`` and
+    ``[...]`` as fnmatch reads them, alternatives as an alternation, and a range as the
+    numbers in it (never expanded, so ``x{0..99999}`` costs what ``x*`` does)."""
+    choices = brace_choices(pattern)
+    pieces = [p for c in choices if isinstance(c, list) for p in c]
+    crossing = len(choices) > 1 and "]" in pattern and any(_unclosed_bracket(p) for p in pieces)
+    if _FNMATCH_KNOWN and not crossing:
+        body = "".join(_globs(c) if isinstance(c, list) else _number_range(*c) for c in choices)
+        return re.compile(body + r"\Z", re.DOTALL)
+    # A [...] set that a brace may cut through: expand, and match each expansion as fnmatch does.
+    return re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in expand_braces(pattern)))
+
+
+def _globs(alternatives: list[str]) -> str:
+    """The regex of a list of globs (one literal part, or a brace's alternatives), each read
+    by fnmatch (its translation without the wrapper :data:`_FNMATCH_FORM` takes off)."""
+    out = [_unwrapped(fnmatch.translate(glob)) for glob in alternatives]
+    return out[0] if len(out) == 1 else "(?:" + "|".join(out) + ")"
+
+
+def _unwrapped(translated: str) -> str:
+    m = _FNMATCH_FORM.fullmatch(translated)
+    assert m is not None, translated  # _FNMATCH_KNOWN holds
+    return m.group(1)
+
+
+def _unclosed_bracket(glob: str) -> bool:
+    """Whether ``glob`` has a ``[`` that no ``]`` in it closes (fnmatch would then look for one
+    in the text that follows it in an expansion)."""
+    i, n = 0, len(glob)
+    while i < n:
+        if glob[i] == "[":
+            j = i + 1
+            if j < n and glob[j] == "!":
+                j += 1
+            if j < n and glob[j] == "]":
+                j += 1
+            j = glob.find("]", j)
+            if j < 0:
+                return True
+            i = j
+        i += 1
+    return False
+
+
+def _number_range(lo: int, hi: int) -> str:
+    """A regex matching ``str(k)`` for exactly the integers ``lo <= k <= hi``."""
+    out = []
+    if lo < 0:
+        out += ["-" + r for r in _natural_range(max(1, -hi), -lo)]
+    if hi >= 0:
+        out += _natural_range(max(lo, 0), hi)
+    return "(?:" + "|".join(out) + ")"
+
+
+def _natural_range(lo: int, hi: int) -> list[str]:
+    """Regexes for the decimal numbers (no leading zeros) from ``lo`` to ``hi`` (both >= 0)."""
+    out = []
+    for digits in range(len(str(lo)), len(str(hi)) + 1):
+        first = 0 if digits == 1 else 10 ** (digits - 1)
+        a, b = max(lo, first), min(hi, 10**digits - 1)
+        if a <= b:
+            out += _same_length(str(a), str(b))
+    return out
+
+
+def _same_length(lo: str, hi: str) -> list[str]:
+    """Regexes for the digit strings of ``len(lo)`` from ``lo`` to ``hi`` (as numbers)."""
+    if not lo:
+        return [""]
+    if lo[0] == hi[0]:
+        return [lo[0] + rest for rest in _same_length(lo[1:], hi[1:])]
+    n = len(lo) - 1
+    if lo[1:] == "0" * n and hi[1:] == "9" * n:
+        return [f"[{lo[0]}-{hi[0]}]" + (f"[0-9]{{{n}}}" if n else "")]
+    out = [lo[0] + rest for rest in _same_length(lo[1:], "9" * n)]
+    if int(hi[0]) - int(lo[0]) > 1:
+        out.append(f"[{int(lo[0]) + 1}-{int(hi[0]) - 1}]" + (f"[0-9]{{{n}}}" if n else ""))
+    out += [hi[0] + rest for rest in _same_length("0" * n, hi[1:])]
+    return out
 
 
 @attrs.frozen

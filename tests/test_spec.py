@@ -320,8 +320,9 @@ def test_load_spec_names_the_file(tmp_path: Path) -> None:
         load_spec(tmp_path / "missing.shard")
     binary = tmp_path / "binary.shard"
     binary.write_bytes(b"\xff\xfe\x00")
-    with pytest.raises(SpecError, match="cannot read"):
+    with pytest.raises(ParseError) as caught:
         load_spec(binary)
+    assert str(caught.value).startswith(f"{binary}:1:1: the file is not valid UTF-8 here (byte 0xff)")
 
 
 # --- the bundled examples -------------------------------------------------------------------
