@@ -45,8 +45,12 @@ def pack(x: torch.Tensor, dim: int, n: int, block: Sequence[int], out: torch.Ten
     block = tuple(block)
     b, length = block[dim], x.shape[dim]
     padded = length != n * b or any(x.shape[k] != block[k] for k in range(x.dim()) if k != dim)
-    if out is None and not padded and x.is_contiguous() and (n == 1 or math.prod(block[:dim]) == 1):
-        return x.view(n, *block)
+    runs = x.is_contiguous() and (n == 1 or math.prod(block[:dim]) == 1)  # blocks are runs of x
+    if not padded and runs:
+        if out is None:
+            return x.view(n, *block)
+        out.copy_(x.view(n, *block))
+        return out
     if out is None:
         out = x.new_zeros((n, *block)) if padded else x.new_empty((n, *block))
     elif padded:

@@ -11,9 +11,12 @@ nested pieces stay exact), the collective runs once, and each member's result is
 columns (``Move.finish``). Ranks of one group hold the same chunk sizes (``runtime.program``),
 so their buffers agree.
 
-Memory: a bucket allocates its send buffer and its result; the send buffer is released when
-the collective returns. Results are views of bucket results or of the inputs (a leg that never
-communicates returns a view of its input): callers copy what they keep.
+Memory: with ``buffers`` (a :class:`~runtime.buffers.Scratch` kept by the caller between steps)
+the buckets share one send buffer (the largest bucket's, and the all_to_all space of gloo's
+reduce_scatter), and each bucket keeps its result buffer (read after later buckets have run).
+Without it every bucket allocates both. Results are views of bucket results or of the inputs (a
+leg that never communicates returns a view of its input), valid until the next run with the
+same ``buffers``: callers copy what they keep.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import datetime
 import time
 from collections.abc import Mapping, Sequence
 
+import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.step import Bucket, Leg, StepPlan
 from runtime import stats
 from runtime.blocks import piece_shape
+from runtime.buffers import Scratch
 from runtime.comm import collective
 from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError, ReshardError
@@ -37,25 +42,84 @@ from runtime.program import Move, bytes_sent, compile_plan
 from shardlang.dtypes import ITEMSIZE
 
 
+@attrs.frozen(eq=False)
+class _LegProgram:
+    """A leg as one rank runs it: its moves per hop, and the shape of the piece it starts from."""
+
+    leg: Leg
+    moves: tuple[tuple[Move | Exchange | None, ...], ...]
+    source_shape: tuple[int, ...]
+
+
+@attrs.frozen(eq=False)
+class _BucketProgram:
+    """A bucket as one rank runs it: per member its leg, move, chunk and offset in each peer's
+    part of the buffer, and the buffer's per-peer length."""
+
+    index: int
+    bucket: Bucket
+    members: tuple[tuple[int, Move, int, int], ...]  # (leg, move, chunk, offset)
+    total: int
+    per_peer: bool  # the send buffer has one row per peer (reduce_scatter, all_to_all)
+
+
+@attrs.frozen(eq=False)
+class StepProgram:
+    """A step plan compiled for one rank: built once per plan, as ``compile_plan`` is for a
+    plan, so that the step itself only moves data."""
+
+    plan: StepPlan
+    rank: int
+    legs: tuple[_LegProgram, ...]
+    buckets: tuple[_BucketProgram, ...]
+
+
+def compile_step(plan: StepPlan, rank: int) -> StepProgram:
+    """``rank``'s part of every leg and bucket of ``plan``."""
+    legs = []
+    for leg in plan.legs:
+        source = leg.hops[0].plan
+        legs.append(
+            _LegProgram(
+                leg=leg,
+                moves=tuple(compile_plan(hop.plan, rank) for hop in leg.hops),
+                source_shape=piece_shape(source.src.rank_piece(source.shape, rank)),
+            )
+        )
+    buckets = []
+    for index, bucket in enumerate(plan.buckets):
+        members, offset = [], 0
+        for m in bucket.members:
+            move = legs[m.leg].moves[m.hop][m.step]
+            if not isinstance(move, Move):
+                what = "a point-to-point step" if isinstance(move, Exchange) else "a step on a mesh without this rank"
+                leg = plan.legs[m.leg]
+                raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' has {what}: not run in a step plan")
+            members.append((m.leg, move, move.chunk, offset))
+            offset += move.chunk
+        per_peer = bucket.op in ("reduce_scatter", "all_to_all")
+        buckets.append(_BucketProgram(index, bucket, tuple(members), offset, per_peer))
+    return StepProgram(plan, rank, tuple(legs), tuple(buckets))
+
+
 class _Walk:
     """Where one leg is: its current piece, and the next step (hop ``h``, step ``k``)."""
 
     __slots__ = ("h", "k", "leg", "moves", "viewed", "x")
 
-    def __init__(self, leg: Leg, x: torch.Tensor, rank: int) -> None:
-        self.leg, self.x, self.h, self.k, self.viewed = leg, x, 0, 0, False
-        self.moves = [compile_plan(hop.plan, rank) for hop in leg.hops]
-        source = leg.hops[0].plan
-        want = piece_shape(source.src.rank_piece(source.shape, rank))
-        if tuple(x.shape) != want or dtype_name(x.dtype) != leg.dtype:
+    def __init__(self, program: _LegProgram, x: torch.Tensor, rank: int) -> None:
+        leg = self.leg = program.leg
+        self.x, self.h, self.k, self.viewed, self.moves = x, 0, 0, False, program.moves
+        if tuple(x.shape) != program.source_shape or dtype_name(x.dtype) != leg.dtype:
+            source = leg.hops[0].plan
             raise ReshardError(
                 f"{leg.what} of tensor '{leg.tensor}': rank {rank} holds a piece of {dtype_name(x.dtype)} "
-                f"{list(x.shape)}, but '{source.src}' gives it {leg.dtype} {list(want)} of {list(source.shape)}"
+                f"{list(x.shape)}, but '{source.src}' gives it {leg.dtype} {list(program.source_shape)} "
+                f"of {list(source.shape)}"
             )
 
-    def advance(self, until: tuple[int, int] | None = None) -> Move:
-        """Run the local steps up to the communicating step ``until`` (to the end when
-        ``None``); returns the move of ``until``."""
+    def advance(self, until: tuple[int, int] | None = None) -> None:
+        """Run the local steps up to the communicating step ``until`` (to the end when ``None``)."""
         while self.h < len(self.leg.hops):
             hop = self.leg.hops[self.h]
             if not self.viewed:
@@ -65,98 +129,105 @@ class _Walk:
             if self.k == len(hop.plan.steps):
                 self.h, self.k, self.viewed = self.h + 1, 0, False
                 continue
-            move = self.moves[self.h][self.k]
-            if not isinstance(move, Move):
-                what = "a point-to-point step" if isinstance(move, Exchange) else "a step on a mesh without this rank"
-                raise ReshardError(f"{self.leg.what} of tensor '{self.leg.tensor}' has {what}: not run in a step plan")
             if (self.h, self.k) == until:
-                return move
-            if not move.is_local:
+                return
+            move = self.moves[self.h][self.k]
+            if not isinstance(move, Move) or not move.is_local:
                 raise ReshardError(f"{self.leg.what} of tensor '{self.leg.tensor}' reached a collective out of order")
             self.x = move.local(self.x)
             self.k += 1
         if until is not None:
             raise ReshardError(f"{self.leg.what} of tensor '{self.leg.tensor}' has no step {until}")
-        return None  # type: ignore[return-value]
 
 
 def run_stage(
-    step_plan: StepPlan,
+    program: StepProgram,
     stage: str,
     inputs: Mapping[int, torch.Tensor],
     *,
-    rank: int,
     device_meshes: Mapping[str, DeviceMesh | None],
     timeout: datetime.timedelta,
+    buffers: Scratch | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Every leg of ``stage`` (keys of ``inputs``: indices into ``step_plan.legs``) run from
-    its input to its piece in the leg's target layout. ``device_meshes`` gives a tensor's
+    """Every leg of ``stage`` (keys of ``inputs``: indices into the plan's legs) run from its
+    input to its piece in the leg's target layout. ``device_meshes`` gives a tensor's
     DeviceMesh whose groups to use (a DTensor's), by name. Raises :class:`DistributedError`
-    naming the bucket when its collective fails."""
-    walks = {i: _Walk(step_plan.legs[i], x, rank) for i, x in inputs.items()}
-    for index, bucket in enumerate(step_plan.buckets):
-        if bucket.stage == stage:
-            _run_bucket(step_plan, index, bucket, walks, rank, device_meshes, timeout)
+    naming the bucket when its collective fails; nothing is sent before every input has been
+    checked."""
+    walks = {i: _Walk(program.legs[i], x, program.rank) for i, x in inputs.items()}
+    for bucket in program.buckets:
+        if bucket.bucket.stage == stage:
+            _run_bucket(program, bucket, walks, device_meshes, timeout, buffers)
     for walk in walks.values():
         walk.advance()
     return {i: walk.x for i, walk in walks.items()}
 
 
 def _run_bucket(
-    step_plan: StepPlan,
-    index: int,
-    bucket: Bucket,
+    program: StepProgram,
+    bucket: _BucketProgram,
     walks: Mapping[int, _Walk],
-    rank: int,
     device_meshes: Mapping[str, DeviceMesh | None],
     timeout: datetime.timedelta,
+    buffers: Scratch | None,
 ) -> None:
-    moves = [walks[m.leg].advance((m.hop, m.step)) for m in bucket.members]
-    first = moves[0]
-    n, op = first.n, bucket.op
-    chunks = [move.chunk for move in moves]
-    total = sum(chunks)
-    device = walks[bucket.members[0].leg].x.device
-    dtype = walks[bucket.members[0].leg].x.dtype
-    per_peer = op in ("reduce_scatter", "all_to_all")
-    send = torch.empty((n, total) if per_peer else (total,), dtype=dtype, device=device)
-    offsets = []
-    offset = 0
-    for member, move, chunk in zip(bucket.members, moves, chunks, strict=True):
-        part = send[:, offset : offset + chunk] if per_peer else send[offset : offset + chunk]
-        move.send_into(walks[member.leg].x, part)
-        walks[member.leg].x = None  # type: ignore[assignment]  # the piece is in the buffer now
-        offsets.append(offset)
-        offset += chunk
-    names = [walks[m.leg].leg.tensor for m in bucket.members]
+    plan = program.plan
+    first_leg, first, _, _ = bucket.members[0]
+    n, op, total = first.n, bucket.bucket.op, bucket.total
+    sample = walks[first_leg].x
+    shape = (n, total) if bucket.per_peer else (total,)
+    out = workspace = None
+    if buffers is None:
+        send = torch.empty(shape, dtype=sample.dtype, device=sample.device)
+    else:
+        size = n * total if bucket.per_peer else total
+        # An all_reduce reduces in place: its send buffer is its result.
+        send = buffers.take(
+            "send" if op != "all_reduce" else f"bucket {bucket.index}", size, sample.dtype, sample.device
+        )
+        send = send.view(shape)
+        if op != "all_reduce":
+            result = {"all_gather": n * total, "reduce_scatter": total, "all_to_all": n * total}[op]
+            out = buffers.take(f"bucket {bucket.index}", result, sample.dtype, sample.device)
+        if op == "reduce_scatter":
+            workspace = buffers.take("all_to_all", size, sample.dtype, sample.device)
+    for m, (leg, move, chunk, offset) in zip(bucket.bucket.members, bucket.members, strict=True):
+        walk = walks[leg]
+        walk.advance((m.hop, m.step))
+        move.send_into(walk.x, send[:, offset : offset + chunk] if bucket.per_peer else send[offset : offset + chunk])
+        walk.x = None  # type: ignore[assignment]  # the piece is in the buffer now
+    names = [plan.legs[leg].tensor for leg, *_ in bucket.members]
     started = time.perf_counter()
     try:
-        group = group_for(bucket.mesh, (first.step.axis,), first.members, device_meshes.get(names[0]), timeout=timeout)
-        received = collective(op, send.view(-1), n, bucket.reduce_op, group, timeout)
+        group = group_for(
+            bucket.bucket.mesh, (first.step.axis,), first.members, device_meshes.get(names[0]), timeout=timeout
+        )
+        received = collective(
+            op, send.view(-1), n, bucket.bucket.reduce_op, group, timeout, out=out, workspace=workspace
+        )
     except (DistributedError, ReshardError) as e:
-        raise type(e)(
-            f"bucket {index + 1} of {len(step_plan.buckets)} ({_describe(bucket, names)}) failed: {e.message}"
-        ) from e
+        where = f"bucket {bucket.index + 1} of {len(plan.buckets)} ({_describe(bucket.bucket, names)})"
+        raise type(e)(f"{where} failed: {e.message}") from e
     del send
     if stats.is_recording():
-        itemsize = ITEMSIZE[bucket.dtype]
+        itemsize = ITEMSIZE[bucket.bucket.dtype]
         stats.record(
             stats.CommRecord(
                 tensor=",".join(names),
-                step=index,
+                step=bucket.index,
                 op=op,
                 axis=first.step.axis,
                 ranks=first.members,
-                bytes_sent=sum(bytes_sent(move, itemsize) for move in moves),
-                planned_bytes=bucket.bytes,
+                bytes_sent=sum(bytes_sent(move, itemsize) for _, move, _, _ in bucket.members),
+                planned_bytes=bucket.bucket.bytes,
                 seconds=time.perf_counter() - started,
             )
         )
-    gathered = received.view(n, total) if op in ("all_gather", "all_to_all") else received
-    for member, move, chunk, start in zip(bucket.members, moves, chunks, offsets, strict=True):
-        walk = walks[member.leg]
-        part = gathered[:, start : start + chunk] if gathered.dim() == 2 else gathered[start : start + chunk]
-        walk.x = move.finish(part)
+    rows = op in ("all_gather", "all_to_all")
+    gathered = received.view(n, total) if rows else received
+    for leg, move, chunk, offset in bucket.members:
+        walk = walks[leg]
+        walk.x = move.finish(gathered[:, offset : offset + chunk] if rows else gathered[offset : offset + chunk])
         walk.k += 1
 
 

@@ -50,28 +50,29 @@ def collective(
     reduce_op: str | None,
     group: dist.ProcessGroup,
     timeout: datetime.timedelta,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run ``op`` (all_gather, reduce_scatter, all_reduce, all_to_all) on the flat buffer
     ``send`` over ``group`` of ``n`` ranks and return the flat result (all_reduce works in
-    place on ``send``). Ranks of one group always pass buffers of equal size; empty buffers
-    skip the collective on all of them alike."""
-    if op == "all_gather":
-        received = send.new_empty(n * send.numel())
-    elif op == "reduce_scatter":
-        received = send.new_empty(send.numel() // n)
-    elif op == "all_reduce":
+    place on ``send``; the others write ``out`` when given). ``workspace`` (of ``send``'s
+    size) is where gloo's reduce_scatter receives its blocks. Ranks of one group always pass
+    buffers of equal size; empty buffers skip the collective on all of them alike."""
+    sizes = {"all_gather": n * send.numel(), "reduce_scatter": send.numel() // n, "all_to_all": send.numel()}
+    if op == "all_reduce":
         received = send
-    elif op == "all_to_all":
-        received = send.new_empty(send.numel())
-    else:
+    elif op not in sizes:
         raise ValueError(f"not a collective: {op}")
+    else:
+        received = send.new_empty(sizes[op]) if out is None else out
     if send.numel() == 0:
         return received
     try:
         if op == "all_gather":
             work = all_gather_single(received, send, group=group, async_op=True)
         elif op == "reduce_scatter" and dist.get_backend(group) == "gloo":
-            blocks = send.new_empty(send.numel())
+            blocks = send.new_empty(send.numel()) if workspace is None else workspace
             wait(dist.all_to_all_single(blocks, send, group=group, async_op=True), timeout)
             _reduce_blocks(blocks.view(n, -1), reduce_op, received)
             work = None

@@ -18,7 +18,7 @@ import torch
 
 from planner.step import BEFORE, StepTensor, plan_step
 from runtime import recording, torch_dtype, unshard
-from runtime.buckets import run_stage
+from runtime.buckets import compile_step, run_stage
 from shardlang import parse_layout
 from tests.dist_harness import run_ranks
 from tests.test_reshard_dist import Case, corpus
@@ -69,7 +69,11 @@ def _run(rank: int, world_size: int) -> list:
                     inputs[leg] = source_pieces(full, parse_layout(src_text), seed)[rank]
                 with recording() as log:
                     results = run_stage(
-                        plan, BEFORE, inputs, rank=rank, device_meshes={}, timeout=datetime.timedelta(seconds=60)
+                        compile_step(plan, rank),
+                        BEFORE,
+                        inputs,
+                        device_meshes={},
+                        timeout=datetime.timedelta(seconds=60),
                     )
                 pieces = [_to_bytes(results[k].contiguous()) for k in sorted(results)]
                 out.append((pieces, [(r.step, r.bytes_sent, len(r.tensor.split(","))) for r in log.records]))

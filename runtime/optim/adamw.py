@@ -12,7 +12,7 @@ that a failed step can be dropped.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ def adamw_update(
     exp_avg_sq: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     step: int,
+    denom: torch.Tensor | None = None,
     *,
     lr: float,
     betas: tuple[float, float],
@@ -39,7 +40,8 @@ def adamw_update(
 ) -> None:
     """One step (``step``: 1 on the first) of tensors of one shape, usually the flat buffers
     of many tensors at once: the new parameter, ``exp_avg`` and ``exp_avg_sq`` are written to
-    ``out``. Nothing passed in is modified."""
+    ``out`` (``denom``, when given, is scratch space of the same shape). Nothing passed in is
+    modified."""
     beta1, beta2 = betas
     new_param, new_exp_avg, new_exp_avg_sq = out
     if weight_decay != 0:
@@ -49,7 +51,7 @@ def adamw_update(
     torch.lerp(exp_avg, grad, 1 - beta1, out=new_exp_avg)
     torch.mul(exp_avg_sq, beta2, out=new_exp_avg_sq)
     new_exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
-    denom = new_exp_avg_sq.sqrt()
+    denom = torch.sqrt(new_exp_avg_sq, out=denom) if denom is not None else new_exp_avg_sq.sqrt()
     denom.div_((1 - beta2**step) ** 0.5)
     denom.add_(eps)
     new_param.addcdiv_(new_exp_avg, denom, value=-(lr / (1 - beta1**step)))
@@ -109,34 +111,39 @@ class ShardedAdamW(ShardedOptimizer):
 
     def _updates(self, work: StepWork) -> list[Update]:
         """The math of every run of consecutive slots with one param group and step count, on
-        their flat buffers at once (views where the buffers already are flat, else copies)."""
+        their flat buffers at once (ranges of the buffers where they already are flat, else
+        copies)."""
         for run in _runs(work):
             slot = work.slots[run[0]]
             group, dtype = slot.group, slot.dtype
-
-            def flat(tensors: Sequence[torch.Tensor], dtype: torch.dtype = dtype) -> torch.Tensor:
-                return flat_or_copy(tensors, dtype)
-
-            outs = [
-                [work.new_params[i] for i in run],
-                [work.new_states[i]["exp_avg"] for i in run],
-                [work.new_states[i]["exp_avg_sq"] for i in run],
-            ]
-            targets = [flat(o) for o in outs]
+            scratch = self._scratch
+            outputs = [flat_or_copy([work.new_params[i] for i in run], dtype, scratch, "params out")]
+            for name in ADAMW_STATES:
+                target = work.states_of(run, name, new=True)
+                outputs.append(
+                    target if target is not None else flat_or_copy([work.new_state(i, name) for i in run], dtype)
+                )
+            states = [work.states_of(run, name) for name in ADAMW_STATES]
+            grads = flat_or_copy([work.grads[i] for i in run], dtype, scratch, "grads")
             adamw_update(
-                flat([work.params[i] for i in run]),
-                flat([work.grads[i] for i in run]),
-                flat([work.states[i]["exp_avg"] for i in run]),
-                flat([work.states[i]["exp_avg_sq"] for i in run]),
-                (targets[0], targets[1], targets[2]),
+                flat_or_copy([work.params[i] for i in run], dtype, scratch, "params"),
+                grads,
+                *(
+                    s if s is not None else flat_or_copy([work.state(i, name) for i in run], dtype, scratch, name)
+                    for s, name in zip(states, ADAMW_STATES, strict=True)
+                ),
+                (outputs[0], outputs[1], outputs[2]),
                 slot.step + 1,
+                scratch.take("denom", grads.numel(), dtype, grads.device),
                 lr=group["lr"],
                 betas=group["betas"],
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
             )
-            for target, views in zip(targets, outs, strict=True):
-                scatter_back(target, views)
+            scatter_back(outputs[0], [work.new_params[i] for i in run])
+            for output, name in zip(outputs[1:], ADAMW_STATES, strict=True):
+                if work.states_of(run, name, new=True) is None:
+                    scatter_back(output, [work.new_state(i, name) for i in run])
         return [done()]
 
 

@@ -44,7 +44,8 @@ from planner.cost import CostModel
 from planner.plan import same_geometry
 from planner.step import AFTER, BEFORE, StepPlan, StepTensor, plan_step, without_axis
 from runtime.blocks import piece_shape
-from runtime.buckets import run_stage
+from runtime.buckets import StepProgram, compile_step, run_stage
+from runtime.buffers import Scratch
 from runtime.comm import collective, timeout_of
 from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError, PlanMismatchError
@@ -164,25 +165,49 @@ class StepTraffic:
         return self.reshard_collectives + self.sum_collectives
 
 
-@attrs.frozen(eq=False)
 class StepWork:
-    """What the math of one step gets, per stepped slot (in the optimizer's order): the
-    gradient and parameter in the state layout (of the state dtype, possibly views), the
-    states as they are, and where to write the new parameter and states."""
+    """What the math of one step gets, per stepped slot ``i`` (in the optimizer's order): the
+    gradient and parameter in the state layout (``grads[i]``, ``params[i]``: possibly views),
+    the states as they are (:meth:`state`), and where to write the new parameter
+    (``new_params[i]``) and states (:meth:`new_state`). :meth:`states_of` gives the states of
+    consecutive slots as one range of their flat buffer, for whole-buffer math."""
 
-    slots: tuple[Slot, ...]
-    grads: tuple[torch.Tensor, ...]
-    params: tuple[torch.Tensor, ...]
-    states: tuple[Mapping[str, torch.Tensor], ...]
-    new_params: tuple[torch.Tensor, ...]
-    new_states: tuple[Mapping[str, torch.Tensor], ...]
+    def __init__(
+        self,
+        slots: Sequence[Slot],
+        grads: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
+        new_params: Sequence[torch.Tensor],
+        flat: FlatStates,
+        new_buffers: Mapping[Any, torch.Tensor],
+        own: Mapping[tuple[int, str], torch.Tensor],
+    ) -> None:
+        self.slots, self.grads, self.params, self.new_params = tuple(slots), tuple(grads), tuple(params), new_params
+        self._flat, self._new_buffers, self._own = flat, new_buffers, own
+        self.own_new = {key: torch.empty_like(value, dtype=slots[key[0]].dtype) for key, value in own.items()}
+
+    def state(self, i: int, name: str) -> torch.Tensor:
+        own = self._own.get((i, name))
+        return own if own is not None else self._flat.view(self.slots[i].index, name)
+
+    def new_state(self, i: int, name: str) -> torch.Tensor:
+        own = self.own_new.get((i, name))
+        return own if own is not None else self._flat.view(self.slots[i].index, name, self._new_buffers)
+
+    def states_of(self, run: Sequence[int], name: str, *, new: bool = False) -> torch.Tensor | None:
+        """State ``name`` (new: its destination) of the slots ``run`` as one flat range, when
+        they lie one after another in its buffer; else ``None``."""
+        if any((i, name) in self._own for i in run):
+            return None
+        return self._flat.run([self.slots[i].index for i in run], name, self._new_buffers if new else None)
 
 
 @attrs.frozen(eq=False)
 class _Compiled:
-    """A step plan and, per (tensor, leg), the leg's index in it."""
+    """A step plan, this rank's program of it and, per (tensor, leg), the leg's index in it."""
 
     plan: StepPlan
+    program: StepProgram
     legs: Mapping[tuple[str, str], int]
 
 
@@ -233,6 +258,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for name, p in zip(group["param_names"], group["params"], strict=True):
                 self._slots.append(self._place(len(self._slots), name, p, group, spec, flat_axis, state_dtype))
         self._flat: FlatStates | None = None  # allocated at the first step
+        self._scratch = Scratch()  # the step's working buffers, kept between steps
+        self._bucket_buffers = Scratch()  # the buckets' buffers (``runtime.buckets``)
         self._plans: dict[tuple, _Compiled] = {}
         self.last_traffic = StepTraffic()
 
@@ -371,7 +398,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             except ShardlangError as e:
                 raise OptimizerError(e.message) from None
             legs = {(leg.tensor, leg.what): i for i, leg in enumerate(plan.legs)}
-            compiled = self._plans[key] = _Compiled(plan, legs)
+            try:
+                program = compile_step(plan, self.rank)
+            except ShardlangError as e:
+                raise OptimizerError(e.message) from None
+            compiled = self._plans[key] = _Compiled(plan, program, legs)
             if self.verify:
                 self._verify(plan)
         return compiled
@@ -455,16 +486,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plan, legs = compiled.plan, compiled.legs
         flat = self._flat_states()
         step_number = min(s.step for s in slots) + 1
+        device_meshes = {s.name: s.device_mesh for s in slots}
 
         def run(stage: str, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
             try:
                 return run_stage(
-                    plan,
+                    compiled.program,
                     stage,
                     inputs,
-                    rank=self.rank,
-                    device_meshes={s.name: s.device_mesh for s in slots},
+                    device_meshes=device_meshes,
                     timeout=self.timeout,
+                    buffers=self._bucket_buffers,
                 )
             except ShardlangError as e:
                 raise OptimizerStepError(
@@ -487,40 +519,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         # 2. The math, into new buffers.
         new_buffers = flat.fresh(s.index for s in slots)
-        params, states, new_params, new_states = [], [], [], []
         fresh_params = self._fresh_params(slots)
-        for slot in slots:
+        params, new_params, own = [], [], {}
+        for i, slot in enumerate(slots):
             fetch = legs.get((slot.name, "param -> state"))
             params.append(arrived[fetch].to(slot.dtype) if fetch is not None else flat.view(slot.index, "master"))
-            old, new = {}, {}
-            for state in self._state_shapes(slot):
-                if state in slot.own_layouts:
-                    old[state] = arrived[legs[(slot.name, f"state.{state} -> state")]]
-                    new[state] = torch.empty_like(old[state], dtype=slot.dtype)
-                else:
-                    old[state] = flat.view(slot.index, state)
-                    new[state] = flat.view(slot.index, state, new_buffers)
-            states.append(old)
-            new_states.append(new)
             new_params.append(
                 flat.view(slot.index, "master", new_buffers) if slot.needs_master else fresh_params[slot.index]
             )
+            for state in slot.own_layouts:
+                own[(i, state)] = arrived[legs[(slot.name, f"state.{state} -> state")]]
         work = StepWork(
-            slots=tuple(slots),
-            grads=tuple(arrived[legs[(s.name, "grad -> state")]] for s in slots),
-            params=tuple(params),
-            states=tuple(states),
-            new_params=tuple(new_params),
-            new_states=tuple(new_states),
+            slots,
+            [arrived[legs[(s.name, "grad -> state")]] for s in slots],
+            params,
+            new_params,
+            flat,
+            new_buffers,
+            own,
         )
         sum_bytes, sum_collectives = self._exchange(work, step_number)
 
         # 3. After the update.
         inputs = {}
-        for slot, param, new in zip(slots, new_params, new_states, strict=True):
+        for i, (slot, param) in enumerate(zip(slots, new_params, strict=True)):
             inputs[legs[(slot.name, "state -> param")]] = param.to(slot.param.dtype)
             for state in slot.own_layouts:
-                inputs[legs[(slot.name, f"state -> state.{state}")]] = new[state]
+                inputs[legs[(slot.name, f"state -> state.{state}")]] = work.own_new[(i, state)]
         back = run(AFTER, inputs)
         traffic = StepTraffic(plan.total_bytes, plan.collectives, sum_bytes, sum_collectives)
 
@@ -535,17 +560,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         return commit
 
-    @staticmethod
-    def _fresh_params(slots: Sequence[Slot]) -> dict[int, torch.Tensor]:
+    def _fresh_params(self, slots: Sequence[Slot]) -> dict[int, torch.Tensor]:
         """Where the new state-layout shard of every parameter without a master goes: views of
-        one flat buffer per (dtype, device), in the slots' order."""
+        one flat buffer per (dtype, device), in the slots' order, kept between steps."""
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         for slot in slots:
             if not slot.needs_master:
                 assert slot.shard is not None
                 key = (slot.dtype, slot.local_param().device)
                 sizes[key] = sizes.get(key, 0) + math.prod(slot.shard.local_shape)
-        buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+        buffers = {key: self._scratch.take("new params", n, *key) for key, n in sizes.items()}
         out, offsets = {}, dict.fromkeys(sizes, 0)
         for slot in slots:
             if not slot.needs_master:
@@ -614,8 +638,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @property
     def bucket_buffer_bytes(self) -> int:
-        """The largest bucket buffer of the step plans built so far (the memory buckets add)."""
-        return max((c.plan.max_buffer_bytes for c in self._plans.values()), default=0)
+        """Bytes of the buffers the buckets' collectives keep between steps on this rank."""
+        return self._bucket_buffers.nbytes
+
+    @property
+    def work_bytes(self) -> int:
+        """Bytes of what a step keeps besides the states: the spare state buffers it writes
+        (for the all-or-nothing swap), its working buffers and the bucket buffers."""
+        spare = 0 if self._flat is None else self._flat.spare_bytes
+        return spare + self._scratch.nbytes + self._bucket_buffers.nbytes
 
     # --- memory and checkpoints --------------------------------------------------------
     def state_bytes(self) -> int:

@@ -253,9 +253,8 @@ class ShardedCAME(ShardedOptimizer):
                 weight_decay=group["weight_decay"],
             )
             grad = work.grads[i].to(slot.dtype)
-            updates.append(
-                came_update(
-                    grad, work.params[i], work.states[i], slot.shard, hyper, work.new_params[i], work.new_states[i]
-                )
-            )
+            names = came_state_shapes(slot.shard)
+            states = {name: work.state(i, name) for name in names}
+            new = {name: work.new_state(i, name) for name in names}
+            updates.append(came_update(grad, work.params[i], states, slot.shard, hyper, work.new_params[i], new))
         return updates

@@ -4,10 +4,13 @@ Each tensor's state is a view of the buffer (``FlatStates.view``); tensors lie i
 they were given, so the states of tensors stepped together form one contiguous range, and the
 optimizer math runs as a few whole-range ops (``as_flat``) instead of one op per tensor.
 
-A step never writes the buffers it reads: :meth:`FlatStates.fresh` gives new buffers (empty
-where every tensor of a buffer is stepped, else a copy, since the others keep their values),
-the math writes into their views, and :meth:`FlatStates.replace` swaps them in when the whole
-step has succeeded; a failed step drops them.
+A step never writes the buffers it reads: :meth:`FlatStates.fresh` gives the second set of
+buffers (a copy of the first where not every tensor of a buffer is stepped, since the others
+keep their values), the math writes into their views, and :meth:`FlatStates.replace` swaps the
+two sets when the whole step has succeeded; a failed step leaves the first set as it was. The
+second set is kept between steps (``spare_bytes``): allocating buffers of megabytes anew every
+step costs more than the math on them (the allocator returns them to the system, and every
+page faults again on first touch).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
+
+from runtime.buffers import Scratch
 
 Key = tuple[str, torch.dtype, torch.device]
 
@@ -38,9 +43,27 @@ class FlatStates:
         self.buffers: dict[Key, torch.Tensor] = {
             key: torch.zeros(size, dtype=key[1], device=key[2]) for key, size in sizes.items()
         }
+        self._spare: dict[Key, torch.Tensor] | None = None
 
     def has(self, tensor: int, state: str) -> bool:
         return (tensor, state) in self._where
+
+    def run(
+        self, tensors: Sequence[int], state: str, buffers: Mapping[Key, torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
+        """The states ``state`` of ``tensors`` as one range of their buffer (of ``buffers``
+        when given) when they lie there one after another, else ``None``."""
+        if not tensors or not all((t, state) in self._where for t in tensors):
+            return None
+        key, start, _ = self._where[(tensors[0], state)]
+        end = start
+        for t in tensors:
+            other, offset, shape = self._where[(t, state)]
+            if other != key or offset != end:
+                return None
+            end += math.prod(shape)
+        source = self.buffers if buffers is None else buffers
+        return source[key][start:end]
 
     def view(self, tensor: int, state: str, buffers: Mapping[Key, torch.Tensor] | None = None) -> torch.Tensor:
         """The tensor's state, a view of its buffer (of ``buffers`` when given)."""
@@ -49,46 +72,63 @@ class FlatStates:
         return source[key][offset : offset + math.prod(shape)].view(shape)
 
     def fresh(self, stepped: Iterable[int]) -> dict[Key, torch.Tensor]:
-        """New buffers for a step of the tensors ``stepped``."""
+        """The buffers a step of the tensors ``stepped`` writes (the second set)."""
+        if self._spare is None:
+            self._spare = {key: torch.empty_like(buffer) for key, buffer in self.buffers.items()}
         chosen = set(stepped)
-        return {
-            key: torch.empty_like(buffer) if self._members[key] <= chosen else buffer.clone()
-            for key, buffer in self.buffers.items()
-        }
+        for key, buffer in self.buffers.items():
+            if not self._members[key] <= chosen:
+                self._spare[key].copy_(buffer)
+        return dict(self._spare)
 
     def replace(self, buffers: Mapping[Key, torch.Tensor]) -> None:
-        self.buffers = dict(buffers)
+        """Make ``buffers`` (from :meth:`fresh`) the states; the old ones become the spare set."""
+        self._spare, self.buffers = self.buffers, dict(buffers)
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
+    @property
+    def spare_bytes(self) -> int:
+        return 0 if self._spare is None else sum(b.numel() * b.element_size() for b in self._spare.values())
+
 
 def as_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One 1-d view covering ``tensors`` when they are contiguous and lie one after another
-    in the same storage (views of one flat buffer, in order), else ``None``."""
+    in memory (views of one flat buffer, in order), else ``None``."""
     if not tensors:
         return None
     first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    start = end = first.storage_offset()
+    itemsize = first.element_size()
+    end = first.data_ptr()
+    count = 0
     for t in tensors:
-        if t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != end:
+        if t.numel() == 0:
+            continue
+        if t.dtype != first.dtype or t.data_ptr() != end or not t.is_contiguous():
             return None
-        if t.numel() and t.untyped_storage().data_ptr() != storage:
-            return None
-        end += t.numel()
-    return first.as_strided((end - start,), (1,), start)
+        end += t.numel() * itemsize
+        count += t.numel()
+    if count and first.numel() == 0:  # the run starts at its first non-empty tensor
+        first = next(t for t in tensors if t.numel())
+    return first.as_strided((count,), (1,), first.storage_offset())
 
 
-def flat_or_copy(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """``tensors`` as one 1-d tensor of ``dtype``: a view when they already are one, else a copy."""
+def flat_or_copy(
+    tensors: Sequence[torch.Tensor], dtype: torch.dtype, scratch: Scratch | None = None, name: str = ""
+) -> torch.Tensor:
+    """``tensors`` as one 1-d tensor of ``dtype``: a view when they already are one, else a
+    copy (into ``scratch``'s buffer ``name`` when given)."""
     flat = as_flat(tensors)
     if flat is not None and flat.dtype == dtype:
         return flat
     if not tensors:
         return torch.empty(0, dtype=dtype)
-    out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    numel, device = sum(t.numel() for t in tensors), tensors[0].device
+    out = (
+        torch.empty(numel, dtype=dtype, device=device) if scratch is None else scratch.take(name, numel, dtype, device)
+    )
     offset = 0
     for t in tensors:
         out[offset : offset + t.numel()].view(t.shape).copy_(t)
@@ -97,8 +137,9 @@ def flat_or_copy(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.T
 
 
 def scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy ``flat`` into ``tensors`` (in order), unless it already is their storage."""
-    if as_flat(tensors) is not None and as_flat(tensors).data_ptr() == flat.data_ptr():  # type: ignore[union-attr]
+    """Copy ``flat`` into ``tensors`` (in order), unless it already is their memory."""
+    same = as_flat(tensors)
+    if same is not None and same.data_ptr() == flat.data_ptr():
         return
     offset = 0
     for t in tensors:

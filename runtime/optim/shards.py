@@ -15,6 +15,7 @@ sums partial, and a flat axis leaves both partial. Batch axes never mix matrices
 
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
@@ -65,12 +66,12 @@ class StateShard:
                 }
         return cls(shape=shape, layout=layout, bounds=bounds, flat_axis=flat_axis, flat_range=(lo, hi), **indices)
 
-    # --- shapes ------------------------------------------------------------------------
-    @property
+    # --- shapes (cached: the step reads them for every tensor) ---------------------------
+    @functools.cached_property
     def block_shape(self) -> tuple[int, ...]:
         return piece_shape(self.bounds)
 
-    @property
+    @functools.cached_property
     def local_shape(self) -> tuple[int, ...]:
         """The shape of the local state data: the block, or the flat chunk."""
         if self.flat_range is None:
