@@ -29,7 +29,7 @@ import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.step import Bucket, Leg, StepPlan
+from planner.step import AFTER, BEFORE, Bucket, Leg, StepPlan
 from runtime import stats
 from runtime.blocks import piece_shape
 from runtime.buffers import Scratch
@@ -61,6 +61,18 @@ class _BucketProgram:
     members: tuple[tuple[int, Move, int, int], ...]  # (leg, move, chunk, offset)
     total: int
     per_peer: bool  # the send buffer has one row per peer (reduce_scatter, all_to_all)
+    # Where its result (and gloo's reduce_scatter workspace) lie in the kept buffer of its
+    # dtype: (offset, elements); see :func:`_lay_out`.
+    result: tuple[int, int] = (0, 0)
+    workspace: tuple[int, int] | None = None
+
+    @property
+    def send_numel(self) -> int:
+        return self.bucket_rows * self.total
+
+    @property
+    def bucket_rows(self) -> int:
+        return self.members[0][1].n if self.per_peer else 1
 
 
 @attrs.frozen(eq=False)
@@ -72,6 +84,9 @@ class StepProgram:
     rank: int
     legs: tuple[_LegProgram, ...]
     buckets: tuple[_BucketProgram, ...]
+    # Per wire dtype: elements of the shared send buffer and of the kept buffer.
+    send_numel: Mapping[str, int] = attrs.field(factory=dict)
+    kept_numel: Mapping[str, int] = attrs.field(factory=dict)
 
 
 def compile_step(plan: StepPlan, rank: int) -> StepProgram:
@@ -99,7 +114,47 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
             offset += move.chunk
         per_peer = bucket.op in ("reduce_scatter", "all_to_all")
         buckets.append(_BucketProgram(index, bucket, tuple(members), offset, per_peer))
-    return StepProgram(plan, rank, tuple(legs), tuple(buckets))
+    laid, send_numel, kept_numel = _lay_out(buckets)
+    return StepProgram(plan, rank, tuple(legs), tuple(laid), send_numel, kept_numel)
+
+
+def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], dict[str, int], dict[str, int]]:
+    """Place every bucket's buffers, per wire dtype: one send buffer shared by all (free again
+    once its collective returns), and one kept buffer holding, in order, the results of the
+    buckets before the update (read by the math), then those after it (read at the commit).
+    A gloo reduce_scatter's all_to_all workspace is only alive during its collective, before the
+    update, so it shares the space of the later results.
+
+    E.g. ZeRO-2 on 4 ranks, buckets of ``T`` elements per rank: the reduce_scatter's result
+    takes ``[0, T)``, its workspace ``[T, 5T)``, the all_gather's result ``[T, 5T)`` too; the
+    kept buffer has ``5T`` elements and the send buffer ``4T``."""
+    laid: list[_BucketProgram] = []
+    send: dict[str, int] = {}
+    kept: dict[str, int] = {}
+    for dtype in dict.fromkeys(b.bucket.dtype for b in buckets):
+        mine = [b for b in buckets if b.bucket.dtype == dtype]
+        offset, places = 0, {}
+        for stage in (BEFORE, AFTER):
+            for b in mine:
+                if b.bucket.stage == stage:
+                    n = b.members[0][1].n
+                    numel = n * b.total if b.bucket.op in ("all_gather", "all_to_all") else b.total
+                    places[b.index] = (offset, numel)
+                    offset += numel
+            if stage == BEFORE:
+                later = offset
+        end = offset
+        for b in mine:
+            workspace = None
+            if b.bucket.op == "reduce_scatter":
+                start = later if b.bucket.stage == BEFORE else offset
+                workspace = (start, b.send_numel)
+                end = max(end, start + b.send_numel)
+            laid.append(attrs.evolve(b, result=places[b.index], workspace=workspace))
+        send[dtype] = max((b.send_numel for b in mine if b.bucket.op != "all_reduce"), default=0)
+        kept[dtype] = end
+    laid.sort(key=lambda b: b.index)
+    return laid, send, kept
 
 
 class _Walk:
@@ -180,17 +235,17 @@ def _run_bucket(
     if buffers is None:
         send = torch.empty(shape, dtype=sample.dtype, device=sample.device)
     else:
-        size = n * total if bucket.per_peer else total
-        # An all_reduce reduces in place: its send buffer is its result.
-        send = buffers.take(
-            "send" if op != "all_reduce" else f"bucket {bucket.index}", size, sample.dtype, sample.device
-        )
-        send = send.view(shape)
-        if op != "all_reduce":
-            result = {"all_gather": n * total, "reduce_scatter": total, "all_to_all": n * total}[op]
-            out = buffers.take(f"bucket {bucket.index}", result, sample.dtype, sample.device)
-        if op == "reduce_scatter":
-            workspace = buffers.take("all_to_all", size, sample.dtype, sample.device)
+        dtype = bucket.bucket.dtype
+        kept = buffers.take("kept", program.kept_numel[dtype], sample.dtype, sample.device)
+        start, numel = bucket.result
+        out = kept[start : start + numel]
+        if op == "all_reduce":  # reduces in place: its send buffer is its result
+            send = out.view(shape)
+        else:
+            send = buffers.take("send", program.send_numel[dtype], sample.dtype, sample.device)
+            send = send[: bucket.send_numel].view(shape)
+        if bucket.workspace is not None:
+            workspace = kept[bucket.workspace[0] : bucket.workspace[0] + bucket.workspace[1]]
     for m, (leg, move, chunk, offset) in zip(bucket.bucket.members, bucket.members, strict=True):
         walk = walks[leg]
         walk.advance((m.hop, m.step))

@@ -19,6 +19,7 @@ import torch
 from planner.step import BEFORE, StepTensor, plan_step
 from runtime import recording, torch_dtype, unshard
 from runtime.buckets import compile_step, run_stage
+from runtime.buffers import Scratch
 from shardlang import parse_layout
 from tests.dist_harness import run_ranks
 from tests.test_reshard_dist import Case, corpus
@@ -58,6 +59,7 @@ def _batches(cases: list[Case]) -> list[list[Case]]:
 
 def _run(rank: int, world_size: int) -> list:
     out = []
+    buffers = Scratch()  # shared by every run, as an optimizer shares it between steps
     for _, cases in MESHES:
         for batch in _batches(cases):
             for bucket_bytes in (None, 64):  # default buckets, and buckets cut small
@@ -68,12 +70,14 @@ def _run(rank: int, world_size: int) -> list:
                     leg = next(k for k, leg in enumerate(plan.legs) if leg.tensor == f"case{i}")
                     inputs[leg] = source_pieces(full, parse_layout(src_text), seed)[rank]
                 with recording() as log:
+                    # Kept buffers with the default buckets, fresh ones with the small buckets.
                     results = run_stage(
                         compile_step(plan, rank),
                         BEFORE,
                         inputs,
                         device_meshes={},
                         timeout=datetime.timedelta(seconds=60),
+                        buffers=buffers if bucket_bytes is None else None,
                     )
                 pieces = [_to_bytes(results[k].contiguous()) for k in sorted(results)]
                 out.append((pieces, [(r.step, r.bytes_sent, len(r.tensor.split(","))) for r in log.records]))
