@@ -419,3 +419,38 @@ def test_a_sync_failing_after_the_metadata_moved_reports_a_committed_checkpoint(
     monkeypatch.undo()
     assert torch.equal(_loads(tmp_path), _weight(2.0))
     assert checkpoint.verify(tmp_path) == ROWS * COLS * 4
+
+
+def test_the_reader_returns_exactly_the_runs_whatever_the_blocks_and_spans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random increasing byte runs of a piece, random block sizes, reads cut into spans of a
+    few blocks: what the reader returns is the runs' bytes, sliced from the file by hand, and
+    it reads only the blocks the runs touch."""
+    import random
+
+    from runtime.checkpoint.metadata import StoredPiece
+    from runtime.checkpoint.reader import RangeReader
+
+    reader_module = importlib.import_module("runtime.checkpoint.reader")
+    rng = random.Random(11)
+    data = bytes(rng.randrange(256) for _ in range(5000))
+    (tmp_path / "data-x").mkdir()
+    (tmp_path / "data-x" / "rank-00000.bin").write_bytes(b"head" + data)
+    for trial in range(300):
+        block = rng.choice([1, 3, 64, 100, 999, 4096, 10_000])
+        monkeypatch.setattr(reader_module, "SPAN_BYTES", rng.choice([1, 200, 4096, 1 << 20]))
+        crcs = [zlib.crc32(data[i : i + block]) for i in range(0, len(data), block)]
+        piece = StoredPiece(file="rank-00000.bin", offset=4, box=((0, len(data)),), block_crc32=crcs)
+        cuts = sorted(rng.sample(range(len(data) + 1), rng.choice([2, 4, 10, 40])))
+        runs = [(a, b - a) for a, b in zip(cuts[::2], cuts[1::2], strict=False) if b > a]
+        into = bytearray(sum(n for _, n in runs))
+        reader = RangeReader(tmp_path, "data-x", {"rank-00000.bin": len(data) + 4}, block)
+        try:
+            reader.read(piece, runs, len(data), memoryview(into), "tensor 't'")
+        finally:
+            reader.close()
+        assert bytes(into) == b"".join(data[a : a + n] for a, n in runs), (trial, block, runs)
+        touched = {b for a, n in runs for b in range(a // block, (a + n - 1) // block + 1)}
+        want = sum(min((b + 1) * block, len(data)) - b * block for b in touched)
+        assert reader.bytes_read.get("rank-00000.bin", 0) == want, (trial, block, runs)

@@ -53,7 +53,11 @@ class RangeReader:
         run, done, position = 0, 0, 0  # the run being copied, its bytes copied, where it goes in ``into``
         for first, stop in self._spans(runs):
             start, end = first * block, min(stop * block, length)
-            buffer = memoryview(bytearray(end - start))
+            direct = run < len(runs) and runs[run][0] + done == start and sum(runs[run]) >= end
+            if direct:  # the span is all in the current run: read it where it goes
+                buffer = into[position + done : position + done + end - start]
+            else:
+                buffer = memoryview(bytearray(end - start))
             self._read_exactly(fd, piece, buffer, start, label)
             for b in range(first, stop):
                 got = zlib.crc32(buffer[b * block - start : min((b + 1) * block, end) - start])
@@ -63,6 +67,11 @@ class RangeReader:
                         f"(bytes {piece.offset + b * block}..{piece.offset + min((b + 1) * block, length)} of the "
                         "file) does not match its checksum (the file is corrupt)"
                     )
+            if direct:
+                done += end - start
+                if done == runs[run][1]:
+                    run, done, position = run + 1, 0, position + runs[run][1]
+                continue
             while run < len(runs):
                 offset, size = runs[run]
                 at = offset + done
