@@ -22,7 +22,9 @@ in the same processes and are interleaved step by step (variant A step k, varian
 * ``sharded``: ``ShardedAdamW``, no DDP wrapper, a ZeRO-2 spec over ``mesh[dp=4]``: params
   ``R,R``/``R``, gradients ``R,R | P(dp):avg``/``R | P(dp):avg``, states ``S(dp),R``/``S(dp)``;
 * ``sharded-flat``: ``ShardedAdamW`` with the same param/grad layouts, states ``R,R``/``R`` and
-  ``flat_axis="dp"`` (flat ZeRO).
+  ``flat_axis="dp"`` (flat ZeRO);
+* ``sharded-replicated``: ``ShardedAdamW`` with replicated states ``R,R``/``R``: one bucketed
+  all-reduce, as DDP's, then the whole update on every rank.
 
 lr 1e-3, weight decay 0.01, betas (0.9, 0.999), eps 1e-8 everywhere. Times are the median over
 steps 4..N of rank 0's wall time (the "step()" column is the ``optimizer.step()`` part of
@@ -48,8 +50,9 @@ What is counted:
 * held memory per rank after a step (the largest over ranks): parameters and gradients as
   tensors (FSDP2: the local shards), optimizer states (``optimizer.state`` tensors; ZeRO: its
   local optimizer's; ours: ``state_bytes()``), bucket buffers (DDP: its reducer's buckets from
-  ``_get_ddp_logging_data()``, which exist beside the gradients; ours: ``bucket_buffer_bytes``
-  where the optimizer has it; others: none).
+  ``_get_ddp_logging_data()``, which exist beside the gradients; ours: ``work_bytes``, what a
+  step keeps besides the states: the bucket buffers, the spare state buffers of the
+  all-or-nothing swap and the working buffers of the flat math; others: none).
 * transient peak: the most bytes the CPU allocator held above what it held when the step
   (or ``optimizer.step()``) began, from the profiler's allocation events during step 3 (the
   profiler runs from step 2, so tensors freed in step 3 were seen allocated); largest over
@@ -111,6 +114,7 @@ VARIANTS = {
     "fsdp2": "FSDP2 fully_shard + AdamW(foreach)",
     "sharded": "ShardedAdamW, ZeRO-2 spec",
     "sharded-flat": "ShardedAdamW, flat ZeRO",
+    "sharded-replicated": "ShardedAdamW, replicated states (DDP's collectives)",
 }
 STEP_ALONE = {
     "adamw-ref": "flat all-reduce + AdamW(foreach)",
@@ -250,14 +254,18 @@ def train_variant(key: str, base: nn.Module, rank: int, world: int, mesh: Device
             fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW)
     else:
-        matrix, vector, flat = ("S(dp),R", "S(dp)", None) if key == "sharded" else ("R,R", "R", "dp")
+        matrix, vector, flat = {
+            "sharded": ("S(dp),R", "S(dp)", None),
+            "sharded-flat": ("R,R", "R", "dp"),
+            "sharded-replicated": ("R,R", "R", None),
+        }[key]
         spec = spec_for(model, world, matrix, vector)
         optimizer = ShardedAdamW(model.named_parameters(), spec, **ADAMW, flat_axis=flat)
 
     def memory() -> dict[str, int | None]:
         params = list(model.parameters())
         if key.startswith("sharded"):
-            state, buckets = optimizer.state_bytes(), attribute_bytes(optimizer, "bucket_buffer_bytes")
+            state, buckets = optimizer.state_bytes(), attribute_bytes(optimizer, "work_bytes")
         else:
             state = torch_state_bytes(optimizer.optim if key == "zero" else optimizer)
             buckets = ddp_bucket_bytes(module) if key in ("ddp", "zero") else None
@@ -490,8 +498,8 @@ def report_model(name: str, steps: int, ranks: list[dict[str, Any]], keys: list[
     )
     print(
         "| variant | train step ms | x DDP | step() ms | collectives in step() | collectives per train step "
-        "| params+grads MiB | optimizer state MiB | bucket buffers MiB | held MiB | peak above start: train step "
-        "/ step() MiB |"
+        "| params+grads MiB | optimizer state MiB | bucket / step buffers MiB | held MiB "
+        "| peak above start: train step / step() MiB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k in keys:

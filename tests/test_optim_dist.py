@@ -336,6 +336,23 @@ def _run_failed_step(rank: int, seed: int) -> dict[str, Any]:
     return {"message": message, "unchanged": unchanged, "params": {n: p.detach().clone() for n, p in params.items()}}
 
 
+def _run_mismatched_buckets(rank: int, seed: int) -> dict[str, Any]:
+    """Rank 0 cuts its buckets smaller than the others do: every rank must refuse the step
+    (not hang, not mix up tensors) and change nothing; a second try refuses again."""
+    from tests.dist_harness import attempt
+
+    spec = _spec(DP4, _zero_rows)
+    coordinate = (rank,)
+    params = {n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, seed).items()}
+    optimizer = _optimizer("adamw", list(params.items()), spec, bucket_bytes=1 if rank == 0 else None, timeout=30)
+    for name, (grad, addends) in step_grads(torch.float32, seed, 0).items():
+        params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    outcomes = [attempt(optimizer.step) for _ in range(2)]
+    unchanged = all(torch.equal(before[n], params[n]) for n in SHAPES) and optimizer.state_bytes() == 0
+    return {"outcomes": [(kind, message) for kind, message, _ in outcomes], "unchanged": unchanged}
+
+
 def _same_states(a: dict, b: dict) -> bool:
     if a["tensors"].keys() != b["tensors"].keys():
         return False
@@ -395,6 +412,7 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         out[("mixed", kind)] = _run_mixed_precision(rank, kind, seed=9)
         out[("resume", kind)] = _run_resume(rank, kind, seed=10)
     out["failed_step"] = _run_failed_step(rank, seed=11)
+    out["mismatched_buckets"] = _run_mismatched_buckets(rank, seed=13)
     for kind, flat_axis in (("adamw", None), ("came", None), ("came", "dp")):
         out[("training", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=12)
     return out
@@ -584,6 +602,16 @@ def test_a_failed_step_changes_nothing_and_names_the_tensor(ranks: list[dict[str
         assert case["unchanged"]
         for name, got in case["params"].items():
             _assert_close("came", torch.float32, got, want[name], f"after the failed step, rank {rank} '{name}'")
+
+
+@pytest.mark.slow
+def test_ranks_with_other_buckets_refuse_the_step_everywhere(ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(ranks):
+        case = result["mismatched_buckets"]
+        for kind, message in case["outcomes"]:
+            assert kind == "PlanMismatchError", (rank, kind, message)
+            assert "disagree on the step plan" in message and "ranks [" in message
+        assert case["unchanged"], rank
 
 
 @pytest.mark.slow

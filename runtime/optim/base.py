@@ -402,9 +402,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 program = compile_step(plan, self.rank)
             except ShardlangError as e:
                 raise OptimizerError(e.message) from None
-            compiled = self._plans[key] = _Compiled(plan, program, legs)
             if self.verify:
                 self._verify(plan)
+            compiled = self._plans[key] = _Compiled(plan, program, legs)
         return compiled
 
     def step_plan(self) -> StepPlan:
