@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -134,21 +133,6 @@ def main() -> None:
         print(f"optimizer state on rank 0: {optimizer.state_bytes():,} bytes")
 
 
-def finish() -> None:
-    """End the job on this rank: meet every rank at a final barrier (no rank tears gloo down
-    while a peer still talks to it), destroy the process group, flush the output, and exit
-    at once. The runtime keeps the process groups it made for the life of the process, so
-    gloo's worker threads outlive ``destroy_process_group``; one that is still releasing the
-    work of the last collective while the interpreter shuts down aborts the process
-    ("terminate called without an active exception", exit -6). Exiting without the
-    interpreter's shutdown leaves those threads no such moment."""
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
     main()  # an error on a rank propagates (torchrun then stops the others)
-    finish()
+    runtime.shutdown()

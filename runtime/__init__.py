@@ -8,13 +8,14 @@ It is the one layer that communicates; it reads layouts (``shardlang``) and plan
   point-to-point steps with ``batch_isend_irecv``; across meshes every rank of either mesh calls.
 * ``axis_group``: the calling rank's process group along some mesh axes.
 * ``recording``: measure what each collective sent.
+* ``shutdown``: end a rank's part in the job (a final barrier, then every group destroyed).
 """
 
 from runtime.comm import DEFAULT_TIMEOUT
 from runtime.dtypes import dtype_name, torch_dtype
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
 from runtime.executor import plan_fingerprint, reshard
-from runtime.groups import axis_group
+from runtime.groups import axis_group, shutdown
 from runtime.pieces import shard, unshard
 from runtime.simulate import simulate
 from runtime.stats import CommLog, CommRecord, recording
@@ -32,6 +33,7 @@ __all__ = [
     "recording",
     "reshard",
     "shard",
+    "shutdown",
     "simulate",
     "torch_dtype",
     "unshard",

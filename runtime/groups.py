@@ -123,6 +123,23 @@ def ranks_group(members: tuple[int, ...], *, timeout: datetime.timedelta | None 
     return group
 
 
+def shutdown() -> None:
+    """End this rank's part in the job: wait for every rank at a barrier (no rank tears gloo
+    down while a peer still talks to it), destroy the groups the runtime made and the default
+    group. The runtime keeps its groups for the life of the default group; left to the
+    interpreter's exit, their backend threads may still be releasing the last collective's work
+    while the process shuts down."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    groups = list(_cache().values())
+    _groups.clear()
+    for group in dict.fromkeys(groups):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
+    dist.destroy_process_group()
+
+
 def _cache() -> dict[tuple, dist.ProcessGroup]:
     """The group cache of the current default process group (emptied when it changes)."""
     global _groups_world
