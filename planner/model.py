@@ -109,6 +109,7 @@ def step_tensor(tensor: TensorSpec, cost: CostModel, flat_axis: str | int | None
         flat_axis=axis,
         fetch_param=state_dtype == tensor.dtype,
         cost=cost,
+        position=tensor.position,
     )
 
 
@@ -141,17 +142,14 @@ def plan_spec(
         chosen = spec.tensors
     else:
         chosen = tuple(t if isinstance(t, TensorSpec) else spec.tensor(t) for t in tensors)
-    inputs = []
+    inputs, costs = [], {}
     for t in chosen:
         if on_tensor is not None:
             on_tensor(t)
-        cost = cost_for(spec, t, alpha=alpha, bandwidth=bandwidth)
-        item = step_tensor(t, cost, flat_axis)
-        try:  # plan each tensor here, so that an error names its line
-            plan_step([item], rank, max_local_bytes=max_local_bytes, point_to_point=point_to_point)
-        except PlanError as e:
-            raise PlanError(e.message, t.position) from None
-        inputs.append(item)
+        mesh = t.state().mesh
+        if mesh not in costs:
+            costs[mesh] = cost_for(spec, t, alpha=alpha, bandwidth=bandwidth)
+        inputs.append(step_tensor(t, costs[mesh], flat_axis))
     step = plan_step(
         inputs, rank, bucket_bytes=bucket_bytes, max_local_bytes=max_local_bytes, point_to_point=point_to_point
     )

@@ -44,6 +44,7 @@ import attrs
 from planner.choice import plan as plan_pair
 from planner.cost import CostModel, PlanError, collective_rounds
 from planner.plan import Plan, same_geometry
+from shardlang.errors import SourcePosition
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 
@@ -88,6 +89,8 @@ class StepTensor:
     flat_axis: int | None = None
     fetch_param: bool = True
     cost: CostModel = attrs.field(factory=CostModel)
+    # Where a spec file declares the tensor (errors point there).
+    position: SourcePosition | None = attrs.field(default=None, eq=False)
 
     @property
     def base(self) -> Layout:
@@ -332,7 +335,7 @@ def plan_step(
         try:
             legs += _legs(tensor, rank, max_local_bytes, point_to_point)
         except PlanError as e:
-            raise PlanError(f"tensor '{tensor.name}': {e.message}", e.position) from None
+            raise PlanError(f"tensor '{tensor.name}': {e.message}", tensor.position or e.position) from None
     costs = {t.name: t.cost for t in tensors}
     buckets = [b for stage in STAGES for b in _schedule(legs, stage, costs, cap)]
     return StepPlan(

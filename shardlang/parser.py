@@ -454,7 +454,7 @@ def read_source(path: Path) -> str:
         info = os.fstat(fd)
         mode, size = info.st_mode, info.st_size
         if not stat.S_ISREG(mode):
-            raise SpecError(f"{path}: cannot read: it is {_file_kind(mode)}, not a spec file")
+            raise SpecError(f"{path}: cannot read: it is {file_kind(mode)}, not a spec file")
         if size > MAX_SOURCE_BYTES:
             raise SpecError(f"{path}: the file has {size} bytes; a spec file may have at most {MAX_SOURCE_BYTES}")
         with os.fdopen(os.dup(fd), "rb") as f:
@@ -475,11 +475,13 @@ def read_source(path: Path) -> str:
         raise ParseError(f"the file is not valid UTF-8 here (byte 0x{data[e.start]:02x})", position) from None
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, from its ``st_mode``: ``a folder``, ``a FIFO``,
+    ``a device`` or ``a special file``."""
     if stat.S_ISDIR(mode):
         return "a folder"
     if stat.S_ISFIFO(mode):
         return "a FIFO"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
-    return "not a regular file"
+    return "a special file"

@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 from runtime.checkpoint.errors import CheckpointError
+from shardlang.parser import file_kind
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -36,15 +37,5 @@ def open_inside(root: Path, path: Path, what: str, *, missing: str) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise CheckpointError(f"{path}: {what} is {_kind(mode)}, not a regular file")
+        raise CheckpointError(f"{path}: {what} is {file_kind(mode)}, not a regular file")
     return fd
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "a special file"
