@@ -13,7 +13,7 @@ many messages it has. On gloo a timed-out receive also closes the connection to 
 
 On gloo a reduce_scatter runs as an all_to_all followed by a local reduction of the ``n``
 received blocks: gloo's own reduce_scatter costs as much as an all-reduce of the whole buffer
-(1.5-3x slower than all_to_all plus the local sum for 1-4 MB buffers on 4 CPU ranks, measured
+(2-4.5x slower than all_to_all plus the local sum for 256 KiB-16 MiB buffers on 4 CPU ranks, measured
 with ``bench/bench_collectives.py``), while the all_to_all sends exactly the ring
 reduce_scatter's ``(n-1)`` blocks.
 
