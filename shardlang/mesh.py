@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import attrs
 
@@ -19,6 +21,76 @@ def _as_int_tuple(values: object) -> tuple[int, ...]:
     return tuple(int(v) for v in values)  # type: ignore[union-attr]
 
 
+class RowMajorRanks(Sequence[int]):
+    """The ranks ``0..n-1`` in order, as a sequence that holds only ``n``: the ranks of a mesh
+    declared without a ``ranks`` clause, so that a mesh of a million ranks costs O(axes)
+    memory. It compares equal to any sequence of the same ranks in the same order (a tuple
+    included); its hash is its own, so a :class:`Mesh` always stores row-major ranks this
+    way (its converter turns such a tuple into one) and meshes hash as they compare."""
+
+    __slots__ = ("_n",)
+
+    def __init__(self, n: int) -> None:
+        self._n = int(n)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        if isinstance(index, slice):
+            return tuple(range(self._n)[index])
+        return range(self._n)[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self._n))
+
+    def __reversed__(self) -> Iterator[int]:
+        return reversed(range(self._n))
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in range(self._n)
+
+    def index(self, rank: object, start: int = 0, stop: int | None = None) -> int:
+        stop = self._n if stop is None else stop
+        found = range(self._n).index(rank) if rank in self else -1
+        if not max(start, 0) <= found < min(stop, self._n):
+            raise ValueError(f"{rank!r} is not in the ranks")
+        return found
+
+    def count(self, rank: object) -> int:
+        return int(rank in self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RowMajorRanks):
+            return other._n == self._n
+        if isinstance(other, (tuple, list, range)):
+            return len(other) == self._n and all(r == i for i, r in enumerate(other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((RowMajorRanks, self._n))
+
+    def __repr__(self) -> str:
+        return f"RowMajorRanks({self._n})"
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        return RowMajorRanks, (self._n,)
+
+
+def _as_ranks(values: object) -> tuple[int, ...] | RowMajorRanks:
+    """A mesh's ranks as stored: :class:`RowMajorRanks` when they are ``0..n-1`` in order."""
+    if isinstance(values, RowMajorRanks):
+        return values
+    ranks = _as_int_tuple(values)
+    if all(r == i for i, r in enumerate(ranks)):
+        return RowMajorRanks(len(ranks))
+    return ranks
+
+
 def _optional_names(values: object) -> tuple[str, ...] | None:
     return None if values is None else tuple(str(v) for v in values)  # type: ignore[union-attr]
 
@@ -29,20 +101,22 @@ class Mesh:
 
     ``axis_names`` is ``None`` for an anonymous mesh (axes are referred to by number), and
     ``name`` is set for a mesh declared in a spec file (``mesh world = [dp=2, tp=2]``), which
-    layouts print as ``over world``.
+    layouts print as ``over world``. ``ranks`` is a tuple, or for the ranks ``0..n-1`` in
+    order a :class:`RowMajorRanks` (the same sequence, without a per-rank table).
     """
 
     shape: tuple[int, ...] = attrs.field(converter=_as_int_tuple)
-    ranks: tuple[int, ...] = attrs.field(converter=_as_int_tuple)
+    ranks: tuple[int, ...] | RowMajorRanks = attrs.field(converter=_as_ranks)
     axis_names: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_names)
     name: str | None = None
     # rank -> its row-major position in ``ranks``, built once by __attrs_post_init__ (derived, so
-    # left out of equality, hashing and repr): rank lookups are on every planning and runtime path.
-    _flat_index: dict[int, int] = attrs.field(init=False, eq=False, hash=False, repr=False)
+    # left out of equality, hashing and repr): rank lookups are on every planning and runtime
+    # path. ``None`` for row-major ranks, where a rank is its own position.
+    _flat_index: dict[int, int] | None = attrs.field(init=False, eq=False, hash=False, repr=False)
 
     @ranks.default
-    def _row_major_ranks(self) -> tuple[int, ...]:
-        return tuple(range(math.prod(self.shape)))
+    def _row_major_ranks(self) -> RowMajorRanks:
+        return RowMajorRanks(math.prod(self.shape))
 
     def __attrs_post_init__(self) -> None:
         if not self.shape:
@@ -54,14 +128,7 @@ class Mesh:
             raise LayoutError(
                 f"mesh[{','.join(map(str, self.shape))}] holds {self.size} ranks but {len(self.ranks)} are given"
             )
-        flat_index: dict[int, int] = {}
-        for flat, r in enumerate(self.ranks):
-            if r < 0:
-                raise LayoutError(f"rank {r} is negative")
-            if r in flat_index:
-                raise LayoutError(f"rank {r} appears twice in the mesh")
-            flat_index[r] = flat
-        object.__setattr__(self, "_flat_index", flat_index)
+        object.__setattr__(self, "_flat_index", None if isinstance(self.ranks, RowMajorRanks) else _index(self.ranks))
         if self.axis_names is not None:
             if len(self.axis_names) != len(self.shape):
                 raise LayoutError(f"{len(self.axis_names)} axis names for a {len(self.shape)}-axis mesh")
@@ -99,7 +166,7 @@ class Mesh:
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """The mesh coordinate of a global rank id."""
-        flat = self._flat_index.get(rank)
+        flat = self._position(rank)
         if flat is None:
             raise LayoutError(f"rank {rank} is not in {self.describe()}")
         coord = []
@@ -107,6 +174,12 @@ class Mesh:
             coord.append(flat % size)
             flat //= size
         return tuple(reversed(coord))
+
+    def _position(self, rank: int) -> int | None:
+        """The row-major position of ``rank`` in ``ranks``, ``None`` if it is not there."""
+        if self._flat_index is None:
+            return rank if rank in self.ranks else None
+        return self._flat_index.get(rank)
 
     def rank_at(self, coordinate: tuple[int, ...]) -> int:
         flat = 0
@@ -139,7 +212,7 @@ class Mesh:
         else:
             axes = ",".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
         text = f"mesh[{axes}]"
-        if self.ranks != tuple(range(self.size)):
+        if not isinstance(self.ranks, RowMajorRanks):
             text += " ranks " + format_ranks(self.ranks)
         return text
 
@@ -147,7 +220,19 @@ class Mesh:
         return self.name if self.name is not None else self.describe()
 
 
-def format_ranks(ranks: tuple[int, ...]) -> str:
+def _index(ranks: tuple[int, ...]) -> dict[int, int]:
+    """rank -> its position in ``ranks``; a :class:`LayoutError` for a negative or repeated rank."""
+    flat_index: dict[int, int] = {}
+    for flat, r in enumerate(ranks):
+        if r < 0:
+            raise LayoutError(f"rank {r} is negative")
+        if r in flat_index:
+            raise LayoutError(f"rank {r} appears twice in the mesh")
+        flat_index[r] = flat
+    return flat_index
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
     """``4..7`` for an ascending run of two or more ranks, else ``[3,1]``."""
     if len(ranks) >= 2 and all(b == a + 1 for a, b in itertools.pairwise(ranks)):
         return f"{ranks[0]}..{ranks[-1]}"
