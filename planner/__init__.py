@@ -5,20 +5,22 @@ It knows the language (``shardlang``) and nothing of torch.distributed.
 """
 
 from planner.choice import plan
-from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, CostModel, PlanError
+from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, CostModel, PlanBudgetError, PlanError
 from planner.holdings import receive_lower_bound
 from planner.p2p import point_to_point_plan
 from planner.plan import BASELINE_OPS, COMMUNICATING_OPS, OPS, Plan, Step, Transfer
-from planner.search import collective_plan
+from planner.search import DEFAULT_MAX_STATES, collective_plan
 
 __all__ = [
     "BASELINE_OPS",
     "COMMUNICATING_OPS",
     "DEFAULT_ALPHA",
     "DEFAULT_BANDWIDTH",
+    "DEFAULT_MAX_STATES",
     "OPS",
     "CostModel",
     "Plan",
+    "PlanBudgetError",
     "PlanError",
     "Step",
     "Transfer",

@@ -30,6 +30,12 @@ compared by (time, steps, candidate order) in the exact integer units of ``plann
 The collective legs are exact; the set of intermediate layouts is a choice (the plan is the
 cheapest among these candidates, not over every possible mix). ``max_local_bytes`` bounds every
 state, intermediate layouts included. Results are memoized on all arguments.
+
+Budget: one ``max_states`` (``planner.search``) covers the whole request. Each collective leg
+charges the states its search generated, each candidate one more, and pricing a
+point-to-point step charges one state per rank of both meshes and per message (counted before
+the messages are built). The request ends in a :class:`PlanBudgetError` as soon as the charges
+pass ``max_states``; charges depend only on the request, so every process agrees.
 """
 
 from __future__ import annotations
@@ -40,10 +46,17 @@ import itertools
 
 import attrs
 
-from planner.cost import DEFAULT_COST, CostModel, PlanError, collective_rounds
-from planner.p2p import Exchange, Links, time_lower_bound
+from planner.cost import DEFAULT_COST, CostModel, PlanBudgetError, PlanError, collective_rounds
+from planner.p2p import Exchange, Links, message_count, time_lower_bound
 from planner.plan import Plan, same_geometry
-from planner.search import check_request, collective_plan
+from planner.search import (
+    DEFAULT_MAX_STATES,
+    budget_error,
+    check_budget,
+    check_request,
+    collective_outcome,
+    collective_plan,
+)
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
 
@@ -57,6 +70,7 @@ def plan(
     *,
     max_local_bytes: int | None = None,
     point_to_point: bool = False,
+    max_states: int = DEFAULT_MAX_STATES,
 ) -> Plan:
     """The cheapest plan from ``src`` to ``dst`` for a tensor of ``shape`` and ``dtype``.
 
@@ -67,12 +81,45 @@ def plan(
 
     With ``max_local_bytes``, the cheapest plan whose every state (source and target
     included) holds at most that many bytes per rank; a :class:`PlanError` when none does.
+    A request whose search would generate more than ``max_states`` states (module docstring)
+    raises :class:`PlanBudgetError` instead.
     """
     if same_geometry(src.mesh, dst.mesh) and not point_to_point:
-        return collective_plan(src, dst, shape, dtype, cost, max_local_bytes=max_local_bytes)
+        return collective_plan(src, dst, shape, dtype, cost, max_local_bytes=max_local_bytes, max_states=max_states)
     cost = cost or DEFAULT_COST
     shape = check_request(src, dst, shape, dtype, cost, max_local_bytes)
-    return _cheapest(src, dst, shape, dtype, cost, max_local_bytes)
+    check_budget(src, dst, max_states)
+    found = _cheapest(src, dst, shape, dtype, cost, max_local_bytes, max_states)
+    if isinstance(found, PlanError):
+        raise found
+    return found
+
+
+class _Budget:
+    """The states a request may still charge (module docstring); :class:`PlanBudgetError`
+    once its charges pass ``max_states``."""
+
+    def __init__(self, src: Layout, dst: Layout, shape: tuple[int, ...], max_states: int) -> None:
+        self.request = (src, dst, shape)
+        self.max_states = max_states
+        self.spent = 0
+
+    def charge(self, states: int, what: str) -> None:
+        self.spent += states
+        if self.spent > self.max_states:
+            raise budget_error(*self.request, self.max_states, what)
+
+
+def candidate_counts(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[int, int]:
+    """How many layouts :func:`source_resolutions` and :func:`target_fillings` give, without
+    making them."""
+    resolutions = 1
+    if src.partial:
+        joins = len(joinable_dims(dst, shape))
+        for a, _ in src.partial:
+            resolutions *= 1 if src.mesh.shape[a] == 1 else 1 + joins
+    free = sum(1 for a in range(dst.mesh.ndim) if dst.dim_of_axis(a) is None and dst.mesh.shape[a] > 1)
+    return resolutions, 1 + ((1 << free) - 1) * len(joinable_dims(src, shape))
 
 
 def joinable_dims(across: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -129,13 +176,20 @@ class _Mix:
 
 
 def _leg(
-    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, limit: int | None
+    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, limit: int | None, budget: _Budget
 ) -> Plan | None:
-    """The cheapest collective plan, or ``None`` when none keeps within ``limit``."""
+    """The cheapest collective plan, or ``None`` when none keeps within ``limit``; its search's
+    states (at least one) charged to ``budget``."""
     try:
-        return collective_plan(src, dst, shape, dtype, cost, max_local_bytes=limit)
-    except PlanError:
-        return None
+        found, states = collective_outcome(
+            src, dst, shape, dtype, cost, max_local_bytes=limit, max_states=budget.max_states
+        )
+    except PlanError:  # an end that does not fit in max_local_bytes
+        found, states = None, 1
+    budget.charge(max(states, 1), f"the collective leg {src} -> {dst}")
+    if isinstance(found, PlanBudgetError):  # charged more than the budget above already
+        raise found
+    return found if isinstance(found, Plan) else None
 
 
 def _units(leg: Plan, rates: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
@@ -148,8 +202,32 @@ def _units(leg: Plan, rates: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _cheapest(
-    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, max_local_bytes: int | None
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...],
+    dtype: str,
+    cost: CostModel,
+    max_local_bytes: int | None,
+    max_states: int = DEFAULT_MAX_STATES,
+) -> Plan | PlanError:
+    """The cheapest candidate, or the error that says why there is none (kept in the memo too,
+    so a request over its budget is refused at once the next time)."""
+    try:
+        return _cheapest_within(src, dst, shape, dtype, cost, max_local_bytes, _Budget(src, dst, shape, max_states))
+    except PlanError as e:
+        return e
+
+
+def _cheapest_within(
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...],
+    dtype: str,
+    cost: CostModel,
+    max_local_bytes: int | None,
+    budget: _Budget,
 ) -> Plan:
+    budget.charge(sum(candidate_counts(src, dst, shape)), "listing the intermediate layouts")
     links = Links(cost, src.mesh, dst.mesh)
     one_mesh = same_geometry(src.mesh, dst.mesh)
     itemsize = dtype_itemsize(dtype)
@@ -159,13 +237,15 @@ def _cheapest(
     # (2). The first exact entry out of the queue is the cheapest by (time, steps, order).
     queue: list[tuple[int, int, int, int, Plan | _Mix]] = []
     if one_mesh:
-        whole = _leg(src, dst, shape, dtype, cost, max_local_bytes)
+        whole = _leg(src, dst, shape, dtype, cost, max_local_bytes, budget)
         if whole is not None:
             queue.append((_units(whole, links.src_rates), len(whole.steps), 0, 2, whole))
     befores = [(leg, _units(leg, links.src_rates)) for m in source_resolutions(src, dst, shape)
-               if (leg := _leg(src, m, shape, dtype, cost, max_local_bytes)) is not None]  # fmt: skip
+               if (leg := _leg(src, m, shape, dtype, cost, max_local_bytes, budget)) is not None]  # fmt: skip
     afters = [(leg, _units(leg, links.dst_rates)) for m in target_fillings(dst, src, shape)
-              if (leg := _leg(m, dst, shape, dtype, cost, max_local_bytes)) is not None]  # fmt: skip
+              if (leg := _leg(m, dst, shape, dtype, cost, max_local_bytes, budget)) is not None]  # fmt: skip
+    budget.charge(len(befores) * len(afters), "pairing the intermediate layouts")
+    ranks = src.mesh.size + dst.mesh.size
     for order, ((before, b_units), (after, a_units)) in enumerate(itertools.product(befores, afters), start=1):
         if one_mesh and before.dst.dims == after.src.dims:
             continue  # the step would only copy locally: the collective plan through it is never worse
@@ -178,14 +258,25 @@ def _cheapest(
             break
         mix: _Mix = candidate  # type: ignore[assignment]
         if stage == 0:
+            budget.charge(ranks, f"pricing the point-to-point step {mix.before.dst} -> {mix.after.src}")
             units += time_lower_bound(mix.before.dst, mix.after.src, shape, itemsize, links)
         else:
+            budget.charge(
+                message_count(mix.before.dst, mix.after.src, shape),
+                f"the messages of the point-to-point step {mix.before.dst} -> {mix.after.src}",
+            )
             mix = attrs.evolve(mix, exchange=Exchange(mix.before.dst, mix.after.src, shape, itemsize, links))
             units = mix.legs_units + mix.exchange.units
         heapq.heappush(queue, (units, steps, order, stage + 1, mix))
     else:
         limit = f" within max_local_bytes={max_local_bytes}" if max_local_bytes is not None else ""
         raise PlanError(f"no plan takes {src} to {dst}{limit}")
+    return _assembled(src, dst, shape, dtype, cost, candidate)
+
+
+def _assembled(
+    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, candidate: Plan | _Mix
+) -> Plan:
     if isinstance(candidate, Plan):
         steps = candidate.steps
     else:

@@ -41,6 +41,11 @@ class PlanError(ShardlangError):
     """No plan exists (or the request is malformed): names the layouts and the reason."""
 
 
+class PlanBudgetError(PlanError):
+    """The search for a plan used up its budget (``max_states``, see ``planner.search``) before
+    it finished: names the pair, the budget, and what to change."""
+
+
 def _per_axis(value: object) -> float | tuple[float, ...]:
     try:
         if isinstance(value, (int, float)):

@@ -41,12 +41,12 @@ import attrs
 from planner.cost import DEFAULT_COST, CostModel, PlanError, integer_rates
 from planner.holdings import Box, blocks_of, box_elements, intersect
 from planner.plan import Plan, Step, Transfer, same_geometry
-from planner.search import check_request
+from planner.search import DEFAULT_MAX_STATES, budget_error, check_budget, check_request
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 
-__all__ = ["Exchange", "Links", "point_to_point_plan", "time_lower_bound"]
+__all__ = ["Exchange", "Links", "message_count", "point_to_point_plan", "time_lower_bound"]
 
 
 @attrs.frozen
@@ -206,22 +206,42 @@ def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], item
     return bound
 
 
+def message_count(before: Layout, after: Layout, shape: tuple[int, ...]) -> int:
+    """How many transfers ``Exchange(before, after, ...)`` makes (local copies included), counted
+    from the blocks without making them: what the planner's budget charges before building them."""
+    source = blocks_of(before, shape)
+    return sum(source.count_overlapping(t) * len(r) for t, r in blocks_of(after, shape).holders.items())
+
+
 def point_to_point_plan(
-    src: Layout, dst: Layout, shape: tuple[int, ...] | list[int], dtype: str = "f32", cost: CostModel | None = None
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...] | list[int],
+    dtype: str = "f32",
+    cost: CostModel | None = None,
+    *,
+    max_states: int = DEFAULT_MAX_STATES,
 ) -> Plan:
     """The plan of one point-to-point step from ``src`` to ``dst`` (same mesh or not, neither
     partial): every target rank receives exactly the elements it lacks (the receive lower
     bound), each from one holder, senders balanced as the module docstring says.
 
-    ``planner.plan`` chooses between this, collectives and mixes; this is the plain step.
+    ``planner.plan`` chooses between this, collectives and mixes; this is the plain step. Its
+    budget (``planner.choice``): one state per rank of both meshes, then one per message; a
+    :class:`PlanBudgetError` past ``max_states``.
     """
     cost = cost or DEFAULT_COST
     shape = check_request(src, dst, shape, dtype, cost, None)
+    check_budget(src, dst, max_states)
+    if src.mesh.size + dst.mesh.size > max_states:
+        raise budget_error(src, dst, shape, max_states, "listing the blocks of both meshes' ranks")
     for name, layout in (("source", src), ("target", dst)):
         if layout.is_partial:
             raise PlanError(
                 f"cannot plan {src} -> {dst} by one point-to-point step: the {name} is partial "
                 f"(planner.plan(..., point_to_point=True) resolves partials with collectives)"
             )
+    if src.mesh.size + dst.mesh.size + message_count(src, dst, shape) > max_states:
+        raise budget_error(src, dst, shape, max_states, "the messages of the point-to-point step")
     step = Exchange(src, dst, shape, dtype_itemsize(dtype), Links(cost, src.mesh, dst.mesh)).step()
     return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(step,), cost=cost)

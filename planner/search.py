@@ -5,6 +5,17 @@ Plans are compared by (time, steps): the cheapest plan, and among plans of equal
 with the fewest steps. Times are compared exactly, as integers (``planner.cost.integer_rates``),
 so summation order never decides a tie. Moves are generated in a fixed order and ties in the
 queue are broken by insertion order, so equal inputs always give the same plan.
+
+Mesh axes of size 1 that both layouts leave replicated are dropped before the search (no
+cheapest plan moves them: a step on a size-1 axis sends nothing and only adds a step), and the
+plan's steps and layouts are mapped back to the full mesh.
+
+Budget. A search may generate at most ``max_states`` states (``DEFAULT_MAX_STATES``, about a
+second here; a state is generated when a move reaches it more cheaply than before, so the
+count bounds the queue and the memory). One that would need more ends in a
+:class:`PlanBudgetError` naming the pair and the budget, never in a plan that is not the
+cheapest. The count is a property of the request, not of the machine or of what is cached, so
+every process plans or refuses alike.
 """
 
 from __future__ import annotations
@@ -14,12 +25,18 @@ import heapq
 import math
 
 from planner.bound import LowerBound, Terms
-from planner.cost import DEFAULT_COST, CostModel, PlanError, integer_rates
+from planner.cost import DEFAULT_COST, CostModel, PlanBudgetError, PlanError, integer_rates
 from planner.plan import Plan, Step, same_geometry
-from planner.space import Move, Space, roles_of
+from planner.space import Fields, Move, Space, roles_of
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
+
+# About half a second of search on one core here (some 100,000 states a second); every plan of
+# the benchmarks and conformance data needs under a tenth of it.
+DEFAULT_MAX_STATES = 50_000
+# What a collective search gives back: the plan, or why there is none, and the states it generated.
+Outcome = tuple["Plan | PlanError", int]
 
 
 def check_request(
@@ -68,59 +85,160 @@ def collective_plan(
     cost: CostModel | None = None,
     *,
     max_local_bytes: int | None = None,
+    max_states: int = DEFAULT_MAX_STATES,
 ) -> Plan:
     """The cheapest plan of collectives (the baseline move set) from ``src`` to ``dst``, two
     layouts on the same mesh, for a tensor of ``shape`` and ``dtype``.
 
     With ``max_local_bytes``, the cheapest plan whose every state (source and target
     included) holds at most that many bytes per rank; a :class:`PlanError` when none does.
-    Results are memoized on all arguments.
+    A search that would generate more than ``max_states`` states raises
+    :class:`PlanBudgetError` (module docstring). Results are memoized on all arguments.
     """
+    found, _ = collective_outcome(src, dst, shape, dtype, cost, max_local_bytes=max_local_bytes, max_states=max_states)
+    if isinstance(found, PlanError):
+        raise found
+    return found
+
+
+def collective_outcome(
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...] | list[int],
+    dtype: str = "f32",
+    cost: CostModel | None = None,
+    *,
+    max_local_bytes: int | None = None,
+    max_states: int = DEFAULT_MAX_STATES,
+) -> Outcome:
+    """:func:`collective_plan`'s plan or error, not raised, with the states its search
+    generated (what a caller that plans many legs charges to one budget). Malformed requests
+    raise."""
     cost = cost or DEFAULT_COST
     shape = check_request(src, dst, shape, dtype, cost, max_local_bytes)
+    check_budget(src, dst, max_states)
     if not same_geometry(src.mesh, dst.mesh):
         raise PlanError(
             f"cannot plan {src} -> {dst} with collectives: the layouts are on different meshes "
             f"({src.mesh.describe()} and {dst.mesh.describe()})"
         )
-    return _plan_cached(src, dst, shape, dtype, cost, max_local_bytes)
+    return _plan_cached(src, dst, shape, dtype, cost, max_local_bytes, max_states)
+
+
+def check_budget(src: Layout, dst: Layout, max_states: int) -> None:
+    if isinstance(max_states, bool) or not isinstance(max_states, int) or max_states < 1:
+        raise PlanError(f"cannot plan {src} -> {dst}: max_states must be a positive count, got {max_states!r}")
+
+
+def budget_error(src: Layout, dst: Layout, shape: tuple[int, ...], max_states: int, what: str) -> PlanBudgetError:
+    """The error of a request that used up ``max_states`` (``what`` says on what)."""
+    return PlanBudgetError(
+        f"cannot plan {src} -> {dst} (shape {list(shape)}): {what} would take more than the search budget "
+        f"of max_states={max_states} states; plan with fewer mesh axes (or fewer partial ones), without "
+        f"point-to-point steps (--p2p off), with a max_local_bytes, or with a larger max_states"
+    )
+
+
+class _OverBudget(Exception):
+    """Raised inside the search when it has generated more states than it may."""
 
 
 @functools.lru_cache(maxsize=8192)
 def _plan_cached(
-    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, max_local_bytes: int | None
-) -> Plan:
-    mesh = dst.mesh
-    itemsize = dtype_itemsize(dtype)
-    alpha, bandwidth = cost.for_mesh(mesh)  # check_request made sure it fits
-    per_round, per_byte = integer_rates(alpha, bandwidth)
-    twin_key = tuple(zip(mesh.shape, per_round, per_byte, strict=True))
-    space = Space(mesh.shape, shape, itemsize, (dst.dims, dst.partial), twin_key)
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...],
+    dtype: str,
+    cost: CostModel,
+    max_local_bytes: int | None,
+    max_states: int = DEFAULT_MAX_STATES,
+) -> Outcome:
     if src.dims == dst.dims and src.partial == dst.partial:
-        return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(), cost=cost)
-    bound = LowerBound(
-        mesh.shape,
-        itemsize,
-        len(shape),
-        per_round,
-        per_byte,
-        space.target_roles,
-        space.local_elements(dst.dims),
-        math.prod(shape),
-    )
-    terms = bound.state_terms(roles_of((src.dims, src.partial), mesh.ndim, dst.dims))
-    start = space.encode(src.dims, src.partial)
-    path = _astar(space, bound, per_round, per_byte, start, space.local_elements(src.dims), terms, max_local_bytes)
+        return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(), cost=cost), 0
+    mesh = dst.mesh
+    alpha, bandwidth = cost.for_mesh(mesh)  # check_request made sure it fits
+    kept = _kept_axes(src, dst)
+    problem = _Problem(src, dst, shape, dtype_itemsize(dtype), kept, alpha, bandwidth)
+    counter = [0]
+    try:
+        path = _astar(
+            problem.space,
+            problem.bound,
+            problem.per_round,
+            problem.per_byte,
+            problem.start,
+            problem.space.local_elements(problem.src_dims),
+            problem.start_terms,
+            max_local_bytes,
+            (max_states, counter),
+        )
+    except _OverBudget:
+        return budget_error(src, dst, shape, max_states, "the collective search"), counter[0]
     if path is None:
         limit = f" within max_local_bytes={max_local_bytes}" if max_local_bytes is not None else ""
-        raise PlanError(f"no plan takes {src} to {dst}{limit}")
+        return PlanError(f"no plan takes {src} to {dst}{limit}"), counter[0]
     steps = []
     for op, axis, dim, to_dim, reduce_op, state, nbytes, rounds, *_ in path:
-        dims, partial = space.decode(state)
-        layout = dst if state == space.goal else Layout.trusted(dims, mesh, partial)
-        seconds = rounds * alpha[axis] + nbytes / bandwidth[axis]
-        steps.append(Step(op, axis, dim, to_dim, reduce_op, layout, nbytes, seconds))
-    return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=tuple(steps), cost=cost)
+        full_axis = kept[axis]
+        if state == problem.space.goal:
+            layout = dst
+        else:
+            dims, partial = problem.space.decode(state)
+            layout = Layout.trusted(
+                tuple(tuple(kept[a] for a in axes) for axes in dims), mesh, tuple((kept[a], o) for a, o in partial)
+            )
+        seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis]
+        steps.append(Step(op, full_axis, dim, to_dim, reduce_op, layout, nbytes, seconds))
+    return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=tuple(steps), cost=cost), counter[0]
+
+
+def _kept_axes(src: Layout, dst: Layout) -> tuple[int, ...]:
+    """The mesh axes the search sees: all but those of size 1 that both layouts leave
+    replicated (module docstring)."""
+    shape = dst.mesh.shape
+    mentioned = {a for layout in (src, dst) for axes in layout.dims for a in axes}
+    mentioned |= {a for layout in (src, dst) for a, _ in layout.partial}
+    return tuple(a for a, n in enumerate(shape) if n > 1 or a in mentioned)
+
+
+class _Problem:
+    """A request on the mesh of its ``kept`` axes only: the move graph, the bound, the integer
+    rates and the start, with axes renumbered ``0..len(kept)-1``."""
+
+    def __init__(
+        self,
+        src: Layout,
+        dst: Layout,
+        shape: tuple[int, ...],
+        itemsize: int,
+        kept: tuple[int, ...],
+        alpha: tuple[float, ...],
+        bandwidth: tuple[float, ...],
+    ) -> None:
+        index = {a: i for i, a in enumerate(kept)}
+        mesh_shape = tuple(dst.mesh.shape[a] for a in kept)
+        self.per_round, self.per_byte = integer_rates(tuple(alpha[a] for a in kept), tuple(bandwidth[a] for a in kept))
+        self.src_dims, src_partial = _renumbered(src, index)
+        goal_dims, goal_partial = _renumbered(dst, index)
+        twin_key = tuple(zip(mesh_shape, self.per_round, self.per_byte, strict=True))
+        self.space = Space(mesh_shape, shape, itemsize, (goal_dims, goal_partial), twin_key)
+        self.bound = LowerBound(
+            mesh_shape,
+            itemsize,
+            len(shape),
+            self.per_round,
+            self.per_byte,
+            self.space.target_roles,
+            self.space.local_elements(goal_dims),
+            math.prod(shape),
+        )
+        self.start_terms = self.bound.state_terms(roles_of((self.src_dims, src_partial), len(kept), goal_dims))
+        self.start = self.space.encode(self.src_dims, src_partial)
+
+
+def _renumbered(layout: Layout, index: dict[int, int]) -> Fields:
+    dims = tuple(tuple(index[a] for a in axes) for axes in layout.dims)
+    return dims, tuple((index[a], op) for a, op in layout.partial)
 
 
 def _astar(
@@ -132,10 +250,12 @@ def _astar(
     elements: int,
     terms: Terms,
     max_local_bytes: int | None,
+    budget: tuple[int, list[int]] = (DEFAULT_MAX_STATES, [0]),
 ) -> list[Move] | None:
     """The moves of a cheapest plan by (time units, steps) from ``start`` (which holds
     ``elements`` per rank and whose bound terms are ``terms``) to ``space.goal``, or ``None``
-    if none exists."""
+    if none exists. ``budget`` is (most states to generate, a one-item counter of those
+    generated); :class:`_OverBudget` when the search would generate more."""
     goal = space.goal
     # state -> (time units, steps, previous state, move) of the cheapest way there known
     best: dict[int, tuple[int, int, int | None, Move | None]] = {start: (0, 0, None, None)}
@@ -149,6 +269,8 @@ def _astar(
     term_table = bound.terms
     quick_bound = bound.quick_bytes_bound
     limit = math.inf if max_local_bytes is None else max_local_bytes // space.itemsize  # in elements
+    max_states, counter = budget
+    generated = 0
     while heap:
         f, f_steps, _, _, g, g_steps, state, elements, terms, full = heapq.heappop(heap)
         known = best[state]
@@ -167,6 +289,7 @@ def _astar(
                 path.append(known[3])
                 known = best[known[2]]
             path.reverse()
+            counter[0] = generated
             return path
         n_steps = g_steps + 1
         for move in space.moves(state, elements, known[3]):
@@ -177,6 +300,10 @@ def _astar(
             seen = best.get(nxt)
             if seen is not None and (seen[0] < n_g or (seen[0] == n_g and seen[1] <= n_steps)):
                 continue
+            generated += 1
+            if generated > max_states:
+                counter[0] = generated
+                raise _OverBudget
             best[nxt] = (n_g, n_steps, state, move)
             axis_terms = term_table[axis]
             old, new = axis_terms[before], axis_terms[after]
@@ -188,4 +315,5 @@ def _astar(
             entry = (n_rounds, steps, reducing, moving)
             f = n_g + n_rounds + quick_bound(next_elements, reducing)
             heapq.heappush(heap, (f, n_steps + steps, -n_g, tie, n_g, n_steps, nxt, next_elements, entry, False))
+    counter[0] = generated
     return None
