@@ -78,7 +78,10 @@ def _rows_over_dp(n: int) -> dict[str, str]:
 
 DP4, TP4, DP2_TP2, THREE = "mesh[dp=4]", "mesh[tp=4]", "mesh[dp=2,tp=2]", "mesh[3] ranks 0..2"
 # Configs whose exp_avg is kept in a layout of its own (the other states in the state layout).
-OWN_STATES: dict[str, Callable[[int], dict[str, str]]] = {"own_exp_avg": _rows_over_dp, "own_exp_avg_flat": _rows_over_dp}
+OWN_STATES: dict[str, Callable[[int], dict[str, str]]] = {
+    "own_exp_avg": _rows_over_dp,
+    "own_exp_avg_flat": _rows_over_dp,
+}
 # name: (mesh, layouts (param, grad, state) of an n-d tensor, flat axis)
 CONFIGS: dict[str, tuple[str, Callable[[int], tuple[str, str, str]], str | None]] = {
     "zero_rows": (DP4, _zero_rows, None),

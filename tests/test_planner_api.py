@@ -254,8 +254,10 @@ def test_spec_planning_gives_each_tensor_its_legs_and_totals():
     assert [s.describe() for s in emb.plan_of("grad -> state").steps] == ["reduce_scatter(axis=dp, dim=0, op=sum)"]
     assert [s.describe() for s in emb.plan_of("state -> param").steps] == ["all_gather(axis=dp, dim=0)"]
     assert emb.plan_of("grad -> state").total_bytes == 16000 * 512 * 4
-    assert emb.cost == cost and emb.plan_of("grad -> state").cost == cost and emb.plan_of("grad -> state").total_seconds == pytest.approx(
-        10e-6 + 16000 * 512 * 4 / 25e9
+    assert (
+        emb.cost == cost
+        and emb.plan_of("grad -> state").cost == cost
+        and emb.plan_of("grad -> state").total_seconds == pytest.approx(10e-6 + 16000 * 512 * 4 / 25e9)
     )
     # The state override gets its own legs to and from the default state layout; a bf16
     # parameter keeps an f32 master, so its shard is not fetched (an f32 one's is, by a slice).
@@ -269,7 +271,9 @@ def test_spec_planning_gives_each_tensor_its_legs_and_totals():
     for label, p in h0.plans():
         dtype = "f32" if label.startswith("state.") or label.startswith("state -> state.") else "bf16"
         assert p == planner.plan(p.src, p.dst, (37, 24), dtype, cost), label
-    assert [s.op for s in norm.plan_of("grad -> state").steps] == ["all_reduce"] and not norm.plan_of("state -> param").steps
+    assert [s.op for s in norm.plan_of("grad -> state").steps] == ["all_reduce"] and not norm.plan_of(
+        "state -> param"
+    ).steps
     assert h0.total_bytes == sum(p.total_bytes for _, p in h0.plans())
     assert result.total_bytes == sum(t.total_bytes for t in result.tensors)
     # Buckets share latency: the step's time is below the tensors' plans on their own.

@@ -19,13 +19,13 @@ import torch
 
 from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StepWork, Update, done
 from runtime.optim.errors import OptimizerError
-from runtime.optim.flat import flat_or_copy, scatter_back
+from runtime.optim.flat import as_flat, flat_or_copy, scatter_back
 
 ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 
 
 def adamw_update(
-    param: torch.Tensor,
+    param: torch.Tensor | None,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
@@ -40,14 +40,13 @@ def adamw_update(
 ) -> None:
     """One step (``step``: 1 on the first) of tensors of one shape, usually the flat buffers
     of many tensors at once: the new parameter, ``exp_avg`` and ``exp_avg_sq`` are written to
-    ``out`` (``denom``, when given, is scratch space of the same shape). Nothing passed in is
-    modified."""
+    ``out`` (``denom``, when given, is scratch space of the same shape). ``param`` ``None``: the
+    caller has written the decayed parameter (:func:`decay`) into ``out[0]``. Nothing passed in
+    is modified."""
     beta1, beta2 = betas
     new_param, new_exp_avg, new_exp_avg_sq = out
-    if weight_decay != 0:
-        torch.mul(param, 1 - lr * weight_decay, out=new_param)
-    else:
-        new_param.copy_(param)
+    if param is not None:
+        decay(param, new_param, lr=lr, weight_decay=weight_decay)
     torch.lerp(exp_avg, grad, 1 - beta1, out=new_exp_avg)
     torch.mul(exp_avg_sq, beta2, out=new_exp_avg_sq)
     new_exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
@@ -55,6 +54,14 @@ def adamw_update(
     denom.div_((1 - beta2**step) ** 0.5)
     denom.add_(eps)
     new_param.addcdiv_(new_exp_avg, denom, value=-(lr / (1 - beta1**step)))
+
+
+def decay(param: torch.Tensor, out: torch.Tensor, *, lr: float, weight_decay: float) -> None:
+    """The decoupled weight decay ``p * (1 - lr * wd)`` of ``param``, written to ``out``."""
+    if weight_decay != 0:
+        torch.mul(param, 1 - lr * weight_decay, out=out)
+    else:
+        out.copy_(param)
 
 
 class ShardedAdamW(ShardedOptimizer):
@@ -125,8 +132,19 @@ class ShardedAdamW(ShardedOptimizer):
                 )
             states = [work.states_of(run, name) for name in ADAMW_STATES]
             grads = flat_or_copy([work.grads[i] for i in run], dtype, scratch, "grads")
+            params = as_flat([work.params[i] for i in run])
+            if params is None or params.dtype != dtype:
+                # Pieces of other tensors (a slice of each parameter): decayed one by one straight
+                # into the new parameter, rather than copied into one buffer first.
+                offset = 0
+                for i in run:
+                    piece = work.params[i]
+                    target = outputs[0][offset : offset + piece.numel()].view(piece.shape)
+                    decay(piece, target, lr=group["lr"], weight_decay=group["weight_decay"])
+                    offset += piece.numel()
+                params = None
             adamw_update(
-                flat_or_copy([work.params[i] for i in run], dtype, scratch, "params"),
+                params,
                 grads,
                 *(
                     s if s is not None else flat_or_copy([work.state(i, name) for i in run], dtype, scratch, name)
