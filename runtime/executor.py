@@ -22,6 +22,13 @@ The caller's tensor is never written: an all_reduce copies it first, later steps
 their own buffers in place.
 The result is contiguous and shares no memory with ``local`` (unless the plan is empty, when
 ``local`` itself is returned).
+
+Agreement: before a plan's first use on a group (the ranks of its mesh, or of both meshes,
+and the DeviceMesh if one is given), every rank exchanges the plan's fingerprint, which
+covers layouts, shape, dtype and steps; ranks that disagree (a layout with the same byte
+count, another dtype) all raise :class:`PlanMismatchError` before any step runs. The
+agreement is remembered per (plan, DeviceMesh), so later calls pay one set lookup;
+``verify=True`` exchanges the fingerprint on every call.
 """
 
 from __future__ import annotations
@@ -104,9 +111,16 @@ def reshard(
     wait = timeout_of(timeout, lambda message: ReshardError(f"{label}: {message}"))
     where = local.device if local is not None else _device(device, label)
     with torch.no_grad():  # collectives are not differentiable; nothing here records a graph
-        if verify:
+        agreement = (program.plan, mesh)
+        if verify or agreement not in _AGREED:
             _verify(program.plan, where, mesh, wait, label)
+            _AGREED.add(agreement)
         return _execute(program, local, where, mesh, wait, label, name)
+
+
+# The (plan, DeviceMesh or None) pairs whose ranks have agreed on the plan (module docstring).
+# Every rank adds the same pairs in the same order, so every rank skips the same exchanges.
+_AGREED: set[tuple[Plan, DeviceMesh | None]] = set()
 
 
 def _execute(
@@ -337,7 +351,9 @@ def _verify(
             "all_gather", torch.tensor([mine], dtype=torch.int64, device=device), len(members), None, group, wait
         )
     except DistributedError as e:
-        raise DistributedError(f"{label}: verifying the plan {plan.src} -> {plan.dst} failed: {e.message}") from e
+        raise DistributedError(
+            f"{label}: verifying the plan {plan.src} -> {plan.dst} on ranks {list(members)} failed: {e.message}"
+        ) from e
     prints = gathered.tolist()
     if any(p != mine for p in prints):
         by_print: dict[int, list[int]] = {}
