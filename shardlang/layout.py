@@ -65,9 +65,7 @@ class Layout:
     partial: tuple[tuple[int, str], ...] = attrs.field(default=(), converter=_as_partial)
 
     @classmethod
-    def trusted(
-        cls, dims: tuple[tuple[int, ...], ...], mesh: Mesh, partial: tuple[tuple[int, str], ...]
-    ) -> Layout:
+    def trusted(cls, dims: tuple[tuple[int, ...], ...], mesh: Mesh, partial: tuple[tuple[int, str], ...]) -> Layout:
         """A layout from parts already in canonical form (tuples of int axes; partial sorted
         by axis) and known to be valid, built without converting or checking them: the
         planner derives every state it reports from valid layouts, and the checks would be a
