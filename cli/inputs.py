@@ -14,7 +14,7 @@ import attrs
 
 from shardlang import Layout, Spec, TensorSpec, load_spec, parse_layout
 from shardlang.errors import ShardlangError
-from shardlang.parser import parse_duration
+from shardlang.parser import MAX_INT, parse_duration
 
 _MAX_BYTES = 2**63  # no memory is larger; a bigger count is a typo
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -37,7 +37,10 @@ def shape_arg(text: str) -> tuple[int, ...]:
     parts = re.split(r"\s*[x,×]\s*", text.strip("[]()"))
     if not all(p.isdigit() for p in parts):
         raise argparse.ArgumentTypeError(f"'{text}' is not a shape; write lengths like 32000x1024 (or () for a scalar)")
-    return tuple(int(p) for p in parts)
+    lengths = tuple(int(p) for p in parts)
+    if any(length > MAX_INT for length in lengths):
+        raise argparse.ArgumentTypeError(f"'{text}': a length is at most 2^63-1 ({MAX_INT}), as in spec files")
+    return lengths
 
 
 def _number(text: str) -> Decimal:

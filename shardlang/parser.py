@@ -42,6 +42,7 @@ MAX_MESH_SIZE = 1 << 20
 MAX_EXPANDED_NAMES = 100_000  # per declaration
 MAX_TENSORS = 1_000_000  # per file
 MAX_INT = 2**63 - 1
+_TENSOR_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 MAX_SOURCE_BYTES = 16 << 20
 """The largest spec file :func:`load_spec` reads: 16 MiB (the bundled Llama 7B example,
 226 tensors, has 2 KiB). A larger file is refused with a :class:`SpecError` naming it, unread."""
@@ -387,6 +388,12 @@ class _Reader:
             names = expand_braces(str(name_token), limit=MAX_EXPANDED_NAMES)
         except ShardlangError as e:
             raise e.at(self.pos(name_token)) from None
+        for name in names:  # a brace's alternatives may hold any character but a space
+            if not _TENSOR_NAME.fullmatch(name):
+                raise ParseError(
+                    f"tensor name '{name}' (from '{name_token}') may hold only letters, digits, '_', '.' and '-'",
+                    self.pos(name_token),
+                )
         layouts = self.entries(entries, f"tensor '{name_token}'", tree, shape)
         position = self.pos(tree)
         return [TensorSpec(name=n, dtype=dtype, shape=shape, layouts=layouts, position=position) for n in names]

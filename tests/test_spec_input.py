@@ -223,3 +223,34 @@ def test_a_huge_brace_range_costs_nothing_per_name() -> None:
         spec.resolve("x100000.w", (3,), "f32")
     with pytest.raises(SpecError, match="no rule matches"):
         spec.resolve("x007.w", (3,), "f32")
+
+
+# --- names and lengths the language excludes -------------------------------------------------------
+@pytest.mark.parametrize("name", ["x{a@b,c}", "h.{0..1}.{q/k,v}", "{é}"])
+def test_a_brace_cannot_smuggle_in_a_character_names_exclude(name: str) -> None:
+    with pytest.raises(ParseError) as info:
+        parse_spec(f"mesh w = [2]\ntensor {name} : f32[4] {{ param = R over w }}\n", "names.shard")
+    assert str(info.value).startswith("names.shard:2:8: tensor name '")
+    assert "may hold only letters, digits, '_', '.' and '-'" in info.value.message
+
+
+def test_braces_of_allowed_characters_still_expand() -> None:
+    spec = parse_spec("mesh w = [2]\ntensor h.{0..1}.{q-k,v_1} : f32[4] { param = R over w }\n")
+    assert [t.name for t in spec.tensors] == ["h.0.q-k", "h.0.v_1", "h.1.q-k", "h.1.v_1"]
+
+
+def test_the_command_caps_lengths_as_spec_files_do() -> None:
+    """``--shape`` takes lengths up to 2^63-1, like a spec file's shape, and says so past it."""
+    too_long = str(2**63)
+    result = subprocess.run(
+        [sys.executable, "-m", "shardlang", "show", "S0 over mesh[2]", "--shape", too_long],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"'{too_long}': a length is at most 2^63-1 (9223372036854775807)" in result.stderr
+    with pytest.raises(ParseError, match="too large \\(at most 9223372036854775807\\)"):
+        parse_spec(f"mesh w = [2]\ntensor a : f32[{too_long}] {{ param = S0 over w }}\n")
