@@ -26,6 +26,7 @@ ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 CAME = {"lr": 1e-2, "weight_decay": 0.1, "clip_threshold": 0.3, "betas": (0.9, 0.99, 0.999)}
 KINDS = (("adamw", torch.float32), ("came", torch.float32), ("came", torch.float64))
 CAME_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+CLIP = 0.73  # the MLP's gradient norms run from 0.52 to 0.86 over its 10 steps, none within 1e-3 of it
 
 
 def _dims(n: int, split: dict[int, str]) -> str:
@@ -386,19 +387,48 @@ def mlp_batches(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(12, 7, generator=gen), torch.randn(12, 5, generator=gen)
 
 
-def _run_training(rank: int, kind: str, flat_axis: str | None, seed: int) -> dict[str, torch.Tensor]:
-    """10 steps of an MLP; every rank trains on its 3 of the 12 samples."""
+def _run_training(
+    rank: int, kind: str, flat_axis: str | None, seed: int, max_grad_norm: float | None = None
+) -> dict[str, Any]:
+    """10 steps of an MLP; every rank trains on its 3 of the 12 samples; the global gradient
+    norm of every step when clipping."""
     from shardlang import parse_spec
 
     model = mlp(seed)
-    optimizer = _optimizer(kind, list(model.named_parameters()), parse_spec(MLP_SPEC), flat_axis=flat_axis)
+    options: dict[str, Any] = {"flat_axis": flat_axis, "max_grad_norm": max_grad_norm}
+    optimizer = _optimizer(kind, list(model.named_parameters()), parse_spec(MLP_SPEC), **options)
+    norms = []
     for step in range(10):
         x, y = mlp_batches(seed, step)
         mine = slice(3 * rank, 3 * rank + 3)
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
         optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+        norms.append(None if optimizer.last_grad_norm is None else float(optimizer.last_grad_norm))
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
+
+
+def _run_nonfinite(rank: int, seed: int) -> dict[str, Any]:
+    """A NaN in one rank's gradient at step 3: every rank skips that step, and only that one."""
+    from shardlang import parse_spec
+
+    model = mlp(seed)
+    optimizer = _optimizer("adamw", list(model.named_parameters()), parse_spec(MLP_SPEC), skip_nonfinite=True)
+    skipped, unchanged = [], None
+    for step in range(5):
+        x, y = mlp_batches(seed, step)
+        mine = slice(3 * rank, 3 * rank + 3)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        if step == 3 and rank == 2:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        skipped.append(optimizer.last_step_skipped)
+        if step == 3:
+            unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    steps = {entry["step"] for entry in optimizer.state_dict()["tensors"].values()}
+    return {"skipped": skipped, "unchanged": unchanged, "steps": steps}
 
 
 def all_cases(rank: int, world_size: int) -> dict[str, Any]:
@@ -418,6 +448,9 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
     out["mismatched_buckets"] = _run_mismatched_buckets(rank, seed=13)
     for kind, flat_axis in (("adamw", None), ("came", None), ("came", "dp")):
         out[("training", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=12)
+    for kind, flat_axis in (("adamw", None), ("adamw", "dp"), ("came", None)):
+        out[("clipped", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=14, max_grad_norm=CLIP)
+    out["nonfinite"] = _run_nonfinite(rank, seed=15)
     return out
 
 
@@ -634,9 +667,51 @@ def test_data_parallel_training_equals_single_process_training(
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
     for rank, result in enumerate(ranks):
-        got = result[("training", kind, flat_axis)]
+        got = result[("training", kind, flat_axis)]["params"]
         for name, p in named:
             torch.testing.assert_close(got[name], p.detach(), rtol=2e-5, atol=2e-6, msg=f"rank {rank} '{name}'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "flat_axis"), [("adamw", None), ("adamw", "dp"), ("came", None)])
+def test_clipping_equals_torch_clip_grad_norm_in_single_process_training(
+    ranks: list[dict[str, Any]], kind: str, flat_axis: str | None
+) -> None:
+    """``max_grad_norm`` on the reduced gradients against ``torch.nn.utils.clip_grad_norm_``
+    on the whole batch: the same norm every step, clipping at the same steps (some, not all),
+    the same parameters."""
+    model = mlp(14)
+    params = [p for _, p in model.named_parameters()]
+    hyper = ADAMW if kind == "adamw" else CAME
+    optimizer = (
+        torch.optim.AdamW(params, foreach=False, **hyper) if kind == "adamw" else came_pytorch.CAME(params, **hyper)
+    )
+    norms = []
+    for step in range(10):
+        x, y = mlp_batches(14, step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        optimizer.step()
+    clipped = [n > CLIP for n in norms]
+    assert any(clipped) and not all(clipped), norms
+    for rank, result in enumerate(ranks):
+        got = result[("clipped", kind, flat_axis)]
+        assert [n > CLIP for n in got["norms"]] == clipped, (rank, got["norms"], norms)
+        for mine, want in zip(got["norms"], norms, strict=True):
+            assert mine == pytest.approx(want, rel=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(
+                got["params"][name], p.detach(), rtol=2e-5, atol=2e-6, msg=f"rank {rank} '{name}'"
+            )
+
+
+@pytest.mark.slow
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(ranks):
+        case = result["nonfinite"]
+        assert case["skipped"] == [False, False, False, True, False], (rank, case)
+        assert case["unchanged"] and case["steps"] == {4}, (rank, case)
 
 
 # --- a peer that dies ------------------------------------------------------------------

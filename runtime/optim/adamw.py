@@ -78,7 +78,11 @@ class ShardedAdamW(ShardedOptimizer):
     buffer one bucket's collective may hold per rank (default
     :data:`planner.step.DEFAULT_BUCKET_BYTES`). ``verify``: check once per step plan that the
     ranks of every group hold the same buckets (a :class:`~runtime.PlanMismatchError`
-    otherwise, instead of a hang or a wrong result).
+    otherwise, instead of a hang or a wrong result). ``max_grad_norm``: clip the gradients to
+    this global 2-norm, computed on the reduced gradients in their state layout with one small
+    all-reduce, as ``torch.nn.utils.clip_grad_norm_`` would on one device (``last_grad_norm``
+    holds the norm). ``skip_nonfinite``: skip a step whose gradients hold a NaN or inf, on every
+    rank alike (``last_step_skipped``; a warning says so), as ``GradScaler`` does.
     """
 
     def __init__(
@@ -95,6 +99,8 @@ class ShardedAdamW(ShardedOptimizer):
         timeout: float | datetime.timedelta | None = None,
         bucket_bytes: int | None = None,
         verify: bool = True,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0 or not all(0 <= b < 1 for b in betas):
             raise OptimizerError(
@@ -110,6 +116,8 @@ class ShardedAdamW(ShardedOptimizer):
             timeout=timeout,
             bucket_bytes=bucket_bytes,
             verify=verify,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=skip_nonfinite,
         )
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:

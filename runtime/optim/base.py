@@ -32,6 +32,7 @@ import datetime
 import hashlib
 import json
 import math
+import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -234,6 +235,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         timeout: float | datetime.timedelta | None = None,
         bucket_bytes: int | None = None,
         verify: bool = True,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         named = list(named_params)
         if not named:
@@ -248,8 +251,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes < 1):
             raise OptimizerError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise OptimizerError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
         self.timeout = timeout_of(timeout, OptimizerError)
         self.bucket_bytes = bucket_bytes
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.skip_nonfinite = skip_nonfinite
+        # The global norm of the last step's reduced gradients (with max_grad_norm or
+        # skip_nonfinite), and whether that step was skipped for a NaN or inf in them.
+        self.last_grad_norm: torch.Tensor | None = None
+        self.last_step_skipped = False
         self.verify = verify
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self._reducer = SumReducer(self.rank, self.timeout)
@@ -516,6 +527,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     held = torch.zeros(slot.own_piece_shape(state, self.rank), dtype=slot.dtype, device=grad.device)
                 inputs[legs[(slot.name, f"state.{state} -> state")]] = held
         arrived = run(BEFORE, inputs)
+        reduced = [arrived[legs[(s.name, "grad -> state")]] for s in slots]
+        norm_bytes = norm_collectives = 0
+        if self.max_grad_norm is not None or self.skip_nonfinite:
+            norm, norm_bytes, norm_collectives = self._grad_norm(slots, reduced, step_number)
+            if self.skip_nonfinite and not bool(torch.isfinite(norm)):
+                return self._skip(norm, step_number)
+            if self.max_grad_norm is not None:
+                coefficient = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+                if bool(coefficient < 1):  # as torch.nn.utils.clip_grad_norm_ scales them
+                    reduced = [g * coefficient.to(g.dtype) for g in reduced]
+        else:
+            norm = None
 
         # 2. The math, into new buffers.
         new_buffers = flat.fresh(s.index for s in slots)
@@ -531,7 +554,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 own[(i, state)] = arrived[legs[(slot.name, f"state.{state} -> state")]]
         work = StepWork(
             slots,
-            [arrived[legs[(s.name, "grad -> state")]] for s in slots],
+            reduced,
             params,
             new_params,
             flat,
@@ -547,7 +570,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for state in slot.own_layouts:
                 inputs[legs[(slot.name, f"state -> state.{state}")]] = work.own_new[(i, state)]
         back = run(AFTER, inputs)
-        traffic = StepTraffic(plan.total_bytes, plan.collectives, sum_bytes, sum_collectives)
+        traffic = StepTraffic(
+            plan.total_bytes, plan.collectives, sum_bytes + norm_bytes, sum_collectives + norm_collectives
+        )
 
         def commit() -> None:
             for slot in slots:
@@ -557,6 +582,55 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 slot.step += 1
             flat.replace(new_buffers)
             self.last_traffic = traffic
+            self.last_grad_norm, self.last_step_skipped = norm, False
+
+        return commit
+
+    def _norm_specs(self, slots: Sequence[Slot]) -> list[SumSpec]:
+        """Each slot's sum of squared gradient elements, partial over the axes its state layout
+        splits (as CAME's RMS), so that one all-reduce per group completes all of them."""
+        specs = []
+        for slot in slots:
+            assert slot.shard is not None
+            shard = slot.shard
+            specs.append(
+                SumSpec(
+                    mesh=shard.layout.mesh,
+                    axes=shard.sum_axes,
+                    numel=1,
+                    dtype=slot.dtype,
+                    owner=slot.name,
+                    replicated=shard.replicated,
+                )
+            )
+        return specs
+
+    def _grad_norm(
+        self, slots: Sequence[Slot], grads: Sequence[torch.Tensor], step_number: int
+    ) -> tuple[torch.Tensor, int, int]:
+        """The 2-norm of all the reduced gradients (every rank gets the same), and the bytes and
+        all-reduces it took."""
+        squares = [g.to(slot.dtype).square().sum().reshape(1) for slot, g in zip(slots, grads, strict=True)]
+        try:
+            completed, collectives = self._reducer.reduce(self._norm_specs(slots), squares, "the gradient norm")
+        except DistributedError as e:
+            raise OptimizerStepError(
+                f"step {step_number} failed reducing the gradient norm: {e.message}; "
+                "parameters and optimizer states are unchanged"
+            ) from e
+        total = torch.stack([c.reshape(()).to(torch.float64) for c in completed]).sum().sqrt()
+        return total.to(slots[0].dtype), sum(c.bytes for c in collectives), len(collectives)
+
+    def _skip(self, norm: torch.Tensor, step_number: int) -> Callable[[], None]:
+        """What commits a step skipped for a gradient that is NaN or inf (on every rank: the
+        norm is the same everywhere): nothing changes but the record of it."""
+
+        def commit() -> None:
+            self.last_grad_norm, self.last_step_skipped = norm, True
+            warnings.warn(
+                f"{type(self).__name__}: step {step_number} skipped: the gradients' norm is {float(norm)}",
+                stacklevel=3,
+            )
 
         return commit
 
@@ -630,8 +704,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plan = self._compiled(slots, [s.local_grad() for s in slots]).plan
         specs = [self._sum_specs(slot) for slot in slots]
         sum_bytes = sum_collectives = 0
-        for k in range(len(self.phases)):
-            collectives = plan_collectives([spec for s in specs for spec in s[k]], self.rank)
+        phases = [[spec for s in specs for spec in s[k]] for k in range(len(self.phases))]
+        if self.max_grad_norm is not None or self.skip_nonfinite:
+            phases.append(self._norm_specs(slots))
+        for phase in phases:
+            collectives = plan_collectives(phase, self.rank)
             sum_bytes += sum(c.bytes for c in collectives)
             sum_collectives += len(collectives)
         return StepTraffic(plan.total_bytes, plan.collectives, sum_bytes, sum_collectives)

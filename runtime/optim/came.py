@@ -200,6 +200,8 @@ class ShardedCAME(ShardedOptimizer):
         timeout: float | datetime.timedelta | None = None,
         bucket_bytes: int | None = None,
         verify: bool = True,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         if not lr > 0 or not clip_threshold > 0 or not weight_decay >= 0 or not all(0 <= b <= 1 for b in betas):
             raise OptimizerError(
@@ -222,6 +224,8 @@ class ShardedCAME(ShardedOptimizer):
             timeout=timeout,
             bucket_bytes=bucket_bytes,
             verify=verify,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=skip_nonfinite,
         )
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
