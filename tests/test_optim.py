@@ -273,3 +273,58 @@ def test_came_statistics_of_the_seed_embedding(state: str, flat_axis: int | None
     collectives = [plan_collectives(specs, 5) for specs in phases]
     assert [len(c) for c in collectives] == [1, 1, 1]
     assert sum(c.numel for phase in collectives for c in phase) == floats
+
+
+# --- param groups added later ----------------------------------------------------------------
+GROUPS_SPEC = """
+mesh world = [dp=1]
+rule "*.weight" { param = R,R over world  grad = R,R over world  state = S(dp),R over world }
+rule "*.bias"   { param = R over world    grad = R over world    state = S(dp) over world }
+"""
+
+
+def _two_layers(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def _layer(model: torch.nn.Module, index: int) -> list[tuple[str, torch.nn.Parameter]]:
+    """The named parameters of layer ``index`` under their names in the whole model (``2.weight``)."""
+    return [(n, p) for n, p in model.named_parameters() if n.startswith(f"{index}.")]
+
+
+def test_an_added_param_group_is_placed_and_trained_as_torch_trains_it() -> None:
+    """Two steps of the first layer alone, then the second added with its own lr, five more
+    steps (the states of the first layer kept across the growth), bit for bit as torch's AdamW
+    with the same add_param_group; a learning-rate scheduler sets both groups."""
+    theirs, ours = _two_layers(3), _two_layers(3)
+    reference = torch.optim.AdamW(theirs[0].parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    optimizer = ShardedAdamW(_layer(ours, 0), parse_spec(GROUPS_SPEC), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(7):
+        if step == 2:
+            reference.add_param_group({"params": list(theirs[2].parameters()), "lr": 3e-3})
+            optimizer.add_param_group({"params": _layer(ours, 2), "lr": 3e-3})
+            schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (reference, optimizer)]
+        x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
+        for model, opt in ((theirs, reference), (ours, optimizer)):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        if step >= 2:
+            for scheduler in schedulers:
+                scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in reference.param_groups]
+    for (name, mine), theirs_p in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(mine, theirs_p), name
+
+
+def test_an_added_group_the_spec_cannot_place_changes_nothing() -> None:
+    model = _two_layers(5)
+    optimizer = ShardedAdamW(_layer(model, 0), parse_spec(GROUPS_SPEC.replace('"*.bias"', '"0.bias"')))
+    for params in (_layer(model, 2), list(model[2].parameters())):
+        message = _error(lambda params=params: optimizer.add_param_group({"params": params}))
+        assert "'2.bias'" in message or "without names" in message, message
+        assert len(optimizer.param_groups) == 1 and len(optimizer._slots) == 2
+    message = _error(lambda: optimizer.add_param_group({"params": _layer(model, 0)}))
+    assert "more than one parameter group" in message and len(optimizer.param_groups) == 1

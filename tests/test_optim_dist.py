@@ -189,7 +189,7 @@ def _run_config(rank: int, config: str, kind: str, dtype: torch.dtype, seed: int
     the_mesh = next(iter(spec.values())).param.mesh
     if rank not in the_mesh.ranks:  # idle rank: holds the tensors, takes part in nothing
         params = {n: torch.nn.Parameter(t) for n, t in initial_params(dtype, seed).items()}
-        optimizer = _optimizer(kind, list(params.items()), spec, flat_axis=flat_axis)
+        optimizer = _optimizer(kind, list(params.items()), spec, flat_axis=flat_axis, idle_ranks=True)
         optimizer.step()
         return {"idle": True, "state_bytes": optimizer.state_bytes()}
     coordinate = the_mesh.coordinate(rank)
@@ -357,6 +357,15 @@ def _run_mismatched_buckets(rank: int, seed: int) -> dict[str, Any]:
     return {"outcomes": [(kind, message) for kind, message, _ in outcomes], "unchanged": unchanged}
 
 
+def _run_smaller_mesh(rank: int) -> tuple[str, str, float]:
+    """A spec over 2 ranks in a 4-rank job: the ranks it leaves out must refuse it."""
+    from tests.dist_harness import attempt
+
+    spec = _spec("mesh[dp=2]", _zero_rows)
+    params = {n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, 16).items()}
+    return attempt(lambda: _optimizer("adamw", list(params.items()), spec))
+
+
 def _same_states(a: dict, b: dict) -> bool:
     if a["tensors"].keys() != b["tensors"].keys():
         return False
@@ -451,6 +460,7 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
     for kind, flat_axis in (("adamw", None), ("adamw", "dp"), ("came", None)):
         out[("clipped", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=14, max_grad_norm=CLIP)
     out["nonfinite"] = _run_nonfinite(rank, seed=15)
+    out["smaller_mesh"] = _run_smaller_mesh(rank)
     return out
 
 
@@ -638,6 +648,18 @@ def test_a_failed_step_changes_nothing_and_names_the_tensor(ranks: list[dict[str
         assert case["unchanged"]
         for name, got in case["params"].items():
             _assert_close("came", torch.float32, got, want[name], f"after the failed step, rank {rank} '{name}'")
+
+
+@pytest.mark.slow
+def test_a_spec_over_fewer_ranks_than_the_job_is_refused_where_it_would_idle(ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(ranks):
+        kind, message, _ = result["smaller_mesh"]
+        if rank < 2:
+            assert kind == "ok", (rank, message)
+            continue
+        assert kind == "OptimizerError", (rank, kind, message)
+        assert f"rank {rank} holds it" in message and "ranks [0, 1]" in message and "idle_ranks=True" in message
+        assert message.startswith("tensor 'w': ")
 
 
 @pytest.mark.slow

@@ -83,6 +83,9 @@ class ShardedAdamW(ShardedOptimizer):
     all-reduce, as ``torch.nn.utils.clip_grad_norm_`` would on one device (``last_grad_norm``
     holds the norm). ``skip_nonfinite``: skip a step whose gradients hold a NaN or inf, on every
     rank alike (``last_step_skipped``; a warning says so), as ``GradScaler`` does.
+    ``idle_ranks``: let a rank hold parameters whose state mesh leaves it out (it never steps
+    them: a pipeline stage); otherwise such a parameter is an error, since the replicas would
+    drift apart. ``add_param_group`` places new named parameters from the same spec.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class ShardedAdamW(ShardedOptimizer):
         verify: bool = True,
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = False,
+        idle_ranks: bool = False,
     ) -> None:
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0 or not all(0 <= b < 1 for b in betas):
             raise OptimizerError(
@@ -118,6 +122,7 @@ class ShardedAdamW(ShardedOptimizer):
             verify=verify,
             max_grad_norm=max_grad_norm,
             skip_nonfinite=skip_nonfinite,
+            idle_ranks=idle_ranks,
         )
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:

@@ -237,6 +237,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         verify: bool = True,
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = False,
+        idle_ranks: bool = False,
     ) -> None:
         named = list(named_params)
         if not named:
@@ -264,10 +265,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.verify = verify
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self._reducer = SumReducer(self.rank, self.timeout)
+        self.idle_ranks = idle_ranks
+        self._placing = (spec, flat_axis, state_dtype)  # how add_param_group places parameters
         self._slots: list[Slot] = []
         for group in self.param_groups:
-            for name, p in zip(group["param_names"], group["params"], strict=True):
-                self._slots.append(self._place(len(self._slots), name, p, group, spec, flat_axis, state_dtype))
+            self._slots += self._place_group(group)
         self._flat: FlatStates | None = None  # allocated at the first step
         self._scratch = Scratch()  # the step's working buffers, kept between steps
         self._bucket_buffers = Scratch()  # the buckets' buffers (``runtime.buckets``)
@@ -300,6 +302,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return StateWhere(layout, shape, flat_of, slot.shard.local_shape)
 
     # --- placing parameters ------------------------------------------------------------
+    def _place_group(self, group: dict[str, Any]) -> list[Slot]:
+        spec, flat_axis, state_dtype = self._placing
+        start = len(self._slots)
+        return [
+            self._place(start + k, name, p, group, spec, flat_axis, state_dtype)
+            for k, (name, p) in enumerate(zip(group["param_names"], group["params"], strict=True))
+        ]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of named parameters (``{"params": list(module.named_parameters()),
+        "lr": ...}``), placed from the spec like the first ones; nothing changes unless every
+        one of them is placed."""
+        if not hasattr(self, "_slots"):  # torch.optim.Optimizer.__init__ adds the first groups
+            super().add_param_group(param_group)
+            return
+        try:
+            super().add_param_group(param_group)
+        except (TypeError, ValueError) as e:
+            raise OptimizerError(f"{type(self).__name__}.add_param_group: {e}") from None
+        group = self.param_groups[-1]
+        try:
+            if "param_names" not in group:
+                raise OptimizerError(
+                    f"{type(self).__name__}.add_param_group needs named parameters: "
+                    "{'params': list(module.named_parameters()), ...}"
+                )
+            placed = self._place_group(group)
+        except OptimizerError:
+            self.param_groups.pop()
+            raise
+        self._slots += placed
+        if self._flat is not None:  # the flat buffers grow; the states kept so far move along
+            old, self._flat = self._flat, None
+            grown = self._flat_states()
+            for slot in self._slots[: len(self._slots) - len(placed)]:
+                for name in self._state_names(slot):
+                    if old.has(slot.index, name):
+                        grown.view(slot.index, name).copy_(old.view(slot.index, name))
+
     def _place(
         self,
         index: int,
@@ -328,6 +369,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             axis = None if flat_axis is None else state_layout.mesh.axis_index(flat_axis)
             block = state_layout if axis is None else without_axis(state_layout, axis)
             inside = self.rank in state_layout.mesh.ranks
+            if not inside and not self.idle_ranks:
+                mesh = state_layout.mesh
+                raise OptimizerError(
+                    f"rank {self.rank} holds it, but its state mesh {mesh.describe()} is ranks "
+                    f"{_ranks_text(mesh.ranks)}: this rank would never update it; give the spec a mesh "
+                    "over every rank that holds the tensor, or pass idle_ranks=True where a rank holds "
+                    "tensors it does not step (a pipeline stage)"
+                )
             shard = StateShard.of(shape, block, self.rank, axis) if inside else None
             if inside and not isinstance(param, DTensor):
                 piece = piece_shape(param_layout.rank_piece(shape, self.rank))
@@ -873,3 +922,10 @@ def _spec_entry(name: str, shape: tuple[int, ...], dtype: torch.dtype, spec: Spe
     if isinstance(entry, Layouts):
         return TensorSpec(name=name, dtype=dtype_name(dtype), shape=shape, layouts=entry)
     return entry
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``[0, 1]``; a long list as ``[0, 1, 2, ..., 1023] (1024 ranks)``."""
+    if len(ranks) <= 8:
+        return str(list(ranks))
+    return f"[{ranks[0]}, {ranks[1]}, {ranks[2]}, ..., {ranks[len(ranks) - 1]}] ({len(ranks)} ranks)"

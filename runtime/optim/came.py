@@ -202,6 +202,7 @@ class ShardedCAME(ShardedOptimizer):
         verify: bool = True,
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = False,
+        idle_ranks: bool = False,
     ) -> None:
         if not lr > 0 or not clip_threshold > 0 or not weight_decay >= 0 or not all(0 <= b <= 1 for b in betas):
             raise OptimizerError(
@@ -226,6 +227,7 @@ class ShardedCAME(ShardedOptimizer):
             verify=verify,
             max_grad_norm=max_grad_norm,
             skip_nonfinite=skip_nonfinite,
+            idle_ranks=idle_ranks,
         )
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
