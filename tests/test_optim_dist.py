@@ -357,6 +357,38 @@ def _run_mismatched_buckets(rank: int, seed: int) -> dict[str, Any]:
     return {"outcomes": [(kind, message) for kind, message, _ in outcomes], "unchanged": unchanged}
 
 
+def _run_fails_after_its_last_collective(rank: int, seed: int) -> dict[str, Any]:
+    """Rank 1 fails its step after every collective of it has run (as a faulty check at the
+    end would): no rank may commit, every rank raises, and the next step runs on all alike."""
+    from runtime.optim import OptimizerStepError, ShardedAdamW
+
+    class FailsOnRank1(ShardedAdamW):
+        fail = True
+
+        def _stage(self, slots: list) -> Any:
+            commit = super()._stage(slots)
+            if rank == 1 and self.fail:
+                self.fail = False
+                raise OptimizerStepError("rank 1 fails at the end of its step")
+            return commit
+
+    spec = _spec(DP4, _zero_rows)
+    params = {n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, seed).items()}
+    optimizer = FailsOnRank1(list(params.items()), spec, **ADAMW, timeout=30)
+    for name, (grad, addends) in step_grads(torch.float32, seed, 0).items():
+        params[name].grad = local_grad(grad, addends, spec[name].grad, (rank,))
+    before = {n: p.detach().clone() for n, p in params.items()}
+    try:
+        optimizer.step()
+        message = None
+    except OptimizerStepError as e:
+        message = str(e)
+    unchanged = all(torch.equal(before[n], params[n]) for n in SHAPES) and not optimizer.state_dict()["tensors"]
+    optimizer.step()  # the retry succeeds everywhere
+    moved = all(not torch.equal(before[n], params[n]) for n in SHAPES)
+    return {"message": message, "unchanged": unchanged, "moved": moved}
+
+
 def _run_smaller_mesh(rank: int) -> tuple[str, str, float]:
     """A spec over 2 ranks in a 4-rank job: the ranks it leaves out must refuse it."""
     from tests.dist_harness import attempt
@@ -461,6 +493,7 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         out[("clipped", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=14, max_grad_norm=CLIP)
     out["nonfinite"] = _run_nonfinite(rank, seed=15)
     out["smaller_mesh"] = _run_smaller_mesh(rank)
+    out["late_failure"] = _run_fails_after_its_last_collective(rank, seed=17)
     return out
 
 
@@ -648,6 +681,17 @@ def test_a_failed_step_changes_nothing_and_names_the_tensor(ranks: list[dict[str
         assert case["unchanged"]
         for name, got in case["params"].items():
             _assert_close("came", torch.float32, got, want[name], f"after the failed step, rank {rank} '{name}'")
+
+
+@pytest.mark.slow
+def test_a_rank_failing_after_its_last_collective_leaves_every_rank_unchanged(ranks: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(ranks):
+        case = result["late_failure"]
+        if rank == 1:
+            assert case["message"] == "rank 1 fails at the end of its step", case
+        else:
+            assert case["message"] is not None and "failed on another rank of [0, 1, 2, 3]" in case["message"], case
+        assert case["unchanged"] and case["moved"], (rank, case)
 
 
 @pytest.mark.slow

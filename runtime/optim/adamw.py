@@ -86,6 +86,8 @@ class ShardedAdamW(ShardedOptimizer):
     ``idle_ranks``: let a rank hold parameters whose state mesh leaves it out (it never steps
     them: a pipeline stage); otherwise such a parameter is an error, since the replicas would
     drift apart. ``add_param_group`` places new named parameters from the same spec.
+    ``all_ranks_commit``: a step commits only when every rank of the stepped tensors' meshes
+    finished it (one all-reduce of a flag); otherwise every rank raises and nothing changes.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class ShardedAdamW(ShardedOptimizer):
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = False,
         idle_ranks: bool = False,
+        all_ranks_commit: bool = True,
     ) -> None:
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0 or not all(0 <= b < 1 for b in betas):
             raise OptimizerError(
@@ -123,6 +126,7 @@ class ShardedAdamW(ShardedOptimizer):
             max_grad_norm=max_grad_norm,
             skip_nonfinite=skip_nonfinite,
             idle_ranks=idle_ranks,
+            all_ranks_commit=all_ranks_commit,
         )
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:

@@ -38,6 +38,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -47,10 +48,10 @@ from planner.step import AFTER, BEFORE, StepPlan, StepTensor, plan_step, without
 from runtime.blocks import piece_shape
 from runtime.buckets import StepProgram, compile_step, run_stage
 from runtime.buffers import Scratch
-from runtime.comm import collective, timeout_of
+from runtime.comm import collective, default_device, timeout_of
 from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError, PlanMismatchError
-from runtime.groups import axis_ranks, group_for
+from runtime.groups import axis_ranks, group_for, ranks_group
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.flat import FlatStates
 from runtime.optim.shards import StateShard
@@ -61,6 +62,8 @@ from shardlang.layout import Layout
 from shardlang.spec import STATE_DEFAULT, Layouts, Spec, TensorSpec
 
 STATE_DICT_FORMAT = "shardlang.sharded_optimizer/1"
+# How long a rank whose step failed waits to tell the others (see ShardedOptimizer._agree).
+FAILURE_NOTICE = datetime.timedelta(seconds=2)
 
 SpecLike = Spec | Mapping[str, Layouts | TensorSpec] | None
 # The math of the step's tensors: yields the partial sums of each phase, is sent them
@@ -238,6 +241,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = False,
         idle_ranks: bool = False,
+        all_ranks_commit: bool = True,
     ) -> None:
         named = list(named_params)
         if not named:
@@ -266,6 +270,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self._reducer = SumReducer(self.rank, self.timeout)
         self.idle_ranks = idle_ranks
+        self.all_ranks_commit = all_ranks_commit
         self._placing = (spec, flat_axis, state_dtype)  # how add_param_group places parameters
         self._slots: list[Slot] = []
         for group in self.param_groups:
@@ -521,9 +526,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
         slots = self._stepped()
         if not slots:
             return loss
-        commit = self._stage(slots)
+        members = tuple(sorted({r for slot in slots for r in slot.state_layout.mesh.ranks}))
+        try:
+            commit = self._stage(slots)
+        except Exception:
+            self._agree(members, ok=False)  # the others must not commit either
+            raise
+        if not self._agree(members, ok=True):
+            raise OptimizerStepError(
+                f"step {min(s.step for s in slots) + 1} failed on another rank of {_ranks_text(members)}; "
+                "parameters and optimizer states are unchanged on every rank"
+            )
         commit()
         return loss
+
+    def _agree(self, members: tuple[int, ...], *, ok: bool) -> bool:
+        """Whether every rank of ``members`` (the ranks of the meshes of the tensors stepped)
+        finished its step: one bounded all-reduce of a flag, so that a step commits on all of
+        them or on none. A rank that cannot reach the others counts as failed. A rank that failed
+        only tells the others, and waits for them briefly (:data:`FAILURE_NOTICE`): whether it
+        reaches them or not, none of them commits, since success needs every rank's flag."""
+        if not self.all_ranks_commit or len(members) < 2 or not dist.is_initialized():
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=default_device())
+        wait = self.timeout if ok else min(self.timeout, FAILURE_NOTICE)
+        try:
+            group = ranks_group(members, timeout=self.timeout)
+            agreed = collective("all_reduce", flag, len(members), "min", group, wait)
+        except DistributedError:
+            return False
+        return bool(agreed.item() == 1)
 
     def _flat_states(self) -> FlatStates:
         if self._flat is None:

@@ -203,6 +203,7 @@ class ShardedCAME(ShardedOptimizer):
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = False,
         idle_ranks: bool = False,
+        all_ranks_commit: bool = True,
     ) -> None:
         if not lr > 0 or not clip_threshold > 0 or not weight_decay >= 0 or not all(0 <= b <= 1 for b in betas):
             raise OptimizerError(
@@ -228,6 +229,7 @@ class ShardedCAME(ShardedOptimizer):
             max_grad_norm=max_grad_norm,
             skip_nonfinite=skip_nonfinite,
             idle_ranks=idle_ranks,
+            all_ranks_commit=all_ranks_commit,
         )
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
