@@ -32,6 +32,7 @@ import datetime
 import hashlib
 import json
 import math
+import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
@@ -45,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from planner.cost import CostModel
 from planner.plan import same_geometry
 from planner.step import AFTER, BEFORE, StepPlan, StepTensor, plan_step, without_axis
+from runtime import stats
 from runtime.blocks import piece_shape
 from runtime.buckets import StepProgram, compile_step, run_stage
 from runtime.buffers import Scratch
@@ -153,20 +155,23 @@ class HeldTensor:
 @attrs.frozen
 class StepTraffic:
     """What one step communicates on this rank, as planned: bucket bytes and collectives
-    (the step plan), statistics all-reduces and their bytes (``sums.plan_collectives``)."""
+    (the step plan), statistics all-reduces and their bytes (``sums.plan_collectives``), and
+    the all-reduce of the commit flag (``all_ranks_commit``)."""
 
     reshard_bytes: int = 0
     reshard_collectives: int = 0
     sum_bytes: int = 0
     sum_collectives: int = 0
+    commit_bytes: int = 0
+    commit_collectives: int = 0
 
     @property
     def bytes(self) -> int:
-        return self.reshard_bytes + self.sum_bytes
+        return self.reshard_bytes + self.sum_bytes + self.commit_bytes
 
     @property
     def collectives(self) -> int:
-        return self.reshard_collectives + self.sum_collectives
+        return self.reshard_collectives + self.sum_collectives + self.commit_collectives
 
 
 class StepWork:
@@ -526,7 +531,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         slots = self._stepped()
         if not slots:
             return loss
-        members = tuple(sorted({r for slot in slots for r in slot.state_layout.mesh.ranks}))
+        members = self._members(slots)
         try:
             commit = self._stage(slots)
         except Exception:
@@ -540,6 +545,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         commit()
         return loss
 
+    @staticmethod
+    def _members(slots: Sequence[Slot]) -> tuple[int, ...]:
+        """The ranks that must agree on a step of ``slots``: those of their state meshes."""
+        return tuple(sorted({r for slot in slots for r in slot.state_layout.mesh.ranks}))
+
+    def _flag_traffic(self, slots: Sequence[Slot]) -> tuple[int, int]:
+        """Bytes and collectives of the commit flag's all-reduce (the cost model's all_reduce
+        row for one int32: ``2 (n-1)`` elements sent)."""
+        n = len(self._members(slots))
+        if not self.all_ranks_commit or n < 2 or not dist.is_initialized():
+            return 0, 0
+        return 2 * (n - 1) * 4, 1
+
     def _agree(self, members: tuple[int, ...], *, ok: bool) -> bool:
         """Whether every rank of ``members`` (the ranks of the meshes of the tensors stepped)
         finished its step: one bounded all-reduce of a flag, so that a step commits on all of
@@ -550,11 +568,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=default_device())
         wait = self.timeout if ok else min(self.timeout, FAILURE_NOTICE)
+        started = time.perf_counter()
         try:
             group = ranks_group(members, timeout=self.timeout)
             agreed = collective("all_reduce", flag, len(members), "min", group, wait)
         except DistributedError:
             return False
+        if stats.is_recording():
+            n = len(members)
+            stats.record(
+                stats.CommRecord(
+                    tensor=None,
+                    step=0,
+                    op="all_reduce",
+                    axis=None,
+                    ranks=members,
+                    bytes_sent=2 * (n - 1) * 4,
+                    planned_bytes=2 * (n - 1) * 4,
+                    seconds=time.perf_counter() - started,
+                )
+            )
         return bool(agreed.item() == 1)
 
     def _flat_states(self) -> FlatStates:
@@ -651,8 +684,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for state in slot.own_layouts:
                 inputs[legs[(slot.name, f"state -> state.{state}")]] = work.own_new[(i, state)]
         back = run(AFTER, inputs)
+        flag_bytes, flag_collectives = self._flag_traffic(slots)
         traffic = StepTraffic(
-            plan.total_bytes, plan.collectives, sum_bytes + norm_bytes, sum_collectives + norm_collectives
+            plan.total_bytes,
+            plan.collectives,
+            sum_bytes + norm_bytes,
+            sum_collectives + norm_collectives,
+            flag_bytes,
+            flag_collectives,
         )
 
         def commit() -> None:
@@ -792,7 +831,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             collectives = plan_collectives(phase, self.rank)
             sum_bytes += sum(c.bytes for c in collectives)
             sum_collectives += len(collectives)
-        return StepTraffic(plan.total_bytes, plan.collectives, sum_bytes, sum_collectives)
+        return StepTraffic(plan.total_bytes, plan.collectives, sum_bytes, sum_collectives, *self._flag_traffic(slots))
 
     @property
     def bucket_buffer_bytes(self) -> int:
