@@ -11,13 +11,12 @@ that a failed step can be dropped.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
-from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StepWork, Update, done
+from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StepOptions, StepWork, Update, done
 from runtime.optim.errors import OptimizerError
 from runtime.optim.flat import as_flat, flat_or_copy, scatter_back
 
@@ -99,35 +98,14 @@ class ShardedAdamW(ShardedOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        flat_axis: str | int | None = None,
-        state_dtype: torch.dtype | None = None,
-        timeout: float | datetime.timedelta | None = None,
-        bucket_bytes: int | None = None,
-        verify: bool = True,
-        max_grad_norm: float | None = None,
-        skip_nonfinite: bool = False,
-        idle_ranks: bool = False,
-        all_ranks_commit: bool = True,
+        **options: Unpack[StepOptions],
     ) -> None:
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0 or not all(0 <= b < 1 for b in betas):
             raise OptimizerError(
                 f"invalid AdamW hyperparameters: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
             )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(
-            named_params,
-            spec,
-            defaults,
-            flat_axis=flat_axis,
-            state_dtype=state_dtype,
-            timeout=timeout,
-            bucket_bytes=bucket_bytes,
-            verify=verify,
-            max_grad_norm=max_grad_norm,
-            skip_nonfinite=skip_nonfinite,
-            idle_ranks=idle_ranks,
-            all_ranks_commit=all_ranks_commit,
-        )
+        super().__init__(named_params, spec, defaults, **options)
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
         assert slot.shard is not None

@@ -35,7 +35,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import attrs
 import torch
@@ -71,6 +71,21 @@ SpecLike = Spec | Mapping[str, Layouts | TensorSpec] | None
 # The math of the step's tensors: yields the partial sums of each phase, is sent them
 # completed; it writes its results into the destinations it was given.
 Update = Generator[list[torch.Tensor], list[torch.Tensor], None]
+
+
+class StepOptions(TypedDict, total=False):
+    """The options both sharded optimizers take besides their hyperparameters (see
+    :class:`~runtime.optim.ShardedAdamW` for what each does)."""
+
+    flat_axis: str | int | None
+    state_dtype: torch.dtype | None
+    timeout: float | datetime.timedelta | None
+    bucket_bytes: int | None
+    verify: bool
+    max_grad_norm: float | None
+    skip_nonfinite: bool
+    idle_ranks: bool
+    all_ranks_commit: bool
 
 
 @attrs.define(eq=False)

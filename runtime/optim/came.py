@@ -20,15 +20,14 @@ instability; :func:`came_sum_specs` lists them, :func:`came_update` computes the
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections.abc import Generator, Iterable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import attrs
 import torch
 
-from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StateWhere, StepWork, Update
+from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StateWhere, StepOptions, StepWork, Update
 from runtime.optim.errors import OptimizerError
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumSpec
@@ -195,15 +194,7 @@ class ShardedCAME(ShardedOptimizer):
         clip_threshold: float = 1.0,
         betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
         weight_decay: float = 0.0,
-        flat_axis: str | int | None = None,
-        state_dtype: torch.dtype | None = None,
-        timeout: float | datetime.timedelta | None = None,
-        bucket_bytes: int | None = None,
-        verify: bool = True,
-        max_grad_norm: float | None = None,
-        skip_nonfinite: bool = False,
-        idle_ranks: bool = False,
-        all_ranks_commit: bool = True,
+        **options: Unpack[StepOptions],
     ) -> None:
         if not lr > 0 or not clip_threshold > 0 or not weight_decay >= 0 or not all(0 <= b <= 1 for b in betas):
             raise OptimizerError(
@@ -217,20 +208,7 @@ class ShardedCAME(ShardedOptimizer):
             "betas": tuple(betas),
             "weight_decay": weight_decay,
         }
-        super().__init__(
-            named_params,
-            spec,
-            defaults,
-            flat_axis=flat_axis,
-            state_dtype=state_dtype,
-            timeout=timeout,
-            bucket_bytes=bucket_bytes,
-            verify=verify,
-            max_grad_norm=max_grad_norm,
-            skip_nonfinite=skip_nonfinite,
-            idle_ranks=idle_ranks,
-            all_ranks_commit=all_ranks_commit,
-        )
+        super().__init__(named_params, spec, defaults, **options)
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
         assert slot.shard is not None
