@@ -43,7 +43,7 @@ import attrs
 
 from planner.choice import plan as plan_pair
 from planner.cost import CostModel, PlanError, collective_rounds
-from planner.plan import Plan, same_geometry
+from planner.plan import Plan
 from shardlang.errors import SourcePosition
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
@@ -281,10 +281,10 @@ class StepPlan:
                 for leg in data["legs"]
             )
             meshes = {
-                leg_step.layout.mesh.describe(): leg_step.layout.mesh
+                step.layout.mesh.describe(): step.layout.mesh
                 for leg in legs
                 for hop in leg.hops
-                for leg_step in (*hop.plan.steps,)
+                for step in hop.plan.steps
             }
             buckets = tuple(
                 Bucket(
@@ -485,8 +485,3 @@ def _bucket(legs: Sequence[Leg], stage: str, group: list[tuple[Member, Any]], co
         buffer_bytes=sum(_buffer_bytes(step) for _, step in group),
         seconds=seconds,
     )
-
-
-def same_mesh_legs(step_plan: StepPlan) -> bool:
-    """Whether every leg stays on one mesh (no point-to-point step joins two)."""
-    return all(same_geometry(hop.plan.src.mesh, hop.plan.dst.mesh) for leg in step_plan.legs for hop in leg.hops)

@@ -68,11 +68,8 @@ class _BucketProgram:
 
     @property
     def send_numel(self) -> int:
-        return self.bucket_rows * self.total
-
-    @property
-    def bucket_rows(self) -> int:
-        return self.members[0][1].n if self.per_peer else 1
+        """Elements of the send buffer: a row per peer of ``total``, or one row."""
+        return (self.members[0][1].n if self.per_peer else 1) * self.total
 
 
 @attrs.frozen(eq=False)
