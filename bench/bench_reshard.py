@@ -79,13 +79,13 @@ def hand_step(step: planner.Step, x: torch.Tensor, group: dist.ProcessGroup | No
         flat = torch.cat([c.contiguous().view(-1) for c in x.chunk(n, dim)]) if dim else x.contiguous().view(-1)
         out = x.new_empty(flat.numel() // n)
         reduce_scatter_single(out, flat, op=reduce_op, group=group)
-        out = out.view(*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:])
+        out = out.view(*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1 :])
     else:  # all_to_all
         to = step.to_dim
         flat = torch.cat([c.contiguous().view(-1) for c in x.chunk(n, to)])
         received = torch.empty_like(flat)
         dist.all_to_all_single(received, flat, group=group)
-        block = [*x.shape[:to], x.shape[to] // n, *x.shape[to + 1:]]
+        block = [*x.shape[:to], x.shape[to] // n, *x.shape[to + 1 :]]
         return torch.cat(list(received.view(n, *block)), dim=dim)
     return out.div_(n) if step.reduce_op == "avg" else out
 
@@ -149,7 +149,7 @@ def _measure(rank: int, src_text: str, dst_text: str, megabytes: int, device_mes
     times: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
     for rep in range(reps):
-        for name in names[rep % 3:] + names[: rep % 3]:
+        for name in names[rep % 3 :] + names[: rep % 3]:
             dist.barrier()
             started = time.perf_counter()
             out = methods[name]()

@@ -174,8 +174,8 @@ def test_random_addends_reduce_to_the_full_tensor(text: str, dtype: torch.dtype)
     for axis, op in layout.partial:
         reduced: dict[tuple[int, ...], torch.Tensor] = {}
         for coordinate in grid:
-            key = (*coordinate[:axis], 0, *coordinate[axis + 1:])
-            stack = torch.stack([grid[(*key[:axis], c, *key[axis + 1:])] for c in range(mesh.shape[axis])])
+            key = (*coordinate[:axis], 0, *coordinate[axis + 1 :])
+            stack = torch.stack([grid[(*key[:axis], c, *key[axis + 1 :])] for c in range(mesh.shape[axis])])
             reduced[key] = _hand_reduce(stack, op)
         grid = reduced
     for coordinate, value in grid.items():
