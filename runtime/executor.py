@@ -39,6 +39,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -328,10 +329,15 @@ def _where(move: Move | Exchange, plan: Plan) -> str:
     return f"step {move.index + 1} of {len(plan.steps)} ({what})"
 
 
+def fingerprint(data: Any) -> int:
+    """A 63-bit digest of ``data``'s JSON form (what ranks all-gather to check they agree)."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
 def plan_fingerprint(plan: Plan) -> int:
     """A 63-bit digest of the plan's JSON form (layouts, shape, dtype, steps, cost model)."""
-    text = json.dumps(plan.to_json(), sort_keys=True, separators=(",", ":"))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+    return fingerprint(plan.to_json())
 
 
 def _verify(

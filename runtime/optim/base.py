@@ -29,8 +29,6 @@ the parameter each step.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import math
 import time
 import warnings
@@ -53,6 +51,7 @@ from runtime.buffers import Scratch
 from runtime.comm import collective, default_device, timeout_of
 from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError, PlanMismatchError
+from runtime.executor import fingerprint
 from runtime.groups import axis_ranks, group_for, ranks_group
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.flat import FlatStates
@@ -61,6 +60,7 @@ from runtime.optim.sums import SumReducer, SumSpec, plan_collectives
 from shardlang.errors import ShardlangError
 from shardlang.interop import from_dtensor_placements, mesh_from_device_mesh
 from shardlang.layout import Layout
+from shardlang.mesh import Mesh
 from shardlang.spec import STATE_DEFAULT, Layouts, Spec, TensorSpec
 
 STATE_DICT_FORMAT = "shardlang.sharded_optimizer/1"
@@ -500,20 +500,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _verify(self, plan: StepPlan) -> None:
         """Every rank of every group a bucket runs on holds the same buckets for it (in order,
         with the same members and sizes): a digest per group, all-gathered once per plan."""
-        groups: dict[tuple, list[dict[str, Any]]] = {}
+        groups: dict[tuple, tuple[Mesh, list[dict[str, Any]]]] = {}
         for bucket in plan.buckets:
             if bucket.axis is None:
                 continue
-            key = (bucket.mesh.shape, bucket.mesh.ranks, bucket.axis)
             record = bucket.to_json() | {
                 "members": [(plan.legs[m.leg].tensor, plan.legs[m.leg].what, m.hop, m.step) for m in bucket.members]
             }
-            groups.setdefault(key, []).append(record)
-        for (shape, ranks, axis), records in sorted(groups.items()):
-            mesh = next(b.mesh for b in plan.buckets if (b.mesh.shape, b.mesh.ranks, b.axis) == (shape, ranks, axis))
+            key = (bucket.mesh.shape, bucket.mesh.ranks, bucket.axis)
+            groups.setdefault(key, (bucket.mesh, []))[1].append(record)
+        for (_, _, axis), (mesh, records) in sorted(groups.items(), key=lambda item: item[0]):
             members = axis_ranks(mesh, (axis,), self.rank)
-            text = json.dumps(records, sort_keys=True, default=str)
-            mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+            mine = fingerprint(records)
             device = next(iter(self._slots)).local_param().device
             try:
                 group = group_for(mesh, (axis,), members, timeout=self.timeout)
