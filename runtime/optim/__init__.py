@@ -1,4 +1,4 @@
-"""Sharded optimizers driven by layout specs: AdamW and CAME on shards, exact.
+"""Sharded optimizers driven by layout specs: AdamW, CAME and Adafactor on shards, exact.
 
     spec = shardlang.load_spec("examples/tiny_gpt_dp4.shard")
     optimizer = runtime.optim.ShardedCAME(model.named_parameters(), spec, lr=1e-3)
@@ -8,9 +8,18 @@ Each step reshards every gradient from its grad layout to its state layout, runs
 on the local shards, and reshards the parameter back to its param layout; see ``base``.
 """
 
+from runtime.optim.adafactor import ShardedAdafactor
 from runtime.optim.adamw import ShardedAdamW
 from runtime.optim.base import ShardedOptimizer, StepTraffic
 from runtime.optim.came import ShardedCAME
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 
-__all__ = ["OptimizerError", "OptimizerStepError", "ShardedAdamW", "ShardedCAME", "ShardedOptimizer", "StepTraffic"]
+__all__ = [
+    "OptimizerError",
+    "OptimizerStepError",
+    "ShardedAdafactor",
+    "ShardedAdamW",
+    "ShardedCAME",
+    "ShardedOptimizer",
+    "StepTraffic",
+]

@@ -58,7 +58,7 @@ def came_state_shapes(shard: StateShard) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _rows_span_ranks(shard: StateShard) -> bool:
+def rows_span_ranks(shard: StateShard) -> bool:
     """Whether the row normaliser needs rows other ranks hold."""
     return any(shard.layout.mesh.shape[a] > 1 for a in shard.row_axes)
 
@@ -77,7 +77,7 @@ def came_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[t
         spec(shard.row_sum_axes, shard.row_stat_shape, shard.replicated),
         spec(shard.col_sum_axes, shard.col_stat_shape, shard.replicated),
     ]
-    if _rows_span_ranks(shard):
+    if rows_span_ranks(shard):
         batch = shard.block_shape[:-2]
         moments += [
             spec(shard.matrix_sum_axes, batch, shard.replicated),
@@ -155,7 +155,7 @@ def _factored_ema(
     """Row and column EMAs of the means of ``x`` (written to ``out``), and the per-matrix
     mean of the new rows."""
     sums = [shard.row_sums(x), shard.col_sums(x)]
-    spans = _rows_span_ranks(shard)
+    spans = rows_span_ranks(shard)
     if spans:
         sums += [shard.matrix_sums(x), row.sum(-1)]
     completed = yield sums
