@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from planner import CostModel, Plan, Step
+from planner import CostModel, OpCost, Plan, Step
 from planner import plan as plan_exact
 from shardlang import Layout, Mesh
 from shardlang.layout import reduce_ops_commute
@@ -165,6 +165,7 @@ def _step_cost(
         )
 
     alphas, betas = cost.for_mesh(state.mesh)
-    line_cost = CostModel(alpha=alphas[axis], bandwidth=betas[axis])
+    ops = [OpCost(c.op, *(v[axis] for v in cost.for_op(c.op, state.mesh))) for c in cost.ops]
+    line_cost = CostModel(alpha=alphas[axis], bandwidth=betas[axis], ops=ops)
     alone = plan_exact(on_line(state), on_line(after), block, dtype, line_cost)
     return alone.total_bytes, alone.total_seconds

@@ -62,6 +62,12 @@ def _add_cost_options(p: argparse.ArgumentParser, memory: bool = True) -> None:
         "(layouts on two different meshes always use them)",
     )
     p.add_argument(
+        "--costs",
+        metavar="HINTS.json",
+        help="the cost model of a hints file (`shardlang calibrate -o`): per-axis, per-collective latency and "
+        "bandwidth; replaces the spec's hints, and --alpha/--bandwidth override its defaults",
+    )
+    p.add_argument(
         "--alpha",
         type=duration_arg,
         metavar="SECONDS",
@@ -228,8 +234,14 @@ def _spec_tensors(
     return chosen
 
 
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    """The model of ``--costs`` (or the default one), with ``--alpha`` and ``--bandwidth``."""
+    base = CostModel.from_file(args.costs) if args.costs else CostModel()
+    return base.with_overrides(alpha=args.alpha, bandwidth=args.bandwidth)
+
+
 def _plan_pair(pair: Pair, args: argparse.Namespace) -> Plan:
-    cost = CostModel().with_overrides(alpha=args.alpha, bandwidth=args.bandwidth)
+    cost = _cost_model(args)
     return plan(
         pair.src, pair.dst, pair.shape, pair.dtype, cost, max_local_bytes=args.max_local_bytes, point_to_point=args.p2p
     )
@@ -244,6 +256,7 @@ def _plan_spec(spec: Spec, args: argparse.Namespace) -> SpecPlan:
         tensors=tensors,
         alpha=args.alpha,
         bandwidth=args.bandwidth,
+        cost=CostModel.from_file(args.costs) if args.costs else None,
         max_local_bytes=args.max_local_bytes,
         point_to_point=args.p2p,
         flat_axis=args.flat_axis,
@@ -340,7 +353,7 @@ def _render_each(groups: list[TensorGroup], output: str | None, fmt: str) -> int
 
 def cmd_explain(args: argparse.Namespace) -> int:
     pair = read_pair(args.src, args.dst, args.shape, args.dtype)
-    cost = CostModel().with_overrides(alpha=args.alpha, bandwidth=args.bandwidth)
+    cost = _cost_model(args)
     ex = explain(pair.src, pair.dst, pair.shape, pair.dtype, cost, point_to_point=args.p2p)
     if args.format == "json":
         _emit_json(explained_json(ex))

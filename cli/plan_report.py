@@ -49,12 +49,19 @@ def spec_plan_json(spec_plan: SpecPlan) -> dict[str, Any]:
 
 
 def describe_cost(cost: CostModel, mesh: Mesh) -> str:
-    """``axis dp: 25 GB/s, 10 us; axis tp: 300 GB/s, 2 us``, or one clause when all axes agree."""
-    alphas, betas = cost.for_mesh(mesh)
+    """``axis dp: 25 GB/s, 10 us; axis tp: 300 GB/s, 2 us``, or one clause when all axes agree;
+    then each collective kind with figures of its own (``all_reduce: every axis: ...``)."""
+    text = _describe_figures(*cost.for_mesh(mesh), mesh)
+    for c in cost.ops:
+        text += f"; {c.op}: {_describe_figures(*cost.for_op(c.op, mesh), mesh, ', ')}"
+    return text
+
+
+def _describe_figures(alphas: tuple[float, ...], betas: tuple[float, ...], mesh: Mesh, between: str = "; ") -> str:
     per_axis = [f"{b / 1e9:g} GB/s, {format_seconds(a)} per round" for a, b in zip(alphas, betas, strict=True)]
     if len(set(per_axis)) == 1:
         return f"every axis: {per_axis[0]}"
-    return "; ".join(f"axis {mesh.axis_label(i)}: {text}" for i, text in enumerate(per_axis))
+    return between.join(f"axis {mesh.axis_label(i)}: {text}" for i, text in enumerate(per_axis))
 
 
 def describe_plan_cost(plan: Plan) -> str:

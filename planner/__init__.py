@@ -5,7 +5,7 @@ It knows the language (``shardlang``) and nothing of torch.distributed.
 """
 
 from planner.choice import plan
-from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, CostModel, PlanBudgetError, PlanError
+from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, PRICED_OPS, CostModel, OpCost, PlanBudgetError, PlanError
 from planner.holdings import receive_lower_bound
 from planner.p2p import point_to_point_plan
 from planner.plan import BASELINE_OPS, COMMUNICATING_OPS, OPS, Plan, Step, Transfer
@@ -18,7 +18,9 @@ __all__ = [
     "DEFAULT_BANDWIDTH",
     "DEFAULT_MAX_STATES",
     "OPS",
+    "PRICED_OPS",
     "CostModel",
+    "OpCost",
     "Plan",
     "PlanBudgetError",
     "PlanError",

@@ -41,6 +41,11 @@ E. While an axis of size n is partial it splits nothing, so E >= T * n / N then.
 The bytes part is the larger of (A) and (B). The search queues states with (A), which is
 cheap, and computes (B) when a state comes first. Both are admissible; the search does not
 rely on consistency (a state reached again more cheaply is expanded again).
+
+Per-collective figures (``planner.cost``): ``R[a]`` and ``B[a]`` are then the least of the
+axis's rates over the collective kinds (:func:`cheapest_rates`). Every step on axis ``a``
+costs at least ``rounds * R[a] + bytes * B[a]`` in that model, and the bound above is a lower
+bound of the sum of those over the steps still to take, so it stays admissible.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from __future__ import annotations
 import functools
 import math
 
+from planner.cost import PRICED_OPS
 from planner.space import REPLICATED, role_code
 from shardlang.layout import REDUCE_OPS
 
@@ -150,6 +156,17 @@ def _mesh_rates(
     moving_growth = min((r for n, r in zip(mesh_shape, rate, strict=True) if n > 1), default=0)
     reduce_order = tuple(sorted(range(len(mesh_shape)), key=lambda a: (units_per_byte[a], a)))
     return size, q * size, growth, rate, moving_growth, reduce_order
+
+
+def cheapest_rates(
+    per_round: dict[str, tuple[int, ...]], per_byte: dict[str, tuple[int, ...]]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per axis, the least units per round and per byte over the collective kinds (module docstring)."""
+    ops = [op for op in per_round if op in PRICED_OPS]
+    return (
+        tuple(min(per_round[op][a] for op in ops) for a in range(len(per_round[ops[0]]))),
+        tuple(min(per_byte[op][a] for op in ops) for a in range(len(per_byte[ops[0]]))),
+    )
 
 
 _FIRST_PARTIAL = role_code("P", "sum")

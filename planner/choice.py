@@ -46,7 +46,7 @@ import itertools
 
 import attrs
 
-from planner.cost import DEFAULT_COST, CostModel, PlanBudgetError, PlanError, collective_rounds
+from planner.cost import DEFAULT_COST, CostModel, OpUnits, PlanBudgetError, PlanError, collective_rounds
 from planner.p2p import Exchange, Links, message_count, time_lower_bound
 from planner.plan import Plan, same_geometry
 from planner.search import (
@@ -192,11 +192,12 @@ def _leg(
     return found if isinstance(found, Plan) else None
 
 
-def _units(leg: Plan, rates: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
+def _units(leg: Plan, rates: OpUnits) -> int:
     per_round, per_byte = rates
     shape = leg.src.mesh.shape
     return sum(
-        collective_rounds(s.op, shape[s.axis]) * per_round[s.axis] + s.bytes * per_byte[s.axis] for s in leg.steps
+        collective_rounds(s.op, shape[s.axis]) * per_round[s.op][s.axis] + s.bytes * per_byte[s.op][s.axis]
+        for s in leg.steps
     )
 
 

@@ -14,6 +14,13 @@ slice, partial  0                                                         0
 =============== ========================================================= ==========
 
 Step time = rounds * alpha[a] + bytes / bandwidth[a]; plan time = sum of step times.
+
+Per-collective figures. A model may give any of the priced kinds (:data:`PRICED_OPS`) its own
+per-axis alpha and bandwidth (``CostModel.ops``, e.g. measured by ``shardlang calibrate``, README
+"Calibration"); a kind it does not name uses the model's own ``alpha`` and ``bandwidth``. The
+formula stays ``rounds * alpha[op][a] + bytes / bandwidth[op][a]``, with the rounds and bytes of
+the table, so a measured figure is the per-round latency and the bandwidth that make the table
+true for that kind on that axis. ``CostModel.from_file`` reads such a model from a hints file.
 Point-to-point steps (``planner.p2p``) are priced per rank from their messages and links; that
 model is documented there.
 
@@ -25,7 +32,10 @@ steps, and the fewer-steps rule decides between them.
 from __future__ import annotations
 
 import functools
+import json
 import math
+from collections.abc import Mapping
+from pathlib import Path
 
 import attrs
 
@@ -55,6 +65,87 @@ def _per_axis(value: object) -> float | tuple[float, ...]:
         raise PlanError(f"a latency or bandwidth is a number or one number per mesh axis, not {value!r}") from None
 
 
+# The collective kinds a model may price apart; slice and partial steps send nothing.
+PRICED_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point")
+# The fields of a hints file (``CostModel.from_file``); "mesh" and "calibration" are notes.
+HINTS_FIELDS = ("mesh", "alpha", "bandwidth", "ops", "calibration")
+
+
+def _check_figures(alpha: float | tuple[float, ...], bandwidth: float | tuple[float, ...], of: str) -> None:
+    alphas = alpha if isinstance(alpha, tuple) else (alpha,)
+    betas = bandwidth if isinstance(bandwidth, tuple) else (bandwidth,)
+    if not alphas or not all(math.isfinite(a) and a >= 0 for a in alphas):
+        raise PlanError(f"{of}latency (alpha) must be finite and zero or positive, got {alpha}")
+    if not betas or not all(math.isfinite(b) and b > 0 for b in betas):
+        raise PlanError(f"{of}bandwidth must be finite and positive, got {bandwidth}")
+
+
+@attrs.frozen
+class OpCost:
+    """One collective kind's own latency ``alpha`` (seconds per round) and ``bandwidth``
+    (bytes/s), each one number for every mesh axis or one per axis."""
+
+    op: str
+    alpha: float | tuple[float, ...] = attrs.field(converter=_per_axis)
+    bandwidth: float | tuple[float, ...] = attrs.field(converter=_per_axis)
+
+    def __attrs_post_init__(self) -> None:
+        if self.op not in PRICED_OPS:
+            raise PlanError(f"no collective kind '{self.op}' to price (kinds: {', '.join(PRICED_OPS)})")
+        _check_figures(self.alpha, self.bandwidth, f"{self.op}: ")
+
+
+def _op_costs(value: object) -> tuple[OpCost, ...]:
+    """``ops`` as OpCosts in :data:`PRICED_OPS` order, from OpCosts or ``{op: {alpha, bandwidth}}``."""
+    if isinstance(value, Mapping):
+        try:
+            items = [v if isinstance(v, OpCost) else OpCost(op, **v) for op, v in value.items()]
+        except TypeError:
+            raise PlanError(f"ops maps a collective kind to its alpha and bandwidth, not {value!r}") from None
+    else:
+        items = list(value)  # type: ignore[call-overload]
+    if not all(isinstance(c, OpCost) for c in items) or len({c.op for c in items}) != len(items):
+        raise PlanError(f"ops gives each collective kind at most one OpCost, got {value!r}")
+    return tuple(sorted(items, key=lambda c: PRICED_OPS.index(c.op)))
+
+
+def _axis_values(what: str, value: float | tuple[float, ...], mesh: Mesh) -> tuple[float, ...]:
+    if isinstance(value, float):
+        return (value,) * mesh.ndim
+    if len(value) != mesh.ndim:
+        raise PlanError(f"{what} gives {len(value)} values for the {mesh.ndim}-axis {mesh.describe()}")
+    return value
+
+
+def _hint_figure(value: object, field: str, where: str, latency: bool) -> float | tuple[float, ...]:
+    """One alpha or bandwidth field of a hints file, checked, or a PlanError naming the field."""
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        raise PlanError(f"{where}: field '{field}': give one number or one per mesh axis, not an empty list")
+    for i, v in enumerate(values):
+        name = f"{field}[{i}]" if isinstance(value, list) else field
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise PlanError(f"{where}: field '{name}': expected a number, got {json.dumps(v)}")
+        if not math.isfinite(v) or v < 0 or (v == 0 and not latency):
+            want = "zero or a positive number of seconds" if latency else "a positive number of bytes per second"
+            raise PlanError(f"{where}: field '{name}': expected {want}, got {v}")
+    return tuple(float(v) for v in values) if isinstance(value, list) else float(value)  # type: ignore[arg-type]
+
+
+def _hint_figures(data: Mapping[str, object], prefix: str, where: str) -> dict[str, float | tuple[float, ...]]:
+    return {
+        key: _hint_figure(data[key], prefix + key, where, latency=key == "alpha")
+        for key in ("alpha", "bandwidth")
+        if key in data
+    }
+
+
+def _hint_object(value: object, field: str, where: str) -> Mapping[str, object]:
+    if not isinstance(value, dict):
+        raise PlanError(f"{where}: field '{field}': expected an object, got {json.dumps(value)[:60]}")
+    return value
+
+
 @attrs.frozen
 class CostModel:
     """Latency ``alpha`` (seconds per round) and ``bandwidth`` (bytes/s), each one number for
@@ -63,13 +154,10 @@ class CostModel:
     alpha: float | tuple[float, ...] = attrs.field(default=DEFAULT_ALPHA, converter=_per_axis)
     bandwidth: float | tuple[float, ...] = attrs.field(default=DEFAULT_BANDWIDTH, converter=_per_axis)
 
+    ops: tuple[OpCost, ...] = attrs.field(default=(), converter=_op_costs)
+
     def __attrs_post_init__(self) -> None:
-        alphas = self.alpha if isinstance(self.alpha, tuple) else (self.alpha,)
-        betas = self.bandwidth if isinstance(self.bandwidth, tuple) else (self.bandwidth,)
-        if not alphas or not all(math.isfinite(a) and a >= 0 for a in alphas):
-            raise PlanError(f"latency (alpha) must be finite and zero or positive, got {self.alpha}")
-        if not betas or not all(math.isfinite(b) and b > 0 for b in betas):
-            raise PlanError(f"bandwidth must be finite and positive, got {self.bandwidth}")
+        _check_figures(self.alpha, self.bandwidth, "")
 
     @classmethod
     def from_hints(cls, hints: CostHints) -> CostModel:
@@ -79,29 +167,91 @@ class CostModel:
     def with_overrides(
         self, alpha: float | tuple[float, ...] | None = None, bandwidth: float | tuple[float, ...] | None = None
     ) -> CostModel:
-        """This model with ``alpha`` and ``bandwidth`` replaced where they are given (not ``None``)."""
+        """This model with ``alpha`` and ``bandwidth`` replaced where they are given (not ``None``);
+        per-collective figures are kept."""
         return CostModel(
             alpha=self.alpha if alpha is None else alpha,
             bandwidth=self.bandwidth if bandwidth is None else bandwidth,
+            ops=self.ops,
         )
 
     def for_mesh(self, mesh: Mesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per-axis (alpha, bandwidth) for ``mesh``; a :class:`PlanError` if lengths differ."""
-        out = []
-        for what, value in (("latency", self.alpha), ("bandwidth", self.bandwidth)):
-            if isinstance(value, float):
-                out.append((value,) * mesh.ndim)
-            elif len(value) != mesh.ndim:
-                raise PlanError(f"{what} gives {len(value)} values for the {mesh.ndim}-axis {mesh.describe()}")
-            else:
-                out.append(value)
-        return out[0], out[1]
+        for c in self.ops:
+            _axis_values(f"{c.op} latency", c.alpha, mesh)
+            _axis_values(f"{c.op} bandwidth", c.bandwidth, mesh)
+        return _axis_values("latency", self.alpha, mesh), _axis_values("bandwidth", self.bandwidth, mesh)
+
+    def for_op(self, op: str, mesh: Mesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per-axis (alpha, bandwidth) of the kind ``op`` for ``mesh``: its own figures where the
+        model gives them, else the model's (slice and partial steps, which send nothing, too)."""
+        for c in self.ops:
+            if c.op == op:
+                return _axis_values(f"{op} latency", c.alpha, mesh), _axis_values(f"{op} bandwidth", c.bandwidth, mesh)
+        return _axis_values("latency", self.alpha, mesh), _axis_values("bandwidth", self.bandwidth, mesh)
+
+    def figures(self, mesh: Mesh) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
+        """:meth:`for_op` of every op a plan step can have."""
+        return {op: self.for_op(op, mesh) for op in (*PRICED_OPS, "slice", "partial")}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> CostModel:
+        """The model of a hints file (JSON; README "Calibration"): optional ``alpha`` and
+        ``bandwidth`` (one number or one per mesh axis; defaults where absent) and ``ops``, an
+        object from collective kinds to their own ``alpha`` and ``bandwidth``. A
+        :class:`PlanError` naming the file and the field when it is unreadable or a value is bad."""
+        where = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
+            raise PlanError(f"{where}: cannot read the cost hints: {reason}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{where}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
+        return cls.from_json(data, where)
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "the cost hints") -> CostModel:
+        """The model of a hints file's parsed JSON (:meth:`from_file`); errors name ``where``."""
+        data = _hint_object(data, "(top level)", where)
+        unknown = sorted(set(data) - set(HINTS_FIELDS))
+        if unknown:
+            raise PlanError(f"{where}: unknown field '{unknown[0]}' (fields: {', '.join(HINTS_FIELDS)})")
+        if not isinstance(data.get("mesh", ""), str):
+            raise PlanError(f"{where}: field 'mesh': expected a mesh declaration as text")
+        _hint_object(data.get("calibration", {}), "calibration", where)
+        ops = {}
+        for op, figures in _hint_object(data.get("ops", {}), "ops", where).items():
+            if op not in PRICED_OPS:
+                raise PlanError(f"{where}: field 'ops.{op}': no such collective kind (kinds: {', '.join(PRICED_OPS)})")
+            figures = _hint_object(figures, f"ops.{op}", where)
+            extra = sorted(set(figures) - {"alpha", "bandwidth"})
+            if extra:
+                raise PlanError(f"{where}: field 'ops.{op}.{extra[0]}': unknown (fields: alpha, bandwidth)")
+            ops[op] = _hint_figures(figures, f"ops.{op}.", where)
+        top = _hint_figures(data, "", where)
+        model = cls(**top)  # type: ignore[arg-type]
+        ops_costs = [OpCost(op, **{"alpha": model.alpha, "bandwidth": model.bandwidth, **f}) for op, f in ops.items()]
+        lengths = {len(v) for c in (model, *ops_costs) for v in (c.alpha, c.bandwidth) if isinstance(v, tuple)}
+        if len(lengths) > 1:
+            raise PlanError(f"{where}: per-axis lists of different lengths {sorted(lengths)}: give one per mesh axis")
+        return attrs.evolve(model, ops=ops_costs)
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "alpha": list(self.alpha) if isinstance(self.alpha, tuple) else self.alpha,
-            "bandwidth": list(self.bandwidth) if isinstance(self.bandwidth, tuple) else self.bandwidth,
-        }
+        """The JSON form (``ops`` only when the model has per-kind figures), as a hints file holds it."""
+        out: dict[str, object] = _figures_json(self.alpha, self.bandwidth)
+        if self.ops:
+            out["ops"] = {c.op: _figures_json(c.alpha, c.bandwidth) for c in self.ops}
+        return out
+
+
+def _figures_json(alpha: float | tuple[float, ...], bandwidth: float | tuple[float, ...]) -> dict[str, object]:
+    return {
+        "alpha": list(alpha) if isinstance(alpha, tuple) else alpha,
+        "bandwidth": list(bandwidth) if isinstance(bandwidth, tuple) else bandwidth,
+    }
 
 
 # Shared by every request that names no model (building one runs its checks; plans are memoized).
@@ -126,3 +276,23 @@ def integer_rates(alpha: tuple[float, ...], bandwidth: tuple[float, ...]) -> tup
     per_round = tuple(ratios[a][0] * (scale // ratios[a][1]) for a in alpha)
     per_byte = tuple(ratios[b][1] * (scale // ratios[b][0]) for b in bandwidth)
     return per_round, per_byte
+
+
+# Per op: per-axis integer units per round, and per byte.
+OpUnits = tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]
+
+
+def integer_op_rates(*figures: Mapping[str, tuple[tuple[float, ...], tuple[float, ...]]]) -> list[OpUnits]:
+    """:func:`integer_rates` of several :meth:`CostModel.figures` at once, on one common scale:
+    for each, per op, the per-axis (units per round, units per byte)."""
+    keys = [(i, op) for i, f in enumerate(figures) for op in f]
+    alpha = tuple(v for i, op in keys for v in figures[i][op][0])
+    bandwidth = tuple(v for i, op in keys for v in figures[i][op][1])
+    per_round, per_byte = integer_rates(alpha, bandwidth)
+    out: list[OpUnits] = [({}, {}) for _ in figures]
+    start = 0
+    for i, op in keys:
+        end = start + len(figures[i][op][0])
+        out[i][0][op], out[i][1][op] = per_round[start:end], per_byte[start:end]
+        start = end
+    return out

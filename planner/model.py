@@ -81,9 +81,12 @@ def cost_for(
     *,
     alpha: float | tuple[float, ...] | None = None,
     bandwidth: float | tuple[float, ...] | None = None,
+    cost: CostModel | None = None,
 ) -> CostModel:
-    """The cost model of a tensor's state mesh: the spec's hints, overridden by explicit values."""
-    return CostModel.from_hints(spec.hints(tensor.state().mesh)).with_overrides(alpha=alpha, bandwidth=bandwidth)
+    """The cost model of a tensor's state mesh: ``cost`` when given (a measured model,
+    ``CostModel.from_file``), else the spec's hints; overridden by explicit values."""
+    base = cost if cost is not None else CostModel.from_hints(spec.hints(tensor.state().mesh))
+    return base.with_overrides(alpha=alpha, bandwidth=bandwidth)
 
 
 def step_tensor(tensor: TensorSpec, cost: CostModel, flat_axis: str | int | None = None) -> StepTensor:
@@ -119,6 +122,7 @@ def plan_spec(
     tensors: Sequence[str | TensorSpec] | None = None,
     alpha: float | tuple[float, ...] | None = None,
     bandwidth: float | tuple[float, ...] | None = None,
+    cost: CostModel | None = None,
     max_local_bytes: int | None = None,
     point_to_point: bool = False,
     flat_axis: str | int | None = None,
@@ -132,7 +136,9 @@ def plan_spec(
 
     ``point_to_point=True`` lets every hop use point-to-point steps and mixes where they are
     cheaper (:func:`planner.plan`); by default hops are collective plans (the baseline move set,
-    which the optimizers run). ``flat_axis`` and ``bucket_bytes`` are the optimizers' options.
+    which the optimizers run). ``cost`` replaces the spec's hints for every mesh (one model for
+    choosing the plans and for running them: give the optimizers the same one). ``flat_axis``
+    and ``bucket_bytes`` are the optimizers' options.
     ``on_tensor`` is called with each tensor before it is planned (progress display).
 
     Plans are memoized by :func:`planner.plan`, so tensors with equal layouts, shape and
@@ -148,7 +154,7 @@ def plan_spec(
             on_tensor(t)
         mesh = t.state().mesh
         if mesh not in costs:
-            costs[mesh] = cost_for(spec, t, alpha=alpha, bandwidth=bandwidth)
+            costs[mesh] = cost_for(spec, t, alpha=alpha, bandwidth=bandwidth, cost=cost)
         inputs.append(step_tensor(t, costs[mesh], flat_axis))
     step = plan_step(
         inputs, rank, bucket_bytes=bucket_bytes, max_local_bytes=max_local_bytes, point_to_point=point_to_point

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import attrs
 
-from planner.cost import DEFAULT_COST, CostModel, PlanError, integer_rates
+from planner.cost import DEFAULT_COST, CostModel, PlanError, integer_op_rates
 from planner.holdings import Box, blocks_of, box_elements, intersect
 from planner.plan import Plan, Step, Transfer, same_geometry
 from planner.search import DEFAULT_MAX_STATES, budget_error, check_budget, check_request
@@ -60,18 +60,21 @@ class Link:
 
 
 class Links:
-    """Message prices between the ranks of a step from ``src_mesh`` to ``dst_mesh``, and the
-    per-axis collective rates of both meshes, all in one integer scale (``integer_rates``), so
-    that collective and point-to-point steps of one plan compare exactly."""
+    """Message prices between the ranks of a step from ``src_mesh`` to ``dst_mesh`` (the
+    point-to-point figures), and the per-op, per-axis collective rates of both meshes, all in
+    one integer scale (``integer_op_rates``), so that collective and point-to-point steps of one
+    plan compare exactly."""
 
     def __init__(self, cost: CostModel, src_mesh: Mesh, dst_mesh: Mesh) -> None:
-        src_alpha, src_bandwidth = cost.for_mesh(src_mesh)
-        dst_alpha, dst_bandwidth = cost.for_mesh(dst_mesh)
+        src_figures, dst_figures = cost.figures(src_mesh), cost.figures(dst_mesh)
+        self.src_rates, self.dst_rates = integer_op_rates(src_figures, dst_figures)
+        # Messages are priced with the point-to-point figures of both meshes.
+        src_alpha, src_bandwidth = src_figures["point_to_point"]
+        dst_alpha, dst_bandwidth = dst_figures["point_to_point"]
         alpha, bandwidth = src_alpha + dst_alpha, src_bandwidth + dst_bandwidth
-        per_round, per_byte = integer_rates(alpha, bandwidth)
+        per_round = self.src_rates[0]["point_to_point"] + self.dst_rates[0]["point_to_point"]
+        per_byte = self.src_rates[1]["point_to_point"] + self.dst_rates[1]["point_to_point"]
         n = src_mesh.ndim
-        self.src_rates = (per_round[:n], per_byte[:n])
-        self.dst_rates = (per_round[n:], per_byte[n:])
         self._mesh = dst_mesh if same_geometry(src_mesh, dst_mesh) else None
         self._axes = tuple(zip(per_round[n:], per_byte[n:], dst_alpha, dst_bandwidth, strict=True))
         self._slowest = Link(max(per_round), max(per_byte), max(alpha), min(bandwidth))

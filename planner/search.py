@@ -24,10 +24,10 @@ import functools
 import heapq
 import math
 
-from planner.bound import LowerBound, Terms
-from planner.cost import DEFAULT_COST, CostModel, PlanBudgetError, PlanError, integer_rates
+from planner.bound import LowerBound, Terms, cheapest_rates
+from planner.cost import DEFAULT_COST, CostModel, PlanBudgetError, PlanError, integer_op_rates
 from planner.plan import Plan, Step, same_geometry
-from planner.space import Fields, Move, Space, roles_of
+from planner.space import Fields, Move, Space, pruning, roles_of
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
@@ -156,9 +156,9 @@ def _plan_cached(
     if src.dims == dst.dims and src.partial == dst.partial:
         return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(), cost=cost), 0
     mesh = dst.mesh
-    alpha, bandwidth = cost.for_mesh(mesh)  # check_request made sure it fits
+    figures = cost.figures(mesh)  # check_request made sure it fits
     kept = _kept_axes(src, dst)
-    problem = _Problem(src, dst, shape, dtype_itemsize(dtype), kept, alpha, bandwidth)
+    problem = _Problem(src, dst, shape, dtype_itemsize(dtype), kept, figures)
     counter = [0]
     try:
         path = _astar(
@@ -187,6 +187,7 @@ def _plan_cached(
             layout = Layout.trusted(
                 tuple(tuple(kept[a] for a in axes) for axes in dims), mesh, tuple((kept[a], o) for a, o in partial)
             )
+        alpha, bandwidth = figures[op]
         seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis]
         steps.append(Step(op, full_axis, dim, to_dim, reduce_op, layout, nbytes, seconds))
     return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=tuple(steps), cost=cost), counter[0]
@@ -212,22 +213,28 @@ class _Problem:
         shape: tuple[int, ...],
         itemsize: int,
         kept: tuple[int, ...],
-        alpha: tuple[float, ...],
-        bandwidth: tuple[float, ...],
+        figures: dict[str, tuple[tuple[float, ...], tuple[float, ...]]],
     ) -> None:
         index = {a: i for i, a in enumerate(kept)}
         mesh_shape = tuple(dst.mesh.shape[a] for a in kept)
-        self.per_round, self.per_byte = integer_rates(tuple(alpha[a] for a in kept), tuple(bandwidth[a] for a in kept))
+        kept_figures = {op: (tuple(al[a] for a in kept), tuple(b[a] for a in kept)) for op, (al, b) in figures.items()}
+        ((self.per_round, self.per_byte),) = integer_op_rates(kept_figures)
         self.src_dims, src_partial = _renumbered(src, index)
         goal_dims, goal_partial = _renumbered(dst, index)
-        twin_key = tuple(zip(mesh_shape, self.per_round, self.per_byte, strict=True))
-        self.space = Space(mesh_shape, shape, itemsize, (goal_dims, goal_partial), twin_key)
+        twin_key = tuple(
+            (n, *((self.per_round[op][a], self.per_byte[op][a]) for op in sorted(self.per_round)))
+            for a, n in enumerate(mesh_shape)
+        )
+        self.space = Space(
+            mesh_shape, shape, itemsize, (goal_dims, goal_partial), twin_key, pruning(self.per_round, self.per_byte)
+        )
+        least_round, least_byte = cheapest_rates(self.per_round, self.per_byte)
         self.bound = LowerBound(
             mesh_shape,
             itemsize,
             len(shape),
-            self.per_round,
-            self.per_byte,
+            least_round,
+            least_byte,
             self.space.target_roles,
             self.space.local_elements(goal_dims),
             math.prod(shape),
@@ -244,8 +251,8 @@ def _renumbered(layout: Layout, index: dict[int, int]) -> Fields:
 def _astar(
     space: Space,
     bound: LowerBound,
-    per_round: tuple[int, ...],
-    per_byte: tuple[int, ...],
+    per_round: dict[str, tuple[int, ...]],
+    per_byte: dict[str, tuple[int, ...]],
     start: int,
     elements: int,
     terms: Terms,
@@ -293,10 +300,10 @@ def _astar(
             return path
         n_steps = g_steps + 1
         for move in space.moves(state, elements, known[3]):
-            _, axis, _, _, _, nxt, nbytes, rounds, before, after, next_elements = move
+            op, axis, _, _, _, nxt, nbytes, rounds, before, after, next_elements = move
             if next_elements > limit:
                 continue
-            n_g = g + rounds * per_round[axis] + nbytes * per_byte[axis]
+            n_g = g + rounds * per_round[op][axis] + nbytes * per_byte[op][axis]
             seen = best.get(nxt)
             if seen is not None and (seen[0] < n_g or (seen[0] == n_g and seen[1] <= n_steps)):
                 continue

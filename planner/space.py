@@ -35,6 +35,13 @@ set to check):
    was); after ``reduce_scatter(a)``, ``all_gather(a)`` (``all_reduce``: the same rounds,
    no more bytes); after ``all_to_all(a)``, moving ``a`` straight back.
 
+Rules 3 and 4 compare collectives of different kinds at no more bytes: rule 4's ``all_reduce``
+for ``reduce_scatter`` then ``all_gather`` and ``all_to_all`` for ``all_gather`` then ``slice``,
+rule 3's ``all_gather`` (then a free ``slice`` or nothing) for a no-op ``all_to_all`` (which sends
+what the gather would). With one latency and bandwidth per axis these always hold; with
+per-collective figures (``planner.cost``) each holds on an axis only where the kinds' rates say
+so (:func:`pruning`), and the search does not apply it elsewhere.
+
 Roles: each move also gives the role of its axis before and after it as a small integer
 (:func:`role_code`): replicated, partial with an op, or split on a dim, in place or not (in
 place: the axis and every axis outside it on that dim are as in the target). The lower
@@ -83,6 +90,30 @@ def roles_of(fields: Fields, naxes: int, goal_dims: Dims) -> tuple[int, ...]:
     return tuple(roles)
 
 
+def pruning(
+    per_round: dict[str, tuple[int, ...]], per_byte: dict[str, tuple[int, ...]]
+) -> tuple[tuple[bool, bool, bool], ...]:
+    """Per axis, whether (an all_reduce is no dearer than a reduce_scatter and an all_gather
+    together, an all_to_all no dearer than an all_gather, an all_gather no dearer than an
+    all_to_all), per round and per byte: where rules 4 and 3 hold (module docstring). Equal
+    bytes are the worst case: the preferred kind never sends more."""
+
+    def no_dearer(a: int, cheap: tuple[str, ...], dear: tuple[str, ...]) -> bool:
+        return all(
+            len(dear) * sum(rate[op][a] for op in cheap) <= len(cheap) * sum(rate[op][a] for op in dear)
+            for rate in (per_round, per_byte)
+        )
+
+    return tuple(
+        (
+            no_dearer(a, ("all_reduce",), ("reduce_scatter", "all_gather")),
+            no_dearer(a, ("all_to_all",), ("all_gather",)),
+            no_dearer(a, ("all_gather",), ("all_to_all",)),
+        )
+        for a in range(len(per_round["all_gather"]))
+    )
+
+
 class Space:
     """The move graph for one mesh, tensor shape, element size and target ``(dims, partial)``.
 
@@ -97,8 +128,11 @@ class Space:
         itemsize: int,
         goal: Fields,
         twin_key: tuple[object, ...],
+        rules: tuple[tuple[bool, bool, bool], ...] | None = None,
     ) -> None:
         self.mesh_shape = mesh_shape
+        # Per axis: rule 4 after reduce_scatter, rule 4 after all_gather, rule 3 for all_to_all.
+        self.rules = rules or ((True, True, True),) * len(mesh_shape)
         self.shape = shape
         self.itemsize = itemsize
         self.goal_dims, goal_partial = goal
@@ -194,7 +228,8 @@ class Space:
                 gathered_elements = elements // length * -(-shape[d] // (product[d] // n)) if length else 0
                 gathered = state - (code << shift)
                 nbytes = (n - 1) * elements * itemsize
-                if not (again and last_op == "reduce_scatter"):  # rule 4
+                rules = self.rules[axis]
+                if not (again and last_op == "reduce_scatter" and rules[0]):  # rule 4
                     yield ("all_gather", axis, d, None, None, gathered, nbytes, n - 1, before, REPLICATED,
                            gathered_elements)  # fmt: skip
                 for j in range(ndim):
@@ -202,7 +237,7 @@ class Space:
                         continue
                     placed = arriving[j] == axis
                     length = lengths[j]
-                    if not placed and (n == 1 or length <= 1):
+                    if not placed and (n == 1 or (length <= 1 and rules[2])):
                         continue  # rule 3
                     cut = -(-length // n)
                     nbytes = (n - 1) * (elements // length * cut if length else 0) * itemsize
@@ -231,7 +266,7 @@ class Space:
                 twins = self.idle_twins_below[axis]
                 if twins and any(not codes[c] for c in twins):
                     continue  # rule 2
-                if again and last_op == "all_gather":
+                if again and last_op == "all_gather" and self.rules[axis][1]:
                     continue  # rule 4
                 after_slice = last_op == "slice" and axis < last_axis  # type: ignore[operator]
                 for j in range(ndim):

@@ -470,7 +470,7 @@ def _bucket(legs: Sequence[Leg], stage: str, group: list[tuple[Member, Any]], co
     if first.axis is None:  # point_to_point: its own plan's time
         seconds = first.seconds
     else:
-        alphas, bandwidths = costs[leg.tensor].for_mesh(first.layout.mesh)
+        alphas, bandwidths = costs[leg.tensor].for_op(first.op, first.layout.mesh)
         rounds = collective_rounds(first.op, first.layout.mesh.shape[first.axis])
         seconds = rounds * alphas[first.axis] + total / bandwidths[first.axis]
     return Bucket(

@@ -28,24 +28,29 @@ OPS = ("sum", "avg", "max", "min")
 # sum and avg are linear and commute with each other; max and min commute only with themselves.
 _COMMUTES = {("sum", "avg"), ("avg", "sum")} | {(o, o) for o in OPS}
 ITEMSIZE = {"f32": 4, "bf16": 2, "f64": 8, "i8": 1}
+ROUNDS_OF = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")
 
 
 class Reference:
     """The move graph of one problem: mesh, tensor shape, element size, costs, target."""
 
-    def __init__(self, mesh_shape, shape, itemsize, alpha, bandwidth, target_partial):
+    def __init__(self, mesh_shape, shape, itemsize, alpha, bandwidth, target_partial, ops=None):
+        """``ops``: collective kind -> its own per-axis (alpha, bandwidth); others use ``alpha``, ``bandwidth``."""
         self.mesh_shape = tuple(mesh_shape)
         self.shape = tuple(shape)
         self.itemsize = itemsize
         self.target_partial = dict(target_partial)
-        per_round = [Fraction(a) for a in alpha]
-        per_byte = [1 / Fraction(b) for b in bandwidth]
+        figures = {op: (alpha, bandwidth) for op in ROUNDS_OF} | dict(ops or {})
+        per_round = {op: [Fraction(a) for a in f[0]] for op, f in figures.items()}
+        per_byte = {op: [1 / Fraction(b) for b in f[1]] for op, f in figures.items()}
         scale = 1
-        for f in per_round + per_byte:
+        for f in [x for v in (*per_round.values(), *per_byte.values()) for x in v]:
             scale = scale * f.denominator // math.gcd(scale, f.denominator)
         self.scale = scale
-        self.round_units = [int(f * scale) for f in per_round]
-        self.byte_units = [int(f * scale) for f in per_byte]
+        self.op_units = {
+            op: ([int(f * scale) for f in per_round[op]], [int(f * scale) for f in per_byte[op]]) for op in figures
+        }
+        self.round_units, self.byte_units = self.op_units["all_gather"] if ops is None else (None, None)
 
     # state: tuple over mesh axes of ("R",), ("P", op) or ("S", dim, depth)
     @staticmethod
@@ -114,8 +119,11 @@ class Reference:
                     out.append(("reduce_scatter", a, d, None, op, nxt, rs_bytes, n - 1))
         return out
 
-    def units(self, axis, nbytes, rounds):
-        return rounds * self.round_units[axis] + nbytes * self.byte_units[axis]
+    def units(self, axis, nbytes, rounds, op="all_gather"):
+        if op in ("slice", "partial"):
+            return 0
+        round_units, byte_units = self.op_units[op]
+        return rounds * round_units[axis] + nbytes * byte_units[axis]
 
     def solve(self, start, goal, max_steps, max_local_bytes=None):
         """(least time units, fewest steps at that time) over all sequences of at most
@@ -133,10 +141,10 @@ class Reference:
             for state, t in layer.items():
                 if best is not None and t >= best[0]:
                     continue  # costs are never negative: nothing longer from here can win
-                for _op, a, _d, _j, _r, nxt, nbytes, rounds in self.moves(state):
+                for op, a, _d, _j, _r, nxt, nbytes, rounds in self.moves(state):
                     if not fits(nxt):
                         continue
-                    nt = t + self.units(a, nbytes, rounds)
+                    nt = t + self.units(a, nbytes, rounds, op)
                     if nt < following.get(nxt, nt + 1):
                         following[nxt] = nt
             if goal in following and (best is None or following[goal] < best[0]):
@@ -158,10 +166,11 @@ class Reference:
                 and m[5] == self.state_of(step.layout)
             ]
             assert len(matches) == 1, f"step {step.describe()} is not a legal move from {state}"
-            _, a, _, _, _, state, nbytes, rounds = matches[0]
+            op, a, _, _, _, state, nbytes, rounds = matches[0]
             assert step.bytes == nbytes, f"{step.describe()}: {step.bytes} bytes, the table gives {nbytes}"
-            assert step.seconds == pytest.approx(float(Fraction(self.units(a, nbytes, rounds), self.scale)), rel=1e-12)
-            total += self.units(a, nbytes, rounds)
+            units = self.units(a, nbytes, rounds, op)
+            assert step.seconds == pytest.approx(float(Fraction(units, self.scale)), rel=1e-12)
+            total += units
         assert state == self.state_of(plan_.dst)
         return total
 
@@ -212,6 +221,7 @@ def reference_for(src, dst, shape, dtype, cost):
         per_axis(cost.alpha, naxes),
         per_axis(cost.bandwidth, naxes),
         dst.partial,
+        {c.op: (per_axis(c.alpha, naxes), per_axis(c.bandwidth, naxes)) for c in cost.ops} or None,
     )
 
 
@@ -331,5 +341,53 @@ def test_the_bound_never_overestimates_along_optimal_plans():
                     "reduce_scatter": n - 1,
                     "all_reduce": 2 * (n - 1),
                 }
-                remaining -= ref.units(step.axis, step.bytes, rounds_of.get(step.op, 0))
+                remaining -= ref.units(step.axis, step.bytes, rounds_of.get(step.op, 0), step.op)
     assert checked > 600
+
+
+def calibrated_looking(rng: random.Random, naxes: int) -> planner.CostModel:
+    """A model as ``shardlang calibrate`` writes: per-collective figures of three significant
+    digits, latencies of 10-300 us and bandwidths of 0.1-10 GB/s, a kind often cheaper per byte
+    than another that the pruning rules prefer (e.g. all_reduce dearer than reduce_scatter and
+    all_gather together)."""
+
+    def figure(low: float, high: float) -> float:
+        return float(f"{math.exp(rng.uniform(math.log(low), math.log(high))):.2e}")
+
+    ops = {
+        op: {
+            "alpha": tuple(figure(1e-5, 3e-4) for _ in range(naxes)),
+            "bandwidth": tuple(figure(1e8, 1e10) for _ in range(naxes)),
+        }
+        for op in planner.PRICED_OPS
+        if rng.random() < 0.8
+    }
+    return planner.CostModel(alpha=figure(1e-5, 3e-4), bandwidth=figure(1e8, 1e10), ops=ops)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plans_are_optimal_under_per_collective_figures(seed):
+    """The brute force prices each kind with its own figures; the planner (its bound, its
+    pruning rules where the figures allow them) must still find the optimum."""
+    rng = random.Random(300 + seed)
+    for _ in range(250):
+        src, dst, shape, dtype, _ = random_case(rng, naxes=rng.choice((1, 2, 2, 3)))
+        check_optimal(src, dst, shape, dtype, calibrated_looking(rng, src.mesh.ndim))
+
+
+def test_pruning_rules_lapse_where_per_collective_figures_break_them():
+    """``R,R | P01 -> R,R`` on [2,2] where gloo's all_reduce is dear: two reduce_scatters
+    and two all_gathers (rule 4 off) beat the all_reduces; with a cheap all_to_all, a gather
+    then a slice (rule 4's other case) loses to it, and with a dear one, wins."""
+    mesh = Mesh((2, 2))
+    src, dst = Layout(((), ()), mesh, ((0, "sum"), (1, "sum"))), Layout(((), ()), mesh)
+    dear = planner.CostModel(ops={"all_reduce": {"alpha": 1e-4, "bandwidth": 1e9}})
+    got = check_optimal(src, dst, (1024, 64), "f32", dear)
+    assert "all_reduce" not in [s.op for s in got.steps]
+    cheap = planner.CostModel(ops={"all_reduce": {"alpha": 1e-6, "bandwidth": 1e12}})
+    assert [s.op for s in check_optimal(src, dst, (1024, 64), "f32", cheap).steps] == ["all_reduce"] * 2
+    moved = Layout(((0,), ()), mesh), Layout(((), (0,)), mesh)
+    for a2a_bandwidth in (1e9, 1e12):
+        cost = planner.CostModel(bandwidth=1e11, ops={"all_to_all": {"alpha": 5e-6, "bandwidth": a2a_bandwidth}})
+        ops = [s.op for s in check_optimal(*moved, (1024, 64), "f32", cost).steps]
+        assert ops == (["all_gather", "slice"] if a2a_bandwidth < 1e11 else ["all_to_all"])

@@ -1,0 +1,157 @@
+"""Fitting the cost model to measured collective times (``shardlang calibrate``; README "Calibration").
+
+A sample is one collective kind on one mesh axis of size ``n`` at one message size: the bytes
+per rank the cost table (``planner.cost``) counts for it, and the measured seconds (the
+runtime takes the median over repetitions of the slowest rank). For one kind on one axis the
+table's rounds ``r`` are a constant, so its time ``r * alpha + bytes / bandwidth`` is a line
+in the bytes: the fit is that line, and ``alpha = intercept / r``, ``bandwidth = 1 / slope``.
+
+What is fitted, and why. The intercept is the measured fixed cost of one call (launch, the
+backend's own rounds, synchronisation), whatever algorithm the backend runs: gloo's
+all_reduce is not the ring of ``2(n-1)`` rounds that the table counts, and a point-to-point
+exchange is one message each way. Dividing by the table's rounds gives the per-round latency
+that makes the table true on an axis of that size, so figures are exact for the calibrated
+mesh and carry over to other axis sizes only as far as the backend's algorithm scales as the
+table does. The line is fitted by least squares on relative residuals (weights ``1 / t``), so
+the 4 KiB and the 16 MiB ends count alike (the planner compares small and large steps, and
+relative error is what the benchmark scores), robustly: samples whose relative residual is
+more than three times the median one (and over 10%) are dropped and the line fitted again,
+twice at most, which discards a repetition series that the machine's noise hit. A negative
+intercept refits through zero; a slope of zero or less (time flat in bytes) gives
+:data:`MAX_BANDWIDTH`. Figures are rounded to three significant digits, which keeps the
+planner's exact integer scale small (``planner.cost.integer_rates``).
+
+Pure: no torch, no communication, so the fit is tested on synthetic timings.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from planner.cost import PRICED_OPS, CostModel, OpCost, collective_rounds
+
+MAX_BANDWIDTH = 1e13  # bytes/s: what a kind whose time does not grow with bytes is given
+_OUTLIER_FACTOR = 3.0
+_OUTLIER_FLOOR = 0.10
+
+
+@attrs.frozen
+class Sample:
+    """One measured point: ``op`` on mesh ``axis`` (of ``n`` ranks), ``bytes`` per rank as the
+    cost table counts them, ``seconds``."""
+
+    op: str
+    axis: int
+    n: int
+    bytes: int
+    seconds: float
+
+
+@attrs.frozen
+class Line:
+    """``seconds = intercept + slope * bytes``, and how many samples it kept of how many."""
+
+    intercept: float
+    slope: float
+    kept: int
+    total: int
+
+    def at(self, nbytes: float) -> float:
+        return self.intercept + self.slope * nbytes
+
+
+def fit_line(xs: Sequence[float], ts: Sequence[float]) -> Line:
+    """The robust relative least-squares line through ``(xs, ts)`` (module docstring); at
+    least two samples, times positive."""
+    if len(xs) != len(ts) or len(xs) < 2 or min(ts) <= 0:
+        raise ValueError("fit_line needs two or more samples of positive time")
+    keep = list(range(len(xs)))
+    line = _weighted_line([xs[i] for i in keep], [ts[i] for i in keep])
+    for _ in range(2):
+        residuals = [abs(line[0] + line[1] * x - t) / t for x, t in zip(xs, ts, strict=True)]
+        cut = max(_OUTLIER_FACTOR * statistics.median(residuals), _OUTLIER_FLOOR)
+        kept = [i for i in range(len(xs)) if residuals[i] <= cut]
+        if kept == keep or len(kept) < 2:
+            break
+        keep = kept
+        line = _weighted_line([xs[i] for i in keep], [ts[i] for i in keep])
+    return Line(line[0], line[1], len(keep), len(xs))
+
+
+def _weighted_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
+    """Least squares of ``(c0 + c1 x - t) / t``; through zero if ``c0`` would be negative."""
+    w = [1 / t**2 for t in ts]
+    sw = math.fsum(w)
+    sx = math.fsum(wi * x for wi, x in zip(w, xs, strict=True))
+    st = math.fsum(wi * t for wi, t in zip(w, ts, strict=True))
+    sxx = math.fsum(wi * x * x for wi, x in zip(w, xs, strict=True))
+    sxt = math.fsum(wi * x * t for wi, x, t in zip(w, xs, ts, strict=True))
+    det = sw * sxx - sx * sx
+    if det > 0:
+        c0, c1 = (sxx * st - sx * sxt) / det, (sw * sxt - sx * st) / det
+        if c0 >= 0:
+            return c0, c1
+    return 0.0, (sxt / sxx if sxx > 0 else 0.0)
+
+
+def three_digits(value: float) -> float:
+    """``value`` rounded to three significant digits."""
+    return float(f"{value:.2e}")
+
+
+def figures_of(line: Line, op: str, n: int) -> tuple[float, float]:
+    """(alpha, bandwidth) of a fitted line for ``op`` on an axis of ``n`` ranks, rounded."""
+    rounds = 1 if op == "point_to_point" else collective_rounds(op, n)
+    alpha = three_digits(line.intercept / rounds)
+    bandwidth = MAX_BANDWIDTH if line.slope <= 1 / MAX_BANDWIDTH else three_digits(1 / line.slope)
+    return alpha, bandwidth
+
+
+def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int], Line]]:
+    """The cost model of ``samples``: per kind, per axis figures (every kind and axis of the
+    samples must have two or more); the model's own figures (slice and partial steps, which
+    send nothing) are all_gather's. Also the fitted lines, by (kind, axis)."""
+    by_key: dict[tuple[str, int], list[Sample]] = {}
+    for s in samples:
+        by_key.setdefault((s.op, s.axis), []).append(s)
+    axes = sorted({axis for _, axis in by_key})
+    ops = [op for op in PRICED_OPS if any(op == o for o, _ in by_key)]
+    if not axes or axes != list(range(len(axes))) or any((op, a) not in by_key for op in ops for a in axes):
+        raise ValueError("fit_model needs samples of every kind on every axis 0..k-1")
+    lines = {key: fit_line([s.bytes for s in group], [s.seconds for s in group]) for key, group in by_key.items()}
+    figures = {op: [figures_of(lines[op, a], op, by_key[op, a][0].n) for a in axes] for op in ops}
+    costs = [OpCost(op, tuple(f[0] for f in fs), tuple(f[1] for f in fs)) for op, fs in figures.items()]
+    base = costs[0]
+    return CostModel(alpha=base.alpha, bandwidth=base.bandwidth, ops=costs), lines
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank)."""
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = math.fsum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = math.sqrt(math.fsum((a - mx) ** 2 for a in rx) * math.fsum((b - my) ** 2 for b in ry))
+    return cov / var if var else 0.0
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def median_relative_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """The median of ``|predicted - measured| / measured``."""
+    return statistics.median(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))

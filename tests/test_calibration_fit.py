@@ -1,0 +1,119 @@
+"""The calibration fit recovers known latencies and bandwidths from synthetic timings, and a
+hints file with bad values is a clear error naming the file and the field."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+import planner
+from cli.main import main
+from planner.cost import collective_rounds
+from planner.fit import Sample, fit_line, fit_model, median_relative_error, spearman
+from planner.model import plan_spec
+from shardlang import Layout, Mesh, parse_spec
+
+SIZES = [4096 * 4**k for k in range(7)]  # 4 KiB .. 16 MiB
+
+
+def synthetic(truth: dict[str, tuple[tuple[float, float], ...]], rng: random.Random, noise: float) -> list[Sample]:
+    """Times ``rounds * alpha + bytes / bandwidth`` per kind and axis of a [2, 4] mesh, each
+    with relative noise, and one wild outlier per series (a repetition series the machine hit)."""
+    samples = []
+    for op, per_axis in truth.items():
+        for axis, (alpha, bandwidth) in enumerate(per_axis):
+            n = (2, 4)[axis]
+            rounds = 1 if op == "point_to_point" else collective_rounds(op, n)
+            for k, nbytes in enumerate(SIZES):
+                seconds = (rounds * alpha + nbytes / bandwidth) * (1 + rng.uniform(-noise, noise))
+                if k == 3:
+                    seconds *= 4
+                samples.append(Sample(op, axis, n, nbytes, seconds))
+    return samples
+
+
+def test_the_fit_recovers_known_figures():
+    rng = random.Random(1)
+    truth = {op: tuple((rng.uniform(1e-5, 2e-4), rng.uniform(2e8, 8e9)) for _ in range(2)) for op in planner.PRICED_OPS}
+    model, lines = fit_model(synthetic(truth, rng, noise=0.03))
+    mesh = Mesh((2, 4))
+    for op, per_axis in truth.items():
+        alphas, bandwidths = model.for_op(op, mesh)
+        for axis, (alpha, bandwidth) in enumerate(per_axis):
+            assert alphas[axis] == pytest.approx(alpha, rel=0.15), (op, axis)
+            assert bandwidths[axis] == pytest.approx(bandwidth, rel=0.08), (op, axis)
+            assert lines[op, axis].kept == len(SIZES) - 1  # the outlier, and only it, dropped
+
+
+def test_the_fit_is_exact_without_noise_and_refits_through_zero():
+    line = fit_line([1e3, 1e5, 1e7], [2e-5 + 1e3 / 1e9, 2e-5 + 1e5 / 1e9, 2e-5 + 1e7 / 1e9])
+    assert (line.intercept, 1 / line.slope) == (pytest.approx(2e-5), pytest.approx(1e9))
+    through_zero = fit_line([1e6, 2e6, 4e6], [0.5e-3, 1.6e-3, 3.8e-3])  # a negative intercept
+    assert through_zero.intercept == 0 and 0.5e-9 < through_zero.slope < 0.95e-9  # within the points' t / x
+
+
+def test_scores():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)
+    assert median_relative_error([1.1, 2.0, 2.0], [1.0, 2.0, 4.0]) == pytest.approx(0.1)
+
+
+def test_a_hints_file_round_trips_and_steers_the_plan(tmp_path):
+    model = planner.CostModel(
+        alpha=(2e-5, 3e-5),
+        bandwidth=(1e9, 2e9),
+        ops={"all_reduce": {"alpha": (2e-6, 2e-6), "bandwidth": (5e11, 5e11)}},
+    )
+    path = tmp_path / "hints.json"
+    path.write_text(json.dumps({"mesh": "world = [dp=2, tp=2]", **model.to_json()}))
+    assert planner.CostModel.from_file(path) == model
+    src = Layout(((), ()), Mesh((2, 2)), ((0, "sum"), (1, "sum")))
+    dst = Layout(((), ()), Mesh((2, 2)))
+    assert [s.op for s in planner.plan(src, dst, (1024, 64), "f32").steps] == [
+        "reduce_scatter",
+        "all_reduce",
+        "all_gather",
+    ]
+    measured = planner.plan(src, dst, (1024, 64), "f32", planner.CostModel.from_file(path))
+    assert [s.op for s in measured.steps] == ["all_reduce"] * 2
+
+
+@pytest.mark.parametrize(
+    ("content", "field"),
+    [
+        ('{"alpha": -1}', "field 'alpha': expected zero or a positive number of seconds, got -1"),
+        ('{"bandwidth": [1e9, 0]}', "field 'bandwidth[1]': expected a positive number of bytes per second, got 0"),
+        ('{"ops": {"all_reduce": {"bandwidth": "fast"}}}', "field 'ops.all_reduce.bandwidth': expected a number"),
+        ('{"ops": {"allreduce": {}}}', "field 'ops.allreduce': no such collective kind"),
+        ('{"ops": {"all_gather": {"beta": 1}}}', "field 'ops.all_gather.beta': unknown"),
+        ('{"latency": 1}', "unknown field 'latency'"),
+        ('{"alpha": [1e-5, 1e-5], "ops": {"all_gather": {"alpha": [1e-5]}}}', "per-axis lists of different lengths"),
+        ('{"alpha": 1e-5,}', ":1:16: not JSON"),
+    ],
+)
+def test_a_bad_hints_file_names_the_file_and_field(tmp_path, capsys, content, field):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    code = main(["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "8", "--costs", str(path)])
+    err = capsys.readouterr().err
+    assert code == 1 and f"{path}" in err and field in err and "Traceback" not in err
+
+
+def test_the_step_plan_uses_the_given_model():
+    """``plan_spec(cost=...)``: the step's buckets are planned and priced by the given model's
+    per-kind figures instead of the spec's hints."""
+    spec = parse_spec(
+        "mesh world = [dp=2, tp=2]  bandwidth [25e9, 300e9]  latency [10us, 2us]\n"
+        "tensor w : f32[64, 32] { param = R,R over world  grad = R,R | P(dp):sum over world  "
+        "state = S(dp),R over world }\n"
+    )
+    hinted = plan_spec(spec).step.buckets
+    assert [(b.op, b.axis, b.bytes) for b in hinted] == [("reduce_scatter", 0, 4096), ("all_gather", 0, 4096)]
+    assert hinted[0].seconds == pytest.approx(1e-5 + 4096 / 25e9)
+    # A dear reduce_scatter: the grad is all-reduced instead, priced by the model's own figures.
+    model = planner.CostModel(ops={"reduce_scatter": {"alpha": 3e-4, "bandwidth": 1e8}})
+    measured = plan_spec(spec, cost=model).step.buckets
+    assert [(b.op, b.axis, b.bytes) for b in measured] == [("all_reduce", 0, 8192), ("all_gather", 0, 4096)]
+    assert measured[0].seconds == pytest.approx(2 * 5e-6 + 8192 / 1e11)
