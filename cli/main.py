@@ -20,6 +20,7 @@ from typing import Any
 from cli.buckets import summary_line
 from cli.check import describe_spec, error_text, run_check
 from cli.explain import explain, explained_json, format_explained
+from cli.init import add_init_parser, cmd_init
 from cli.inputs import (
     Pair,
     UsageError,
@@ -45,7 +46,7 @@ from shardlang import Spec, TensorSpec, load_spec, parse_layout
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError, SpecError
 
-COMMANDS = ("check", "plan", "show", "render", "explain")
+COMMANDS = ("check", "plan", "show", "render", "explain", "init")
 BUNDLED_EXAMPLE = "gpt2_small_dp2_tp2.shard"
 
 
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tensor_options(p, shape_required=True)
     _add_cost_options(p, memory=False)
     p.add_argument("--format", choices=("text", "json"), default="text")
+    add_init_parser(sub)
     return parser
 
 
@@ -404,6 +406,7 @@ COMMAND_FUNCTIONS = {
     "show": cmd_show,
     "render": cmd_render,
     "explain": cmd_explain,
+    "init": cmd_init,
 }
 
 

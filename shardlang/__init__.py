@@ -13,13 +13,16 @@ from shardlang.errors import (
     SourcePosition,
     SpecError,
 )
+from shardlang.generate import STRATEGIES, spec_for
 from shardlang.layout import REDUCE_OPS, Layout, chunk_bounds, format_layout, padded_length
 from shardlang.mesh import Mesh
 from shardlang.parser import load_spec, parse_layout, parse_spec
 from shardlang.spec import CostHints, Layouts, MeshDecl, Rule, Spec, TensorSpec
+from shardlang.writer import format_spec
 
 __all__ = [
     "REDUCE_OPS",
+    "STRATEGIES",
     "CostHints",
     "InteropError",
     "Layout",
@@ -36,9 +39,11 @@ __all__ = [
     "TensorSpec",
     "chunk_bounds",
     "format_layout",
+    "format_spec",
     "interop",
     "load_spec",
     "padded_length",
     "parse_layout",
     "parse_spec",
+    "spec_for",
 ]
