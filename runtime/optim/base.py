@@ -53,12 +53,12 @@ from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError, PlanMismatchError
 from runtime.executor import fingerprint
 from runtime.groups import axis_ranks, group_for, ranks_group
+from runtime.optim.dtensors import dtensor_grad_layout, dtensor_param_layouts
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.flat import FlatStates
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumReducer, SumSpec, plan_collectives
 from shardlang.errors import ShardlangError
-from shardlang.interop import from_dtensor_placements, mesh_from_device_mesh
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 from shardlang.spec import STATE_DEFAULT, Layouts, Spec, TensorSpec
@@ -120,8 +120,7 @@ class Slot:
         grad = self.param.grad
         assert grad is not None
         if isinstance(grad, DTensor):
-            mesh = mesh_from_device_mesh(grad.device_mesh)
-            return grad.to_local(), from_dtensor_placements(grad.placements, grad.ndim, mesh)
+            return grad.to_local(), dtensor_grad_layout(self.name, grad, self.grad_layout)
         if self.grad_layout is None:
             raise OptimizerError(f"tensor '{self.name}' is a DTensor but its gradient is a plain tensor")
         return grad, self.grad_layout
@@ -971,18 +970,19 @@ def _layouts(
 
     A DTensor's param layout is its placements, its grad layout its gradient's (read each
     step), and the spec, when it places the tensor, gives the state layout (else the param
-    layout). A plain tensor is the rank's piece of the shape the spec declares, or, placed
+    layout); a DTensor on a sub-mesh of the spec's mesh takes the spec's grad layout
+    (``runtime.optim.dtensors``). A plain tensor is the rank's piece of the shape the spec declares, or, placed
     by a rule or a :class:`Layouts`, the whole tensor.
     """
     if isinstance(param, DTensor):
         shape = tuple(param.shape)
         entry = _spec_entry(name, shape, param.dtype, spec)
-        layout = from_dtensor_placements(param.placements, param.ndim, mesh_from_device_mesh(param.device_mesh))
         if entry is not None and entry.shape != shape:
             raise OptimizerError(f"the spec declares shape {list(entry.shape)}, the DTensor has {list(shape)}")
+        layout, grad, device_mesh = dtensor_param_layouts(param, entry)
         state = entry.state() if entry is not None else layout
         own = _own_layouts(entry) if entry is not None else {}
-        return shape, layout, None, state, own, param.device_mesh
+        return shape, layout, grad, state, own, device_mesh
     entry = _spec_entry(name, tuple(param.shape), param.dtype, spec)
     if entry is None:
         raise OptimizerError("it has no layouts: the spec does not place it, and it is not a DTensor")
