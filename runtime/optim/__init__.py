@@ -1,4 +1,4 @@
-"""Sharded optimizers driven by layout specs: AdamW, CAME and Adafactor on shards, exact.
+"""Sharded optimizers driven by layout specs: AdamW, CAME, Adafactor and Muon on shards, exact.
 
     spec = shardlang.load_spec("examples/tiny_gpt_dp4.shard")
     optimizer = runtime.optim.ShardedCAME(model.named_parameters(), spec, lr=1e-3)
@@ -13,6 +13,7 @@ from runtime.optim.adamw import ShardedAdamW
 from runtime.optim.base import ShardedOptimizer, StepTraffic
 from runtime.optim.came import ShardedCAME
 from runtime.optim.errors import OptimizerError, OptimizerStepError
+from runtime.optim.muon import ShardedMuon
 
 __all__ = [
     "OptimizerError",
@@ -20,6 +21,7 @@ __all__ = [
     "ShardedAdafactor",
     "ShardedAdamW",
     "ShardedCAME",
+    "ShardedMuon",
     "ShardedOptimizer",
     "StepTraffic",
 ]
