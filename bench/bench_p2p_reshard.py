@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 import planner
-from planner.plan import same_geometry
 from runtime import recording, reshard, shard
 from shardlang import InteropError, parse_layout
 from shardlang.interop import to_dtensor_placements
@@ -70,7 +69,7 @@ def _measure(rank: int, name: str, src_text: str, dst_text: str, megabytes: int,
     full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     local = shard(full, src, rank) if rank in src.mesh.ranks else None
     p2p = planner.point_to_point_plan(src, dst, shape, "f32")
-    one_mesh = same_geometry(src.mesh, dst.mesh)
+    one_mesh = src.mesh.same_geometry(dst.mesh)
     methods: dict[str, Callable[[], torch.Tensor | None]] = {
         "p2p": lambda: reshard(local, src, dst, global_shape=shape, plan=p2p, dtype="f32")
     }

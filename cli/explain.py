@@ -11,7 +11,6 @@ from cli.plan_report import format_plan, plan_json, steps_table
 from cli.tables import format_bytes, format_seconds
 from cli.terminal import Style
 from planner import CostModel, Plan, plan
-from planner.plan import same_geometry
 from shardlang import Layout
 
 
@@ -26,7 +25,7 @@ def explain(
     src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, *, point_to_point: bool = False
 ) -> Explained:
     chosen = plan(src, dst, shape, dtype, cost, point_to_point=point_to_point)
-    if not same_geometry(src.mesh, dst.mesh):
+    if not src.mesh.same_geometry(dst.mesh):
         return Explained(chosen, None, "the layouts are on different meshes, which DTensor cannot redistribute between")
     try:
         return Explained(chosen, greedy_plan(src, dst, shape, dtype, cost), None)

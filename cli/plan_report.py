@@ -12,7 +12,6 @@ from cli.tables import format_bytes, format_seconds, format_table
 from cli.terminal import Style
 from planner import COMMUNICATING_OPS, CostModel, Plan, Step
 from planner.model import SpecPlan, TensorPlans
-from planner.plan import same_geometry
 from shardlang import Mesh
 
 # The JSON of one plan: the planner issue's keys and the receive lower bound (Plan.to_json adds more).
@@ -40,7 +39,7 @@ def spec_plan_json(spec_plan: SpecPlan) -> dict[str, Any]:
     spec = spec_plan.spec
     return {
         "file": spec.filename,
-        "meshes": {d.mesh.name: d.mesh.describe() for d in spec.meshes},
+        "meshes": {d.mesh.name: d.mesh.text() for d in spec.meshes},
         "tensors": [tensor_json(tp) for tp in spec_plan.tensors],
         "total_bytes": spec_plan.total_bytes,
         "total_seconds": spec_plan.total_seconds,
@@ -67,7 +66,7 @@ def _describe_figures(alphas: tuple[float, ...], betas: tuple[float, ...], mesh:
 def describe_plan_cost(plan: Plan) -> str:
     """The cost model of a plan: of its mesh, or of both meshes and the messages between them."""
     src, dst = plan.src.mesh, plan.dst.mesh
-    if same_geometry(src, dst):
+    if src.same_geometry(dst):
         return describe_cost(plan.cost, dst)
     rates = [plan.cost.for_mesh(mesh) for mesh in (src, dst)]
     alphas = {a for per_axis, _ in rates for a in per_axis}

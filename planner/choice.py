@@ -48,7 +48,7 @@ import attrs
 
 from planner.cost import DEFAULT_COST, CostModel, OpUnits, PlanBudgetError, PlanError, collective_rounds
 from planner.p2p import Exchange, Links, message_count, time_lower_bound
-from planner.plan import Plan, same_geometry
+from planner.plan import Plan
 from planner.search import (
     DEFAULT_MAX_STATES,
     budget_error,
@@ -84,7 +84,7 @@ def plan(
     A request whose search would generate more than ``max_states`` states (module docstring)
     raises :class:`PlanBudgetError` instead.
     """
-    if same_geometry(src.mesh, dst.mesh) and not point_to_point:
+    if src.mesh.same_geometry(dst.mesh) and not point_to_point:
         return collective_plan(src, dst, shape, dtype, cost, max_local_bytes=max_local_bytes, max_states=max_states)
     cost = cost or DEFAULT_COST
     shape = check_request(src, dst, shape, dtype, cost, max_local_bytes)
@@ -230,7 +230,7 @@ def _cheapest_within(
 ) -> Plan:
     budget.charge(sum(candidate_counts(src, dst, shape)), "listing the intermediate layouts")
     links = Links(cost, src.mesh, dst.mesh)
-    one_mesh = same_geometry(src.mesh, dst.mesh)
+    one_mesh = src.mesh.same_geometry(dst.mesh)
     itemsize = dtype_itemsize(dtype)
     # Candidates are refined lazily, cheapest bound first (as A* does). An entry is (bound on
     # time units, steps, order, stage, candidate): a mix enters with the time of its legs

@@ -40,7 +40,7 @@ import attrs
 
 from planner.cost import DEFAULT_COST, CostModel, PlanError, integer_op_rates
 from planner.holdings import Box, blocks_of, box_elements, intersect
-from planner.plan import Plan, Step, Transfer, same_geometry
+from planner.plan import Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, budget_error, check_budget, check_request
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
@@ -75,7 +75,7 @@ class Links:
         per_round = self.src_rates[0]["point_to_point"] + self.dst_rates[0]["point_to_point"]
         per_byte = self.src_rates[1]["point_to_point"] + self.dst_rates[1]["point_to_point"]
         n = src_mesh.ndim
-        self._mesh = dst_mesh if same_geometry(src_mesh, dst_mesh) else None
+        self._mesh = dst_mesh if src_mesh.same_geometry(dst_mesh) else None
         self._axes = tuple(zip(per_round[n:], per_byte[n:], dst_alpha, dst_bandwidth, strict=True))
         self._slowest = Link(max(per_round), max(per_byte), max(alpha), min(bandwidth))
         # No message is cheaper than this, per message and per byte (a lower-bound price).

@@ -12,7 +12,7 @@ from planner.holdings import Box, receive_lower_bound
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
-from shardlang.parser import parse_layout
+from shardlang.parser import parse_layout, parse_mesh
 
 # The baseline move set of the planner issue: one mesh axis per step. The default, and the move
 # set whose optimum the shared conformance data records.
@@ -127,7 +127,7 @@ class Plan:
         return (self.src, *(s.layout for s in self.steps))
 
     def to_json(self) -> dict[str, Any]:
-        meshes = {lay.mesh.name: lay.mesh.describe() for lay in (self.src, self.dst) if lay.mesh.name is not None}
+        meshes = {lay.mesh.name: lay.mesh.text() for lay in (self.src, self.dst) if lay.mesh.name is not None}
         out: dict[str, Any] = {
             "src": str(self.src),
             "dst": str(self.dst),
@@ -145,12 +145,13 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Plan:
-        """Read back what :meth:`to_json` wrote (declared meshes come from ``"meshes"``)."""
+        """Read back what :meth:`to_json` wrote (declared meshes come from ``"meshes"``: each
+        name, and its mesh's text, :meth:`Mesh.text`)."""
         try:
-            meshes = {
-                name: attrs.evolve(parse_layout(f"() over {text}").mesh, name=name)
-                for name, text in data.get("meshes", {}).items()
-            }
+            meshes = {name: parse_mesh(text) for name, text in data.get("meshes", {}).items()}
+            misnamed = [name for name, mesh in meshes.items() if mesh.name != name]
+            if misnamed:
+                raise ValueError(f"the mesh under {misnamed[0]!r} is {data['meshes'][misnamed[0]]!r}")
             steps = tuple(_step_from_json(s, meshes) for s in data["steps"])
             return cls(
                 src=parse_layout(data["src"], meshes),
@@ -180,8 +181,3 @@ def _step_from_json(data: Mapping[str, Any], meshes: Mapping[str, Mesh]) -> Step
         seconds=float(data["seconds"]),
         transfers=tuple(Transfer(int(t["src"]), int(t["dst"]), t["box"]) for t in data.get("transfers", ())),
     )
-
-
-def same_geometry(a: Mesh, b: Mesh) -> bool:
-    """Whether two meshes are the same grid of the same ranks (names aside)."""
-    return a.shape == b.shape and a.ranks == b.ranks

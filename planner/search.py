@@ -26,7 +26,7 @@ import math
 
 from planner.bound import LowerBound, Terms, cheapest_rates
 from planner.cost import DEFAULT_COST, CostModel, PlanBudgetError, PlanError, integer_op_rates
-from planner.plan import Plan, Step, same_geometry
+from planner.plan import Plan, Step
 from planner.space import Fields, Move, Space, pruning, roles_of
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.errors import ShardlangError
@@ -117,7 +117,7 @@ def collective_outcome(
     cost = cost or DEFAULT_COST
     shape = check_request(src, dst, shape, dtype, cost, max_local_bytes)
     check_budget(src, dst, max_states)
-    if not same_geometry(src.mesh, dst.mesh):
+    if not src.mesh.same_geometry(dst.mesh):
         raise PlanError(
             f"cannot plan {src} -> {dst} with collectives: the layouts are on different meshes "
             f"({src.mesh.describe()} and {dst.mesh.describe()})"

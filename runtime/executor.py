@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import planner
-from planner.plan import Plan, same_geometry
+from planner.plan import Plan
 from runtime import stats
 from runtime.blocks import piece_shape
 from runtime.comm import collective, default_device, post_point_to_point, timeout_of, wait_point_to_point
@@ -96,7 +96,7 @@ def reshard(
         raise DistributedError(f"{label}: torch.distributed is not initialized (call init_process_group first)")
     rank = dist.get_rank()
     shape = _shape(global_shape, label)
-    same_mesh = same_geometry(src.mesh, dst.mesh)
+    same_mesh = src.mesh.same_geometry(dst.mesh)
     _check_membership(local, src, dst, rank, same_mesh, label)
     if mesh is not None and not same_mesh:
         raise ReshardError(
@@ -346,10 +346,10 @@ def _verify(
     src, dst = plan.src.mesh, plan.dst.mesh
     # Every rank that calls: the source mesh's ranks in mesh order, then the target mesh's others.
     members = (*src.ranks, *(r for r in dst.ranks if r not in src.ranks))
-    where = src.describe() if same_geometry(src, dst) else f"{src.describe()} and {dst.describe()}"
+    where = src.describe() if src.same_geometry(dst) else f"{src.describe()} and {dst.describe()}"
     mine = plan_fingerprint(plan)
     try:
-        if same_geometry(src, dst):
+        if src.same_geometry(dst):
             group = axis_group(src, tuple(range(src.ndim)), device_mesh, timeout=wait)
         else:
             group = ranks_group(members, timeout=wait)

@@ -26,7 +26,7 @@ import math
 import attrs
 import torch
 
-from planner.plan import Plan, Step, same_geometry
+from planner.plan import Plan, Step
 from runtime.blocks import crop, pack, piece_shape, unpack
 from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError
@@ -148,7 +148,7 @@ def compile_plan(plan: Plan, rank: int) -> tuple[Move | Exchange | None, ...]:
     is not in the step's mesh)."""
     check_reducible(plan)
     layouts = plan.layouts()
-    if not same_geometry(layouts[-1].mesh, plan.dst.mesh):
+    if not layouts[-1].mesh.same_geometry(plan.dst.mesh):
         raise ReshardError(
             f"the plan {plan.src} -> {plan.dst} ends on {layouts[-1].mesh.describe()}, not on the target's mesh; "
             "only a point_to_point step changes meshes"
@@ -159,7 +159,7 @@ def compile_plan(plan: Plan, rank: int) -> tuple[Move | Exchange | None, ...]:
             moves.append(compile_exchange(plan, index, rank))
             continue
         mesh = step.layout.mesh
-        if not same_geometry(layouts[index].mesh, mesh):
+        if not layouts[index].mesh.same_geometry(mesh):
             raise ReshardError(
                 f"step {index + 1} of {len(plan.steps)} ({step.describe()}) goes from {layouts[index].mesh.describe()} "
                 f"to {mesh.describe()}; only a point_to_point step changes meshes"

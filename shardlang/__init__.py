@@ -16,7 +16,7 @@ from shardlang.errors import (
 from shardlang.generate import STRATEGIES, spec_for
 from shardlang.layout import REDUCE_OPS, Layout, chunk_bounds, format_layout, padded_length
 from shardlang.mesh import Mesh
-from shardlang.parser import load_spec, parse_layout, parse_spec
+from shardlang.parser import load_spec, parse_layout, parse_mesh, parse_spec
 from shardlang.spec import CostHints, Layouts, MeshDecl, Rule, Spec, TensorSpec
 from shardlang.writer import format_spec
 
@@ -44,6 +44,7 @@ __all__ = [
     "load_spec",
     "padded_length",
     "parse_layout",
+    "parse_mesh",
     "parse_spec",
     "spec_for",
 ]

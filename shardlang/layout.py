@@ -160,7 +160,7 @@ class Layout:
         return format_layout(self)
 
     def __repr__(self) -> str:
-        return f"Layout({format_layout(self)!r})"
+        return f"Layout({format_layout(self, mesh_inline=True)!r})"
 
 
 def format_axes(mesh: Mesh, axes: Iterable[int]) -> str:
@@ -171,8 +171,10 @@ def format_axes(mesh: Mesh, axes: Iterable[int]) -> str:
     return "(" + ",".join(mesh.axis_label(a) for a in axes) + ")"
 
 
-def format_layout(layout: Layout) -> str:
-    """The one canonical text of a layout; ``parse_layout`` reads it back to an equal value."""
+def format_layout(layout: Layout, *, mesh_inline: bool = False) -> str:
+    """The one canonical text of a layout; ``parse_layout`` reads it back to an equal value
+    (given the declared meshes it names). With ``mesh_inline``, a declared mesh is written out
+    (``over mesh world = [dp=2]``): a text that reads back to an equal value on its own."""
     mesh = layout.mesh
     if layout.ndim == 0:
         dims = "()"
@@ -188,4 +190,4 @@ def format_layout(layout: Layout) -> str:
         for op, axes in groups.items():
             parts.append("P" + format_axes(mesh, axes) + ("" if op == "sum" else f":{op}"))
         text += " | " + ",".join(parts)
-    return f"{text} over {mesh}"
+    return f"{text} over {mesh.text() if mesh_inline else mesh}"

@@ -201,6 +201,11 @@ class Mesh:
             groups.append(tuple(group))
         return tuple(groups)
 
+    def same_geometry(self, other: Mesh) -> bool:
+        """Whether ``other`` is the same grid of the same ranks, whatever either is called
+        (axis and mesh names aside): what planning and communication depend on."""
+        return self.shape == other.shape and self.ranks == other.ranks
+
     def anonymous(self) -> Mesh:
         """The same grid without the declared name (prints inline as ``mesh[...]``)."""
         return attrs.evolve(self, name=None)
@@ -215,6 +220,14 @@ class Mesh:
         if not isinstance(self.ranks, RowMajorRanks):
             text += " ranks " + format_ranks(self.ranks)
         return text
+
+    def text(self) -> str:
+        """The one canonical text of the mesh, name included, that ``parse_mesh`` reads back
+        to an equal value: ``mesh[dp=2,tp=2]``, or ``mesh world = [dp=2,tp=2]`` for a
+        declared mesh (the form of its declaration in a spec file, docs/language.md)."""
+        if self.name is None:
+            return self.describe()
+        return f"mesh {self.name} = {self.describe().removeprefix('mesh')}"
 
     def __str__(self) -> str:
         return self.name if self.name is not None else self.describe()

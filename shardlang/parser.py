@@ -67,7 +67,7 @@ _TIME_UNITS = {"s": Decimal(1), "ms": Decimal("1e-3"), "us": Decimal("1e-6"), "n
 @functools.cache
 def _lark() -> lark.Lark:
     grammar = resources.files("shardlang").joinpath("grammar.lark").read_text()
-    return lark.Lark(grammar, start=["layout", "spec"], parser="lalr", propagate_positions=True)
+    return lark.Lark(grammar, start=["layout", "mesh_text", "spec"], parser="lalr", propagate_positions=True)
 
 
 def _describe_expected(names: set[str] | frozenset[str]) -> str:
@@ -90,7 +90,7 @@ def _describe_expected(names: set[str] | frozenset[str]) -> str:
 
 def _parse_tree(text: str, start: str, filename: str | None) -> Tree:
     if not isinstance(text, str):
-        raise ParseError(f"a {start} is text, not {type(text).__name__}")
+        raise ParseError(f"a {start.removesuffix('_text')} is text, not {type(text).__name__}")
     try:
         return _lark().parse(text, start=start)
     except lark.exceptions.UnexpectedCharacters as e:
@@ -194,9 +194,22 @@ class _Reader:
                 known = ", ".join(sorted(self.meshes)) or "none declared"
                 raise LayoutError(f"unknown mesh '{token}' (meshes: {known})", self.pos(token))
             return self.meshes[str(token)]
-        axes, *ranks = tree.children
-        assert isinstance(axes, Tree)
-        return self.mesh(axes, ranks[0] if ranks else None, None, tree)  # type: ignore[arg-type]
+        return self.mesh_text(tree)
+
+    def mesh_text(self, tree: Tree) -> Mesh:
+        """An inline mesh, or a named one (``mesh world = [...]``) that must agree with a
+        declared mesh of that name."""
+        if tree.data == "inline_mesh":
+            axes, *ranks = tree.children
+            assert isinstance(axes, Tree)
+            return self.mesh(axes, ranks[0] if ranks else None, None, tree)  # type: ignore[arg-type]
+        name, axes, *ranks = tree.children
+        assert isinstance(name, Token) and isinstance(axes, Tree)
+        mesh = self.mesh(axes, ranks[0] if ranks else None, str(name), name)  # type: ignore[arg-type]
+        declared = self.meshes.get(str(name))
+        if declared is not None and declared != mesh:
+            raise LayoutError(f"mesh '{name}' is declared as {declared.text()}, not as {mesh.text()}", self.pos(tree))
+        return mesh
 
     # --- layouts ---------------------------------------------------------------------
     def axes(self, mesh: Mesh, node: Tree | Token) -> list[tuple[int, SourcePosition]]:
@@ -419,6 +432,13 @@ def parse_layout(text: str, meshes: Mapping[str, Mesh] | None = None, *, filenam
     """
     tree = _parse_tree(text, "layout", filename)
     return _Reader(text, filename, meshes or {}).layout(tree)
+
+
+def parse_mesh(text: str, *, filename: str | None = None) -> Mesh:
+    """Parse one mesh in its canonical text (:meth:`Mesh.text`): ``"mesh[dp=2,tp=2]"``, or
+    ``"mesh world = [dp=2,tp=2] ranks 4..7"`` for a mesh with a name."""
+    tree = _parse_tree(text, "mesh_text", filename)
+    return _Reader(text, filename, {}).mesh_text(tree)
 
 
 def parse_duration(text: str) -> float:

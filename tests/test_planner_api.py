@@ -99,7 +99,7 @@ def test_json_round_trips_including_declared_meshes_and_cost_models():
     )
     t = spec.tensors[0]
     plans.append(planner.plan(t.grad, t.state(), t.shape, "bf16", planner.CostModel(alpha=(1e-5, 2e-6))))
-    assert plans[-1].to_json()["meshes"] == {"world": "mesh[dp=2,tp=4]"}
+    assert plans[-1].to_json()["meshes"] == {"world": "mesh world = [dp=2,tp=4]"}
     assert plans[-1].to_json()["src"] == "R,S(tp) | P(dp):avg over world"
     for p in plans:
         text = json.dumps(p.to_json())

@@ -57,7 +57,7 @@ class Item:
     ``boxes`` one box after the other; ``stores``: this rank is the replica that writes them."""
 
     key: str
-    layout: str  # canonical text, the mesh inline; for a flat chunk that of its block
+    layout: Layout  # its mesh anonymous (as stored); for a flat chunk that of its block
     flat_axis: str | None
     shape: tuple[int, ...]
     dtype: str
@@ -66,17 +66,17 @@ class Item:
     stores: bool = False
 
     def header(self) -> dict[str, object]:
-        return {"layout": self.layout, "flat_axis": self.flat_axis, "shape": list(self.shape), "dtype": self.dtype}
+        return {"layout": str(self.layout), "flat_axis": self.flat_axis, "shape": list(self.shape), "dtype": self.dtype}
 
 
 def state_key(tensor: str, state: str) -> str:
     return f"optimizer/{tensor}/{state}"
 
 
-def layout_text(layout: Layout) -> str:
-    """The canonical text with the mesh written inline (a spec file's mesh name alone could
-    not be read back)."""
-    return str(attrs.evolve(layout, mesh=layout.mesh.anonymous()))
+def stored_layout(layout: Layout) -> Layout:
+    """The layout as a checkpoint stores it: over its mesh without the declared name, so that
+    its text stands alone and ranks with differently named meshes of one grid agree."""
+    return attrs.evolve(layout, mesh=layout.mesh.anonymous())
 
 
 def stores(key: str, layout: Layout, replicated: tuple[int, ...] | frozenset[int], rank: int) -> bool:
@@ -144,7 +144,7 @@ def _block_item(key: str, layout: Layout, shape: tuple[int, ...], data: torch.Te
     """``data``, the rank's block of a tensor of ``shape`` in ``layout`` (not partial)."""
     return Item(
         key=key,
-        layout=layout_text(layout),
+        layout=stored_layout(layout),
         flat_axis=None,
         shape=shape,
         dtype=dtype_name(data.dtype),
@@ -168,7 +168,7 @@ def wanted_piece(key: str, piece: LocalPiece, rank: int) -> Item:
     data = torch.zeros_like(piece.tensor, device="cpu", memory_format=torch.contiguous_format)
     return Item(
         key=key,
-        layout=layout_text(layout),
+        layout=stored_layout(layout),
         flat_axis=None,
         shape=piece.shape,
         dtype=dtype_name(piece.tensor.dtype),
@@ -189,7 +189,7 @@ def state_item(key: str, where: StateWhere, tensor_shape: tuple[int, ...], data:
     block = where.flat_of.rank_piece(tensor_shape, rank)
     return Item(
         key=key,
-        layout=layout_text(where.flat_of),
+        layout=stored_layout(where.flat_of),
         flat_axis=layout.mesh.axis_label(axis),
         shape=tensor_shape,
         dtype=dtype_name(data.dtype),

@@ -32,6 +32,7 @@ from runtime.checkpoint.fields import Fields, field, too_deep
 from runtime.checkpoint.paths import open_inside
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
+from shardlang.layout import Layout
 from shardlang.parser import parse_layout
 
 FORMAT = "shardlang.checkpoint/2"  # 2: a CRC-32 per block of each piece (1: one per piece)
@@ -68,10 +69,10 @@ class StoredPiece:
 
 @attrs.frozen
 class StoredTensor:
-    """``layout``: the canonical text of the layout the tensor was saved from; for a flat
+    """``layout``: the layout the tensor was saved from, over an anonymous mesh; for a flat
     chunk (flat ZeRO) that of the block that was flattened, and ``flat_axis`` the axis."""
 
-    layout: str
+    layout: Layout
     flat_axis: str | None
     shape: tuple[int, ...] = attrs.field(converter=lambda s: tuple(int(n) for n in s))
     dtype: str
@@ -83,7 +84,7 @@ class StoredTensor:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "layout": self.layout,
+            "layout": str(self.layout),
             "flat_axis": self.flat_axis,
             "shape": list(self.shape),
             "dtype": self.dtype,
@@ -222,7 +223,7 @@ class _TensorReader:
         covered = sum(box_elements(p.box) for p in pieces)
         if covered != math.prod(shape):
             raise self.fail(f"its pieces hold {covered} elements, the shape {list(shape)} has {math.prod(shape)}")
-        return StoredTensor(layout_text, flat_axis, shape, dtype, pieces)
+        return StoredTensor(layout, flat_axis, shape, dtype, pieces)
 
     def piece(self, piece: dict[str, Any], path: str, shape: tuple[int, ...], itemsize: int) -> StoredPiece:
         f = self.fields

@@ -207,10 +207,10 @@ def _merge(indexes: list[dict[str, Any]], data: str, size: int, block_bytes: int
             holders.setdefault(key, set()).add(rank)
     tensors = {}
     for key, (_, header) in headers.items():
-        stored = StoredTensor(pieces=pieces[key], **header)
+        stored = StoredTensor(pieces=pieces[key], **{**header, "layout": parse_layout(header["layout"])})
         covered, total = sum(box_elements(p.box) for p in stored.pieces), math.prod(stored.shape)
         if covered != total:
-            missing = sorted(set(parse_layout(stored.layout).mesh.ranks) - holders[key])
+            missing = sorted(set(stored.layout.mesh.ranks) - holders[key])
             raise CheckpointError(
                 f"tensor '{key}': the ranks stored {covered} of its {total} elements"
                 + (f"; ranks {missing} of its mesh did not save it" if missing else "")

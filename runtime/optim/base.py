@@ -42,7 +42,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from planner.cost import CostModel
-from planner.plan import same_geometry
 from planner.step import AFTER, BEFORE, StepPlan, StepTensor, plan_step, without_axis
 from runtime import stats
 from runtime.blocks import piece_shape
@@ -388,7 +387,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if param_layout.is_partial or state_layout.is_partial or any(lay.is_partial for lay in own.values()):
                 raise OptimizerError("its param and state layouts must not be partial")
             for layout in (param_layout, grad_layout, *own.values()):
-                if layout is not None and not same_geometry(layout.mesh, state_layout.mesh):
+                if layout is not None and not layout.mesh.same_geometry(state_layout.mesh):
                     raise OptimizerError(
                         f"its layouts lie on different meshes ({layout.mesh.describe()} and "
                         f"{state_layout.mesh.describe()}); an optimizer step moves tensors within one mesh"

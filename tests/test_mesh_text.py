@@ -1,0 +1,103 @@
+"""Meshes and layouts as text: the canonical mesh text reads back on its own, a layout's repr
+reads back to an equal value over declared meshes too, and mesh identity for planning is the
+grid and its ranks, not the names."""
+
+from __future__ import annotations
+
+import pytest
+
+import planner
+from shardlang import Layout, LayoutError, Mesh, ParseError, parse_layout, parse_mesh, parse_spec
+
+WORLD = Mesh(shape=(2, 2), ranks=(3, 2, 1, 0), axis_names=("dp", "tp"), name="world")
+
+
+@pytest.mark.parametrize(
+    ("mesh", "text"),
+    [
+        (Mesh(shape=(2, 3)), "mesh[2,3]"),
+        (Mesh(shape=(4,), ranks=(4, 5, 6, 7)), "mesh[4] ranks 4..7"),
+        (Mesh(shape=(2,), axis_names=("dp",), name="pp0"), "mesh pp0 = [dp=2]"),
+        (WORLD, "mesh world = [dp=2,tp=2] ranks [3,2,1,0]"),
+    ],
+)
+def test_mesh_text_is_canonical_and_reads_back(mesh: Mesh, text: str) -> None:
+    assert mesh.text() == text
+    back = parse_mesh(text)
+    assert back == mesh and back.name == mesh.name
+
+
+def test_parse_mesh_reads_the_declaration_form_with_spaces() -> None:
+    mesh = parse_mesh("mesh  world=[ dp = 2 , tp=2 ]  ranks [3, 2, 1, 0]")
+    assert mesh == WORLD
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("mesh[2", "<text>:1:7: the text ends too early"),
+        ("mesh[0]", "mesh axis size 0 must be at least 1"),
+        ("mesh R = [2]", "reserved word"),
+        ("mesh[2] ranks 1..0", "rank range 1..0 is empty"),
+        ("world", "unexpected 'world'"),
+    ],
+)
+def test_bad_mesh_text_is_a_placed_error(text: str, message: str) -> None:
+    with pytest.raises((ParseError, LayoutError), match=message):
+        parse_mesh(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "S(dp),R over world",
+        "R,S(tp) | P(dp):avg over world",
+        "() over world",
+        "S(tp,dp),R over world",
+        "R | P(tp):max over world",
+    ],
+)
+def test_repr_of_a_layout_over_a_declared_mesh_reads_back_alone(text: str) -> None:
+    layout = parse_layout(text, {"world": WORLD})
+    shown = repr(layout)
+    assert shown.startswith("Layout('") and shown.endswith("')")
+    inner = shown[len("Layout('") : -len("')")]
+    assert inner.endswith(" over mesh world = [dp=2,tp=2] ranks [3,2,1,0]")
+    back = parse_layout(inner)
+    assert back == layout and back.mesh.name == "world"
+    assert str(back) == str(layout) == text
+
+
+def test_an_inline_named_mesh_must_match_the_declared_one() -> None:
+    assert parse_layout("R over mesh world = [dp=2,tp=2] ranks [3,2,1,0]", {"world": WORLD}).mesh == WORLD
+    with pytest.raises(LayoutError, match=r"1:8: mesh 'world' is declared as mesh world = \[dp=2,tp=2\] ranks"):
+        parse_layout("R over mesh world = [dp=4]", {"world": WORLD})
+
+
+def test_a_spec_entry_may_write_its_declared_mesh_out() -> None:
+    spec = parse_spec("mesh w = [a=2]\ntensor x: f32[4] { param = S(a) over mesh w = [a=2] }")
+    assert spec.tensors[0].layouts.param == Layout(dims=((0,),), mesh=spec.meshes[0].mesh)
+    with pytest.raises(
+        LayoutError, match="2:38: mesh 'w' is declared as mesh w = \\[a=2\\], not as mesh w = \\[a=4\\]"
+    ):
+        parse_spec("mesh w = [a=2]\ntensor x: f32[8] { param = S(a) over mesh w = [a=4] }")
+
+
+def test_same_geometry_ignores_names_but_not_ranks() -> None:
+    plain = Mesh(shape=(2, 2), ranks=(3, 2, 1, 0))
+    assert WORLD.same_geometry(plain) and plain.same_geometry(WORLD)
+    assert plain != WORLD
+    assert not WORLD.same_geometry(Mesh(shape=(2, 2)))
+    assert not WORLD.same_geometry(Mesh(shape=(4,), ranks=(3, 2, 1, 0)))
+
+
+def test_plan_json_names_each_mesh_by_its_text() -> None:
+    src = parse_layout("S(dp),R over world", {"world": WORLD})
+    dst = parse_layout("R,R over world", {"world": WORLD})
+    plan = planner.plan(src, dst, (4, 4), "f32")
+    data = plan.to_json()
+    assert data["meshes"] == {"world": "mesh world = [dp=2,tp=2] ranks [3,2,1,0]"}
+    back = planner.Plan.from_json(data)
+    assert back == plan and back.src.mesh.name == "world"
+    with pytest.raises(planner.PlanError, match="the mesh under 'world' is 'mesh other = "):
+        planner.Plan.from_json({**data, "meshes": {"world": "mesh other = [dp=2,tp=2] ranks [3,2,1,0]"}})
