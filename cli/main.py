@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cli.buckets import summary_line
+from cli.calibrate import add_calibrate_parser, cmd_calibrate
 from cli.check import describe_spec, error_text, run_check
 from cli.explain import explain, explained_json, format_explained
 from cli.init import add_init_parser, cmd_init
@@ -46,7 +47,7 @@ from shardlang import Spec, TensorSpec, load_spec, parse_layout
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError, SpecError
 
-COMMANDS = ("check", "plan", "show", "render", "explain", "init")
+COMMANDS = ("check", "plan", "show", "render", "explain", "init", "calibrate")
 BUNDLED_EXAMPLE = "gpt2_small_dp2_tp2.shard"
 
 
@@ -199,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cost_options(p, memory=False)
     p.add_argument("--format", choices=("text", "json"), default="text")
     add_init_parser(sub)
+    add_calibrate_parser(sub)
     return parser
 
 
@@ -407,6 +409,7 @@ COMMAND_FUNCTIONS = {
     "render": cmd_render,
     "explain": cmd_explain,
     "init": cmd_init,
+    "calibrate": cmd_calibrate,
 }
 
 

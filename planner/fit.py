@@ -6,8 +6,9 @@ runtime takes the median over repetitions of the slowest rank). For one kind on 
 table's rounds ``r`` are a constant, so its time ``r * alpha + bytes / bandwidth`` is a line
 in the bytes: the fit is that line, and ``alpha = intercept / r``, ``bandwidth = 1 / slope``.
 
-What is fitted, and why. The intercept is the measured fixed cost of one call (launch, the
-backend's own rounds, synchronisation), whatever algorithm the backend runs: gloo's
+What is fitted, and why. The intercept is the measured fixed cost of one step (the executor's
+work around the call, launch, the backend's own rounds, synchronisation), whatever algorithm
+the backend runs: gloo's
 all_reduce is not the ring of ``2(n-1)`` rounds that the table counts, and a point-to-point
 exchange is one message each way. Dividing by the table's rounds gives the per-round latency
 that makes the table true on an axis of that size, so figures are exact for the calibrated
@@ -32,7 +33,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from planner.cost import PRICED_OPS, CostModel, OpCost, collective_rounds
+from planner.cost import PRICED_OPS, CostModel, OpCost
 
 MAX_BANDWIDTH = 1e13  # bytes/s: what a kind whose time does not grow with bytes is given
 _OUTLIER_FACTOR = 3.0
@@ -41,12 +42,13 @@ _OUTLIER_FLOOR = 0.10
 
 @attrs.frozen
 class Sample:
-    """One measured point: ``op`` on mesh ``axis`` (of ``n`` ranks), ``bytes`` per rank as the
-    cost table counts them, ``seconds``."""
+    """One measured point: ``op`` on mesh ``axis``, the ``rounds`` and ``bytes`` per rank the
+    cost table counts for it (``planner.cost``; a point-to-point step's rounds are its busiest
+    rank's messages, ``planner.p2p``), ``seconds``."""
 
     op: str
     axis: int
-    n: int
+    rounds: int
     bytes: int
     seconds: float
 
@@ -103,9 +105,8 @@ def three_digits(value: float) -> float:
     return float(f"{value:.2e}")
 
 
-def figures_of(line: Line, op: str, n: int) -> tuple[float, float]:
-    """(alpha, bandwidth) of a fitted line for ``op`` on an axis of ``n`` ranks, rounded."""
-    rounds = 1 if op == "point_to_point" else collective_rounds(op, n)
+def figures_of(line: Line, rounds: int) -> tuple[float, float]:
+    """(alpha, bandwidth) of a line fitted to samples of ``rounds`` rounds, rounded."""
     alpha = three_digits(line.intercept / rounds)
     bandwidth = MAX_BANDWIDTH if line.slope <= 1 / MAX_BANDWIDTH else three_digits(1 / line.slope)
     return alpha, bandwidth
@@ -123,7 +124,9 @@ def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int
     if not axes or axes != list(range(len(axes))) or any((op, a) not in by_key for op in ops for a in axes):
         raise ValueError("fit_model needs samples of every kind on every axis 0..k-1")
     lines = {key: fit_line([s.bytes for s in group], [s.seconds for s in group]) for key, group in by_key.items()}
-    figures = {op: [figures_of(lines[op, a], op, by_key[op, a][0].n) for a in axes] for op in ops}
+    if any(len({s.rounds for s in group}) > 1 for group in by_key.values()):
+        raise ValueError("fit_model needs the samples of one kind on one axis to have the same rounds")
+    figures = {op: [figures_of(lines[op, a], by_key[op, a][0].rounds) for a in axes] for op in ops}
     costs = [OpCost(op, tuple(f[0] for f in fs), tuple(f[1] for f in fs)) for op, fs in figures.items()]
     base = costs[0]
     return CostModel(alpha=base.alpha, bandwidth=base.bandwidth, ops=costs), lines

@@ -30,7 +30,7 @@ def synthetic(truth: dict[str, tuple[tuple[float, float], ...]], rng: random.Ran
                 seconds = (rounds * alpha + nbytes / bandwidth) * (1 + rng.uniform(-noise, noise))
                 if k == 3:
                     seconds *= 4
-                samples.append(Sample(op, axis, n, nbytes, seconds))
+                samples.append(Sample(op, axis, rounds, nbytes, seconds))
     return samples
 
 

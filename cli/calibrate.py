@@ -1,0 +1,190 @@
+"""``shardlang calibrate``: measure the machine's collectives and fit the cost model to them
+(README "Calibration"); ``--check`` times a sample of plans against what the model predicts.
+
+Run under ``torchrun``, one process per rank of the mesh (``--mesh`` declares it as a spec
+file's mesh line does); rank 0 prints and writes, the others only measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+from cli.inputs import UsageError
+from cli.tables import format_seconds, format_table
+from planner import CostModel, Plan, plan
+from planner.fit import fit_model, median_relative_error, spearman
+from shardlang import Layout, Mesh, parse_spec
+
+DEFAULT_CHECK_PLANS = 8
+
+
+def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure collectives and fit per-axis, per-collective latency and bandwidth (under torchrun)",
+        description="Under torchrun, one process per rank of --mesh: time every collective kind on every mesh "
+        "axis at 4 KiB-16 MiB, fit latency and bandwidth per kind and axis, and write the hints file that "
+        "--costs reads. With --check HINTS.json: time a sample of plans and print predicted against measured.",
+    )
+    p.add_argument("--mesh", metavar="DECL", help="the mesh, as a spec file declares it: 'world = [dp=2,tp=2]'")
+    p.add_argument("-o", "--output", metavar="HINTS.json", help="where to write the hints (default: standard output)")
+    p.add_argument("--check", metavar="HINTS.json", help="time a sample of plans under this model instead")
+    p.add_argument("--reps", type=int, default=7, metavar="N", help="repetitions per size (default 7)")
+    p.add_argument("--budget", type=float, default=45.0, metavar="SECONDS", help="time for the sweep (default 45)")
+    p.add_argument("--plans", type=int, default=DEFAULT_CHECK_PLANS, metavar="N", help="plans --check times")
+
+
+def read_mesh(text: str) -> Mesh:
+    """The mesh of a declaration ``NAME = [AXES]`` (``mesh`` in front is optional)."""
+    body = text.strip().removeprefix("mesh ").strip()
+    spec = parse_spec(f"mesh {body}\n", filename="--mesh")
+    (decl,) = spec.meshes
+    if 1 in decl.mesh.shape:
+        raise UsageError(f"--mesh {text!r}: an axis of size 1 sends nothing; leave it out of the calibration")
+    return decl.mesh
+
+
+def sample_pairs(
+    mesh: Mesh, count: int, rng: random.Random, low: int, high: int
+) -> list[tuple[Layout, Layout, tuple[int, ...]]]:
+    """``count`` random (source, target, shape) on ``mesh``: f32 [rows, cols] tensors of ``low``
+    to ``high`` bytes (log-uniform), sources partial (sum) over some axes, no pair alike."""
+    out: list[tuple[Layout, Layout, tuple[int, ...]]] = []
+    seen = set()
+    while len(out) < count:
+        cols = rng.choice((256, 1024))
+        rows = max(mesh.size, round(math.exp(rng.uniform(math.log(low), math.log(high))) / 4 / cols))
+        src, dst = _random_layout(rng, mesh, partial=True), _random_layout(rng, mesh, partial=False)
+        if (src, dst) in seen or (src.dims == dst.dims and src.partial == dst.partial):
+            continue
+        seen.add((src, dst))
+        out.append((src, dst, (rows, cols)))
+    return out
+
+
+def _random_layout(rng: random.Random, mesh: Mesh, partial: bool) -> Layout:
+    dims: list[list[int]] = [[], []]
+    reduced = []
+    for axis in rng.sample(range(mesh.ndim), mesh.ndim):
+        role = rng.random()
+        if partial and role < 0.3:
+            reduced.append((axis, "sum"))
+        elif role < 0.55:
+            continue
+        else:
+            dims[rng.randrange(2)].append(axis)
+    return Layout(dims=dims, mesh=mesh, partial=sorted(reduced))
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    model = CostModel.from_file(args.check) if args.check else None
+    mesh_text = args.mesh
+    if mesh_text is None and args.check:
+        mesh_text = json.loads(Path(args.check).read_text()).get("mesh")
+    if not mesh_text:
+        raise UsageError("give the mesh to measure: --mesh 'world = [dp=2,tp=2]'")
+    mesh = read_mesh(mesh_text)
+    if args.reps < 1 or args.budget <= 0 or args.plans < 1:
+        raise UsageError("--reps and --plans are positive counts and --budget a positive number of seconds")
+    world = _start(mesh)
+    import runtime  # after the checks: torch is slow to import
+    from runtime.calibrate import sweep, time_plans
+
+    try:
+        if model is None:
+            samples = sweep(mesh, reps=args.reps, budget=args.budget)
+            fitted, lines = fit_model(samples)
+            if world.rank == 0:
+                _report_fit(fitted, lines, mesh, mesh_text, samples, args.output)
+        else:
+            pairs = sample_pairs(mesh, args.plans, random.Random(0), 16 * 2**10, 16 * 2**20)
+            plans = [plan(src, dst, shape, "f32", model) for src, dst, shape in pairs]
+            measured = time_plans(plans, reps=args.reps)
+            if world.rank == 0:
+                print(format_check(plans, measured))
+    finally:
+        runtime.shutdown()
+    return 0
+
+
+class _World:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+
+def _start(mesh: Mesh) -> _World:
+    """Join the job torchrun started (its environment), on the backend its devices take."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UsageError(
+            f"calibrate runs one process per rank under torchrun: torchrun --nproc-per-node {mesh.size} "
+            "-m shardlang calibrate --mesh ..."
+        )
+    if int(os.environ["WORLD_SIZE"]) != mesh.size:
+        raise UsageError(f"--mesh has {mesh.size} ranks but torchrun started {os.environ['WORLD_SIZE']}")
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return _World(dist.get_rank())
+
+
+def _report_fit(fitted: CostModel, lines: dict, mesh: Mesh, mesh_text: str, samples: list, output: str | None) -> None:
+    rows = []
+    for c in fitted.ops:
+        alphas, bandwidths = fitted.for_op(c.op, mesh)
+        for axis in range(mesh.ndim):
+            line = lines[c.op, axis]
+            rows.append(
+                [
+                    c.op,
+                    mesh.axis_label(axis),
+                    format_seconds(alphas[axis]),
+                    f"{bandwidths[axis] / 1e9:.3g} GB/s",
+                    f"{line.kept}/{line.total}",
+                ]
+            )
+    table = format_table(["collective", "axis", "latency/round", "bandwidth", "sizes kept"], rows)
+    data = {
+        "mesh": mesh_text,
+        **fitted.to_json(),
+        "calibration": {
+            "samples": [[s.op, s.axis, s.bytes, s.seconds] for s in samples],
+            "note": "op, axis, bytes per rank as the cost table counts them, median seconds of the slowest rank",
+        },
+    }
+    text = json.dumps(data, indent=1) + "\n"
+    if output and output != "-":
+        Path(output).write_text(text)
+        print(table, file=sys.stderr)
+        print(f"wrote {output}", file=sys.stderr)
+    else:
+        print(table, file=sys.stderr)
+        sys.stdout.write(text)
+
+
+def format_check(plans: list[Plan], measured: list[float]) -> str:
+    """Predicted against measured time per plan, then the rank correlation and median error."""
+    rows = [
+        [
+            f"{p.src} -> {p.dst}",
+            "x".join(map(str, p.shape)),
+            format_seconds(p.total_seconds),
+            format_seconds(m),
+            f"{p.total_seconds / m:.2f}",
+        ]
+        for p, m in zip(plans, measured, strict=True)
+    ]
+    predicted = [p.total_seconds for p in plans]
+    table = format_table(["plan", "shape", "predicted", "measured", "pred/meas"], rows)
+    return (
+        f"{table}\nSpearman rank correlation {spearman(predicted, measured):.3f}, "
+        f"median |predicted - measured| / measured {median_relative_error(predicted, measured):.1%}"
+    )

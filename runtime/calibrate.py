@@ -1,0 +1,124 @@
+"""Measuring the machine for the cost model: ``shardlang calibrate`` (README "Calibration").
+
+:func:`sweep` times every collective kind on every mesh axis at message sizes from 4 KiB to
+16 MiB, through the same calls the executor makes (``runtime.comm``: on gloo a reduce_scatter
+is an all_to_all plus a local sum), all groups of an axis at once as in a plan's step. Each
+repetition starts after a barrier of the whole mesh; a repetition's time is the slowest
+rank's (one all-reduce of every rank's times per size), and a sample is the median over
+repetitions, the kinds interleaved repetition by repetition so that noise hits them alike. A
+sample's bytes are what the cost table counts for the step (``planner.cost``), so that
+``planner.fit`` fits the table's own formula. A time budget bounds the sweep: once an axis
+has used its share, its larger sizes are skipped (every rank agrees, from the all-reduced
+clocks). :func:`time_plans` runs whole plans the same way (``--check`` and the benchmark).
+
+Every rank of the mesh calls both, in the same order; the default process group must be up.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from planner import Plan, collective_plan, point_to_point_plan
+from planner.cost import collective_rounds
+from planner.fit import Sample
+from runtime.comm import default_device
+from runtime.executor import reshard
+from runtime.pieces import shard
+from shardlang import Layout, Mesh
+
+SWEEP_BYTES = tuple(4096 * 4**k for k in range(7))  # the larger buffer of a call: 4 KiB .. 16 MiB
+DEFAULT_REPS = 7
+DEFAULT_BUDGET = 45.0  # seconds for the whole sweep
+_COLUMNS = 64
+
+
+def step_plans(mesh: Mesh, axis: int, size: int) -> dict[str, Plan]:
+    """One plan of one step per kind on mesh ``axis``, of an f32 ``[rows, 64]`` tensor whose
+    larger local buffer is about ``size`` bytes: ``S(a) -> R`` (all_gather), ``R | P(a) -> S(a)``
+    (reduce_scatter), ``R | P(a) -> R`` (all_reduce), ``S(a),R -> R,S(a)`` (all_to_all, and by
+    one point-to-point step)."""
+    n = mesh.shape[axis]
+    shape = (max(size // 4 // _COLUMNS // n, 1) * n, _COLUMNS)
+    split = Layout(dims=((axis,), ()), mesh=mesh)
+    whole = Layout(dims=((), ()), mesh=mesh)
+    reduced = Layout(dims=((), ()), mesh=mesh, partial=((axis, "sum"),))
+    moved = Layout(dims=((), (axis,)), mesh=mesh)
+    plans = {
+        "all_gather": collective_plan(split, whole, shape),
+        "reduce_scatter": collective_plan(reduced, split, shape),
+        "all_reduce": collective_plan(reduced, whole, shape),
+        "all_to_all": collective_plan(split, moved, shape),
+        "point_to_point": point_to_point_plan(split, moved, shape),
+    }
+    for op, planned in plans.items():
+        if [s.op for s in planned.steps] != [op]:  # the default model's choice for these pairs
+            raise AssertionError(f"the calibration plan for {op} has steps {[s.op for s in planned.steps]}")
+    return plans
+
+
+def step_rounds(plan: Plan) -> int:
+    """The rounds the cost table charges the plan's one step: ``collective_rounds`` of a
+    collective; the messages the busiest rank sends or receives of a point-to-point step
+    (``planner.p2p``)."""
+    (step,) = plan.steps
+    if step.axis is not None:
+        return collective_rounds(step.op, plan.src.mesh.shape[step.axis])
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+    for t in step.transfers:
+        if t.src_rank != t.dst_rank:
+            sent[t.src_rank] = sent.get(t.src_rank, 0) + 1
+            received[t.dst_rank] = received.get(t.dst_rank, 0) + 1
+    return max([*sent.values(), *received.values(), 1])
+
+
+def sweep(
+    mesh: Mesh,
+    *,
+    sizes: Sequence[int] = SWEEP_BYTES,
+    reps: int = DEFAULT_REPS,
+    budget: float = DEFAULT_BUDGET,
+) -> list[Sample]:
+    """The samples of every kind on every axis of ``mesh`` (of two or more ranks), the same
+    list on every rank (module docstring)."""
+    samples = []
+    share = budget / mesh.ndim
+    for axis in range(mesh.ndim):
+        started = time.perf_counter()
+        for size in sizes:
+            plans = step_plans(mesh, axis, size)
+            measured = time_plans(list(plans.values()), reps=reps, clock=started)
+            for (op, planned), seconds in zip(plans.items(), measured[:-1], strict=True):
+                samples.append(Sample(op, axis, step_rounds(planned), planned.steps[0].bytes, seconds))
+            if measured[-1] > share:
+                break
+    return samples
+
+
+def time_plans(plans: Sequence[Plan], reps: int = 5, clock: float | None = None) -> list[float]:
+    """Per plan (all on one mesh, which every rank is in), the median over ``reps`` runs of
+    the slowest rank's time to ``reshard`` by it, the plans interleaved run by run. With
+    ``clock`` (a ``perf_counter`` reading), one more entry: the most seconds since then on any rank."""
+    rank = dist.get_rank()
+    pieces = []
+    for plan in plans:
+        full = torch.randn(plan.shape, generator=torch.Generator().manual_seed(0))
+        pieces.append(shard(full, plan.src, rank).to(default_device()))
+        reshard(pieces[-1], plan.src, plan.dst, global_shape=plan.shape, plan=plan)  # warm-up, agreement
+    times = torch.zeros(len(plans) + 1, reps)
+    for rep in range(reps):
+        for k, (plan, piece) in enumerate(zip(plans, pieces, strict=True)):
+            dist.barrier()
+            begun = time.perf_counter()
+            reshard(piece, plan.src, plan.dst, global_shape=plan.shape, plan=plan)
+            times[k, rep] = time.perf_counter() - begun
+    if clock is not None:
+        times[len(plans), :] = time.perf_counter() - clock
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    out = [statistics.median(row) for row in times.tolist()]
+    return out if clock is not None else out[:-1]

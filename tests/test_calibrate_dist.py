@@ -1,0 +1,66 @@
+"""``runtime.calibrate`` on 2 gloo ranks (small sizes, few repetitions; no timing asserts) and
+the ``shardlang calibrate`` command's own checks and ``--check`` table."""
+
+from __future__ import annotations
+
+import planner
+from cli.calibrate import format_check
+from cli.main import main
+from planner.fit import fit_model
+from runtime.calibrate import sweep, time_plans
+from shardlang import Mesh, parse_layout
+from tests.dist_harness import run_ranks
+
+
+def _sweep_and_time(rank: int, world: int) -> tuple[list, list[float]]:
+    samples = sweep(Mesh((2,)), sizes=(4096, 16384), reps=2)
+    plans = [planner.plan(parse_layout("S0,R over mesh[2]"), parse_layout("R,R over mesh[2]"), (64, 8))]
+    return samples, time_plans(plans, reps=2)
+
+
+def test_the_sweep_measures_every_kind_at_the_tables_bytes_on_every_rank():
+    (samples, timed), other = run_ranks(_sweep_and_time, 2, timeout=120)
+    assert other == (samples, timed)  # one all-reduce of the times: every rank has the same figures
+    # A [16, 64] and a [64, 64] f32 tensor on 2 ranks, counted by hand from the cost table:
+    # all_gather / reduce_scatter (n-1) * half, all_reduce 2 (n-1) * half, all_to_all and the
+    # point-to-point exchange (one message each way) a quarter.
+    got = [(s.op, s.axis, s.rounds, s.bytes) for s in samples]
+    want = []
+    for rows in (16, 64):
+        half, quarter = rows * 64 * 4 // 2, rows * 64 * 4 // 4
+        want += [("all_gather", 0, 1, half), ("reduce_scatter", 0, 1, half), ("all_reduce", 0, 2, 2 * half),
+                 ("all_to_all", 0, 1, quarter), ("point_to_point", 0, 1, quarter)]  # fmt: skip
+    assert got == want
+    assert all(s.seconds > 0 for s in samples) and timed[0] > 0
+    model, _ = fit_model(samples)
+    assert {c.op for c in model.ops} == set(planner.PRICED_OPS)
+
+
+def test_calibrate_outside_torchrun_and_bad_meshes_are_clear_errors(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["calibrate", "--mesh", "world = [dp=2, tp=2]"]) == 2
+    assert "torchrun --nproc-per-node 4 -m shardlang calibrate" in capsys.readouterr().err
+    assert main(["calibrate", "--mesh", "world = [dp=2, tp=1]"]) == 2
+    assert "an axis of size 1 sends nothing" in capsys.readouterr().err
+    assert main(["calibrate", "--mesh", "world = [dp=2,"]) == 1
+    err = capsys.readouterr().err
+    assert "--mesh:1:" in err and "Traceback" not in err
+    assert main(["calibrate"]) == 2
+    assert "give the mesh to measure" in capsys.readouterr().err
+
+
+def test_the_check_table():
+    mesh = "over mesh[2]"
+    plans = [
+        planner.plan(parse_layout(f"S0,R {mesh}"), parse_layout(f"R,R {mesh}"), (1024, 256)),
+        planner.plan(parse_layout(f"R,R | P0 {mesh}"), parse_layout(f"R,R {mesh}"), (1024, 256)),
+    ]
+    # By hand: 5 us + 512 KiB / 100 GB/s = 10.2 us; 2 * 5 us + 1 MiB / 100 GB/s = 20.5 us;
+    # errors 1.76 / 12 and 2.49 / 18, median 14.2%.
+    lines = format_check(plans, [12e-6, 18e-6]).splitlines()
+    assert lines == [
+        "plan                                       shape     predicted  measured  pred/meas",
+        "S0,R over mesh[2] -> R,R over mesh[2]      1024x256  10.2 us    12 us     0.85",
+        "R,R | P0 over mesh[2] -> R,R over mesh[2]  1024x256  20.5 us    18 us     1.14",
+        "Spearman rank correlation 1.000, median |predicted - measured| / measured 14.2%",
+    ]
