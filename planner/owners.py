@@ -73,12 +73,13 @@ def owner_plans(layout: Layout, owner: int, shape: tuple[int, ...], dtype: str, 
 
 @attrs.frozen
 class Matrix:
-    """One matrix to orthogonalise: its name, whole shape, the layout its pieces lie in (the
-    state layout; for flat chunks the base block's, ``flat_seconds`` then pricing the chunks'
-    all-gather into it), the update's dtype and the flops of its iteration."""
+    """One matrix to orthogonalise: its name, the layout its pieces move in and the shape that
+    layout divides (the state layout and the matrix's shape; the 1-d layout of flat chunks and
+    the matrix flattened; for flat chunks of a block, the block's layout, ``flat_seconds`` then
+    pricing the chunks' all-gather into it), the update's dtype and the flops of its iteration."""
 
     name: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     layout: Layout
     dtype: str
     flops: int

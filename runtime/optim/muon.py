@@ -11,7 +11,8 @@ needs the whole matrix; per matrix, the placement (``planner.owners``) says wher
   point-to-point, across meshes), the owner iterates and sends the bf16 result back (the plan
   from the one-rank layout to the state layout); owners are balanced by the matrices' flops.
 
-Flat chunks are first all-gathered over the flat axis into the base block. The iteration is
+Flat chunks of a whole matrix (flat ZeRO) move as the 1-d chunks they are; flat chunks of a
+block that other axes split are first all-gathered over the flat axis into the block. The iteration is
 torch's own (``torch.optim._muon``), on the same bits, so the result equals torch's whatever the
 layout. Moves run matrix after matrix, in the optimizer's order, on every rank of the mesh.
 """
@@ -79,9 +80,21 @@ class MatrixMoves:
         return steps + (self.flat_bytes > 0)
 
 
-def _base_layout(slot: Slot) -> Layout:
-    """The layout the matrix's pieces lie in once flat chunks are joined."""
-    return slot.state_layout if slot.flat_axis is None else without_axis(slot.state_layout, slot.flat_axis)
+def _pieces(slot: Slot) -> tuple[Layout, tuple[int, ...]]:
+    """The layout and shape the matrix's pieces move in: the state layout; for flat chunks of
+    a whole matrix (flat ZeRO), their own 1-d layout of the matrix flattened; for flat chunks of
+    a block, the block's layout, once the chunks are joined (:meth:`ShardedMuon._join_flat`)."""
+    if slot.flat_axis is None:
+        return slot.state_layout, slot.shape
+    base = without_axis(slot.state_layout, slot.flat_axis)
+    if not _joins(slot):
+        return Layout(dims=((slot.flat_axis,),), mesh=base.mesh), (math.prod(slot.shape),)
+    return base, slot.shape
+
+
+def _joins(slot: Slot) -> bool:
+    """Whether the pieces are flat chunks of a block that other ranks split further."""
+    return slot.flat_axis is not None and any(without_axis(slot.state_layout, slot.flat_axis).dims)
 
 
 class ShardedMuon(ShardedOptimizer):
@@ -162,15 +175,15 @@ class ShardedMuon(ShardedOptimizer):
 
     # --- where each matrix is iterated -------------------------------------------------
     def _matrix(self, slot: Slot) -> Matrix:
-        layout = _base_layout(slot)
+        layout, shape = _pieces(slot)
         flat_seconds = 0.0
-        if slot.flat_axis is not None:  # the busiest rank's block: the mesh's first rank's
+        if _joins(slot):  # the busiest rank's block: the mesh's first rank's
             block = math.prod(hi - lo for lo, hi in layout.rank_piece(slot.shape, layout.mesh.ranks[0]))
             chunks = Layout(dims=((slot.flat_axis,),), mesh=layout.mesh)
             flat_seconds = gather_plan(chunks, (block,), dtype_name(slot.dtype), slot.cost).total_seconds
         return Matrix(
             name=slot.name,
-            shape=(slot.shape[0], slot.shape[1]),
+            shape=shape,
             layout=layout,
             dtype=dtype_name(slot.dtype),
             flops=newton_schulz_flops((slot.shape[0], slot.shape[1]), slot.group["ns_steps"]),
@@ -204,16 +217,16 @@ class ShardedMuon(ShardedOptimizer):
         return self._placed(self._stepped())
 
     def _moves_of(self, slot: Slot, owner: int | None) -> MatrixMoves:
-        layout, dtype = _base_layout(slot), dtype_name(slot.dtype)
+        (layout, shape), dtype = _pieces(slot), dtype_name(slot.dtype)
         flat_bytes = 0
-        if slot.flat_axis is not None:
+        if _joins(slot):
             assert slot.shard is not None
             n = slot.state_layout.mesh.shape[slot.flat_axis]
             chunk = -(-math.prod(slot.shard.block_shape) // n)
             flat_bytes = (n - 1) * chunk * slot.dtype.itemsize  # the cost model's all_gather row
         if owner is None or len(slot.state_layout.mesh.ranks) == 1:
-            return MatrixMoves(owner, flat_bytes, gather_plan(layout, slot.shape, dtype, slot.cost), None)
-        to, back = owner_plans(layout, owner, slot.shape, dtype, slot.cost)
+            return MatrixMoves(owner, flat_bytes, gather_plan(layout, shape, dtype, slot.cost), None)
+        to, back = owner_plans(layout, owner, shape, dtype, slot.cost)
         return MatrixMoves(owner, flat_bytes, to, back)
 
     # --- what a step communicates ------------------------------------------------------
@@ -279,34 +292,37 @@ class ShardedMuon(ShardedOptimizer):
         assert slot.shard is not None
         shard, group = slot.shard, slot.group
         step_number = slot.step + 1
-        layout = _base_layout(slot)
+        layout, shape = _pieces(slot)
 
-        def iterate(matrix: torch.Tensor) -> torch.Tensor:
-            return _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        def iterate(whole: torch.Tensor) -> torch.Tensor:
+            matrix = whole.reshape(slot.shape)
+            ortho = _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            return ortho.reshape(shape)
 
         try:
-            block = self._join_flat(slot, update) if slot.flat_axis is not None else update
+            local = self._join_flat(slot, update) if _joins(slot) else update
             if moves.back is None:  # gather: every rank iterates the whole matrix
-                whole = self._move(block, layout, replicated(layout), moves.to, slot)
+                whole = self._move(local, layout, replicated(layout), moves.to, shape, slot)
                 assert whole is not None
-                result = region(iterate(whole), shard.bounds)
+                result = region(iterate(whole), layout.rank_piece(shape, self.rank))
             else:
-                whole = self._move(block, layout, moves.to.dst, moves.to, slot)
+                whole = self._move(local, layout, moves.to.dst, moves.to, shape, slot)
                 done_whole = iterate(whole) if whole is not None else None
-                result = self._move(done_whole, moves.back.src, layout, moves.back, slot)
+                result = self._move(done_whole, moves.back.src, layout, moves.back, shape, slot)
                 assert result is not None
         except ShardlangError as e:
             raise OptimizerStepError(
                 f"step {step_number} failed moving tensor '{slot.name}' for its Newton-Schulz iteration: {e.message}; "
                 "parameters and optimizer states are unchanged"
             ) from e
-        if shard.flat_range is not None:
+        if _joins(slot):  # the block's flat chunk
+            assert shard.flat_range is not None
             lo, hi = shard.flat_range
             return result.reshape(-1)[lo:hi]
         return result
 
     def _move(
-        self, local: torch.Tensor | None, src: Layout, dst: Layout, plan: Plan, slot: Slot
+        self, local: torch.Tensor | None, src: Layout, dst: Layout, plan: Plan, shape: tuple[int, ...], slot: Slot
     ) -> torch.Tensor | None:
         if not plan.steps:
             return local
@@ -314,7 +330,7 @@ class ShardedMuon(ShardedOptimizer):
             local,
             src,
             dst,
-            global_shape=slot.shape,
+            global_shape=shape,
             plan=plan,
             timeout=self.timeout,
             name=slot.name,
