@@ -39,6 +39,7 @@ from cli.picture import picture_dot, plan_picture, summary_dot, tensor_picture
 from cli.plan_report import format_plan, format_spec_report, format_spec_summary, plan_json, spec_plan_json
 from cli.render import FORMATS, RenderError, draw, output_format, write
 from cli.show import format_show, show_json
+from cli.suggest import add_suggest_parser, cmd_suggest, suggest_line
 from cli.summary import TensorGroup, group_tensors, plan_spec_with_progress
 from cli.terminal import Progress, Style
 from planner import CostModel, Plan, plan
@@ -47,7 +48,7 @@ from shardlang import Spec, TensorSpec, load_spec, parse_layout
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError, SpecError
 
-COMMANDS = ("check", "plan", "show", "render", "explain", "init", "calibrate")
+COMMANDS = ("check", "plan", "show", "render", "explain", "init", "calibrate", "suggest")
 BUNDLED_EXAMPLE = "gpt2_small_dp2_tp2.shard"
 
 
@@ -200,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cost_options(p, memory=False)
     p.add_argument("--format", choices=("text", "json"), default="text")
     add_init_parser(sub)
+    add_suggest_parser(sub)
     add_calibrate_parser(sub)
     return parser
 
@@ -378,6 +380,7 @@ def run_main_job(path: Path, bundled: bool) -> int:
     print(f"check: {style('ok', 'green')}: {describe_spec(spec)}\n")
     print(format_spec_summary(spec_plan, style) + "\n")
     print(f"{style('buckets', 'bold')}: {summary_line(spec_plan.step)}\n")
+    print(suggest_line(spec) + "\n")
     dot = summary_dot(spec_plan, group_tensors(spec_plan))
     stem = Path("out") / path.name.removesuffix(".shard")
     try:
@@ -409,6 +412,7 @@ COMMAND_FUNCTIONS = {
     "render": cmd_render,
     "explain": cmd_explain,
     "init": cmd_init,
+    "suggest": cmd_suggest,
     "calibrate": cmd_calibrate,
 }
 

@@ -1,0 +1,280 @@
+"""Layouts chosen under a per-rank memory budget: a multiple-choice knapsack, solved exactly.
+
+For every tensor of a spec, the *candidates* are (param, grad, state) layout triples built from
+its data-parallel axes ``D`` (the axes its gradient arrives pending a reduction over) and its
+compute layout ``C`` (its param layout without ``D``; ``G0`` is its grad as the spec gives it):
+
+- states: ``C`` (replicated over ``D``), or ``C`` with one dim split again over a nonempty
+  subset of ``D`` (innermost, ascending), for every dim;
+- ``(C, G0, s)`` for every state layout ``s`` (DDP, ZeRO-2: the step reduces the gradient);
+- ``(C, C, s)`` (ZeRO-1: backward all-reduces the gradient, as DDP's hooks do);
+- ``(X, X, X)`` for every split ``X`` (ZeRO-3: parameter and gradient are the rank's shard).
+
+Modeled time of a choice (README, "Choosing layouts"): the optimizer step's collectives as the
+step plan runs them (``planner.step``, buckets unbounded: one collective per kind and stage,
+its latency paid once, every member's bytes over the axis bandwidth), plus the training loop's
+collectives a choice implies, each priced by :func:`planner.plan` as a collective of its own:
+a parameter not in ``C`` is gathered into ``C`` twice (forward and backward), a gradient not
+in ``G0`` is reduced from ``G0`` in backward. Both parts are sums over tensors except the
+per-kind latency, a fixed charge: the integer program has one binary per kind used.
+
+Memory per rank (padded pieces, the largest rank's): parameter and gradient in the tensor's
+dtype; states in f32 (f64 for f64 tensors): AdamW's two moments, CAME's first moment and
+factored row and column statistics (two each; unfactored second moment for 1-d tensors),
+and an f32 master for a lower-precision parameter; plus the largest transient buffer of any
+tensor: its largest step collective's buffer, its gathered parameter ``C`` when it is
+sharded, its unreduced gradient ``G0`` when backward reduces it.
+
+Tensors of equal shape, dtype and layouts form a group with one integer count per candidate,
+so a model of 226 tensors in 8 groups is a program of a few dozen variables.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+
+import attrs
+
+from planner.choice import plan as plan_pair
+from planner.cost import CostModel, PlanError, collective_rounds
+from planner.model import cost_for, step_tensor
+from planner.step import plan_step
+from shardlang.dtypes import itemsize
+from shardlang.errors import ShardlangError
+from shardlang.generate import split_dim
+from shardlang.layout import Layout
+from shardlang.spec import STATE_DEFAULT, Layouts, Spec, TensorSpec
+
+OPTIMIZERS = ("adamw", "came")
+STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3")
+_UNBOUNDED = 2**62  # bucket bytes: one bucket per kind
+
+
+class SuggestError(ShardlangError):
+    """No choice fits the budget (names the smallest budget that does), or bad options."""
+
+
+@attrs.frozen
+class Candidate:
+    """One (param, grad, state) triple of a group, priced: ``memory`` per rank (without the
+    transient), ``transient`` its largest buffer, ``seconds`` its additive time (bandwidth
+    terms of its step collectives and the whole time of its training-loop collectives), and
+    ``kinds`` the step collectives it takes part in, each with its latency."""
+
+    layouts: Layouts
+    memory: int
+    transient: int
+    seconds: float
+    loop_seconds: float
+    kinds: tuple[tuple[tuple, float], ...]
+    strategy: str | None = None  # the fixed strategy it is, if any
+
+
+@attrs.frozen
+class Group:
+    tensors: tuple[TensorSpec, ...]
+    candidates: tuple[Candidate, ...]
+    original: int  # index of the spec's own triple
+
+    @property
+    def first(self) -> TensorSpec:
+        return self.tensors[0]
+
+
+@attrs.frozen
+class Choice:
+    """A choice of candidate per tensor (``picks[g]``: per tensor of group ``g``, in order) and
+    its modeled memory and time."""
+
+    picks: tuple[tuple[int, ...], ...]
+    memory: int
+    seconds: float
+
+
+@attrs.frozen
+class Suggestion:
+    problem: Problem
+    budget: int
+    best: Choice
+    optimal: bool
+    gap: float  # relative optimality gap when a time limit stopped the solver, else 0
+    solve_seconds: float
+
+    def spec(self) -> Spec:
+        return self.problem.spec_of(self.best)
+
+
+@attrs.frozen
+class Problem:
+    spec: Spec
+    optimizer: str
+    groups: tuple[Group, ...]
+    price_seconds: float
+
+    # --- evaluating a choice ---------------------------------------------------------------
+    def evaluate(self, picks: Sequence[Sequence[int]]) -> Choice:
+        memory, transient, seconds, kinds = 0, 0, 0.0, {}
+        for group, chosen in zip(self.groups, picks, strict=True):
+            for c in chosen:
+                cand = group.candidates[c]
+                memory += cand.memory
+                transient = max(transient, cand.transient)
+                seconds += cand.seconds
+                kinds.update(cand.kinds)
+        total = seconds + sum(kinds.values())
+        return Choice(picks=tuple(tuple(p) for p in picks), memory=memory + transient, seconds=total)
+
+    def uniform(self, pick: Sequence[int]) -> Choice:
+        """Every tensor of group ``g`` takes candidate ``pick[g]``."""
+        return self.evaluate([(c,) * len(g.tensors) for g, c in zip(self.groups, pick, strict=True)])
+
+    def strategy(self, name: str) -> Choice | None:
+        """The fixed strategy ``name`` on every tensor (``None`` where a tensor lacks it)."""
+        pick = []
+        for g in self.groups:
+            found = [i for i, c in enumerate(g.candidates) if c.strategy == name]
+            if not found:
+                return None
+            pick.append(found[0])
+        return self.uniform(pick)
+
+    def original(self) -> Choice:
+        return self.uniform([g.original for g in self.groups])
+
+    def spec_of(self, choice: Choice) -> Spec:
+        chosen = {}
+        for group, picks in zip(self.groups, choice.picks, strict=True):
+            for t, c in zip(group.tensors, picks, strict=True):
+                chosen[t.name] = attrs.evolve(t, layouts=group.candidates[c].layouts)
+        return attrs.evolve(self.spec, tensors=tuple(chosen[t.name] for t in self.spec.tensors))
+
+    def changed(self, choice: Choice) -> int:
+        """How many tensors ``choice`` gives other layouts than the spec does."""
+        return sum(
+            sum(group.candidates[c].layouts != group.candidates[group.original].layouts for c in picks)
+            for group, picks in zip(self.groups, choice.picks, strict=True)
+        )
+
+
+# --- candidates and their prices ---------------------------------------------------------------
+def data_parallel_axes(tensor: TensorSpec) -> tuple[int, ...]:
+    """The axes the tensor's gradient arrives pending a reduction over."""
+    return tuple(a for a, _ in tensor.grad.partial)
+
+
+def _without(layout: Layout, axes: Sequence[int]) -> Layout:
+    return Layout(dims=tuple(tuple(a for a in dim if a not in axes) for dim in layout.dims), mesh=layout.mesh)
+
+
+def state_layouts(compute: Layout, axes: Sequence[int]) -> list[Layout]:
+    """``compute``, and ``compute`` with one dim split again over each nonempty subset of ``axes``."""
+    out = [compute]
+    for size in range(1, len(axes) + 1):
+        for subset in itertools.combinations(axes, size):
+            for d in range(compute.ndim):
+                dims = tuple(dim + subset if i == d else dim for i, dim in enumerate(compute.dims))
+                out.append(Layout(dims=dims, mesh=compute.mesh))
+    return out
+
+
+def _triples(tensor: TensorSpec, states_only: bool) -> list[tuple[Layouts, str | None]]:
+    axes = data_parallel_axes(tensor)
+    compute = _without(tensor.param, axes)
+    g0 = tensor.grad
+    d = split_dim(tensor.shape, math.prod(compute.mesh.shape[a] for a in axes))
+    full = compute
+    if axes and d is not None:
+        dims = tuple(dim + axes if i == d else dim for i, dim in enumerate(compute.dims))
+        full = Layout(dims=dims, mesh=compute.mesh)
+    names = {(compute, g0, compute): "ddp", (compute, compute, full): "zero1", (compute, g0, full): "zero2"}
+    names[(full, full, full)] = "zero3"
+    states = state_layouts(compute, axes)
+    triples = [(compute, g0, s) for s in states]
+    if axes and not states_only:
+        triples += [(compute, compute, s) for s in states]
+        triples += [(x, x, x) for x in states[1:]]
+    out = [(Layouts(param=p, grad=g, states=((STATE_DEFAULT, s),)), names.get((p, g, s))) for p, g, s in triples]
+    if tensor.layouts not in [lay for lay, _ in out]:
+        out.insert(0, (tensor.layouts, None))
+    return out
+
+
+def _local_bytes(layout: Layout, shape: tuple[int, ...], dtype: str) -> int:
+    return math.prod(layout.local_shape(shape)) * itemsize(dtype)
+
+
+def state_bytes(tensor: TensorSpec, state: Layout, optimizer: str) -> int:
+    """The optimizer states of ``tensor`` per rank, states in ``state`` (module doc)."""
+    dtype = "f64" if tensor.dtype == "f64" else "f32"
+    local = state.local_shape(tensor.shape)
+    full = math.prod(local) * itemsize(dtype)
+    master = full if tensor.dtype not in ("f32", "f64") else 0
+    if optimizer == "adamw" or len(local) < 2:
+        return 2 * full + master
+    rows, cols = math.prod(local[:-1]), math.prod(local[:-2] + local[-1:])
+    return full + 2 * (rows + cols) * itemsize(dtype) + master
+
+
+def _price(
+    spec: Spec, tensor: TensorSpec, layouts: Layouts, optimizer: str, cost: CostModel
+) -> tuple[int, int, float, float, tuple[tuple[tuple, float], ...]]:
+    entry = attrs.evolve(tensor, layouts=layouts)
+    step = plan_step([step_tensor(entry, cost)], 0, bucket_bytes=1)
+    seconds, kinds = 0.0, {}
+    for leg in step.legs:
+        for h, k in leg.communicating:
+            s = leg.hops[h].plan.steps[k]
+            if s.axis is None:  # point to point: a collective of its own
+                seconds += s.seconds
+                continue
+            mesh = s.layout.mesh
+            alphas, _ = cost.for_op(s.op, mesh)
+            latency = collective_rounds(s.op, mesh.shape[s.axis]) * alphas[s.axis]
+            kind = (leg.stage, s.op, mesh.shape, tuple(mesh.ranks), s.axis, s.reduce_op or "", leg.dtype, cost)
+            kinds[kind] = latency
+            seconds += s.seconds - latency
+    axes = data_parallel_axes(tensor)
+    compute, g0 = _without(tensor.param, axes), tensor.grad
+    loop, transient = 0.0, step.max_buffer_bytes
+    if layouts.param != compute:
+        loop += 2 * plan_pair(layouts.param, compute, tensor.shape, tensor.dtype, cost).total_seconds
+        transient = max(transient, _local_bytes(compute, tensor.shape, tensor.dtype))
+    if layouts.grad != g0:
+        loop += plan_pair(g0, layouts.grad, tensor.shape, tensor.dtype, cost).total_seconds
+        transient = max(transient, _local_bytes(g0, tensor.shape, tensor.dtype))
+    memory = _local_bytes(layouts.param, tensor.shape, tensor.dtype)
+    memory += _local_bytes(layouts.grad, tensor.shape, tensor.dtype)
+    memory += state_bytes(tensor, layouts.state(), optimizer)
+    for name, _ in layouts.states:
+        if name != STATE_DEFAULT:
+            raise SuggestError(f"tensor '{tensor.name}': suggest prices one state layout per tensor, not state.{name}")
+    return memory, transient, seconds + loop, loop, tuple(kinds.items())
+
+
+def build_problem(spec: Spec, optimizer: str = "adamw", *, states_only: bool = False) -> Problem:
+    """Every declared tensor's candidates, priced (module doc)."""
+    if optimizer not in OPTIMIZERS:
+        raise SuggestError(f"unknown optimizer '{optimizer}' (expected one of {', '.join(OPTIMIZERS)})")
+    if not spec.tensors:
+        raise SuggestError(f"{spec.filename or 'the spec'} declares no tensors to choose layouts for")
+    started = time.perf_counter()
+    grouped: dict[tuple, list[TensorSpec]] = {}
+    for t in spec.tensors:
+        grouped.setdefault((t.shape, t.dtype, t.layouts), []).append(t)
+    groups = []
+    for members in grouped.values():
+        first = members[0]
+        cost = cost_for(spec, first)
+        candidates = []
+        for layouts, strategy in _triples(first, states_only):
+            try:
+                priced = _price(spec, first, layouts, optimizer, cost)
+            except PlanError as e:
+                raise SuggestError(f"tensor '{first.name}': {e.message}", first.position) from None
+            candidates.append(Candidate(layouts, *priced, strategy=strategy))
+        original = next(i for i, c in enumerate(candidates) if c.layouts == first.layouts)
+        groups.append(Group(tensors=tuple(members), candidates=tuple(candidates), original=original))
+    return Problem(spec=spec, optimizer=optimizer, groups=tuple(groups), price_seconds=time.perf_counter() - started)

@@ -1,0 +1,161 @@
+"""``shardlang suggest``: the integer program's choice equals brute force over every
+combination of candidates, always fits its budget, and an impossible budget names the smallest
+one that fits. Brute force prices each combination on its own: the whole spec's step plan
+(``plan_spec``, buckets unbounded), the training loop's gathers and reductions planned pair by
+pair, and memory from the layouts' pieces and the runtime's own state shapes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import attrs
+import pytest
+
+from cli.main import main
+from planner import CostModel, plan
+from planner.knapsack import suggest
+from planner.model import plan_spec
+from planner.suggest import SuggestError, build_problem
+from runtime.optim.came import came_state_shapes
+from runtime.optim.shards import StateShard
+from shardlang import parse_spec
+from shardlang.dtypes import itemsize
+
+SMALL = """
+mesh world = [dp=4]  bandwidth 25e9  latency 20us
+tensor a : f32[64, 24] { param = R,R over world  grad = R,R | P(dp):avg over world }
+tensor b : f32[40, 30] { param = R,R over world  grad = R,R | P(dp):avg over world }
+tensor c : bf16[48, 16] { param = R,R over world  grad = R,R | P(dp):avg over world }
+tensor d : f32[96, 8] { param = R,R over world  grad = R,R | P(dp):avg over world }
+tensor e : f32[64] { param = R over world  grad = R | P(dp):avg over world }
+tensor f : bf16[36] { param = R over world  grad = R | P(dp):avg over world }
+"""
+MIXED = """
+mesh world = [dp=2, tp=2]  bandwidth [25e9, 3e11]  latency [20us, 3us]
+tensor w : bf16[64, 32] { param = S(tp),R over world  grad = S(tp),R | P(dp):avg over world }
+tensor v : f32[48, 40] { param = R,S(tp) over world  grad = R,S(tp) | P(dp):avg over world }
+tensor n : f32[24] { param = R over world  grad = R | P(dp):avg over world }
+"""
+
+
+def _state_bytes(tensor, optimizer: str) -> int:
+    """The largest rank's optimizer states, from the runtime's shapes (f32 master for bf16)."""
+    state = tensor.state()
+    best = 0
+    for rank in state.mesh.ranks:
+        shard = StateShard.of(tensor.shape, state, rank)
+        if optimizer == "came":
+            shapes = list(came_state_shapes(shard).values())
+        else:
+            shapes = [shard.local_shape, shard.local_shape]
+        if tensor.dtype == "bf16":
+            shapes.append(shard.local_shape)
+        best = max(best, sum(math.prod(s) for s in shapes) * 4)
+    return best
+
+
+def _brute(problem, spec, optimizer: str) -> list[tuple[int, float, tuple]]:
+    """(memory, seconds, layouts) of every combination of the problem's candidates."""
+    options = [g.candidates for g in problem.groups]
+    assert all(len(g.tensors) == 1 for g in problem.groups)
+    out = []
+    for combo in itertools.product(*options):
+        tensors = tuple(attrs.evolve(g.first, layouts=c.layouts) for g, c in zip(problem.groups, combo, strict=True))
+        chosen = attrs.evolve(spec, tensors=tensors)
+        step = plan_spec(chosen, bucket_bytes=2**62).step
+        seconds, memory = step.total_seconds, 0
+        transient = plan_spec(chosen, bucket_bytes=1).step.max_buffer_bytes
+        for before, t in zip(spec.tensors, tensors, strict=True):
+            cost = CostModel.from_hints(spec.hints(t.param.mesh))
+            compute = before.param  # the specs' parameters use no data-parallel axis
+            size = itemsize(t.dtype)
+            if t.param != compute:  # gathered for forward and for backward
+                seconds += 2 * plan(t.param, compute, t.shape, t.dtype, cost).total_seconds
+                transient = max(transient, math.prod(compute.local_shape(t.shape)) * size)
+            if t.grad != before.grad:  # reduced in backward
+                seconds += plan(before.grad, t.grad, t.shape, t.dtype, cost).total_seconds
+                transient = max(transient, math.prod(before.grad.local_shape(t.shape)) * size)
+            memory += sum(math.prod(lay.local_shape(t.shape)) * size for lay in (t.param, t.grad))
+            memory += _state_bytes(t, optimizer)
+        out.append((memory + transient, seconds, tuple(c.layouts for c in combo)))
+    return out
+
+
+@pytest.mark.parametrize(("text", "optimizer", "states_only"), [(SMALL, "adamw", True), (MIXED, "came", False)])
+def test_suggest_equals_brute_force_and_fits(text: str, optimizer: str, states_only: bool) -> None:
+    spec = parse_spec(text)
+    problem = build_problem(spec, optimizer, states_only=states_only)
+    if states_only:  # the state layouts R, S(dp) on each dim
+        assert sorted(len(g.candidates) for g in problem.groups) == [2, 2, 3, 3, 3, 3]
+    else:  # and the ZeRO-1 and ZeRO-3 forms
+        assert sorted(len(g.candidates) for g in problem.groups) == [5, 8, 8]
+    everything = _brute(problem, spec, optimizer)
+    memories = sorted({m for m, _, _ in everything})
+    for budget in [memories[0], memories[len(memories) // 3], memories[len(memories) // 2] + 1, memories[-1]]:
+        fitting = [s for m, s, _ in everything if m <= budget]
+        result = suggest(problem, budget)
+        chosen = result.spec()
+        (mine,) = [(m, s) for m, s, lay in everything if lay == tuple(t.layouts for t in chosen.tensors)]
+        assert mine[0] <= budget and result.best.memory == mine[0]
+        assert math.isclose(mine[1], min(fitting), rel_tol=1e-9), (budget, mine, min(fitting))
+        assert math.isclose(result.best.seconds, mine[1], rel_tol=1e-9)
+    with pytest.raises(SuggestError, match=f"the smallest budget that fits is {memories[0]} bytes"):
+        suggest(problem, memories[0] - 1)
+
+
+def test_the_command_text_json_output_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "mixed.shard"
+    path.write_text(MIXED)
+    out = tmp_path / "chosen.shard"
+    assert main(["suggest", str(path), "--memory", "20KiB", "-o", str(out), "--plot", str(tmp_path / "f.svg")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # By hand: w holds 2 KiB of bf16 per rank under S(tp), v 3.75 KiB of f32 under S(tp); DDP
+    # keeps both moments (and w's f32 master) whole, and its largest buffer is v's all-reduce.
+    assert lines[2:] == [
+        "chosen layouts:",
+        "  w  (changed)",
+        "      param = S(tp),S(dp) over world   grad = S(tp),S(dp) over world   state = S(tp),S(dp) over world",
+        "  v  (changed)",
+        "      param = R,S(tp,dp) over world   grad = R,S(tp,dp) over world   state = R,S(tp,dp) over world",
+        "  n",
+        "      param = R over world   grad = R | P(dp):avg over world   state = R over world",
+        "",
+        "suggested: 19.6 KiB per rank, 160 us modeled; 2 of 3 tensors changed",
+        "",
+        "  strategy    memory/rank  modeled time  fits  time vs suggested",
+        "  this spec      35.1 KiB       80.2 us    no  0.500x",
+        "  ddp            35.1 KiB       80.2 us    no  0.500x",
+        "  zero1          25.3 KiB        160 us    no  1.000x",
+        "  zero2          25.3 KiB       80.2 us    no  0.500x",
+        "  zero3          19.4 KiB        180 us   yes  1.125x",
+        "best fixed strategy that fits: zero3, 1.125x the suggested time",
+        lines[-1],
+    ]
+    assert lines[-1].startswith("solved: optimal (HiGHS, ")
+    assert main(["check", str(out)]) == 0
+    assert "<polyline" in (tmp_path / "f.svg").read_text()
+    capsys.readouterr()
+    assert main(["suggest", str(path), "--memory", "1MiB", "--format", "json", "--optimizer", "came"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["suggested"]["memory_bytes"] <= 2**20 and data["optimal"] and len(data["tensors"]) == 3
+    assert main(["suggest", str(path), "--memory", "1KiB"]) == 1
+    assert "the smallest budget that fits is" in capsys.readouterr().err
+
+
+def test_the_main_job_says_what_suggest_would_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # States split over dim 0 (6 rows on 4 ranks: pieces padded to 2 rows) cost more than over dim 1.
+    path = tmp_path / "uneven.shard"
+    path.write_text(
+        "mesh world = [dp=4]  bandwidth 25e9  latency 20us\n"
+        "tensor t : f32[6, 65536] { param = R,R over world  grad = R,R | P(dp):avg over world "
+        "state = S(dp),R over world }\n"
+    )
+    assert main([str(path)]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("suggest:")]
+    assert line == (
+        "suggest: within this spec's own 6 MiB per rank (AdamW), `shardlang suggest` would change the layouts of "
+        "1 of 1 tensors: 246 us -> 214 us modeled (12.8% less)"
+    )
