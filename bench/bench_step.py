@@ -115,6 +115,7 @@ VARIANTS = {
     "sharded": "ShardedAdamW, ZeRO-2 spec",
     "sharded-flat": "ShardedAdamW, flat ZeRO",
     "sharded-replicated": "ShardedAdamW, replicated states (DDP's collectives)",
+    "sharded-overlap": "ShardedAdamW, ZeRO-2 spec, overlap + prefetch_params",
 }
 STEP_ALONE = {
     "adamw-ref": "flat all-reduce + AdamW(foreach)",
@@ -215,6 +216,7 @@ class Variant:
     sharded: bool = False
     seconds: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    wait_seconds: list[float] = field(default_factory=list)  # ours: blocked on collectives in step()
     losses: list[float] = field(default_factory=list)
     recorded: dict[str, int] = field(default_factory=dict)
 
@@ -236,9 +238,13 @@ class Variant:
             else:
                 self.optimizer.step()
             self.step_seconds.append(time.perf_counter() - started)
+            if self.sharded:
+                self.wait_seconds.append(self.optimizer.last_wait_seconds)
 
 
-def train_variant(key: str, base: nn.Module, rank: int, world: int, mesh: DeviceMesh) -> Variant:
+def train_variant(
+    key: str, base: nn.Module, rank: int, world: int, mesh: DeviceMesh, overlap_bucket_bytes: int | None
+) -> Variant:
     """A copy of ``base`` and its optimizer, stepped the way ``key`` names."""
     model = copy.deepcopy(base)
     module: nn.Module = DistributedDataParallel(model) if key in ("ddp", "zero") else model
@@ -258,9 +264,20 @@ def train_variant(key: str, base: nn.Module, rank: int, world: int, mesh: Device
             "sharded": ("S(dp),R", "S(dp)", None),
             "sharded-flat": ("R,R", "R", "dp"),
             "sharded-replicated": ("R,R", "R", None),
+            "sharded-overlap": ("S(dp),R", "S(dp)", None),
         }[key]
         spec = spec_for(model, world, matrix, vector)
-        optimizer = ShardedAdamW(model.named_parameters(), spec, **ADAMW, flat_axis=flat)
+        overlap = key == "sharded-overlap"
+        optimizer = ShardedAdamW(
+            model.named_parameters(),
+            spec,
+            **ADAMW,
+            flat_axis=flat,
+            overlap=overlap,
+            bucket_bytes=overlap_bucket_bytes if overlap else None,
+        )
+        if overlap:
+            optimizer.prefetch_params(model.embed, *model.layers, model.head)
 
     def memory() -> dict[str, int | None]:
         params = list(model.parameters())
@@ -421,6 +438,7 @@ def results_of(variants: list[Variant], counts: dict[str, dict[str, int]]) -> di
         v.key: {
             "seconds": v.seconds,
             "step_seconds": v.step_seconds,
+            "wait_seconds": v.wait_seconds,
             "losses": v.losses,
             "recorded": v.recorded,
             "memory": v.memory(),
@@ -430,7 +448,9 @@ def results_of(variants: list[Variant], counts: dict[str, dict[str, int]]) -> di
     }
 
 
-def rank_main(rank: int, world: int, models: list[str], steps: dict[str, int], keys: list[str]) -> dict[str, Any]:
+def rank_main(
+    rank: int, world: int, models: list[str], steps: dict[str, int], keys: list[str], overlap_bucket_bytes: int | None
+) -> dict[str, Any]:
     """Both sections for every model, on this rank."""
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
@@ -438,7 +458,7 @@ def rank_main(rank: int, world: int, models: list[str], steps: dict[str, int], k
     for name in models:
         base = build_model(name)
         started = time.perf_counter()
-        variants = [train_variant(key, base, rank, world, mesh) for key in keys]
+        variants = [train_variant(key, base, rank, world, mesh, overlap_bucket_bytes) for key in keys]
         train = results_of(variants, interleaved(variants, steps[name]))
         del variants
         middle = time.perf_counter()
@@ -497,11 +517,12 @@ def report_model(name: str, steps: int, ranks: list[dict[str, Any]], keys: list[
         f"{FIRST_TIMED}..{steps} on rank 0; memory per rank, the largest over ranks):\n"
     )
     print(
-        "| variant | train step ms | x DDP | step() ms | collectives in step() | collectives per train step "
+        "| variant | train step ms | x DDP | step() ms | of it waiting ms | collectives in step() "
+        "| collectives per train step "
         "| params+grads MiB | optimizer state MiB | bucket / step buffers MiB | held MiB "
         "| peak above start: train step / step() MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for k in keys:
         ms, step_ms = median_ms(first[k]["seconds"]), median_ms(first[k]["step_seconds"])
         memory = {part: max((r[k]["memory"][part] or 0) for r in train) for part in ("params", "grads", "state")}
@@ -513,14 +534,18 @@ def report_model(name: str, steps: int, ranks: list[dict[str, Any]], keys: list[
         if first[k]["recorded"]:
             colls += f" (recorded {first[k]['recorded']['collectives']})"
         ratio = "-" if ddp_ms is None else f"{ms / ddp_ms:.2f}"
+        waits = first[k]["wait_seconds"][FIRST_TIMED - 1 :]
+        wait_ms = statistics.median(waits) * 1e3 if waits else None
         print(
-            f"| {VARIANTS[k]} | {ms:.1f} | {ratio} | {step_ms:.1f} | {colls} | {first[k]['collectives_train']} "
+            f"| {VARIANTS[k]} | {ms:.1f} | {ratio} | {step_ms:.1f} | {'-' if wait_ms is None else f'{wait_ms:.1f}'} "
+            f"| {colls} | {first[k]['collectives_train']} "
             f"| {mib(memory['params'] + memory['grads'])} | {mib(memory['state'])} | {mib(buckets)} | {mib(held)} "
             f"| {mib(peak_train)} / {mib(peak_step)} |"
         )
         rows[k] = {
             "median_ms": ms,
             "step_median_ms": step_ms,
+            "wait_median_ms": wait_ms,
             "ratio_to_ddp": None if ddp_ms is None else ms / ddp_ms,
             "collectives_step": first[k]["collectives_step"],
             "collectives_train": first[k]["collectives_train"],
@@ -574,6 +599,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the default")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    parser.add_argument(
+        "--overlap-bucket-kib",
+        type=int,
+        default=None,
+        help="bucket_bytes of sharded-overlap (default: the optimizer's)",
+    )
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
     keys = [k for k in args.variants.split(",") if k]
@@ -588,7 +619,8 @@ def main() -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     started = time.perf_counter()
-    ranks = run_ranks(rank_main, args.ranks, (models, steps, keys), timeout=3600, collective_timeout=900)
+    overlap_bytes = None if args.overlap_bucket_kib is None else args.overlap_bucket_kib * 1024
+    ranks = run_ranks(rank_main, args.ranks, (models, steps, keys, overlap_bytes), timeout=3600, collective_timeout=900)
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}; {time.perf_counter() - started:.0f} s")
     report = {"command": sys.argv, "ranks": args.ranks, "variants": keys}
     report["models"] = {m: report_model(m, steps[m], ranks, keys) for m in models}

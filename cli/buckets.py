@@ -12,7 +12,7 @@ from cli.summary import fold_names
 from cli.tables import format_bytes, format_seconds, format_table
 from cli.terminal import Style
 from planner.model import SpecPlan
-from planner.step import Bucket, StepPlan
+from planner.step import IN_STEP, Bucket, StepPlan
 
 # The tensors column lists names (folded per declaration) up to about this many characters.
 NAMES_WIDTH = 48
@@ -50,7 +50,7 @@ def bucket_rows(spec_plan: SpecPlan) -> list[BucketRow]:
         rows.append(
             BucketRow(
                 number=number,
-                stage=bucket.stage.split()[0],
+                stage=bucket.stage.split()[0] + ("" if bucket.launch == IN_STEP else f", {bucket.launch}"),
                 collective=bucket.describe(),
                 mesh=bucket.mesh.name or bucket.mesh.describe(),
                 tensors=tensors,

@@ -53,9 +53,18 @@ from shardlang.mesh import Mesh
 # time in latency, so larger buckets gain little and cost memory linearly; DDP's 25 MB and
 # Megatron's 40M-element buckets are of the same order (README, "Buckets").
 DEFAULT_BUCKET_BYTES = 32 * 2**20
+# With overlap a bucket starts when backward has finished its last gradient, and only the
+# collectives started last are not hidden behind the rest of backward: smaller buckets start
+# sooner and leave less exposed, at a latency per bucket (README, "Overlap").
+DEFAULT_OVERLAP_BUCKET_BYTES = 4 * 2**20
 
 BEFORE, AFTER = "before the update", "after the update"
 STAGES = (BEFORE, AFTER)
+# When a bucket's collective is started (README, "Overlap"): inside ``optimizer.step()``; during
+# backward, once the last gradient it packs has been accumulated; after ``step()`` returned,
+# waited on before the forward that reads the parameters it brings.
+IN_STEP, DURING_BACKWARD, AFTER_STEP = "in step", "during backward", "after step"
+LAUNCHES = (IN_STEP, DURING_BACKWARD, AFTER_STEP)
 
 
 def flat_view(layout: Layout, axis: int) -> tuple[Layout, Layout]:
@@ -182,6 +191,7 @@ class Bucket:
     bytes: int
     buffer_bytes: int
     seconds: float
+    launch: str = IN_STEP
 
     def describe(self) -> str:
         """``reduce_scatter(axis=dp, op=avg) f32``: the collective and its wire dtype."""
@@ -202,6 +212,7 @@ class Bucket:
             "bytes": self.bytes,
             "buffer_bytes": self.buffer_bytes,
             "seconds": self.seconds,
+            "launch": self.launch,
         }
 
 
@@ -298,6 +309,7 @@ class StepPlan:
                     bytes=int(b["bytes"]),
                     buffer_bytes=int(b["buffer_bytes"]),
                     seconds=float(b["seconds"]),
+                    launch=_launch(b["launch"]),
                 )
                 for b in data["buckets"]
             )
@@ -314,6 +326,12 @@ class StepPlan:
             raise PlanError(f"not a step plan in JSON form: {type(e).__name__}: {e}") from None
 
 
+def _launch(value: object) -> str:
+    if value not in LAUNCHES:
+        raise ValueError(f"a bucket's launch is one of {', '.join(LAUNCHES)}, not {value!r}")
+    return str(value)
+
+
 # --- building it -----------------------------------------------------------------------------
 def plan_step(
     tensors: Sequence[StepTensor],
@@ -322,11 +340,17 @@ def plan_step(
     bucket_bytes: int | None = None,
     max_local_bytes: int | None = None,
     point_to_point: bool = False,
+    overlap: bool = False,
+    prefetch: bool = False,
 ) -> StepPlan:
     """The step plan of ``rank`` for ``tensors`` (in the order given, which must be the same on
     every rank). ``bucket_bytes`` caps a bucket's buffer (default :data:`DEFAULT_BUCKET_BYTES`;
     1 puts every step in a bucket of its own); ``max_local_bytes`` and ``point_to_point`` are
-    passed to :func:`planner.plan` for every hop."""
+    passed to :func:`planner.plan` for every hop.
+
+    ``overlap``: the buckets before the update are launched during backward, so they take the
+    tensors in reverse order (the order in which backward finishes their gradients, as DDP
+    buckets them). ``prefetch``: those after the update are launched after the step."""
     cap = DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
     if cap < 1:
         raise PlanError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
@@ -337,7 +361,12 @@ def plan_step(
         except PlanError as e:
             raise PlanError(f"tensor '{tensor.name}': {e.message}", tensor.position or e.position) from None
     costs = {t.name: t.cost for t in tensors}
-    buckets = [b for stage in STAGES for b in _schedule(legs, stage, costs, cap)]
+    launch = {BEFORE: DURING_BACKWARD if overlap else IN_STEP, AFTER: AFTER_STEP if prefetch else IN_STEP}
+    buckets = [
+        attrs.evolve(b, launch=launch[stage])
+        for stage in STAGES
+        for b in _schedule(legs, stage, costs, cap, reverse=overlap and stage == BEFORE)
+    ]
     return StepPlan(
         rank=rank, tensors=tuple(t.name for t in tensors), legs=tuple(legs), buckets=tuple(buckets), bucket_bytes=cap
     )
@@ -390,8 +419,11 @@ def _mesh_key(mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return mesh.shape, mesh.ranks
 
 
-def _schedule(legs: Sequence[Leg], stage: str, costs: Mapping[str, CostModel], cap: int) -> Iterable[Bucket]:
-    """The buckets of one stage (see the module doc), mesh by mesh in one global order."""
+def _schedule(
+    legs: Sequence[Leg], stage: str, costs: Mapping[str, CostModel], cap: int, *, reverse: bool
+) -> Iterable[Bucket]:
+    """The buckets of one stage (see the module doc), mesh by mesh in one global order; the
+    legs in reverse order when ``reverse``."""
     chains: dict[tuple, list[tuple[int, list[tuple[int, int]]]]] = {}
     for index, leg in enumerate(legs):
         if leg.stage != stage or not leg.communicating:
@@ -400,7 +432,7 @@ def _schedule(legs: Sequence[Leg], stage: str, costs: Mapping[str, CostModel], c
         mesh = leg.hops[first_hop].plan.steps[first_step].layout.mesh
         chains.setdefault(_mesh_key(mesh), []).append((index, list(leg.communicating)))
     for key in sorted(chains):
-        yield from _merge(legs, stage, chains[key], costs, cap)
+        yield from _merge(legs, stage, chains[key][::-1] if reverse else chains[key], costs, cap)
 
 
 def _kind(leg: Leg, where: tuple[int, int], cost: CostModel) -> tuple:

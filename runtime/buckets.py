@@ -21,6 +21,7 @@ same ``buffers``: callers copy what they keep.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from collections.abc import Mapping, Sequence
@@ -29,17 +30,17 @@ import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.step import AFTER, BEFORE, Bucket, Leg, StepPlan
+from planner.step import AFTER, BEFORE, IN_STEP, Bucket, Leg, StepPlan
 from runtime import stats
-from runtime.blocks import piece_shape
 from runtime.buffers import Scratch
-from runtime.comm import collective
+from runtime.comm import PendingCollective, start_collective
 from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError, ReshardError
 from runtime.exchange import Exchange
 from runtime.groups import group_for
 from runtime.program import Move, bytes_sent, compile_plan
 from shardlang.dtypes import ITEMSIZE
+from shardlang.errors import ShardlangError
 
 
 @attrs.frozen(eq=False)
@@ -65,6 +66,7 @@ class _BucketProgram:
     # dtype: (offset, elements); see :func:`_lay_out`.
     result: tuple[int, int] = (0, 0)
     workspace: tuple[int, int] | None = None
+    send: int = 0  # where its send buffer starts in the shared one
 
     @property
     def send_numel(self) -> int:
@@ -95,7 +97,7 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
             _LegProgram(
                 leg=leg,
                 moves=tuple(compile_plan(hop.plan, rank) for hop in leg.hops),
-                source_shape=piece_shape(source.src.rank_piece(source.shape, rank)),
+                source_shape=source.src.rank_piece(source.shape, rank).shape,
             )
         )
     buckets = []
@@ -116,15 +118,22 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
 
 
 def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], dict[str, int], dict[str, int]]:
-    """Place every bucket's buffers, per wire dtype: one send buffer shared by all (free again
-    once its collective returns), and one kept buffer holding, in order, the results of the
-    buckets before the update (read by the math), then those after it (read at the commit).
-    A gloo reduce_scatter's all_to_all workspace is only alive during its collective, before the
-    update, so it shares the space of the later results.
+    """Place every bucket's buffers, per wire dtype: send buffers, and one kept buffer holding,
+    in order, the results of the buckets before the update (read by the math), then those after
+    it (read at the commit). A gloo reduce_scatter's all_to_all workspace is alive only while its
+    collective runs, before the update, so it shares the space of the later results.
 
-    E.g. ZeRO-2 on 4 ranks, buckets of ``T`` elements per rank: the reduce_scatter's result
-    takes ``[0, T)``, its workspace ``[T, 5T)``, the all_gather's result ``[T, 5T)`` too; the
-    kept buffer has ``5T`` elements and the send buffer ``4T``."""
+    Buckets launched in ``step()`` run one at a time: they share one send buffer (the largest
+    bucket's) and one workspace. Buckets launched during backward or after the step are in
+    flight together, so each gets its own send region and workspace; the two stages never are
+    (the gathers after a step are waited on before the next backward), so their send regions
+    share one buffer.
+
+    E.g. ZeRO-2 on 4 ranks, buckets of ``T`` elements per rank run in ``step()``: the
+    reduce_scatter's result takes ``[0, T)``, its workspace ``[T, 5T)``, the all_gather's
+    result ``[T, 5T)`` too; the kept buffer has ``5T`` elements and the send buffer ``4T``.
+    Launched during backward, two such reduce_scatters take the send regions ``[0, 4T)`` and
+    ``[4T, 8T)`` and the workspaces ``[2T, 6T)`` and ``[6T, 10T)`` of the kept buffer."""
     laid: list[_BucketProgram] = []
     send: dict[str, int] = {}
     kept: dict[str, int] = {}
@@ -141,14 +150,25 @@ def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], d
             if stage == BEFORE:
                 later = offset
         end = offset
+        workspace_at = {BEFORE: later, AFTER: offset}
+        send_at = dict.fromkeys((BEFORE, AFTER), 0)
+        send_numel = 0
         for b in mine:
+            stage, together = b.bucket.stage, b.bucket.launch != IN_STEP
             workspace = None
             if b.bucket.op == "reduce_scatter":
-                start = later if b.bucket.stage == BEFORE else offset
-                workspace = (start, b.send_numel)
-                end = max(end, start + b.send_numel)
-            laid.append(attrs.evolve(b, result=places[b.index], workspace=workspace))
-        send[dtype] = max((b.send_numel for b in mine if b.bucket.op != "all_reduce"), default=0)
+                workspace = (workspace_at[stage], b.send_numel)
+                end = max(end, workspace_at[stage] + b.send_numel)
+                if together:
+                    workspace_at[stage] += b.send_numel
+            sent = 0
+            if b.bucket.op != "all_reduce":
+                sent = send_at[stage]
+                send_numel = max(send_numel, sent + b.send_numel)
+                if together:
+                    send_at[stage] += b.send_numel
+            laid.append(attrs.evolve(b, result=places[b.index], workspace=workspace, send=sent))
+        send[dtype] = send_numel
         kept[dtype] = end
     laid.sort(key=lambda b: b.index)
     return laid, send, kept
@@ -202,85 +222,197 @@ def run_stage(
     buffers: Scratch | None = None,
 ) -> dict[int, torch.Tensor]:
     """Every leg of ``stage`` (keys of ``inputs``: indices into the plan's legs) run from its
-    input to its piece in the leg's target layout. ``device_meshes`` gives a tensor's
-    DeviceMesh whose groups to use (a DTensor's), by name. Raises :class:`DistributedError`
-    naming the bucket when its collective fails; nothing is sent before every input has been
-    checked."""
-    walks = {i: _Walk(program.legs[i], x, program.rank) for i, x in inputs.items()}
-    for bucket in program.buckets:
-        if bucket.bucket.stage == stage:
-            _run_bucket(program, bucket, walks, device_meshes, timeout, buffers)
-    for walk in walks.values():
-        walk.advance()
-    return {i: walk.x for i, walk in walks.items()}
-
-
-def _run_bucket(
-    program: StepProgram,
-    bucket: _BucketProgram,
-    walks: Mapping[int, _Walk],
-    device_meshes: Mapping[str, DeviceMesh | None],
-    timeout: datetime.timedelta,
-    buffers: Scratch | None,
-) -> None:
-    plan = program.plan
-    first_leg, first, _, _ = bucket.members[0]
-    n, op, total = first.n, bucket.bucket.op, bucket.total
-    sample = walks[first_leg].x
-    shape = (n, total) if bucket.per_peer else (total,)
-    out = workspace = None
-    if buffers is None:
-        send = torch.empty(shape, dtype=sample.dtype, device=sample.device)
-    else:
-        dtype = bucket.bucket.dtype
-        kept = buffers.take("kept", program.kept_numel[dtype], sample.dtype, sample.device)
-        start, numel = bucket.result
-        out = kept[start : start + numel]
-        if op == "all_reduce":  # reduces in place: its send buffer is its result
-            send = out.view(shape)
-        else:
-            send = buffers.take("send", program.send_numel[dtype], sample.dtype, sample.device)
-            send = send[: bucket.send_numel].view(shape)
-        if bucket.workspace is not None:
-            workspace = kept[bucket.workspace[0] : bucket.workspace[0] + bucket.workspace[1]]
-    for m, (leg, move, chunk, offset) in zip(bucket.bucket.members, bucket.members, strict=True):
-        walk = walks[leg]
-        walk.advance((m.hop, m.step))
-        move.send_into(walk.x, send[:, offset : offset + chunk] if bucket.per_peer else send[offset : offset + chunk])
-        walk.x = None  # type: ignore[assignment]  # the piece is in the buffer now
-    names = [plan.legs[leg].tensor for leg, *_ in bucket.members]
-    started = time.perf_counter()
+    input to its piece in the leg's target layout (:class:`StageRun`, given every input at
+    once: nothing is sent before every input has been checked)."""
+    run = StageRun(program, stage, device_meshes=device_meshes, timeout=timeout, buffers=buffers)
     try:
-        group = group_for(
-            bucket.bucket.mesh, (first.step.axis,), first.members, device_meshes.get(names[0]), timeout=timeout
-        )
-        received = collective(
-            op, send.view(-1), n, bucket.bucket.reduce_op, group, timeout, out=out, workspace=workspace
-        )
-    except (DistributedError, ReshardError) as e:
-        where = f"bucket {bucket.index + 1} of {len(plan.buckets)} ({_describe(bucket.bucket, names)})"
-        raise type(e)(f"{where} failed: {e.message}") from e
-    del send
-    if stats.is_recording():
-        itemsize = ITEMSIZE[bucket.bucket.dtype]
-        stats.record(
-            stats.CommRecord(
-                tensor=",".join(names),
-                step=bucket.index,
-                op=op,
-                axis=first.step.axis,
-                ranks=first.members,
-                bytes_sent=sum(bytes_sent(move, itemsize) for _, move, _, _ in bucket.members),
-                planned_bytes=bucket.bucket.bytes,
-                seconds=time.perf_counter() - started,
+        run.feed(inputs)
+        return run.finish()
+    except ShardlangError:
+        run.drain()
+        raise
+
+
+class StageRun:
+    """One stage of a step program, run as its inputs arrive: :meth:`feed` gives legs their
+    inputs and starts, in the plan's order, every bucket whose legs all have theirs; each
+    bucket's collective runs asynchronously until :meth:`finish` waits for all of them (within
+    one ``timeout``) and returns every leg's piece in its target layout. Ranks of a group start
+    their buckets in the same order whatever order their inputs arrive in, so collectives always
+    match. After an error, :meth:`drain` waits out what is in flight, so nothing is left
+    running.
+
+    Raises :class:`DistributedError` naming the bucket when its collective fails, and
+    :class:`ReshardError` for an input of the wrong shape or dtype."""
+
+    def __init__(
+        self,
+        program: StepProgram,
+        stage: str,
+        *,
+        device_meshes: Mapping[str, DeviceMesh | None],
+        timeout: datetime.timedelta,
+        buffers: Scratch | None = None,
+    ) -> None:
+        self.program, self.stage, self.timeout = program, stage, timeout
+        self._device_meshes, self._buffers = device_meshes, buffers
+        self._buckets = [b for b in program.buckets if b.bucket.stage == stage]
+        self._next = 0  # the next bucket to start
+        self._walks: dict[int, _Walk] = {}
+        self._in_flight: list[tuple[_BucketProgram, PendingCollective, float]] = []
+        self.waited = 0.0  # seconds spent blocked waiting for collectives
+
+    @property
+    def started(self) -> int:
+        """Buckets started so far."""
+        return self._next
+
+    @property
+    def legs(self) -> tuple[int, ...]:
+        """The legs given their input so far."""
+        return tuple(self._walks)
+
+    def feed(self, inputs: Mapping[int, torch.Tensor]) -> None:
+        """Give legs their inputs (each once); starts every bucket that became ready."""
+        walks = {i: _Walk(self.program.legs[i], x, self.program.rank) for i, x in inputs.items()}
+        self._walks.update(walks)
+        while self._next < len(self._buckets):
+            bucket = self._buckets[self._next]
+            if any(leg not in self._walks for leg, *_ in bucket.members):
+                return
+            self._start(bucket)
+            self._next += 1
+
+    def finish(self) -> dict[int, torch.Tensor]:
+        """Start the buckets not yet started (every input must have been given), wait for all,
+        and return every leg's result."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        for bucket in self._buckets[self._next :]:
+            missing = [self.program.plan.legs[leg] for leg, *_ in bucket.members if leg not in self._walks]
+            if missing:
+                leg = missing[0]
+                raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' was given no input")
+            self._start(bucket, deadline)
+            self._next += 1
+        while self._in_flight:
+            self._wait_oldest(deadline)
+        for walk in self._walks.values():
+            walk.advance()
+        return {i: walk.x for i, walk in self._walks.items()}
+
+    def wait_for(self, legs: Sequence[int]) -> dict[int, torch.Tensor]:
+        """Wait for the buckets in flight (oldest first) until ``legs`` have passed all of
+        theirs (every bucket of the stage must have been started), and return their results."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while self._in_flight and any(self._walks[leg].x is None for leg in legs):
+            self._wait_oldest(deadline)
+        out = {}
+        for leg in legs:
+            walk = self._walks[leg]
+            walk.advance()
+            out[leg] = walk.x
+        return out
+
+    def source_shape(self, leg: int) -> tuple[int, ...]:
+        """The shape of the piece leg ``leg`` starts from on this rank."""
+        return self.program.legs[leg].source_shape
+
+    def drain(self) -> None:
+        """Wait out every collective in flight (within ``timeout``), ignoring failures."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        for _, pending, _ in self._in_flight:
+            with contextlib.suppress(DistributedError):
+                pending.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        self._in_flight.clear()
+
+    def _start(self, bucket: _BucketProgram, deadline: float | None = None) -> None:
+        program, buffers = self.program, self._buffers
+        plan = program.plan
+        first_leg, first, _, _ = bucket.members[0]
+        # Buckets of a step share their send buffer and workspace, so one runs at a time; any
+        # bucket waits for one in flight that holds the previous step of one of its legs.
+        while self._in_flight and (
+            bucket.bucket.launch == IN_STEP or any(self._walks[leg].x is None for leg, *_ in bucket.members)
+        ):
+            self._wait_oldest(deadline)
+        n, op, total = first.n, bucket.bucket.op, bucket.total
+        sample = self._walks[first_leg].x
+        shape = (n, total) if bucket.per_peer else (total,)
+        out = workspace = None
+        if buffers is None:
+            send = torch.empty(shape, dtype=sample.dtype, device=sample.device)
+        else:
+            dtype = bucket.bucket.dtype
+            kept = buffers.take("kept", program.kept_numel[dtype], sample.dtype, sample.device)
+            start, numel = bucket.result
+            out = kept[start : start + numel]
+            if op == "all_reduce":  # reduces in place: its send buffer is its result
+                send = out.view(shape)
+            else:
+                send = buffers.take("send", program.send_numel[dtype], sample.dtype, sample.device)
+                send = send[bucket.send : bucket.send + bucket.send_numel].view(shape)
+            if bucket.workspace is not None:
+                workspace = kept[bucket.workspace[0] : bucket.workspace[0] + bucket.workspace[1]]
+        for m, (leg, move, chunk, offset) in zip(bucket.bucket.members, bucket.members, strict=True):
+            walk = self._walks[leg]
+            walk.advance((m.hop, m.step))
+            move.send_into(
+                walk.x, send[:, offset : offset + chunk] if bucket.per_peer else send[offset : offset + chunk]
             )
-        )
-    rows = op in ("all_gather", "all_to_all")
-    gathered = received.view(n, total) if rows else received
-    for leg, move, chunk, offset in bucket.members:
-        walk = walks[leg]
-        walk.x = move.finish(gathered[:, offset : offset + chunk] if rows else gathered[offset : offset + chunk])
-        walk.k += 1
+            walk.x = None  # type: ignore[assignment]  # the piece is in the buffer now
+        names = [plan.legs[leg].tensor for leg, *_ in bucket.members]
+        started = time.perf_counter()
+        try:
+            group = group_for(
+                bucket.bucket.mesh,
+                (first.step.axis,),
+                first.members,
+                self._device_meshes.get(names[0]),
+                timeout=self.timeout,
+            )
+            pending = start_collective(
+                op, send.view(-1), n, bucket.bucket.reduce_op, group, out=out, workspace=workspace
+            )
+        except (DistributedError, ReshardError) as e:
+            raise type(e)(f"{self._where(bucket)} failed: {e.message}") from e
+        self._in_flight.append((bucket, pending, started))
+
+    def _wait_oldest(self, deadline: float | None) -> None:
+        bucket, pending, started = self._in_flight.pop(0)
+        left = self.timeout.total_seconds() if deadline is None else max(deadline - time.monotonic(), 0.001)
+        blocked = time.perf_counter()
+        try:
+            received = pending.wait(datetime.timedelta(seconds=left))
+        except DistributedError as e:
+            raise DistributedError(f"{self._where(bucket)} failed: {e.message}") from e
+        finally:
+            self.waited += time.perf_counter() - blocked
+        first = bucket.members[0][1]
+        n, op, total = first.n, bucket.bucket.op, bucket.total
+        if stats.is_recording():
+            itemsize = ITEMSIZE[bucket.bucket.dtype]
+            stats.record(
+                stats.CommRecord(
+                    tensor=",".join(self.program.plan.legs[leg].tensor for leg, *_ in bucket.members),
+                    step=bucket.index,
+                    op=op,
+                    axis=first.step.axis,
+                    ranks=first.members,
+                    bytes_sent=sum(bytes_sent(move, itemsize) for _, move, _, _ in bucket.members),
+                    planned_bytes=bucket.bucket.bytes,
+                    seconds=time.perf_counter() - started,
+                )
+            )
+        rows = op in ("all_gather", "all_to_all")
+        gathered = received.view(n, total) if rows else received
+        for leg, move, chunk, offset in bucket.members:
+            walk = self._walks[leg]
+            walk.x = move.finish(gathered[:, offset : offset + chunk] if rows else gathered[offset : offset + chunk])
+            walk.k += 1
+
+    def _where(self, bucket: _BucketProgram) -> str:
+        names = [self.program.plan.legs[leg].tensor for leg, *_ in bucket.members]
+        return f"bucket {bucket.index + 1} of {len(self.program.plan.buckets)} ({_describe(bucket.bucket, names)})"
 
 
 def _describe(bucket: Bucket, names: Sequence[str]) -> str:

@@ -28,6 +28,7 @@ import datetime
 import time
 from collections.abc import Callable
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -43,6 +44,77 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+@attrs.frozen(eq=False)
+class PendingCollective:
+    """A collective in flight (:func:`start_collective`): :meth:`wait` gives its flat result.
+    On gloo a reduce_scatter is in flight as its all_to_all; the local reduction of the
+    received blocks runs in :meth:`wait`."""
+
+    op: str
+    received: torch.Tensor
+    n: int
+    reduce_op: str | None
+    work: dist.Work | None
+    blocks: torch.Tensor | None = None  # gloo's reduce_scatter: the blocks the all_to_all receives
+
+    def wait(self, timeout: datetime.timedelta) -> torch.Tensor:
+        """Wait at most ``timeout``; raises :class:`DistributedError` past it or when a peer
+        failed."""
+        if self.work is not None:
+            try:
+                wait(self.work, timeout)
+            except RuntimeError as e:
+                raise DistributedError(_reason(e, timeout)) from e
+        if self.blocks is not None:
+            _reduce_blocks(self.blocks.view(self.n, -1), self.reduce_op, self.received)
+        if self.reduce_op == "avg" and self.received.numel():
+            self.received.div_(self.n)
+        return self.received
+
+
+def start_collective(
+    op: str,
+    send: torch.Tensor,
+    n: int,
+    reduce_op: str | None,
+    group: dist.ProcessGroup,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> PendingCollective:
+    """Start ``op`` (all_gather, reduce_scatter, all_reduce, all_to_all) on the flat buffer
+    ``send`` over ``group`` of ``n`` ranks (all_reduce works in place on ``send``; the others
+    write ``out`` when given). ``workspace`` (of ``send``'s size) is where gloo's
+    reduce_scatter receives its blocks. ``send``, ``out`` and ``workspace`` must not be touched
+    until the collective has been waited on. Ranks of one group always pass buffers of equal
+    size; empty buffers skip the collective on all of them alike."""
+    sizes = {"all_gather": n * send.numel(), "reduce_scatter": send.numel() // n, "all_to_all": send.numel()}
+    if op == "all_reduce":
+        received = send
+    elif op not in sizes:
+        raise ValueError(f"not a collective: {op}")
+    else:
+        received = send.new_empty(sizes[op]) if out is None else out
+    if send.numel() == 0:
+        return PendingCollective(op, received, n, reduce_op, None)
+    blocks = None
+    try:
+        if op == "all_gather":
+            work = all_gather_single(received, send, group=group, async_op=True)
+        elif op == "reduce_scatter" and dist.get_backend(group) == "gloo":
+            blocks = send.new_empty(send.numel()) if workspace is None else workspace
+            work = dist.all_to_all_single(blocks, send, group=group, async_op=True)
+        elif op == "reduce_scatter":
+            work = reduce_scatter_single(received, send, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
+        elif op == "all_reduce":
+            work = dist.all_reduce(received, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
+        else:
+            work = dist.all_to_all_single(received, send, group=group, async_op=True)
+    except RuntimeError as e:
+        raise DistributedError(_reason(e, None)) from e
+    return PendingCollective(op, received, n, reduce_op, work, blocks)
+
+
 def collective(
     op: str,
     send: torch.Tensor,
@@ -54,41 +126,8 @@ def collective(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run ``op`` (all_gather, reduce_scatter, all_reduce, all_to_all) on the flat buffer
-    ``send`` over ``group`` of ``n`` ranks and return the flat result (all_reduce works in
-    place on ``send``; the others write ``out`` when given). ``workspace`` (of ``send``'s
-    size) is where gloo's reduce_scatter receives its blocks. Ranks of one group always pass
-    buffers of equal size; empty buffers skip the collective on all of them alike."""
-    sizes = {"all_gather": n * send.numel(), "reduce_scatter": send.numel() // n, "all_to_all": send.numel()}
-    if op == "all_reduce":
-        received = send
-    elif op not in sizes:
-        raise ValueError(f"not a collective: {op}")
-    else:
-        received = send.new_empty(sizes[op]) if out is None else out
-    if send.numel() == 0:
-        return received
-    try:
-        if op == "all_gather":
-            work = all_gather_single(received, send, group=group, async_op=True)
-        elif op == "reduce_scatter" and dist.get_backend(group) == "gloo":
-            blocks = send.new_empty(send.numel()) if workspace is None else workspace
-            wait(dist.all_to_all_single(blocks, send, group=group, async_op=True), timeout)
-            _reduce_blocks(blocks.view(n, -1), reduce_op, received)
-            work = None
-        elif op == "reduce_scatter":
-            work = reduce_scatter_single(received, send, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
-        elif op == "all_reduce":
-            work = dist.all_reduce(received, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
-        else:
-            work = dist.all_to_all_single(received, send, group=group, async_op=True)
-        if work is not None:
-            wait(work, timeout)
-    except RuntimeError as e:
-        raise DistributedError(_reason(e, timeout)) from e
-    if reduce_op == "avg":
-        received.div_(n)
-    return received
+    """:func:`start_collective`, waited on at most ``timeout``: the flat result."""
+    return start_collective(op, send, n, reduce_op, group, out=out, workspace=workspace).wait(timeout)
 
 
 def _reduce_blocks(blocks: torch.Tensor, reduce_op: str | None, out: torch.Tensor) -> None:

@@ -278,6 +278,35 @@ def _run_mixed_precision(rank: int, kind: str, seed: int) -> dict[str, Any]:
     return {"params": {n: p.detach().clone() for n, p in params.items()}, "masters": masters}
 
 
+REDUCE_STEPS = 5
+
+
+def _bf16_pieces(seed: int, step: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s bf16 gradients, pending a mean over dp=4: ``grad + d_rank`` rounded to bf16."""
+    spec = _spec(DP4, _zero_rows)
+    return {
+        n: local_grad(grad, addends, spec[n].grad, (rank,)).to(torch.bfloat16)
+        for n, (grad, addends) in step_grads(torch.float32, seed, step).items()
+    }
+
+
+def _run_reduce_dtype(rank: int, seed: int) -> dict[str, Any]:
+    """bf16 parameters whose bf16 gradients pend a mean over dp, reduced in fp32 and in bf16."""
+    spec = _spec(DP4, _zero_rows)
+    out = {}
+    for reduce_dtype in (torch.float32, None):
+        params = {n: torch.nn.Parameter(t.to(torch.bfloat16)) for n, t in initial_params(torch.float32, seed).items()}
+        optimizer = _optimizer("adamw", list(params.items()), spec, reduce_dtype=reduce_dtype)
+        for step in range(REDUCE_STEPS):
+            for name, piece in _bf16_pieces(seed, step, rank).items():
+                params[name].grad = piece
+            optimizer.step()
+        out[str(reduce_dtype)] = {
+            n: e["states"]["master"]["tensor"] for n, e in optimizer.state_dict()["tensors"].items()
+        }
+    return out
+
+
 def _run_resume(rank: int, kind: str, seed: int) -> dict[str, Any]:
     """20 steps straight, against 10 steps, a state dict through torch.save, a new optimizer on
     copies of the parameters, and 10 more steps."""
@@ -365,8 +394,8 @@ def _run_fails_after_its_last_collective(rank: int, seed: int) -> dict[str, Any]
     class FailsOnRank1(ShardedAdamW):
         fail = True
 
-        def _stage(self, slots: list) -> Any:
-            commit = super()._stage(slots)
+        def _stage(self, slots: list, backward: Any = None) -> Any:
+            commit = super()._stage(slots, backward)
             if rank == 1 and self.fail:
                 self.fail = False
                 raise OptimizerStepError("rank 1 fails at the end of its step")
@@ -486,6 +515,7 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         out[("mixed", kind)] = _run_mixed_precision(rank, kind, seed=9)
         out[("resume", kind)] = _run_resume(rank, kind, seed=10)
     out["failed_step"] = _run_failed_step(rank, seed=11)
+    out["reduce_dtype"] = _run_reduce_dtype(rank, seed=18)
     out["mismatched_buckets"] = _run_mismatched_buckets(rank, seed=13)
     for kind, flat_axis in (("adamw", None), ("came", None), ("came", "dp")):
         out[("training", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=12)
@@ -659,6 +689,26 @@ def test_bf16_parameters_with_fp32_master_shards(ranks: list[dict[str, Any]], ki
                 assert torch.equal(param, rounded)
             else:  # within one bf16 rounding step of the rounded reference
                 assert ((param.float() - rounded.float()).abs() <= rounded.float().abs() * 2**-7).all()
+
+
+@pytest.mark.slow
+def test_bf16_gradients_reduced_in_fp32_equal_an_fp32_reduction(ranks: list[dict[str, Any]]) -> None:
+    """The reference: fp32 AdamW on the fp32 copies of the bf16 parameters, its gradient the mean
+    of the four ranks' bf16 pieces computed in fp64 (exact: bf16 addends sum exactly in fp32)."""
+    start = {n: t.to(torch.bfloat16).float() for n, t in initial_params(torch.float32, 18).items()}
+    ref, optimizer = reference("adamw", start, ADAMW)
+    for step in range(REDUCE_STEPS):
+        pieces = [_bf16_pieces(18, step, r) for r in range(4)]
+        for name in SHAPES:
+            ref[name].grad = (sum(p[name].double() for p in pieces) / 4).float()
+        optimizer.step()
+    in_bf16_differs = False
+    for rank, result in enumerate(ranks):
+        for name, master in result["reduce_dtype"][str(torch.float32)].items():
+            expected = hand_piece(ref[name].detach(), ((0,),) + ((),) * (master.dim() - 1), (4,), (rank,))
+            _assert_close("adamw", torch.float32, master, expected, f"reduce_dtype=float32 rank {rank} '{name}'")
+            in_bf16_differs |= not torch.equal(result["reduce_dtype"]["None"][name], expected)
+    assert in_bf16_differs, "reducing in bf16 gave the fp32 result: the case cannot tell the two apart"
 
 
 @pytest.mark.slow

@@ -1,0 +1,213 @@
+"""Overlap on 4 gloo ranks: buckets started during backward, parameters gathered before forward.
+
+Every tensor is the weight of a module of its own whose forward is ``(weight * g).sum()``, so
+backward gives each rank exactly its piece ``g`` of the gradients the optimizer tests use
+(dyadic, so partial sums are exact in any order), split over 1 or 4 micro-batches of
+``g / 4`` (also exact). A run with ``overlap=True`` (and ``prefetch_params``) must equal the run
+without it bit for bit (AdamW) or to 1e-12 (CAME in fp64), and both must equal the single-process
+reference on the full tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_harness import run_ranks
+from tests.test_optim_dist import (
+    ADAMW,
+    CAME,
+    CONFIGS,
+    OWN_STATES,
+    SHAPES,
+    _assert_close,
+    _optimizer,
+    _reference_run,
+    _spec,
+    hand_piece,
+    initial_params,
+    local_grad,
+    step_grads,
+)
+
+STEPS = 6
+LAYOUTS = ("zero_rows", "flat_zero", "dp2_tp2", "nested_tp_dp", "three_ranks", "flat_zero_with_tp", "own_exp_avg")
+KINDS = (("adamw", torch.float32), ("came", torch.float64))
+# name: (overlap, prefetch_params, micro-batches)
+MODES = {
+    "plain": (False, False, 1),
+    "overlap": (True, False, 4),
+    "overlap_prefetch": (True, True, 1),
+    "overlap_prefetch_micro4": (True, True, 4),
+}
+BUCKET_BYTES = 512  # small buckets: several start during backward, at different times
+
+
+class Piece(torch.nn.Module):
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(value)
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        return (self.weight * g).sum()
+
+
+class Pieces(torch.nn.Module):
+    """One module per tensor; forward takes every tensor's gradient piece."""
+
+    def __init__(self, values: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleDict({n: Piece(v) for n, v in values.items()})
+
+    def forward(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum((self.parts[n](g) for n, g in grads.items()), torch.zeros((), dtype=grads["w"].dtype))
+
+
+def _run(rank: int, config: str, kind: str, dtype: torch.dtype, mode: str, seed: int) -> dict[str, Any] | None:
+    from planner.step import BEFORE, DURING_BACKWARD
+
+    overlap, prefetch, micro = MODES[mode]
+    mesh, layouts_of, flat_axis = CONFIGS[config]
+    spec = _spec(mesh, layouts_of, own=OWN_STATES.get(config))
+    the_mesh = next(iter(spec.values())).param.mesh
+    if rank not in the_mesh.ranks:
+        return None
+    coordinate = the_mesh.coordinate(rank)
+    model = Pieces(
+        {
+            n: hand_piece(t, spec[n].param.dims, the_mesh.shape, coordinate).clone()
+            for n, t in initial_params(dtype, seed).items()
+        }
+    )
+    named = [(n, model.parts[n].weight) for n in SHAPES]
+    optimizer = _optimizer(kind, named, spec, flat_axis=flat_axis, overlap=overlap, bucket_bytes=BUCKET_BYTES)
+    if prefetch:
+        optimizer.prefetch_params(*model.parts.values())
+    started = []
+    for step in range(STEPS):
+        pieces = {
+            n: local_grad(grad, addends, spec[n].grad, coordinate)
+            for n, (grad, addends) in step_grads(dtype, seed, step).items()
+        }
+        optimizer.zero_grad()
+        for k in range(micro):
+            scale = 1.0 if micro == 1 else 0.25
+            if k < micro - 1:
+                with optimizer.no_sync():
+                    model({n: g * scale for n, g in pieces.items()}).backward()
+                    assert optimizer.buckets_started == 0, "a bucket started inside no_sync"
+            else:
+                model({n: g * scale for n, g in pieces.items()}).backward()
+        plan = optimizer.step_plan()
+        before = plan.stage_buckets(BEFORE)
+        if overlap:
+            assert all(b.launch == DURING_BACKWARD for b in before)
+        started.append((optimizer.buckets_started, len(before)))
+        optimizer.step()
+    optimizer.wait_params()  # the last step's gathers (forward would wait for them)
+    params = {n: model.parts[n].weight.detach().clone() for n in SHAPES}
+    return {"coordinate": coordinate, "params": params, "started": started}
+
+
+def _peer_dies_in_backward(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 exits in the middle of the backward of step 1 (after the buckets of the tensors
+    backward finishes first have started); rank 0's step must fail within its timeout and
+    change nothing."""
+    from runtime.optim import OptimizerStepError
+
+    spec = _spec("mesh[dp=2]", CONFIGS["zero_rows"][1])
+    model = Pieces({n: t for n, t in initial_params(torch.float32, 21).items()})
+    named = [(n, model.parts[n].weight) for n in SHAPES]
+    optimizer = _optimizer("adamw", named, spec, overlap=True, bucket_bytes=BUCKET_BYTES, timeout=8.0)
+    if rank == 1:  # "w" comes first in forward, so its gradient is finished last
+        model.parts["w"].weight.register_hook(lambda g: os._exit(0) if optimizer.state_dict()["tensors"] else g)
+    for step in range(2):
+        pieces = {
+            n: local_grad(grad, addends, spec[n].grad, (rank,))
+            for n, (grad, addends) in step_grads(torch.float32, 21, step).items()
+        }
+        optimizer.zero_grad()
+        model(pieces).backward()
+        if step == 1:
+            saved = ({n: p.detach().clone() for n, p in named}, optimizer.state_dict())
+            in_flight = optimizer.buckets_started
+            began = time.perf_counter()
+            try:
+                optimizer.step()
+            except OptimizerStepError as e:
+                unchanged = all(torch.equal(saved[0][n], p) for n, p in named)
+                states = optimizer.state_dict()["tensors"]
+                unchanged = unchanged and all(
+                    torch.equal(states[n]["states"][k]["tensor"], saved[1]["tensors"][n]["states"][k]["tensor"])
+                    for n in states
+                    for k in states[n]["states"]
+                )
+                return {
+                    "message": str(e),
+                    "seconds": time.perf_counter() - began,
+                    "unchanged": unchanged,
+                    "in_flight": in_flight,
+                }
+            return {"message": None}
+        optimizer.step()
+    return {"message": None}
+
+
+def all_cases(rank: int, world_size: int) -> dict[Any, Any]:
+    torch.set_num_threads(1)
+    out: dict[Any, Any] = {}
+    for config in LAYOUTS:
+        for kind, dtype in KINDS:
+            for mode in MODES:
+                out[(config, kind, mode)] = _run(rank, config, kind, dtype, mode, seed=31)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[Any, Any]]:
+    return run_ranks(all_cases, 4, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", LAYOUTS)
+@pytest.mark.parametrize(("kind", "dtype"), KINDS)
+def test_overlap_equals_the_step_without_it_and_the_reference(
+    ranks: list[dict[Any, Any]], config: str, kind: str, dtype: torch.dtype
+) -> None:
+    mesh, layouts_of, _ = CONFIGS[config]
+    spec = _spec(mesh, layouts_of)
+    the_mesh = next(iter(spec.values())).param.mesh
+    want = _reference_run(kind, dtype, 31, STEPS, ADAMW if kind == "adamw" else CAME)
+    for rank, out in enumerate(ranks):
+        if rank not in the_mesh.ranks:
+            continue
+        plain = out[(config, kind, "plain")]
+        for mode in MODES:
+            got = out[(config, kind, mode)]
+            for name in SHAPES:
+                label = f"{config} {kind} {mode} rank {rank} '{name}'"
+                piece = hand_piece(want[name], spec[name].param.dims, the_mesh.shape, got["coordinate"])
+                _assert_close(kind, dtype, got["params"][name], piece, label)
+                if kind == "adamw":
+                    assert torch.equal(got["params"][name], plain["params"][name]), label
+                else:
+                    _assert_close(kind, dtype, got["params"][name], plain["params"][name], label)
+            if MODES[mode][0]:  # every bucket before the update started during backward
+                assert all(n == total and total > 1 for n, total in got["started"][1:]), (mode, got["started"])
+            else:
+                assert all(n == 0 for n, _ in got["started"]), (mode, got["started"])
+
+
+@pytest.mark.slow
+def test_a_peer_that_dies_during_backward_fails_the_step_and_changes_nothing() -> None:
+    result = run_ranks(_peer_dies_in_backward, 2, timeout=120, collective_timeout=30, allow_missing=(1,))[0]
+    assert result["message"] is not None, "the step succeeded without its peer"
+    assert "parameters and optimizer states are unchanged" in result["message"]
+    assert "bucket" in result["message"] and "step 2" in result["message"], result["message"]
+    assert result["in_flight"] > 0, "no bucket had started during backward"
+    assert result["seconds"] < 15
+    assert result["unchanged"]
