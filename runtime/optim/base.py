@@ -53,6 +53,7 @@ from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError, PlanMismatchError
 from runtime.executor import fingerprint
 from runtime.groups import axis_ranks, group_for, ranks_group
+from runtime.optim import full_state
 from runtime.optim.dtensors import dtensor_grad_layout, dtensor_param_layouts
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.flat import FlatStates
@@ -960,6 +961,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     flat.view(slot.index, name).copy_(tensor)
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "param_names"})
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Every state gathered whole, in the format of ``torch.optim.AdamW`` (for
+        :class:`ShardedAdamW`) or ``came_pytorch.CAME`` (``runtime.optim.full_state``); every
+        rank calls it."""
+        return full_state.full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load what :meth:`full_state_dict` or the torch optimizer's ``state_dict()`` wrote,
+        each rank its pieces; every rank calls it."""
+        full_state.load_full_state_dict(self, state_dict)
 
 
 def _layouts(
