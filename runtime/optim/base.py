@@ -28,11 +28,12 @@ the parameter each step.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import time
 import warnings
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 
 import attrs
@@ -42,15 +43,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from planner.cost import CostModel
-from planner.plan import same_geometry
-from planner.step import AFTER, BEFORE, StepPlan, StepTensor, plan_step, without_axis
+from planner.step import (
+    AFTER,
+    BEFORE,
+    DEFAULT_OVERLAP_BUCKET_BYTES,
+    StepPlan,
+    StepTensor,
+    plan_step,
+    without_axis,
+)
 from runtime import stats
 from runtime.blocks import piece_shape
-from runtime.buckets import StepProgram, compile_step, run_stage
+from runtime.buckets import StageRun, StepProgram, compile_step
 from runtime.buffers import Scratch
 from runtime.comm import collective, default_device, timeout_of
 from runtime.dtypes import dtype_name
-from runtime.errors import DistributedError, PlanMismatchError
+from runtime.errors import DistributedError, PlanMismatchError, ReshardError
 from runtime.executor import fingerprint
 from runtime.groups import axis_ranks, group_for, ranks_group
 from runtime.optim import full_state
@@ -87,6 +95,8 @@ class StepOptions(TypedDict, total=False):
     skip_nonfinite: bool
     idle_ranks: bool
     all_ranks_commit: bool
+    overlap: bool
+    reduce_dtype: torch.dtype | None
 
 
 @attrs.define(eq=False)
@@ -109,6 +119,8 @@ class Slot:
     cost: CostModel  # the reshards are planned under
     own_states: dict[str, torch.Tensor] = attrs.field(factory=dict)  # pieces in their own layouts
     step: int = 0
+    # A DTensor's gradient layout and dtype at its last step: what overlap plans the next for.
+    seen_grad: tuple[Layout, torch.dtype] | None = None
 
     @property
     def needs_master(self) -> bool:
@@ -235,6 +247,33 @@ class _Compiled:
     legs: Mapping[tuple[str, str], int]
 
 
+@attrs.define(eq=False)
+class _Backward:
+    """The buckets before the update of the coming step, started during backward (``overlap``):
+    the slots and plan they were started for (``run`` is None when the plan is not known yet:
+    a DTensor whose gradient has not been seen), the first error met (raised in ``step()``,
+    after every bucket has run, so that no peer waits for this rank), and whether a gradient
+    arrived in another layout than planned (then ``step()`` waits the buckets out and runs
+    without them)."""
+
+    slots: list[Slot]
+    compiled: _Compiled | None
+    run: StageRun | None
+    error: ShardlangError | None = None
+    stale: bool = False
+
+
+@attrs.define(eq=False)
+class _Gathers:
+    """The gathers after a committed step (``prefetch_params``): which legs bring each slot's
+    parameter, and the slots not yet written."""
+
+    run: StageRun
+    legs: Mapping[int, int]  # slot index -> its "state -> param" leg
+    waiting: dict[int, Slot]
+    step: int
+
+
 def done() -> Update:
     """The update of math that needs no sums (it has already written its results)."""
     return
@@ -262,6 +301,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         skip_nonfinite: bool = False,
         idle_ranks: bool = False,
         all_ranks_commit: bool = True,
+        overlap: bool = False,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         named = list(named_params)
         if not named:
@@ -279,7 +320,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise OptimizerError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
         self.timeout = timeout_of(timeout, OptimizerError)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = DEFAULT_OVERLAP_BUCKET_BYTES if bucket_bytes is None and overlap else bucket_bytes
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skip_nonfinite = skip_nonfinite
         # The global norm of the last step's reduced gradients (with max_grad_norm or
@@ -291,6 +332,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._reducer = SumReducer(self.rank, self.timeout)
         self.idle_ranks = idle_ranks
         self.all_ranks_commit = all_ranks_commit
+        if reduce_dtype is not None and reduce_dtype not in (torch.float32, torch.float64):
+            raise OptimizerError(f"reduce_dtype must be torch.float32 or torch.float64, got {reduce_dtype!r}")
+        # Gradients in a lower precision are reduced in this one (FSDP2's MixedPrecisionPolicy).
+        self.reduce_dtype = reduce_dtype
         self._placing = (spec, flat_axis, state_dtype)  # how add_param_group places parameters
         self._slots: list[Slot] = []
         for group in self.param_groups:
@@ -300,6 +345,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._bucket_buffers = Scratch()  # the buckets' buffers (``runtime.buckets``)
         self._plans: dict[tuple, _Compiled] = {}
         self.last_traffic = StepTraffic()
+        # Overlap (README, "Overlap"): buckets started during backward, gathers after the step.
+        self.overlap = bool(overlap)
+        self._sync = True  # False inside no_sync()
+        self._backward: _Backward | None = None
+        self._prefetch = False
+        self._gathers: _Gathers | None = None
+        self._gather_failure: str | None = None
+        self._hooks: list[Any] = []
+        # Seconds the last step spent blocked waiting for its buckets' collectives.
+        self.last_wait_seconds = 0.0
+        if self.overlap:
+            self._hook_grads(self._slots)
 
     # --- what subclasses give ----------------------------------------------------------
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
@@ -358,6 +415,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self._slots += placed
+        if self.overlap:
+            self._hook_grads(placed)
         if self._flat is not None:  # the flat buffers grow; the states kept so far move along
             old, self._flat = self._flat, None
             grown = self._flat_states()
@@ -386,7 +445,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if param_layout.is_partial or state_layout.is_partial or any(lay.is_partial for lay in own.values()):
                 raise OptimizerError("its param and state layouts must not be partial")
             for layout in (param_layout, grad_layout, *own.values()):
-                if layout is not None and not same_geometry(layout.mesh, state_layout.mesh):
+                if layout is not None and not layout.mesh.same_geometry(state_layout.mesh):
                     raise OptimizerError(
                         f"its layouts lie on different meshes ({layout.mesh.describe()} and "
                         f"{state_layout.mesh.describe()}); an optimizer step moves tensors within one mesh"
@@ -453,11 +512,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _stepped(self) -> list[Slot]:
         return [s for s in self._slots if s.shard is not None and s.param.grad is not None]
 
-    def _compiled(self, slots: Sequence[Slot], grads: Sequence[tuple[torch.Tensor, Layout]]) -> _Compiled:
-        """The step plan for these slots and gradients, built once per combination."""
+    def _compiled(self, slots: Sequence[Slot], grads: Sequence[tuple[Layout, torch.dtype]]) -> _Compiled:
+        """The step plan for these slots and their gradients' layouts and dtypes, built once
+        per combination."""
         key = tuple(
-            (slot.index, layout, grad.dtype, slot.needs_master and slot.step > 0)
-            for slot, (grad, layout) in zip(slots, grads, strict=True)
+            (slot.index, layout, self._wire_dtype(dtype), slot.needs_master and slot.step > 0)
+            for slot, (layout, dtype) in zip(slots, grads, strict=True)
         )
         compiled = self._plans.get(key)
         if compiled is None:
@@ -469,17 +529,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     grad=layout,
                     state=slot.state_layout,
                     param_dtype=dtype_name(slot.param.dtype),
-                    grad_dtype=dtype_name(grad.dtype),
+                    grad_dtype=dtype_name(self._wire_dtype(dtype)),
                     state_dtype=dtype_name(slot.dtype),
                     own_states=tuple(sorted(slot.own_layouts.items())),
                     flat_axis=slot.flat_axis,
                     fetch_param=not (slot.needs_master and slot.step > 0),
                     cost=slot.cost,
                 )
-                for slot, (grad, layout) in zip(slots, grads, strict=True)
+                for slot, (layout, dtype) in zip(slots, grads, strict=True)
             ]
             try:
-                plan = plan_step(tensors, self.rank, bucket_bytes=self.bucket_bytes)
+                plan = plan_step(
+                    tensors, self.rank, bucket_bytes=self.bucket_bytes, overlap=self.overlap, prefetch=self._prefetch
+                )
             except ShardlangError as e:
                 raise OptimizerError(e.message) from None
             legs = {(leg.tensor, leg.what): i for i, leg in enumerate(plan.legs)}
@@ -495,7 +557,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step_plan(self) -> StepPlan:
         """The plan of the next step, for the parameters that have gradients now."""
         slots = self._stepped()
-        return self._compiled(slots, [s.local_grad() for s in slots]).plan
+        return self._compiled(slots, [_grad_key(s) for s in slots]).plan
 
     def _verify(self, plan: StepPlan) -> None:
         """Every rank of every group a bucket runs on holds the same buckets for it (in order,
@@ -541,12 +603,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.wait_params()
+        if self._gather_failure is not None:
+            raise OptimizerStepError(self._gather_failure)
+        backward, self._backward = self._backward, None
         slots = self._stepped()
         if not slots:
+            if backward is not None and backward.run is not None:
+                backward.run.drain()
             return loss
         members = self._members(slots)
         try:
-            commit = self._stage(slots)
+            commit = self._stage(slots, backward)
         except Exception:
             self._agree(members, ok=False)  # the others must not commit either
             raise
@@ -616,44 +684,82 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._flat = FlatStates(entries)
         return self._flat
 
-    def _stage(self, slots: list[Slot]) -> Callable[[], None]:
+    def _stage(self, slots: list[Slot], backward: _Backward | None = None) -> Callable[[], None]:
         """Run the step's communication and math without changing anything; returns what
-        commits it."""
+        commits it. ``backward``: the buckets already started during backward."""
         grads = [slot.local_grad() for slot in slots]
-        compiled = self._compiled(slots, grads)
+        compiled = self._compiled(slots, [(layout, grad.dtype) for grad, layout in grads])
+        for slot, (grad, layout) in zip(slots, grads, strict=True):
+            if isinstance(slot.param, DTensor):
+                slot.seen_grad = (layout, grad.dtype)
+        step_number = min(s.step for s in slots) + 1
+        before = None
+        if backward is not None and backward.run is not None:
+            if backward.stale or backward.compiled is not compiled or backward.slots != slots:
+                backward.run.drain()  # planned for other gradients: run the step without them
+            else:
+                before = backward.run
+        try:
+            return self._staged(slots, grads, compiled, step_number, before, backward)
+        except Exception:
+            if before is not None:
+                before.drain()
+            raise
+
+    def _stage_run(self, compiled: _Compiled, stage: str, slots: Sequence[Slot]) -> StageRun:
+        return StageRun(
+            compiled.program,
+            stage,
+            device_meshes={s.name: s.device_mesh for s in slots},
+            timeout=self.timeout,
+            buffers=self._bucket_buffers,
+        )
+
+    def _before_inputs(self, compiled: _Compiled, slot: Slot, device: torch.device) -> dict[int, torch.Tensor]:
+        """The inputs of a slot's legs before the update other than its gradient's."""
+        legs, inputs = compiled.legs, {}
+        fetch = legs.get((slot.name, "param -> state"))
+        if fetch is not None:
+            inputs[fetch] = slot.local_param()
+        for state in slot.own_layouts:
+            held = slot.own_states.get(state)
+            if held is None:
+                held = torch.zeros(slot.own_piece_shape(state, self.rank), dtype=slot.dtype, device=device)
+            inputs[legs[(slot.name, f"state.{state} -> state")]] = held
+        return inputs
+
+    def _staged(
+        self,
+        slots: list[Slot],
+        grads: list[tuple[torch.Tensor, Layout]],
+        compiled: _Compiled,
+        step_number: int,
+        before: StageRun | None,
+        backward: _Backward | None,
+    ) -> Callable[[], None]:
         plan, legs = compiled.plan, compiled.legs
         flat = self._flat_states()
-        step_number = min(s.step for s in slots) + 1
-        device_meshes = {s.name: s.device_mesh for s in slots}
 
-        def run(stage: str, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-            try:
-                return run_stage(
-                    compiled.program,
-                    stage,
-                    inputs,
-                    device_meshes=device_meshes,
-                    timeout=self.timeout,
-                    buffers=self._bucket_buffers,
-                )
-            except ShardlangError as e:
-                raise OptimizerStepError(
-                    f"step {step_number} failed {stage}: {e.message}; parameters and optimizer states are unchanged"
-                ) from e
+        def failed(stage: str, e: ShardlangError) -> OptimizerStepError:
+            return OptimizerStepError(
+                f"step {step_number} failed {stage}: {e.message}; parameters and optimizer states are unchanged"
+            )
 
-        # 1. Before the update.
+        # 1. Before the update: the buckets not started during backward, then all waited on.
         inputs: dict[int, torch.Tensor] = {}
         for slot, (grad, _) in zip(slots, grads, strict=True):
-            inputs[legs[(slot.name, "grad -> state")]] = grad
-            fetch = legs.get((slot.name, "param -> state"))
-            if fetch is not None:
-                inputs[fetch] = slot.local_param()
-            for state in slot.own_layouts:
-                held = slot.own_states.get(state)
-                if held is None:
-                    held = torch.zeros(slot.own_piece_shape(state, self.rank), dtype=slot.dtype, device=grad.device)
-                inputs[legs[(slot.name, f"state.{state} -> state")]] = held
-        arrived = run(BEFORE, inputs)
+            inputs[legs[(slot.name, "grad -> state")]] = grad.to(self._wire_dtype(grad.dtype))
+            inputs |= self._before_inputs(compiled, slot, grad.device)
+        if before is None:
+            before = self._stage_run(compiled, BEFORE, slots)
+        try:
+            before.feed({i: x for i, x in inputs.items() if i not in before.legs})
+            arrived = before.finish()
+        except ShardlangError as e:
+            raise failed(BEFORE, e) from e
+        if backward is not None and backward.error is not None:
+            raise failed(BEFORE, backward.error) from backward.error
+        waited = before.waited
         reduced = [arrived[legs[(s.name, "grad -> state")]] for s in slots]
         norm_bytes = norm_collectives = 0
         if self.max_grad_norm is not None or self.skip_nonfinite:
@@ -690,13 +796,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
         sum_bytes, sum_collectives = self._exchange(work, step_number)
 
-        # 3. After the update.
+        # 3. After the update; with prefetch_params the parameters' gathers are waited on later.
         inputs = {}
         for i, (slot, param) in enumerate(zip(slots, new_params, strict=True)):
             inputs[legs[(slot.name, "state -> param")]] = param.to(slot.param.dtype)
             for state in slot.own_layouts:
                 inputs[legs[(slot.name, f"state -> state.{state}")]] = work.own_new[(i, state)]
-        back = run(AFTER, inputs)
+        after = self._stage_run(compiled, AFTER, slots)
+        own_legs = [legs[(s.name, f"state -> state.{state}")] for s in slots for state in s.own_layouts]
+        try:
+            after.feed(inputs)
+            back = after.wait_for(own_legs) if self._prefetch else after.finish()
+        except ShardlangError as e:
+            after.drain()
+            raise failed(AFTER, e) from e
+        self.last_wait_seconds = waited + after.waited
         flag_bytes, flag_collectives = self._flag_traffic(slots)
         traffic = StepTraffic(
             plan.total_bytes,
@@ -709,15 +823,164 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         def commit() -> None:
             for slot in slots:
-                slot.local_param().copy_(back[legs[(slot.name, "state -> param")]])
                 for state in slot.own_layouts:
                     slot.own_states[state] = back[legs[(slot.name, f"state -> state.{state}")]].clone()
                 slot.step += 1
+            if self._prefetch:
+                params = {s.index: legs[(s.name, "state -> param")] for s in slots}
+                self._gathers = _Gathers(after, params, {s.index: s for s in slots}, step_number)
+            else:
+                for slot in slots:
+                    slot.local_param().copy_(back[legs[(slot.name, "state -> param")]])
             flat.replace(new_buffers)
             self.last_traffic = traffic
             self.last_grad_norm, self.last_step_skipped = norm, False
 
         return commit
+
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``dtype`` is reduced in: ``reduce_dtype`` when it is wider."""
+        wider = (
+            self.reduce_dtype is not None and dtype.is_floating_point and dtype.itemsize < self.reduce_dtype.itemsize
+        )
+        return self.reduce_dtype if wider else dtype  # type: ignore[return-value]
+
+    # --- overlap -----------------------------------------------------------------------
+    def _hook_grads(self, slots: Sequence[Slot]) -> None:
+        for slot in slots:
+            if slot.shard is not None and slot.param.requires_grad:
+                hook = slot.param.register_post_accumulate_grad_hook(lambda _, slot=slot: self._grad_ready(slot))
+                self._hooks.append(hook)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without starting any bucket (micro-batches
+        of gradient accumulation, as ``DistributedDataParallel.no_sync``); the backward after it
+        starts them, and ``step()`` reduces what was accumulated once."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _grad_ready(self, slot: Slot) -> None:
+        """A gradient hook (``overlap``): put the slot's gradient into the buckets before the
+        update, starting each as soon as every tensor it packs is ready."""
+        if not self._sync or slot.shard is None:
+            return
+        self.wait_params()  # the gathers' buffers are reused by these buckets
+        backward = self._backward
+        if backward is None:
+            backward = self._backward = self._begin_backward()
+        if backward.run is None or backward.stale or slot not in backward.slots:
+            return
+        assert backward.compiled is not None
+        grad, layout = slot.local_grad()
+        if (layout, grad.dtype) != _expected_grad(slot):
+            backward.stale = True
+            return
+        leg = backward.compiled.legs[(slot.name, "grad -> state")]
+        if leg in backward.run.legs or (backward.error is not None and not isinstance(backward.error, ReshardError)):
+            return
+        try:
+            backward.run.feed({leg: grad.to(self._wire_dtype(grad.dtype))})
+        except ReshardError as e:  # a piece of the wrong shape: sent as zeros, raised in step()
+            backward.error = backward.error or e
+            if leg not in backward.run.legs:
+                zeros = torch.zeros(backward.run.source_shape(leg), dtype=self._wire_dtype(grad.dtype))
+                backward.run.feed({leg: zeros})
+        except ShardlangError as e:  # a collective failed to start: raised in step()
+            backward.error = backward.error or e
+
+    def _begin_backward(self) -> _Backward:
+        """The buckets of the coming step, for every slot this rank steps, with its non-gradient
+        inputs given at once (they do not change during backward)."""
+        slots = [s for s in self._slots if s.shard is not None and s.param.requires_grad]
+        keys = [_expected_grad(slot) for slot in slots]
+        if any(key is None for key in keys):  # a DTensor's gradient layout shows at its first step
+            return _Backward(slots, None, None)
+        compiled = self._compiled(slots, keys)  # type: ignore[arg-type]
+        run = self._stage_run(compiled, BEFORE, slots)
+        backward = _Backward(slots, compiled, run)
+        try:
+            for slot in slots:
+                run.feed(self._before_inputs(compiled, slot, slot.local_param().device))
+        except ShardlangError as e:
+            backward.error = e
+        return backward
+
+    @property
+    def buckets_started(self) -> int:
+        """Buckets of the coming step already started during backward (``overlap``)."""
+        backward = self._backward
+        return 0 if backward is None or backward.run is None else backward.run.started
+
+    def prefetch_params(self, *units: torch.nn.Module) -> None:
+        """Gather the parameters after each step in the background: ``step()`` commits the
+        states and starts the gathers, and the forward pre-hook of each unit waits for the
+        parameters under it and writes them, so forward starts before every gather finished (the
+        units of FSDP2's ``fully_shard``). A parameter belongs to the first unit given that holds
+        it (give inner units first, e.g. ``model.embed, *model.layers, model.head``); every
+        parameter this optimizer steps must belong to one and be read only inside its unit's
+        forward. The next ``step()``, backward, checkpoints and :meth:`wait_params` wait for
+        whatever is left. The gathers run in parameter order, so units should come in that
+        order too (a unit waits for the gathers before its own)."""
+        slots = {id(s.param): s for s in self._slots if s.shard is not None}
+        taken: set[int] = set()
+        for unit in units:
+            mine = [slots[id(p)] for p in unit.parameters() if id(p) in slots and id(p) not in taken]
+            taken |= {id(s.param) for s in mine}
+            if mine:
+                hook = unit.register_forward_pre_hook(lambda *_, mine=mine: self._gather_for(mine))
+                self._hooks.append(hook)
+        missing = [s.name for s in slots.values() if id(s.param) not in taken]
+        if missing:
+            raise OptimizerError(
+                f"prefetch_params: no unit given holds tensor '{missing[0]}'"
+                + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            )
+        self.wait_params()
+        self._prefetch = True
+        self._plans.clear()  # the buckets after the update now start after the step
+
+    def _gather_for(self, slots: Sequence[Slot]) -> None:
+        """Wait for the gathers of ``slots``' parameters (and those started before them) and
+        write the parameters."""
+        gathers = self._gathers
+        if gathers is None:
+            return
+        waiting = [s for s in slots if s.index in gathers.waiting]
+        if not waiting:
+            return
+        try:
+            back = gathers.run.wait_for([gathers.legs[s.index] for s in waiting])
+        except ShardlangError as e:
+            self._fail_gathers(e)
+        for slot in waiting:
+            slot.local_param().copy_(back[gathers.legs[slot.index]])
+            del gathers.waiting[slot.index]
+        if not gathers.waiting:
+            self._gathers = None
+
+    def wait_params(self) -> None:
+        """Wait for every gather of the last step and write the parameters (with
+        :meth:`prefetch_params`; forward does it module by module, the next step, backward and
+        checkpoints at once): call it before reading parameters outside forward."""
+        if self._gathers is not None:
+            self._gather_for(list(self._gathers.waiting.values()))
+
+    def _fail_gathers(self, error: ShardlangError) -> None:
+        gathers = self._gathers
+        assert gathers is not None
+        gathers.run.drain()
+        self._gathers = None
+        names = sorted(s.name for s in gathers.waiting.values())
+        self._gather_failure = (
+            f"step {gathers.step}: gathering the updated parameters failed: {error.message}; the optimizer "
+            f"states hold step {gathers.step}, but {len(names)} parameters (first '{names[0]}') still hold "
+            f"step {gathers.step - 1}'s values: load a checkpoint to go on"
+        )
+        raise OptimizerStepError(self._gather_failure) from error
 
     def _norm_specs(self, slots: Sequence[Slot]) -> list[SumSpec]:
         """Each slot's sum of squared gradient elements, partial over the axes its state layout
@@ -834,7 +1097,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         slots = self._stepped()
         if not slots:
             return StepTraffic()
-        plan = self._compiled(slots, [s.local_grad() for s in slots]).plan
+        plan = self._compiled(slots, [_grad_key(s) for s in slots]).plan
         specs = [self._sum_specs(slot) for slot in slots]
         sum_bytes = sum_collectives = 0
         phases = [[spec for s in specs for spec in s[k]] for k in range(len(self.phases))]
@@ -877,6 +1140,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def held_tensors(self) -> list[HeldTensor]:
         """Every parameter whose states this rank keeps, with where each state lies."""
+        self.wait_params()
         return [
             HeldTensor(
                 name=slot.name,
@@ -972,6 +1236,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load what :meth:`full_state_dict` or the torch optimizer's ``state_dict()`` wrote,
         each rank its pieces; every rank calls it."""
         full_state.load_full_state_dict(self, state_dict)
+
+
+def _grad_key(slot: Slot) -> tuple[Layout, torch.dtype]:
+    """The layout and dtype of a slot's gradient as it is now."""
+    grad, layout = slot.local_grad()
+    return layout, grad.dtype
+
+
+def _expected_grad(slot: Slot) -> tuple[Layout, torch.dtype] | None:
+    """The layout and dtype a slot's next gradient is planned with before it exists: the spec's
+    grad layout, or a DTensor's gradient as last seen (None before its first step)."""
+    if slot.grad_layout is not None and not isinstance(slot.param, DTensor):
+        return slot.grad_layout, slot.param.dtype
+    return slot.seen_grad
 
 
 def _layouts(
