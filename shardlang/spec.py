@@ -262,14 +262,31 @@ class Spec:
         for rule in self.rules:
             if rule.matches(name):
                 for role, layout in _named_layouts(rule.layouts):
-                    if layout.ndim != len(shape):
+                    if layout.ndim > len(shape):
                         raise SpecError(
                             f"rule \"{rule.pattern}\" gives tensor '{name}' of shape {list(shape)} "
-                            f"a {layout.ndim}-d {role} layout '{layout}'",
+                            f"a {layout.ndim}-d {role} layout '{layout}': a rule's layout may name fewer dims "
+                            "than the tensor has (the rest are replicated), never more",
                             rule.position,
                         )
-                return TensorSpec(name=name, dtype=dtype, shape=shape, layouts=rule.layouts, position=rule.position)
+                layouts = rank_filled(rule.layouts, len(shape))
+                return TensorSpec(name=name, dtype=dtype, shape=shape, layouts=layouts, position=rule.position)
         raise SpecError(f"tensor '{name}' is not declared and no rule matches it in {self.filename or 'the spec'}")
+
+
+def rank_filled(layouts: Layouts, ndim: int) -> Layouts:
+    """A rule's layouts for a tensor of ``ndim`` dims: the dims a layout does not name are
+    replicated, as in JAX's ``PartitionSpec`` (docs/language.md, "Rules")."""
+
+    def fill(layout: Layout) -> Layout:
+        extra = ndim - layout.ndim
+        if extra == 0:
+            return layout
+        return Layout(dims=layout.dims + ((),) * extra, mesh=layout.mesh, partial=layout.partial)
+
+    return Layouts(
+        param=fill(layouts.param), grad=fill(layouts.grad), states=tuple((k, fill(v)) for k, v in layouts.states)
+    )
 
 
 def _named_layouts(layouts: Layouts) -> list[tuple[str, Layout]]:
