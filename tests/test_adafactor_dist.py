@@ -32,6 +32,7 @@ HYPER = {"lr": 1e-2, "weight_decay": 0.1, "d": 1.0}
 HYPER_EPS = {"lr": 5e-2, "eps": (1e-4, 2.0), "d": 1.5, "beta2_decay": -0.6}
 LAYOUT_CONFIGS = [c for c in CONFIGS if c not in OWN_STATES]
 DTYPES = (torch.float32, torch.float64)
+DTENSOR_STEPS = 10
 SEED = 21
 
 
@@ -145,6 +146,35 @@ def _run_failed_step(rank: int) -> dict[str, Any]:
     }
 
 
+def _run_dtensor(rank: int, build: Any) -> dict[str, Any]:
+    """Parameters and gradients as DTensors on a [dp=2, tp=2] DeviceMesh; the spec gives only
+    the state layouts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from shardlang.interop import to_dtensor_placements
+
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    spec = _spec(*CONFIGS["dp2_tp2"][:2])
+    coordinate = (rank // 2, rank % 2)
+
+    def dtensor(full: torch.Tensor, local: torch.Tensor, layout: Any) -> DTensor:
+        placements = to_dtensor_placements(layout)
+        return DTensor.from_local(local, device_mesh, placements, shape=full.shape, stride=full.stride())
+
+    params = {}
+    for name, full in initial_params(torch.float32, SEED).items():
+        layout = spec[name].param
+        local = hand_piece(full, layout.dims, layout.mesh.shape, coordinate).clone()
+        params[name] = torch.nn.Parameter(dtensor(full, local, layout))
+    optimizer = build(list(params.items()), {n: s.layouts for n, s in spec.items()})
+    for step in range(DTENSOR_STEPS):
+        for name, (grad, addends) in step_grads(torch.float32, SEED, step).items():
+            params[name].grad = dtensor(grad, local_grad(grad, addends, spec[name].grad, coordinate), spec[name].grad)
+        optimizer.step()
+    return {"coordinate": coordinate, "params": {n: p.to_local().detach().clone() for n, p in params.items()}}
+
+
 def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -154,6 +184,7 @@ def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     out["eps"] = _run_config(rank, "nested_tp_dp", torch.float64, HYPER_EPS)
     out["resume"] = _run_resume(rank, directory)
     out["failed"] = _run_failed_step(rank)
+    out["dtensor"] = _run_dtensor(rank, _optimizer)
     return out
 
 
@@ -241,3 +272,10 @@ def test_a_failed_step_changes_nothing(ranks: list[dict[str, Any]]) -> None:
         assert case["message"] is not None and "step 4" in case["message"], case["message"]
         assert case["unchanged"]
         _check_pieces(case, spec, want, torch.float32, f"after the failed step, rank {rank}")
+
+
+def test_dtensor_parameters(ranks: list[dict[str, Any]]) -> None:
+    want = _reference(torch.float32, DTENSOR_STEPS)
+    spec = _spec(*CONFIGS["dp2_tp2"][:2])
+    for rank, result in enumerate(ranks):
+        _check_pieces(result["dtensor"], spec, want, torch.float32, f"DTensor rank {rank}")

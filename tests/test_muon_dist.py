@@ -39,13 +39,17 @@ OTHER = {"nesterov": False, "ns_steps": 3, "adjust_lr_fn": "match_rms_adamw", "n
 LAYOUT_CONFIGS = [c for c in CONFIGS if c not in OWN_STATES]
 PLACEMENTS = ("gather", "owner")
 DTYPES = (torch.float32, torch.float64)
-# f64 (and so both tolerances) on uneven rows, nested axes, flat chunks, the 3-rank mesh and
-# the 2-d mesh; the other layouts in f32 only, to keep the run short.
-F64_CONFIGS = ("zero_rows", "nested_tp_dp", "flat_zero_with_tp", "three_ranks", "dp2_tp2")
+# f64 (and so both tolerances) on uneven rows, nested axes, flat chunks and the 3-rank mesh
+# (and on [dp=2,tp=2] with other hyperparameters); the other layouts in f32 only, to keep the
+# run short.
+F64_CONFIGS = ("zero_rows", "nested_tp_dp", "flat_zero_with_tp", "three_ranks")
 
 
 def _dtypes(config: str) -> tuple[torch.dtype, ...]:
     return DTYPES if config in F64_CONFIGS else (torch.float32,)
+
+
+DTENSOR_STEPS = 10
 SEED = 23
 
 
@@ -166,6 +170,39 @@ def _run_failed_step(rank: int) -> dict[str, Any]:
     }
 
 
+def _run_dtensor(rank: int, build: Any) -> dict[str, Any]:
+    """Parameters and gradients as DTensors on a [dp=2, tp=2] DeviceMesh; the spec gives only
+    the state layouts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from shardlang.interop import to_dtensor_placements
+
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    spec = _spec(*CONFIGS["dp2_tp2"][:2])
+    coordinate = (rank // 2, rank % 2)
+
+    def dtensor(full: torch.Tensor, local: torch.Tensor, layout: Any) -> DTensor:
+        placements = to_dtensor_placements(layout)
+        return DTensor.from_local(local, device_mesh, placements, shape=full.shape, stride=full.stride())
+
+    params = {}
+    for name, full in initial_params(torch.float32, SEED).items():
+        layout = spec[name].param
+        local = hand_piece(full, layout.dims, layout.mesh.shape, coordinate).clone()
+        params[name] = torch.nn.Parameter(dtensor(full, local, layout))
+    optimizer = build(list(params.items()), {n: s.layouts for n, s in spec.items()})
+    for step in range(DTENSOR_STEPS):
+        for name, (grad, addends) in step_grads(torch.float32, SEED, step).items():
+            params[name].grad = dtensor(grad, local_grad(grad, addends, spec[name].grad, coordinate), spec[name].grad)
+        optimizer.step()
+    return {"coordinate": coordinate, "params": {n: p.to_local().detach().clone() for n, p in params.items()}}
+
+
+def _dtensor_optimizer(named: list, spec: Any) -> Any:
+    return _optimizer(named, spec, "owner")
+
+
 def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -176,6 +213,7 @@ def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     out["other"] = _run_config(rank, "dp2_tp2", torch.float64, "auto", MUON | OTHER)
     out["resume"] = _run_resume(rank, directory)
     out["failed"] = _run_failed_step(rank)
+    out["dtensor"] = _run_dtensor(rank, _dtensor_optimizer)
     return out
 
 
@@ -321,3 +359,10 @@ def test_auto_placement_prices_compute_against_moves() -> None:
     owned = place_matrices(_matrices(shapes), "owner", flops_per_second=1e18)
     assert fast.seconds == min(gathered.seconds, owned.seconds), (str(fast), str(gathered), str(owned))
     assert slow.seconds < place_matrices(_matrices(shapes), "gather", flops_per_second=1e6).seconds
+
+
+def test_dtensor_parameters(ranks: list[dict[str, Any]]) -> None:
+    want = _reference(torch.float32, DTENSOR_STEPS)
+    spec = _spec(*CONFIGS["dp2_tp2"][:2])
+    for rank, result in enumerate(ranks):
+        _check_pieces(result["dtensor"], spec, want, torch.float32, f"DTensor rank {rank}")

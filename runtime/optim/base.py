@@ -183,7 +183,7 @@ class HeldTensor:
 class StepTraffic:
     """What one step communicates on this rank, as planned: bucket bytes and collectives
     (the step plan), statistics all-reduces and their bytes (``sums.plan_collectives``), and
-    the all-reduce of the commit flag (``all_ranks_commit``)."""
+    the all-reduce of the commit flag (``all_ranks_commit``), and whole matrices moved (Muon)."""
 
     reshard_bytes: int = 0
     reshard_collectives: int = 0
@@ -191,14 +191,17 @@ class StepTraffic:
     sum_collectives: int = 0
     commit_bytes: int = 0
     commit_collectives: int = 0
+    # Whole matrices moved for an iteration over them (Muon's Newton-Schulz; runtime.optim.muon).
+    matrix_bytes: int = 0
+    matrix_collectives: int = 0
 
     @property
     def bytes(self) -> int:
-        return self.reshard_bytes + self.sum_bytes + self.commit_bytes
+        return self.reshard_bytes + self.sum_bytes + self.commit_bytes + self.matrix_bytes
 
     @property
     def collectives(self) -> int:
-        return self.reshard_collectives + self.sum_collectives + self.commit_collectives
+        return self.reshard_collectives + self.sum_collectives + self.commit_collectives + self.matrix_collectives
 
 
 class StepWork:

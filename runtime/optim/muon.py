@@ -61,11 +61,10 @@ MUON_STATES = ("momentum_buffer",)
 
 @attrs.frozen
 class MatrixMoves:
-    """What one matrix's iteration communicates on this rank: the flat chunks' all-gather
-    (bytes; 0 when not flat) and the plans that bring the matrix to where it is iterated and
-    its result back (``back`` ``None`` for a gather)."""
+    """What one matrix's iteration communicates on this rank: the all-gather joining flat
+    chunks (bytes; 0 unless they are joined) and the plans that bring the matrix to where it is
+    iterated and its result back (``back`` ``None`` for a gather)."""
 
-    placement_owner: int | None
     flat_bytes: int
     to: Plan
     back: Plan | None
@@ -225,9 +224,9 @@ class ShardedMuon(ShardedOptimizer):
             chunk = -(-math.prod(slot.shard.block_shape) // n)
             flat_bytes = (n - 1) * chunk * slot.dtype.itemsize  # the cost model's all_gather row
         if owner is None or len(slot.state_layout.mesh.ranks) == 1:
-            return MatrixMoves(owner, flat_bytes, gather_plan(layout, shape, dtype, slot.cost), None)
+            return MatrixMoves(flat_bytes, gather_plan(layout, shape, dtype, slot.cost), None)
         to, back = owner_plans(layout, owner, shape, dtype, slot.cost)
-        return MatrixMoves(owner, flat_bytes, to, back)
+        return MatrixMoves(flat_bytes, to, back)
 
     # --- what a step communicates ------------------------------------------------------
     def planned_traffic(self) -> StepTraffic:
