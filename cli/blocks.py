@@ -5,24 +5,25 @@ from __future__ import annotations
 import attrs
 
 from shardlang import Layout
+from shardlang.box import Box
 
 
 @attrs.frozen
 class Block:
     """``bounds[d]`` is ``[start, stop)`` of dim ``d``; ``local`` is the padded piece shape."""
 
-    bounds: tuple[tuple[int, int], ...]
+    bounds: Box
     shape: tuple[int, ...]
     local: tuple[int, ...]
 
     @property
     def empty(self) -> bool:
-        return any(stop == start for start, stop in self.bounds)
+        return self.bounds.empty
 
     @property
     def padded(self) -> bool:
         """Shorter than the padded piece in some dim (the collectives pad it), but not empty."""
-        short = any(stop - start < n for (start, stop), n in zip(self.bounds, self.local, strict=True))
+        short = any(n < full for n, full in zip(self.bounds.shape, self.local, strict=True))
         return short and not self.empty
 
     @property

@@ -13,7 +13,6 @@ import attrs
 
 from cli.tables import format_bytes
 from planner import Step
-from planner.holdings import box_elements
 from shardlang.dtypes import itemsize
 
 
@@ -50,7 +49,7 @@ def step_messages(step: Step, dtype: str) -> Messages:
         if t.src_rank == t.dst_rank:
             copies += 1
             continue
-        nbytes = box_elements(t.box) * size
+        nbytes = t.box.numel * size
         messages += 1
         pairs[(t.src_rank, t.dst_rank)] += nbytes
         sent[t.src_rank] += nbytes

@@ -20,25 +20,9 @@ import math
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
+from shardlang.box import Box
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
-
-Box = tuple[tuple[int, int], ...]
-
-
-def box_elements(box: Box) -> int:
-    return math.prod(hi - lo for lo, hi in box)
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """The common block of two boxes, or ``None`` when they share no element."""
-    out = []
-    for (alo, ahi), (blo, bhi) in zip(a, b, strict=True):
-        lo, hi = max(alo, blo), min(ahi, bhi)
-        if lo >= hi:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
 
 
 def holds_values(layout: Layout) -> bool:
@@ -57,7 +41,7 @@ class Blocks:
         self.of_rank: dict[int, Box] = {rank: layout.rank_piece(shape, rank) for rank in layout.mesh.ranks}
         holders: dict[Box, list[int]] = {}
         for rank, box in self.of_rank.items():
-            if box_elements(box):
+            if box.numel:
                 holders.setdefault(box, []).append(rank)
         self.holders = {box: tuple(ranks) for box, ranks in holders.items()}
         self.intervals = tuple(tuple(sorted({box[d] for box in self.holders})) for d in range(len(shape)))
@@ -65,7 +49,7 @@ class Blocks:
 
     def _overlapping_intervals(self, box: Box) -> list[list[tuple[int, int]]]:
         """Per dim, the intervals that share elements with ``box`` (none anywhere if it is empty)."""
-        if not box_elements(box):
+        if not box.numel:
             return [[] for _ in box]
         per_dim = []
         for (lo, hi), intervals, starts in zip(box, self.intervals, self._starts, strict=True):
@@ -78,7 +62,8 @@ class Blocks:
         """Each block sharing elements with ``box``, with the shared part: ``(block, part)``, in
         ascending block order. The parts partition ``box``."""
         for block in itertools.product(*self._overlapping_intervals(box)):
-            yield block, tuple((max(lo, blo), min(hi, bhi)) for (lo, hi), (blo, bhi) in zip(box, block, strict=True))
+            part = ((max(lo, blo), min(hi, bhi)) for (lo, hi), (blo, bhi) in zip(box, block, strict=True))
+            yield Box.trusted(block), Box.trusted(part)
 
     def count_overlapping(self, box: Box) -> int:
         """How many blocks share elements with ``box``."""
@@ -99,8 +84,8 @@ def missing_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str) 
     out = {}
     for rank in dst.mesh.ranks:
         target = dst.rank_piece(shape, rank)
-        held = intersect(src.rank_piece(shape, rank), target) if rank in source else None
-        out[rank] = (box_elements(target) - (box_elements(held) if held else 0)) * itemsize
+        held = src.rank_piece(shape, rank).intersect(target) if rank in source else None
+        out[rank] = (target.numel - (held.numel if held else 0)) * itemsize
     return MappingProxyType(out)
 
 

@@ -39,9 +39,10 @@ from __future__ import annotations
 import attrs
 
 from planner.cost import DEFAULT_COST, CostModel, PlanError, integer_op_rates
-from planner.holdings import Box, blocks_of, box_elements, intersect
+from planner.holdings import blocks_of
 from planner.plan import Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, budget_error, check_budget, check_request
+from shardlang.box import Box
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
@@ -145,7 +146,7 @@ class Exchange:
                 if block == own:
                     slots.append([receiver, receiver, part])
                 else:
-                    jobs.setdefault(block, []).append((-box_elements(part), position, len(slots)))
+                    jobs.setdefault(block, []).append((-part.numel, position, len(slots)))
                     slots.append([None, receiver, part])
         traffic: dict[int, _Traffic] = {}
         for block, messages in jobs.items():
@@ -197,12 +198,12 @@ def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], item
     fastest = links.fastest
     bound = 0
     for target, receivers in blocks_of(after, shape).holders.items():
-        messages, elements = source.count_overlapping(target), box_elements(target)
+        messages, elements = source.count_overlapping(target), target.numel
         least_held = 0 if any(r not in source.of_rank for r in receivers) else elements
         for receiver in receivers:
             if least_held:
-                held = intersect(source.of_rank[receiver], target)
-                least_held = min(least_held, box_elements(held) if held else 0)
+                held = source.of_rank[receiver].intersect(target)
+                least_held = min(least_held, held.numel if held else 0)
         # The receiver that holds least needs the most bytes; it lacks all blocks but (maybe) one.
         missing = (elements - least_held) * itemsize
         bound = max(bound, (messages - (least_held > 0)) * fastest.units_per_message + missing * fastest.units_per_byte)

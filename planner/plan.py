@@ -8,7 +8,8 @@ from typing import Any
 import attrs
 
 from planner.cost import CostModel, PlanError
-from planner.holdings import Box, receive_lower_bound
+from planner.holdings import receive_lower_bound
+from shardlang.box import Box
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
@@ -28,7 +29,7 @@ class Transfer:
 
     src_rank: int
     dst_rank: int
-    box: Box = attrs.field(converter=lambda b: tuple((int(lo), int(hi)) for lo, hi in b))
+    box: Box = attrs.field(converter=Box)
 
     def to_json(self) -> dict[str, Any]:
         return {"src": self.src_rank, "dst": self.dst_rank, "box": [list(b) for b in self.box]}

@@ -6,8 +6,8 @@ padded shape (zeros fill what the tensor does not cover); ``unpack`` concatenate
 blocks along one dim and crops to the true shape. Both avoid copies when the blocks are
 already contiguous runs of memory, and otherwise copy each region once (two copies at most:
 the whole blocks, then the partial last one). ``region`` is the view of one box of a piece
-(a point-to-point transfer's block, placed by ``relative`` in the piece that sends or receives
-it), ``piece_shape`` the shape of a box (``[start, stop)`` per dim).
+(a point-to-point transfer's block, placed by ``Box.relative_to`` in the piece that sends or
+receives it; box arithmetic is :mod:`shardlang.box`).
 """
 
 from __future__ import annotations
@@ -16,16 +16,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-
-
-def piece_shape(bounds: Sequence[tuple[int, int]]) -> tuple[int, ...]:
-    """The shape of the box ``bounds`` (``[start, stop)`` per dim)."""
-    return tuple(stop - start for start, stop in bounds)
-
-
-def relative(box: Sequence[tuple[int, int]], within: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """``box`` (global ``[start, stop)`` per dim) placed relative to a piece holding ``within``."""
-    return tuple((start - origin, stop - origin) for (start, stop), (origin, _) in zip(box, within, strict=True))
 
 
 def crop(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

@@ -25,21 +25,13 @@ from collections import defaultdict
 import attrs
 import torch
 
-from planner.holdings import box_elements, intersect
-from planner.plan import Box, Plan, Step, Transfer
-from runtime.blocks import piece_shape, region, relative
+from planner.plan import Plan, Step, Transfer
+from runtime.blocks import region
 from runtime.errors import ReshardError
+from shardlang.box import Box
 from shardlang.layout import Layout
 
 PeerBoxes = tuple[tuple[int, tuple[Box, ...]], ...]  # (peer rank, its boxes in transfer order), peers ascending
-
-
-def _inside(box: Box, bounds: Box) -> bool:
-    return all(lo <= start and stop <= hi for (start, stop), (lo, hi) in zip(box, bounds, strict=True))
-
-
-def _format_box(box: Box) -> str:
-    return "[" + ", ".join(f"{start}:{stop}" for start, stop in box) + "]"
 
 
 @attrs.frozen
@@ -65,7 +57,7 @@ class Exchange:
 
     @property
     def elements_sent(self) -> int:
-        return sum(box_elements(box) for _, boxes in self.sends for box in boxes)
+        return sum(box.numel for _, boxes in self.sends for box in boxes)
 
     def pack(self, x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """Per peer, the flat contiguous message to send, cut from the source piece ``x``."""
@@ -74,7 +66,7 @@ class Exchange:
             if len(boxes) == 1 and (block := region(x, boxes[0])).is_contiguous():
                 messages.append((peer, block.reshape(-1)))  # a view: no copy
                 continue
-            message = x.new_empty(sum(box_elements(box) for box in boxes))
+            message = x.new_empty(sum(box.numel for box in boxes))
             offset = 0
             for box in boxes:
                 block = region(x, box)
@@ -91,7 +83,7 @@ class Exchange:
             if len(boxes) == 1 and (block := region(out, boxes[0])).is_contiguous():
                 buffers.append((peer, block.view(-1), True))
             else:
-                buffers.append((peer, out.new_empty(sum(box_elements(box) for box in boxes)), False))
+                buffers.append((peer, out.new_empty(sum(box.numel for box in boxes)), False))
         return buffers
 
     def place(self, out: torch.Tensor, buffers: list[tuple[int, torch.Tensor, bool]]) -> None:
@@ -126,21 +118,21 @@ def compile_exchange(plan: Plan, index: int, rank: int) -> Exchange | None:
     receives: dict[int, list[Box]] = defaultdict(list)
     copies = []
     for t in step.transfers:
-        if box_elements(t.box) == 0 or rank not in (t.src_rank, t.dst_rank):
+        if t.box.numel == 0 or rank not in (t.src_rank, t.dst_rank):
             continue
         if t.src_rank == t.dst_rank:
-            copies.append((relative(t.box, source_bounds), relative(t.box, target_bounds)))
+            copies.append((t.box.relative_to(source_bounds), t.box.relative_to(target_bounds)))
         elif t.src_rank == rank:
-            sends[t.dst_rank].append(relative(t.box, source_bounds))
+            sends[t.dst_rank].append(t.box.relative_to(source_bounds))
         else:
-            receives[t.src_rank].append(relative(t.box, target_bounds))
+            receives[t.src_rank].append(t.box.relative_to(target_bounds))
     return Exchange(
         index=index,
         step=step,
         sends=tuple((peer, tuple(boxes)) for peer, boxes in sorted(sends.items())),
         receives=tuple((peer, tuple(boxes)) for peer, boxes in sorted(receives.items())),
         copies=tuple(copies),
-        after=None if target_bounds is None else piece_shape(target_bounds),
+        after=None if target_bounds is None else target_bounds.shape,
     )
 
 
@@ -161,7 +153,7 @@ def check_point_to_point(plan: Plan, index: int) -> None:
     received: dict[int, list[Box]] = defaultdict(list)
     for k, t in enumerate(step.transfers):
         _check_transfer(plan, t, source, target, f"{where}: transfer {k} (rank {t.src_rank} -> rank {t.dst_rank}")
-        if box_elements(t.box):
+        if t.box.numel:
             received[t.dst_rank].append(t.box)
     for rank in target.mesh.ranks:
         _check_cover(received[rank], target.rank_piece(plan.shape, rank), f"{where}: rank {rank}'s target piece")
@@ -170,28 +162,24 @@ def check_point_to_point(plan: Plan, index: int) -> None:
 def _check_transfer(plan: Plan, t: Transfer, source: Layout, target: Layout, what: str) -> None:
     shape = plan.shape
     if len(t.box) != len(shape) or any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(t.box, shape, strict=True)):
-        raise ReshardError(f"{what}, box {_format_box(t.box)}) is not a box of the tensor of shape {list(plan.shape)}")
+        raise ReshardError(f"{what}, box {t.box.text()}) is not a box of the tensor of shape {list(plan.shape)}")
     for rank, layout, role in ((t.src_rank, source, "source"), (t.dst_rank, target, "target")):
         if rank not in layout.mesh.ranks:
             raise ReshardError(f"{what}): rank {rank} is not in the {role} mesh {layout.mesh.describe()}")
         bounds = layout.rank_piece(plan.shape, rank)
-        if box_elements(t.box) and not _inside(t.box, bounds):
-            raise ReshardError(
-                f"{what}): box {_format_box(t.box)} is not inside rank {rank}'s {role} piece {_format_box(bounds)}"
-            )
+        if t.box.numel and not bounds.contains(t.box):
+            raise ReshardError(f"{what}): box {t.box.text()} is not inside rank {rank}'s {role} piece {bounds.text()}")
 
 
 def _check_cover(boxes: list[Box], bounds: Box, what: str) -> None:
     """Boxes inside ``bounds`` (checked before) cover it exactly once: disjoint, volumes adding up."""
-    covered, needed = sum(box_elements(b) for b in boxes), box_elements(bounds)
+    covered, needed = sum(b.numel for b in boxes), bounds.numel
     ordered = sorted(boxes)
     for i, a in enumerate(ordered):
         for b in ordered[i + 1 :]:
             if b and b[0][0] >= a[0][1]:
                 break  # sorted by start along dim 0: no later box reaches back into ``a``
-            if intersect(a, b) is not None:
-                raise ReshardError(
-                    f"{what} {_format_box(bounds)} receives {_format_box(a)} and {_format_box(b)}, which overlap"
-                )
+            if a.intersect(b) is not None:
+                raise ReshardError(f"{what} {bounds.text()} receives {a.text()} and {b.text()}, which overlap")
     if covered != needed:
-        raise ReshardError(f"{what} {_format_box(bounds)} has {needed} elements but its transfers bring {covered}")
+        raise ReshardError(f"{what} {bounds.text()} has {needed} elements but its transfers bring {covered}")

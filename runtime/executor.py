@@ -49,7 +49,6 @@ from torch.distributed.tensor import DTensor
 import planner
 from planner.plan import Plan
 from runtime import stats
-from runtime.blocks import piece_shape
 from runtime.comm import collective, default_device, post_point_to_point, timeout_of, wait_point_to_point
 from runtime.dtypes import dtype_name, torch_dtype
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
@@ -275,7 +274,7 @@ class _Program:
         self.plan = plan
         self.moves: tuple[Move | Exchange | None, ...] = compile_plan(plan, rank)
         in_source = rank in plan.src.mesh.ranks
-        self.source_shape = piece_shape(plan.src.rank_piece(plan.shape, rank)) if in_source else None
+        self.source_shape = plan.src.rank_piece(plan.shape, rank).shape if in_source else None
 
 
 def _program(

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
+from shardlang.box import Box
 from shardlang.errors import LayoutError
 from shardlang.mesh import Mesh
 
@@ -139,7 +140,7 @@ class Layout:
             for length, axes in zip(shape, self.dims, strict=True)
         )
 
-    def piece(self, shape: tuple[int, ...], coordinate: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    def piece(self, shape: tuple[int, ...], coordinate: tuple[int, ...]) -> Box:
         """``[start, stop)`` per dim of the block held at a mesh coordinate."""
         self.check_shape(shape)
         bounds = []
@@ -149,9 +150,9 @@ class Layout:
                 lo, hi = chunk_bounds(stop - start, self.mesh.shape[a], coordinate[a])
                 start, stop = start + lo, start + hi
             bounds.append((start, stop))
-        return tuple(bounds)
+        return Box.trusted(bounds)
 
-    def rank_piece(self, shape: tuple[int, ...], rank: int) -> tuple[tuple[int, int], ...]:
+    def rank_piece(self, shape: tuple[int, ...], rank: int) -> Box:
         """``[start, stop)`` per dim of the block a global rank holds."""
         return self.piece(shape, self.mesh.coordinate(rank))
 

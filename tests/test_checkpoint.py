@@ -17,9 +17,9 @@ import torch
 
 from runtime import checkpoint
 from runtime.checkpoint import CheckpointError, LocalPiece
-from runtime.checkpoint.boxes import byte_runs, flat_range_boxes
 from runtime.optim import ShardedAdamW, ShardedCAME
 from shardlang import parse_layout
+from shardlang.box import Box
 from shardlang.spec import Layouts
 
 ONE = "mesh[1]"
@@ -37,13 +37,13 @@ def test_flat_range_boxes_are_the_range_in_order() -> None:
         flat = big[tuple(slice(lo, hi) for lo, hi in block)].reshape(-1)
         total = math.prod(shape)
         for lo, hi in itertools.combinations_with_replacement(range(total + 1), 2):
-            boxes = flat_range_boxes(block, lo, hi)
+            boxes = Box(block).flat_range(lo, hi)
             got = [big[tuple(slice(a, b) for a, b in box)].reshape(-1) for box in boxes]
             assert torch.equal(torch.cat([torch.zeros(0, dtype=torch.int64), *got]), flat[lo:hi]), (shape, lo, hi)
             assert len(boxes) <= max(1, 2 * len(shape) - 1)
 
 
-def test_byte_runs_read_exactly_the_sub_box() -> None:
+def test_box_runs_read_exactly_the_sub_box() -> None:
     """Random sub-boxes of random stored boxes: the bytes at the runs, concatenated, are the
     sub-box's bytes, and no two runs are adjacent (they would be one read)."""
     rng = random.Random(3)
@@ -54,10 +54,10 @@ def test_byte_runs_read_exactly_the_sub_box() -> None:
         for lo, hi in stored:
             a = rng.randint(lo, hi)
             sub.append((a, rng.randint(a, hi)))
-        sub = tuple(sub)
+        sub = Box(sub)
         data = torch.arange(math.prod(hi - lo for lo, hi in stored), dtype=torch.int32)
         raw = data.numpy().tobytes()
-        runs = list(byte_runs(stored, sub, 4))
+        runs = [(offset * 4, length * 4) for offset, length in Box(stored).runs(sub)]
         got = b"".join(raw[offset : offset + length] for offset, length in runs)
         index = tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(sub, stored, strict=True))
         want = data.reshape([hi - lo for lo, hi in stored])[index].contiguous().numpy().tobytes()

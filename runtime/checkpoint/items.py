@@ -7,7 +7,7 @@ layout can read them back:
   the same box (replicas: they differ only on mesh axes that split no dim), exactly one
   stores it, chosen by the tensor's name so that replicated tensors spread over the replicas;
 - a flat chunk (flat ZeRO over axis ``a``) is a range of the row-major order of the block the
-  rank holds without ``a``; it is stored as the boxes that range covers (``flat_range_boxes``);
+  rank holds without ``a``; it is stored as the boxes that range covers (``Box.flat_range``);
 - CAME's row and column statistics are tensors of their own (``[*batch, H]`` and
   ``[*batch, W]``), in the layouts the optimizer gives them;
 - a partial layout is never stored as addends: the tensor is reduced first (resharded to the
@@ -29,13 +29,11 @@ from collections.abc import Mapping
 import attrs
 import torch
 
-from planner.plan import Box
-from runtime.blocks import piece_shape
-from runtime.checkpoint.boxes import flat_range_boxes
 from runtime.checkpoint.errors import CheckpointError
 from runtime.dtypes import dtype_name
 from runtime.executor import reshard
 from runtime.optim.base import StateWhere
+from shardlang.box import Box
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 
@@ -110,7 +108,7 @@ def check_piece(key: str, piece: LocalPiece, rank: int) -> bool:
     if piece.tensor is None:
         raise CheckpointError(f"tensor '{key}': rank {rank} is in {piece.layout.mesh.describe()}; pass its piece")
     try:
-        expected = piece_shape(piece.layout.rank_piece(piece.shape, rank))
+        expected = piece.layout.rank_piece(piece.shape, rank).shape
         dtype_name(piece.tensor.dtype)
     except ShardlangError as e:
         raise CheckpointError(f"tensor '{key}': {e.message}") from None
@@ -193,7 +191,7 @@ def state_item(key: str, where: StateWhere, tensor_shape: tuple[int, ...], data:
         flat_axis=layout.mesh.axis_label(axis),
         shape=tensor_shape,
         dtype=dtype_name(data.dtype),
-        boxes=flat_range_boxes(block, lo, hi),
+        boxes=block.flat_range(lo, hi),
         data=data,
         stores=stores(key, where.flat_of, frozenset(where.flat_of.replicated_axes()) - {axis}, rank),
     )

@@ -15,10 +15,8 @@ from pathlib import Path
 import attrs
 import torch
 
-from planner.holdings import box_elements, intersect
-from runtime.blocks import piece_shape, region, relative
+from runtime.blocks import region
 from runtime.checkpoint import agree
-from runtime.checkpoint.boxes import byte_runs
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.fields import field
 from runtime.checkpoint.files import raw_bytes
@@ -207,19 +205,19 @@ def _read(reader: RangeReader, stored: StoredTensor, item: Item, source: str) ->
     flat = item.data.reshape(-1)
     position = 0
     for box in item.boxes:
-        n = box_elements(box)
-        target = flat[position : position + n].view(piece_shape(box))
+        n = box.numel
+        target = flat[position : position + n].view(box.shape)
         covered = 0
         for piece in stored.pieces:
-            common = intersect(box, piece.box)
+            common = box.intersect(piece.box)
             if common is None:
                 continue
-            into = target if common == box else torch.empty(piece_shape(common), dtype=item.data.dtype)
-            runs = byte_runs(piece.box, common, stored.itemsize)
-            reader.read(piece, runs, box_elements(piece.box) * stored.itemsize, raw_bytes(into), label)
+            into = target if common == box else torch.empty(common.shape, dtype=item.data.dtype)
+            runs = ((offset * stored.itemsize, n * stored.itemsize) for offset, n in piece.box.runs(common))
+            reader.read(piece, runs, piece.box.numel * stored.itemsize, raw_bytes(into), label)
             if into is not target:
-                region(target, relative(common, box)).copy_(into)
-            covered += box_elements(common)
+                region(target, common.relative_to(box)).copy_(into)
+            covered += common.numel
         if covered != n:
             raise CheckpointError(
                 f"{source}: {label}: the stored pieces hold {covered} of the {n} elements of "
@@ -240,7 +238,7 @@ def verify(path: str | os.PathLike[str]) -> int:
         for key, stored in sorted(metadata.tensors.items()):
             whole = Item(key, stored.layout, stored.flat_axis, stored.shape, stored.dtype, (), torch.empty(0))
             for piece in stored.pieces:
-                data = torch.empty(piece_shape(piece.box), dtype=torch_dtype(stored.dtype))
+                data = torch.empty(piece.box.shape, dtype=torch_dtype(stored.dtype))
                 _read(reader, stored, attrs.evolve(whole, boxes=(piece.box,), data=data), str(directory))
     finally:
         reader.close()

@@ -25,11 +25,10 @@ from typing import Any
 
 import attrs
 
-from planner.holdings import box_elements
-from planner.plan import Box
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.fields import Fields, field, too_deep
 from runtime.checkpoint.paths import open_inside
+from shardlang.box import Box
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
@@ -53,11 +52,11 @@ def block_count(length: int, block_bytes: int) -> int:
 class StoredPiece:
     file: str
     offset: int
-    box: Box = attrs.field(converter=lambda b: tuple((int(lo), int(hi)) for lo, hi in b))
+    box: Box = attrs.field(converter=Box)
     block_crc32: tuple[int, ...] = attrs.field(converter=tuple)
 
     def to_json(self, itemsize: int) -> dict[str, Any]:
-        length = box_elements(self.box) * itemsize
+        length = self.box.numel * itemsize
         return {
             "file": self.file,
             "offset": self.offset,
@@ -220,7 +219,7 @@ class _TensorReader:
             self.piece(f.object(p, field(pieces_path, i)), field(pieces_path, i), shape, ITEMSIZE[dtype])
             for i, p in enumerate(f.list(f.get(entry, "pieces", path), pieces_path))
         ]
-        covered = sum(box_elements(p.box) for p in pieces)
+        covered = sum(p.box.numel for p in pieces)
         if covered != math.prod(shape):
             raise self.fail(f"its pieces hold {covered} elements, the shape {list(shape)} has {math.prod(shape)}")
         return StoredTensor(layout, flat_axis, shape, dtype, pieces)
@@ -240,7 +239,7 @@ class _TensorReader:
             box.append(tuple(f.count(b, field(field(box_path, d), i)) for i, b in enumerate(bounds)))
         if len(box) != len(shape) or any(not lo <= hi <= n for (lo, hi), n in zip(box, shape, strict=True)):
             raise self.fail(f"the piece {list(map(list, box))} is not inside the shape {list(shape)}")
-        length = box_elements(box) * itemsize
+        length = Box(box).numel * itemsize
         recorded = f.count(f.get(piece, "length", path), field(path, "length"))
         if recorded != length:
             raise self.fail(f"the piece {list(map(list, box))} records {recorded} bytes, its box holds {length}")

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from planner.holdings import box_elements
 from runtime.checkpoint import agree
 from runtime.checkpoint.commit import COMMITTED, NOT_COMMITTED, data_folder, publish, settle, staging_folder
 from runtime.checkpoint.errors import CheckpointError
@@ -169,7 +168,7 @@ def _write_part(path: Path, items: list[Item], block_bytes: int) -> dict[str, An
                 flat = item.data.reshape(-1)
                 position = 0
                 for box in item.boxes:
-                    n = box_elements(box)
+                    n = box.numel
                     if n:
                         offset, crcs = writer.write(flat[position : position + n], block_bytes)
                         pieces.append({"offset": offset, "box": [list(b) for b in box], "block_crc32": crcs})
@@ -208,7 +207,7 @@ def _merge(indexes: list[dict[str, Any]], data: str, size: int, block_bytes: int
     tensors = {}
     for key, (_, header) in headers.items():
         stored = StoredTensor(pieces=pieces[key], **{**header, "layout": parse_layout(header["layout"])})
-        covered, total = sum(box_elements(p.box) for p in stored.pieces), math.prod(stored.shape)
+        covered, total = sum(p.box.numel for p in stored.pieces), math.prod(stored.shape)
         if covered != total:
             missing = sorted(set(stored.layout.mesh.ranks) - holders[key])
             raise CheckpointError(

@@ -53,7 +53,6 @@ from planner.step import (
     without_axis,
 )
 from runtime import stats
-from runtime.blocks import piece_shape
 from runtime.buckets import StageRun, StepProgram, compile_step
 from runtime.buffers import Scratch
 from runtime.comm import collective, default_device, timeout_of
@@ -140,7 +139,7 @@ class Slot:
 
     def own_piece_shape(self, state: str, rank: int) -> tuple[int, ...]:
         """The shape of ``rank``'s piece of a state kept in its own layout."""
-        return piece_shape(self.own_layouts[state].rank_piece(self.shape, rank))
+        return self.own_layouts[state].rank_piece(self.shape, rank).shape
 
 
 @attrs.frozen
@@ -466,7 +465,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 )
             shard = StateShard.of(shape, block, self.rank, axis) if inside else None
             if inside and not isinstance(param, DTensor):
-                piece = piece_shape(param_layout.rank_piece(shape, self.rank))
+                piece = param_layout.rank_piece(shape, self.rank).shape
                 if piece != tuple(param.shape):
                     raise OptimizerError(
                         f"rank {self.rank} holds a piece of shape {list(param.shape)}, but its param layout "

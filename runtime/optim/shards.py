@@ -21,7 +21,6 @@ import math
 import attrs
 import torch
 
-from runtime.blocks import piece_shape
 from shardlang.layout import Layout, chunk_bounds
 
 Axes = frozenset[int]
@@ -52,7 +51,7 @@ class StateShard:
         bounds = layout.rank_piece(shape, rank)
         if flat_axis is None:
             return cls(shape=shape, layout=layout, bounds=bounds)
-        block = piece_shape(bounds)
+        block = bounds.shape
         lo, hi = chunk_bounds(math.prod(block), layout.mesh.shape[flat_axis], layout.mesh.coordinate(rank)[flat_axis])
         indices: dict[str, torch.Tensor | None] = {"row_index": None, "col_index": None, "batch_index": None}
         if len(shape) >= 2:
@@ -69,7 +68,7 @@ class StateShard:
     # --- shapes (cached: the step reads them for every tensor) ---------------------------
     @functools.cached_property
     def block_shape(self) -> tuple[int, ...]:
-        return piece_shape(self.bounds)
+        return self.bounds.shape
 
     @functools.cached_property
     def local_shape(self) -> tuple[int, ...]:
