@@ -1,23 +1,14 @@
-"""Torch element types and the names the language and the planner use for them."""
+"""Torch element types and the names the language and the planner use for them (the table is
+``shardlang.dtypes.DTYPES``)."""
 
 from __future__ import annotations
 
 import torch
 
 from runtime.errors import ReshardError
+from shardlang.dtypes import DTYPES
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "f64": torch.float64,
-    "f32": torch.float32,
-    "bf16": torch.bfloat16,
-    "f16": torch.float16,
-    "i64": torch.int64,
-    "i32": torch.int32,
-    "i16": torch.int16,
-    "i8": torch.int8,
-    "u8": torch.uint8,
-    "bool": torch.bool,
-}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attribute) for name, (_, attribute) in DTYPES.items()}
 _NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
+from runtime.blocks import piece_shape
 from runtime.errors import ReshardError
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
@@ -32,7 +33,7 @@ def shard(full: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
     except ShardlangError as e:
         raise ReshardError(f"cannot shard a tensor of shape {list(shape)} as '{layout}': {e.message}") from None
     if any(op == "sum" and coordinate[axis] != 0 for axis, op in layout.partial):
-        return full.new_zeros(bounds.shape)
+        return full.new_zeros(piece_shape(bounds))
     return full[tuple(slice(start, stop) for start, stop in bounds)].clone(memory_format=torch.contiguous_format)
 
 
@@ -41,9 +42,11 @@ def reduce_stacked(stacked: torch.Tensor, op: str) -> torch.Tensor:
     if op == "sum":
         return stacked.sum(0, dtype=stacked.dtype)
     if op == "avg":
-        if stacked.is_floating_point():
+        if stacked.is_floating_point() or stacked.is_complex():
             return stacked.sum(0) / stacked.shape[0]
         raise ReshardError(f"cannot average a tensor of {stacked.dtype} exactly")
+    if stacked.is_complex() and op in ("max", "min"):
+        raise ReshardError(f"complex values have no order: a '{op}' partial of {stacked.dtype} means nothing")
     if op == "max":
         return stacked.amax(0)
     if op == "min":
@@ -89,7 +92,7 @@ def check_pieces(pieces_by_rank: Mapping[int, torch.Tensor], layout: Layout, sha
     if len(dtypes) != 1:
         raise ReshardError(f"the pieces of '{layout}' mix dtypes {sorted(map(str, dtypes))}")
     for rank, piece in pieces_by_rank.items():
-        expected = layout.rank_piece(shape, rank).shape
+        expected = piece_shape(layout.rank_piece(shape, rank))
         if tuple(piece.shape) != expected:
             raise ReshardError(
                 f"rank {rank} holds a piece of shape {list(piece.shape)}, but '{layout}' gives it "
@@ -104,7 +107,7 @@ def unshard(pieces_by_rank: Mapping[int, torch.Tensor], layout: Layout) -> torch
     shape = global_shape(pieces_by_rank, layout)
     check_pieces(pieces_by_rank, layout, shape)
     dtype = pieces_by_rank[mesh.ranks[0]].dtype
-    work_dtype = torch.float64 if dtype.is_floating_point else dtype
+    work_dtype = torch.float64 if dtype.is_floating_point else torch.complex128 if dtype.is_complex else dtype
     split_axes = [a for axes in layout.dims for a in axes]
     partial_axes = [a for a, _ in layout.partial]
     addends = []

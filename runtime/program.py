@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from planner.plan import Plan, Step
-from runtime.blocks import crop, pack, unpack
+from runtime.blocks import crop, pack, piece_shape, unpack
 from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError
 from runtime.exchange import Exchange, compile_exchange
@@ -132,8 +132,17 @@ def _block(step: Step, before: tuple[int, ...], after: tuple[int, ...], n: int) 
 
 
 def check_reducible(plan: Plan) -> None:
-    """A :class:`ReshardError` if the plan averages an integer tensor (no exact result)."""
-    if not torch_dtype(plan.dtype).is_floating_point:
+    """A :class:`ReshardError` if the plan averages an integer tensor (no exact result), or
+    takes a max or min of complex values (which have no order)."""
+    dtype = torch_dtype(plan.dtype)
+    if dtype.is_complex:
+        ordered = [op for layout in (plan.src, plan.dst) for op in layout.partial_ops.values() if op in ("max", "min")]
+        if ordered:
+            raise ReshardError(
+                f"complex values have no order: a '{ordered[0]}' partial of {plan.dtype} means nothing "
+                f"({plan.src} -> {plan.dst})"
+            )
+    if not (dtype.is_floating_point or dtype.is_complex):
         for step in plan.steps:
             if step.reduce_op == "avg" and step.op != "partial":
                 raise ReshardError(
@@ -170,7 +179,7 @@ def compile_plan(plan: Plan, rank: int) -> tuple[Move | Exchange | None, ...]:
         coordinate = mesh.coordinate(rank)
         old = layouts[index].piece(plan.shape, coordinate)
         new = step.layout.piece(plan.shape, coordinate)
-        before, after = old.shape, new.shape
+        before, after = piece_shape(old), piece_shape(new)
         members = axis_ranks(mesh, (step.axis,), rank)
         start = new[step.dim][0] - old[step.dim][0] if step.op == "slice" else 0
         moves.append(
