@@ -18,7 +18,6 @@ from collections.abc import Mapping
 
 import torch
 
-from runtime.blocks import piece_shape
 from runtime.errors import ReshardError
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
@@ -33,7 +32,7 @@ def shard(full: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
     except ShardlangError as e:
         raise ReshardError(f"cannot shard a tensor of shape {list(shape)} as '{layout}': {e.message}") from None
     if any(op == "sum" and coordinate[axis] != 0 for axis, op in layout.partial):
-        return full.new_zeros(piece_shape(bounds))
+        return full.new_zeros(bounds.shape)
     return full[tuple(slice(start, stop) for start, stop in bounds)].clone(memory_format=torch.contiguous_format)
 
 
@@ -92,7 +91,7 @@ def check_pieces(pieces_by_rank: Mapping[int, torch.Tensor], layout: Layout, sha
     if len(dtypes) != 1:
         raise ReshardError(f"the pieces of '{layout}' mix dtypes {sorted(map(str, dtypes))}")
     for rank, piece in pieces_by_rank.items():
-        expected = piece_shape(layout.rank_piece(shape, rank))
+        expected = layout.rank_piece(shape, rank).shape
         if tuple(piece.shape) != expected:
             raise ReshardError(
                 f"rank {rank} holds a piece of shape {list(piece.shape)}, but '{layout}' gives it "

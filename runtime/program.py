@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from planner.plan import Plan, Step
-from runtime.blocks import crop, pack, piece_shape, unpack
+from runtime.blocks import crop, pack, unpack
 from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError
 from runtime.exchange import Exchange, compile_exchange
@@ -179,7 +179,7 @@ def compile_plan(plan: Plan, rank: int) -> tuple[Move | Exchange | None, ...]:
         coordinate = mesh.coordinate(rank)
         old = layouts[index].piece(plan.shape, coordinate)
         new = step.layout.piece(plan.shape, coordinate)
-        before, after = piece_shape(old), piece_shape(new)
+        before, after = old.shape, new.shape
         members = axis_ranks(mesh, (step.axis,), rank)
         start = new[step.dim][0] - old[step.dim][0] if step.op == "slice" else 0
         moves.append(
