@@ -177,7 +177,7 @@ class ShardedMuon(ShardedOptimizer):
         layout, shape = _pieces(slot)
         flat_seconds = 0.0
         if _joins(slot):  # the busiest rank's block: the mesh's first rank's
-            block = math.prod(hi - lo for lo, hi in layout.rank_piece(slot.shape, layout.mesh.ranks[0]))
+            block = layout.rank_piece(slot.shape, layout.mesh.ranks[0]).numel
             chunks = Layout(dims=((slot.flat_axis,),), mesh=layout.mesh)
             flat_seconds = gather_plan(chunks, (block,), dtype_name(slot.dtype), slot.cost).total_seconds
         return Matrix(
