@@ -24,6 +24,7 @@ from cli.tables import format_bytes
 from shardlang import STRATEGIES, Spec, TensorSpec, format_spec, spec_for
 from shardlang.dtypes import itemsize
 from shardlang.errors import SpecError
+from shardlang.generate import as_rules
 
 # States are kept in f32, or f64 for f64 parameters (planner.model: the optimizers' choice).
 _STATE_ITEMSIZE = {"f64": 8}
@@ -41,6 +42,11 @@ def add_init_parser(sub: Any) -> None:
     source.add_argument("--shapes", metavar="FILE", help="JSON list of [name, shape] or [name, shape, dtype]")
     p.add_argument("--mesh", required=True, metavar="DECL", help="the mesh, as in a spec file: 'world = [dp=8]'")
     p.add_argument("--strategy", choices=STRATEGIES, default="zero1", help="default zero1")
+    p.add_argument(
+        "--rules",
+        action="store_true",
+        help="write rank-free rules (one per set of layouts, '*' last) instead of tensors with shapes",
+    )
     p.add_argument("-o", "--output", metavar="FILE", help="where to write (default: standard output)")
 
 
@@ -117,15 +123,18 @@ def bytes_comment(tensor: TensorSpec, count: int) -> str:
     )
 
 
-def init_text(spec: Spec, source: str, strategy: str) -> str:
+def init_text(spec: Spec, source: str, strategy: str, rules: bool = False) -> str:
     header = [f"Written by `shardlang init {source} --strategy {strategy}`.", "Every mesh axis is data parallel."]
+    if rules:
+        header.append("Rank-free rules: a layout's dims past those it names are replicated (docs/language.md).")
+        return format_spec(as_rules(spec), header=header)
     return format_spec(spec, comment=bytes_comment, header=header)
 
 
 def cmd_init(args: argparse.Namespace) -> int:
     spec = spec_for(named_tensors(args), args.mesh, args.strategy)
     source = f"--model {args.model}" if args.model is not None else f"--shapes {args.shapes}"
-    text = init_text(spec, f"{source} --mesh '{args.mesh}'", args.strategy)
+    text = init_text(spec, f"{source} --mesh '{args.mesh}'" + " --rules" * args.rules, args.strategy, args.rules)
     if args.output in (None, "-"):
         sys.stdout.write(text)
         return 0

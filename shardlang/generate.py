@@ -33,8 +33,8 @@ from shardlang.errors import SpecError
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 from shardlang.parser import parse_spec
-from shardlang.spec import STATE_DEFAULT, CostHints, Layouts, MeshDecl, Spec, TensorSpec
-from shardlang.writer import format_spec
+from shardlang.spec import STATE_DEFAULT, CostHints, Layouts, MeshDecl, Rule, Spec, TensorSpec
+from shardlang.writer import fold_names, format_spec
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")
@@ -158,3 +158,30 @@ def spec_for(
     spec = Spec(meshes=(decl,), tensors=tuple(tensors), rules=())
     # Through the text: the tensors come in the order its brace names expand.
     return parse_spec(format_spec(spec))
+
+
+def _trimmed(layouts: Layouts) -> Layouts:
+    """The layouts naming only the dims up to the last one any of them splits (at least one
+    dim; a 0-d tensor's stay ``()``): the rank-free form a rule can give tensors of any rank."""
+    named = [layouts.param, layouts.grad, *(v for _, v in layouts.states)]
+    ndim = named[0].ndim
+    keep = min(ndim, max([1] + [d + 1 for lay in named for d, axes in enumerate(lay.dims) if axes]))
+
+    def cut(layout: Layout) -> Layout:
+        return Layout(dims=layout.dims[:keep], mesh=layout.mesh, partial=layout.partial)
+
+    states = tuple((k, cut(v)) for k, v in layouts.states)
+    return Layouts(param=cut(layouts.param), grad=cut(layouts.grad), states=states)
+
+
+def as_rules(spec: Spec) -> Spec:
+    """The declared tensors of ``spec`` as rank-free rules (docs/language.md, "Rules"): one rule
+    per set of layouts, naming its tensors with braces, and the most common set as the last
+    rule, ``"*"``. ``resolve`` of every tensor gives its declared layouts back."""
+    groups: dict[Layouts, list[str]] = {}
+    for t in spec.tensors:
+        groups.setdefault(_trimmed(t.layouts), []).append(t.name)
+    common = max(groups, key=lambda k: len(groups[k]))
+    rules = [Rule(pattern=p, layouts=k) for k, names in groups.items() if k != common for p in fold_names(names)]
+    rules.append(Rule(pattern="*", layouts=common))
+    return attrs.evolve(spec, tensors=(), rules=tuple(rules))

@@ -27,9 +27,10 @@ ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-3}
 CAME = {"lr": 1e-2, "weight_decay": 0.1, "eps": (1e-6, 1e-16)}
 
 
-def _init(tmp_path: Path, model: str, strategy: str, capsys: pytest.CaptureFixture[str]) -> Path:
-    out = tmp_path / f"{model}_{strategy}.shard"
+def _init(tmp_path: Path, model: str, strategy: str, capsys: pytest.CaptureFixture[str], rules: bool = False) -> Path:
+    out = tmp_path / f"{model}_{strategy}{'_rules' * rules}.shard"
     argv = ["init", "--model", MODELS[model], "--mesh", "world = [dp=4]", "--strategy", strategy, "-o", str(out)]
+    argv += ["--rules"] * rules
     assert main(argv) == 0, capsys.readouterr().err
     assert main(["check", str(out)]) == 0, capsys.readouterr().err
     return out
@@ -54,6 +55,17 @@ def test_init_specs_are_compact_complete_and_checked(tmp_path: Path, capsys: pyt
     llama = (tmp_path / "llama_zero2.shard").read_text()
     assert "tensor model.layers.{0..1}.mlp.{gate_proj,up_proj}.weight : f32[24, 8] {" in llama
     assert "  grad  = R,R | P(dp):avg over world\n  state = S(dp),R over world" in llama
+
+
+def test_rank_free_rules_give_every_tensor_its_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for model, factory in FACTORIES.items():
+        for strategy in STRATEGIES:
+            declared = load_spec(_init(tmp_path, model, strategy, capsys))
+            rules = load_spec(_init(tmp_path, model, strategy, capsys, rules=True))
+            assert not rules.tensors and rules.rules[-1].pattern == "*" and len(rules.rules) <= 3
+            for name, p in factory().named_parameters():
+                assert rules.resolve(name, tuple(p.shape), "f32").layouts == declared.tensor(name).layouts
+    assert len(load_spec(tmp_path / "llama_ddp_rules.shard").rules) == 1  # one rule for the whole model
 
 
 def test_folded_names_expand_to_exactly_the_names() -> None:
@@ -109,9 +121,8 @@ def _train(rank: int, world: int, cases: list[tuple[str, str, str, str]]) -> dic
         spec = parse_spec(text)
         model = FACTORIES[model_name]()  # the reference, and the forward of every step
         full = dict(model.named_parameters())
-        pieces = {
-            n: torch.nn.Parameter(_piece(p.detach(), spec.tensor(n).param, rank).clone()) for n, p in full.items()
-        }
+        entries = {n: spec.resolve(n, tuple(p.shape), "f32") for n, p in full.items()}  # declared, or by a rule
+        pieces = {n: torch.nn.Parameter(_piece(p.detach(), entries[n].param, rank).clone()) for n, p in full.items()}
         if kind == "adamw":
             sharded = ShardedAdamW(list(pieces.items()), spec, **ADAMW)
             reference: torch.optim.Optimizer = torch.optim.AdamW(list(full.values()), foreach=False, **ADAMW)
@@ -124,14 +135,14 @@ def _train(rank: int, world: int, cases: list[tuple[str, str, str, str]]) -> dic
             own = torch.autograd.grad(loss(model, batches[rank]), list(full.values()))
             mean = torch.autograd.grad(loss(model, batches.reshape(-1, CONTEXT + 1)), list(full.values()))
             for (name, piece), g_own, g_mean in zip(pieces.items(), own, mean, strict=True):
-                layout = spec.tensor(name).grad  # pending a mean over dp: this rank's own gradient
+                layout = entries[name].grad  # pending a mean over dp: this rank's own gradient
                 piece.grad = _piece(g_own if layout.is_partial else g_mean, layout, rank).clone()
             sharded.step()
             for p, g in zip(full.values(), mean, strict=True):
                 p.grad = g
             reference.step()
             for name, piece in pieces.items():
-                expected = _piece(full[name].detach(), spec.tensor(name).param, rank)
+                expected = _piece(full[name].detach(), entries[name].param, rank)
                 worst = max(worst, (piece.detach() - expected).abs().max().item())
         errors[f"{model_name} {strategy} {kind}"] = worst
     return errors
@@ -145,11 +156,13 @@ TRAINED = (
     ("llama", "zero3", "adamw"),
     ("llama", "zero1", "came"),
 )
+RULES = ("llama", "zero1")  # trained from its rank-free rules
 
 
 @pytest.mark.slow
 def test_init_specs_train_with_both_optimizers_on_four_ranks(tmp_path: Path, capsys) -> None:
-    cases = [(m, s, kind, _init(tmp_path, m, s, capsys).read_text()) for m, s, kind in TRAINED]
+    cases = [(m, s, kind, _init(tmp_path, m, s, capsys, rules=(m, s) == RULES).read_text()) for m, s, kind in TRAINED]
+    assert "rule " in cases[-1][3] and "tensor " not in cases[-1][3]
     results = run_ranks(_train, world_size=4, args=(cases,), timeout=240)
     for rank, errors in enumerate(results):
         assert len(errors) == len(cases)
