@@ -39,7 +39,8 @@ from collections.abc import Sequence
 import attrs
 
 from planner.choice import plan as plan_pair
-from planner.cost import CostModel, PlanError, collective_rounds
+from planner.cost import CostModel, collective_rounds
+from planner.errors import PlanError
 from planner.model import cost_for, step_tensor
 from planner.step import plan_step
 from shardlang.dtypes import itemsize
@@ -219,7 +220,7 @@ def state_bytes(tensor: TensorSpec, state: Layout, optimizer: str) -> int:
 
 
 def _price(
-    spec: Spec, tensor: TensorSpec, layouts: Layouts, optimizer: str, cost: CostModel
+    tensor: TensorSpec, layouts: Layouts, optimizer: str, cost: CostModel
 ) -> tuple[int, int, float, float, tuple[tuple[tuple, float], ...]]:
     entry = attrs.evolve(tensor, layouts=layouts)
     step = plan_step([step_tensor(entry, cost)], 0, bucket_bytes=1)
@@ -271,7 +272,7 @@ def build_problem(spec: Spec, optimizer: str = "adamw", *, states_only: bool = F
         candidates = []
         for layouts, strategy in _triples(first, states_only):
             try:
-                priced = _price(spec, first, layouts, optimizer, cost)
+                priced = _price(first, layouts, optimizer, cost)
             except PlanError as e:
                 raise SuggestError(f"tensor '{first.name}': {e.message}", first.position) from None
             candidates.append(Candidate(layouts, *priced, strategy=strategy))
