@@ -188,6 +188,8 @@ def test_dtypes() -> None:
         "f32": torch.float32,
         "bf16": torch.bfloat16,
         "f16": torch.float16,
+        "c128": torch.complex128,
+        "c64": torch.complex64,
         "i64": torch.int64,
         "i32": torch.int32,
         "i16": torch.int16,
