@@ -19,7 +19,7 @@ from cli.inputs import UsageError
 from cli.tables import format_seconds, format_table
 from planner import CostModel, Plan, plan
 from planner.fit import fit_model, median_relative_error, spearman
-from shardlang import Layout, Mesh, parse_spec
+from shardlang import Layout, Mesh, parse_mesh
 
 DEFAULT_CHECK_PLANS = 8
 
@@ -41,13 +41,12 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def read_mesh(text: str) -> Mesh:
-    """The mesh of a declaration ``NAME = [AXES]`` (``mesh`` in front is optional)."""
-    body = text.strip().removeprefix("mesh ").strip()
-    spec = parse_spec(f"mesh {body}\n", filename="--mesh")
-    (decl,) = spec.meshes
-    if 1 in decl.mesh.shape:
+    """The mesh of ``world = [dp=2,tp=2]`` or ``mesh[4]`` (``mesh`` in front is optional)."""
+    body = text.strip()
+    mesh = parse_mesh(body if body.startswith("mesh") else f"mesh {body}", filename="--mesh")
+    if 1 in mesh.shape:
         raise UsageError(f"--mesh {text!r}: an axis of size 1 sends nothing; leave it out of the calibration")
-    return decl.mesh
+    return mesh
 
 
 def sample_pairs(
@@ -101,7 +100,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             samples = sweep(mesh, reps=args.reps, budget=args.budget)
             fitted, lines = fit_model(samples)
             if world.rank == 0:
-                _report_fit(fitted, lines, mesh, mesh_text, samples, args.output)
+                _report_fit(fitted, lines, mesh, samples, args.output)
         else:
             pairs = sample_pairs(mesh, args.plans, random.Random(0), 16 * 2**10, 16 * 2**20)
             plans = [plan(src, dst, shape, "f32", model) for src, dst, shape in pairs]
@@ -136,7 +135,7 @@ def _start(mesh: Mesh) -> _World:
     return _World(dist.get_rank())
 
 
-def _report_fit(fitted: CostModel, lines: dict, mesh: Mesh, mesh_text: str, samples: list, output: str | None) -> None:
+def _report_fit(fitted: CostModel, lines: dict, mesh: Mesh, samples: list, output: str | None) -> None:
     rows = []
     for c in fitted.ops:
         alphas, bandwidths = fitted.for_op(c.op, mesh)
@@ -153,7 +152,7 @@ def _report_fit(fitted: CostModel, lines: dict, mesh: Mesh, mesh_text: str, samp
             )
     table = format_table(["collective", "axis", "latency/round", "bandwidth", "sizes kept"], rows)
     data = {
-        "mesh": mesh_text,
+        "mesh": mesh.text(),
         **fitted.to_json(),
         "calibration": {
             "samples": [[s.op, s.axis, s.bytes, s.seconds] for s in samples],

@@ -78,6 +78,9 @@ def test_a_hints_file_round_trips_and_steers_the_plan(tmp_path):
     ]
     measured = planner.plan(src, dst, (1024, 64), "f32", planner.CostModel.from_file(path))
     assert [s.op for s in measured.steps] == ["all_reduce"] * 2
+    # The model travels with the plan: its JSON and repr read back equal.
+    assert planner.Plan.from_json(json.loads(json.dumps(measured.to_json()))) == measured
+    assert eval(repr(model), vars(planner)) == model
 
 
 @pytest.mark.parametrize(
