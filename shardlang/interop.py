@@ -299,7 +299,7 @@ def _check_strided_slicing(
         for coordinates in itertools.product(*(range(mesh.shape[a]) for a in axes)):
             at = dict(zip(axes, coordinates, strict=True))
             splits = [(mesh.shape[a], at[a], factors[a]) for a in axes]
-            theirs = [(lo, hi) for lo, hi in _dtensor_indices(shape[d], splits)]
+            theirs = _dtensor_indices(shape[d], splits)
             start, stop = 0, shape[d]
             for a in layout.dims[d]:
                 lo, hi = chunk_bounds(stop - start, mesh.shape[a], at[a])

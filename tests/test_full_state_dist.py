@@ -15,10 +15,10 @@ import came_pytorch
 import pytest
 import torch
 
-from tests.dist_harness import run_ranks
+from runtime.testing import run_ranks
 from tests.test_optim_dist import ADAMW, CAME, DP4, SHAPES, _dims, _spec, initial_params, step_grads
 
-BEFORE, AFTER = 5, 5  # steps before the move, and after it
+BEFORE, AFTER = 3, 3  # steps before the move, and after it
 SEED = 21
 KINDS = [("adamw", None), ("adamw", "dp"), ("came", None), ("came", "dp")]
 
@@ -135,7 +135,7 @@ def test_torch_moved_to_ours_continues_as_torch(
 
 
 def test_the_full_state_dict_is_torchs_own(ranks: list, torch_states: dict) -> None:
-    """Ours after 5 steps holds what torch's AdamW holds after the same 5 steps, in its format:
+    """Ours after 3 steps holds what torch's AdamW holds after the same 3 steps, in its format:
     the same keys, steps and group keys, and (AdamW being exact) the same tensors."""
     _, want = torch_states["adamw"]
     for rank in ranks:
