@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from runtime import checkpoint
+from runtime.testing import run_ranks
 from shardlang import parse_layout
-from tests.dist_harness import run_ranks
 
 WORLD = 4
 MEASURES = ("save ours (s)", "save DCP (s)", "load ours (s)", "load DCP (s)", "read ours (MiB)", "read DCP (MiB)")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.comm import all_gather_single, reduce_scatter_single
-from tests.dist_harness import run_ranks
+from runtime.testing import run_ranks
 
 WAYS = ("all_reduce", "reduce_scatter (gloo)", "all_to_all + sum", "all_gather")
 

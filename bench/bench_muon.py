@@ -37,10 +37,10 @@ import torch.distributed as dist
 import runtime
 from planner.owners import newton_schulz_flops
 from runtime.optim import ShardedMuon
+from runtime.testing import run_ranks
 from shardlang import parse_layout
 from shardlang.layout import Layout
 from shardlang.spec import Layouts, TensorSpec
-from tests.dist_harness import run_ranks
 
 MUON = {"lr": 2e-2, "weight_decay": 0.1}
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}

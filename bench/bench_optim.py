@@ -41,9 +41,9 @@ import torch.distributed as dist
 import runtime
 from runtime.comm import all_gather_single, reduce_scatter_single
 from runtime.optim import ShardedAdamW, ShardedCAME
+from runtime.testing import run_ranks
 from shardlang import parse_layout, parse_spec
 from shardlang.spec import Layouts
-from tests.dist_harness import run_ranks
 
 HYPER = {"adamw": {"lr": 1e-3, "weight_decay": 0.01}, "came": {"lr": 1e-3, "weight_decay": 0.01}}
 STATES = {"replicated": ("R,R", "R", None), "zero rows": ("S(dp),R", "S(dp)", None), "flat": ("R,R", "R", "dp")}

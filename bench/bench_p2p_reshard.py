@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 import planner
 from runtime import recording, reshard, shard
+from runtime.testing import run_ranks
 from shardlang import InteropError, parse_layout
 from shardlang.interop import to_dtensor_placements
-from tests.dist_harness import run_ranks
 
 PAIRS = {
     4: [

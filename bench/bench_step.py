@@ -9,7 +9,7 @@ Two language models built from ``torch.nn`` (no downloads): an embedding (vocabu
 linear head without bias. "small": width 128, 4 layers, feed-forward 512 (50 tensors, 0.92M
 parameters); "medium": width 256, 8 layers, feed-forward 1024 (98 tensors, 6.6M). f32.
 
-Every rank (one thread each, ``tests.dist_harness.run_ranks``) trains on its own 4 x 64 random
+Every rank (one thread each, ``runtime.testing.run_ranks``) trains on its own 4 x 64 random
 tokens (seeded per rank and step, so every variant sees the same data), next-token
 cross-entropy. One training step is ``model.zero_grad()`` + forward + backward +
 ``optimizer.step()``. The variants, each with its own copy of the same initial weights, live
@@ -96,9 +96,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import runtime
 from runtime.optim import ShardedAdamW, ShardedCAME
+from runtime.testing import run_ranks
 from shardlang import parse_layout
 from shardlang.spec import Layouts
-from tests.dist_harness import run_ranks
 
 VOCAB, BATCH, SEQ, HEADS = 512, 4, 64, 4
 MODELS = {"small": (128, 4, 512), "medium": (256, 8, 1024)}  # width, layers, feed-forward

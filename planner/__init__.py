@@ -5,7 +5,8 @@ It knows the language (``shardlang``) and nothing of torch.distributed.
 """
 
 from planner.choice import plan
-from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, PRICED_OPS, CostModel, OpCost, PlanBudgetError, PlanError
+from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, PRICED_OPS, CostModel, OpCost
+from planner.errors import PlanBudgetError, PlanError
 from planner.holdings import receive_lower_bound
 from planner.p2p import point_to_point_plan
 from planner.plan import BASELINE_OPS, COMMUNICATING_OPS, OPS, Plan, Step, Transfer

@@ -46,7 +46,8 @@ import itertools
 
 import attrs
 
-from planner.cost import DEFAULT_COST, CostModel, OpUnits, PlanBudgetError, PlanError, collective_rounds
+from planner.cost import DEFAULT_COST, CostModel, OpUnits, collective_rounds
+from planner.errors import PlanBudgetError, PlanError
 from planner.p2p import Exchange, Links, message_count, time_lower_bound
 from planner.plan import Plan
 from planner.search import (

@@ -39,21 +39,12 @@ from pathlib import Path
 
 import attrs
 
-from shardlang.errors import ShardlangError
+from planner.errors import PlanError
 from shardlang.mesh import Mesh
 from shardlang.spec import CostHints
 
 DEFAULT_ALPHA = 5e-6
 DEFAULT_BANDWIDTH = 1e11
-
-
-class PlanError(ShardlangError):
-    """No plan exists (or the request is malformed): names the layouts and the reason."""
-
-
-class PlanBudgetError(PlanError):
-    """The search for a plan used up its budget (``max_states``, see ``planner.search``) before
-    it finished: names the pair, the budget, and what to change."""
 
 
 def _per_axis(value: object) -> float | tuple[float, ...]:

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from planner.cost import CostModel, PlanError
+from planner.cost import CostModel
+from planner.errors import PlanError
 from planner.plan import Plan
 from planner.step import Leg, StepPlan, StepTensor, plan_step
 from shardlang.errors import ShardlangError

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import attrs
 
-from planner.cost import DEFAULT_COST, CostModel, PlanError, integer_op_rates
+from planner.cost import DEFAULT_COST, CostModel, integer_op_rates
+from planner.errors import PlanError
 from planner.holdings import blocks_of
 from planner.plan import Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, budget_error, check_budget, check_request

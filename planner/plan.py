@@ -7,7 +7,8 @@ from typing import Any
 
 import attrs
 
-from planner.cost import CostModel, PlanError
+from planner.cost import CostModel
+from planner.errors import PlanError
 from planner.holdings import receive_lower_bound
 from shardlang.box import Box
 from shardlang.errors import ShardlangError

@@ -42,7 +42,8 @@ from typing import Any
 import attrs
 
 from planner.choice import plan as plan_pair
-from planner.cost import CostModel, PlanError, collective_rounds
+from planner.cost import CostModel, collective_rounds
+from planner.errors import PlanError
 from planner.plan import Plan
 from shardlang.errors import SourcePosition
 from shardlang.layout import Layout

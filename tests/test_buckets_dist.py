@@ -20,8 +20,8 @@ from planner.step import BEFORE, StepTensor, plan_step
 from runtime import recording, torch_dtype, unshard
 from runtime.buckets import compile_step, run_stage
 from runtime.buffers import Scratch
+from runtime.testing import run_ranks
 from shardlang import parse_layout
-from tests.dist_harness import run_ranks
 from tests.test_reshard_dist import Case, corpus
 from tests.test_runtime_support import full_tensor, reference_piece, source_pieces
 

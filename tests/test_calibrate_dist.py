@@ -8,8 +8,8 @@ from cli.calibrate import format_check
 from cli.main import main
 from planner.fit import fit_model
 from runtime.calibrate import sweep, time_plans
+from runtime.testing import run_ranks
 from shardlang import Mesh, parse_layout
-from tests.dist_harness import run_ranks
 
 
 def _sweep_and_time(rank: int, world: int) -> tuple[list, list[float]]:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from runtime import ReshardError, reshard, shard, unshard
+from runtime.testing import attempt, run_ranks
 from shardlang import parse_layout
-from tests.dist_harness import attempt, run_ranks
 from tests.test_optim_dist import hand_piece
 
 MESH = "mesh[2,2]"

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_harness import RankFailed, run_ranks
+from runtime.testing import RankFailed, run_ranks
 
 
 def _sum_of_ranks(rank: int, world_size: int) -> int:

@@ -14,7 +14,7 @@ import came_pytorch
 import pytest
 import torch
 
-from tests.dist_harness import run_ranks
+from runtime.testing import run_ranks
 
 STEPS = 10
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from cli.main import main
+from runtime.testing import run_ranks
 from shardlang import STRATEGIES, load_spec, parse_spec, spec_for
 from shardlang.errors import ShardlangError
 from shardlang.spec import expand_braces
 from shardlang.writer import fold_names
 from tests.conftest import REPO
-from tests.dist_harness import run_ranks
 from tests.init_models import CONTEXT, VOCAB, gpt2_like, llama_like, loss
 
 MODELS = {"gpt2": "tests.init_models:gpt2_like", "llama": "tests.init_models:llama_like"}

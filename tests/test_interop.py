@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, assert_no_mixed_partial_types
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
+from runtime.testing import run_ranks
 from shardlang import InteropError, Layout, Mesh, ShardlangError, parse_layout
 from shardlang.interop import (
     from_colossalai,
@@ -27,7 +28,6 @@ from shardlang.interop import (
     to_dtensor_placements,
     to_paddle,
 )
-from tests.dist_harness import run_ranks
 from tests.test_language import layouts, meshes
 
 M22 = Mesh(shape=(2, 2))

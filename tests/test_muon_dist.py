@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from planner.owners import Matrix, newton_schulz_flops, owner_load_bound, place_matrices
+from runtime.testing import run_ranks
 from shardlang import parse_layout
-from tests.dist_harness import run_ranks
 from tests.test_optim_dist import (
     CAME_TOLERANCE,
     CONFIGS,

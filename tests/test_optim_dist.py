@@ -18,7 +18,7 @@ import came_pytorch
 import pytest
 import torch
 
-from tests.dist_harness import run_ranks
+from runtime.testing import run_ranks
 
 SHAPES = {"w": (37, 24), "b": (24,), "t": (4, 6, 5), "e": (301, 8), "s": (3, 7)}
 STEPS = 20
@@ -372,7 +372,7 @@ def _run_failed_step(rank: int, seed: int) -> dict[str, Any]:
 def _run_mismatched_buckets(rank: int, seed: int) -> dict[str, Any]:
     """Rank 0 cuts its buckets smaller than the others do: every rank must refuse the step
     (not hang, not mix up tensors) and change nothing; a second try refuses again."""
-    from tests.dist_harness import attempt
+    from runtime.testing import attempt
 
     spec = _spec(DP4, _zero_rows)
     coordinate = (rank,)
@@ -420,7 +420,7 @@ def _run_fails_after_its_last_collective(rank: int, seed: int) -> dict[str, Any]
 
 def _run_smaller_mesh(rank: int) -> tuple[str, str, float]:
     """A spec over 2 ranks in a 4-rank job: the ranks it leaves out must refuse it."""
-    from tests.dist_harness import attempt
+    from runtime.testing import attempt
 
     spec = _spec("mesh[dp=2]", _zero_rows)
     params = {n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, 16).items()}

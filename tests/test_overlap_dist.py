@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist_harness import run_ranks
+from runtime.testing import run_ranks
 from tests.test_optim_dist import (
     ADAMW,
     CAME,

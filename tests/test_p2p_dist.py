@@ -22,9 +22,9 @@ import torch
 import planner
 from planner.plan import Plan
 from runtime import recording, reshard, torch_dtype
+from runtime.testing import run_ranks
 from shardlang import parse_layout
 from shardlang.dtypes import ITEMSIZE
-from tests.dist_harness import run_ranks
 from tests.test_p2p_support import CASES, Case, case_plan, traffic
 from tests.test_runtime_support import full_tensor, reference_piece, source_pieces
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from runtime import DistributedError, PlanMismatchError, ReshardError, reshard
+from runtime.testing import attempt, run_ranks
 from shardlang import parse_layout
-from tests.dist_harness import attempt, run_ranks
 
 SHORT = 2.0  # seconds: the timeout of the phase where a peer never sends
 SLACK = 4.0  # scheduling on a loaded 2-core machine

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from runtime import PlanMismatchError, reshard, shard
+from runtime.testing import attempt, run_ranks
 from shardlang import parse_layout
-from tests.dist_harness import attempt, run_ranks
 
 FULL = torch.arange(64.0).reshape(8, 8)
 RR = parse_layout("R,R over mesh[2,2]")

@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import planner
 from runtime import recording, reshard, simulate, torch_dtype, unshard
+from runtime.testing import run_ranks
 from shardlang import parse_layout
-from tests.dist_harness import run_ranks
 from tests.test_runtime_support import full_tensor, has_empty_piece, random_layout, reference_piece, source_pieces
 
 Case = tuple[str, str, tuple[int, ...], str, int]  # src, dst, shape, dtype, seed

@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import planner
 from runtime import DistributedError, PlanMismatchError, ReshardError, reshard, shard
+from runtime.testing import attempt, run_ranks
 from shardlang import parse_layout
-from tests.dist_harness import attempt, run_ranks
 
 SHORT = 2.0  # seconds: the timeout of the phases where a peer never arrives
 DEATH_TIMEOUT = 5.0
