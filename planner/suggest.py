@@ -4,8 +4,8 @@ For every tensor of a spec, the *candidates* are (param, grad, state) layout tri
 its data-parallel axes ``D`` (the axes its gradient arrives pending a reduction over) and its
 compute layout ``C`` (its param layout without ``D``; ``G0`` is its grad as the spec gives it):
 
-- states: ``C`` (replicated over ``D``), or ``C`` with one dim split again over a nonempty
-  subset of ``D`` (innermost, ascending), for every dim;
+- states: ``C`` with each axis of ``D`` splitting no dim or any one dim again (innermost,
+  ascending): replicated, one dim over one or several axes, several dims;
 - ``(C, G0, s)`` for every state layout ``s`` (DDP, ZeRO-2: the step reduces the gradient);
 - ``(C, C, s)`` (ZeRO-1: backward all-reduces the gradient, as DDP's hooks do);
 - ``(X, X, X)`` for every split ``X`` (ZeRO-3: parameter and gradient are the rank's shard).
@@ -171,13 +171,13 @@ def _without(layout: Layout, axes: Sequence[int]) -> Layout:
 
 
 def state_layouts(compute: Layout, axes: Sequence[int]) -> list[Layout]:
-    """``compute``, and ``compute`` with one dim split again over each nonempty subset of ``axes``."""
-    out = [compute]
-    for size in range(1, len(axes) + 1):
-        for subset in itertools.combinations(axes, size):
-            for d in range(compute.ndim):
-                dims = tuple(dim + subset if i == d else dim for i, dim in enumerate(compute.dims))
-                out.append(Layout(dims=dims, mesh=compute.mesh))
+    """``compute`` split again over ``axes``: each axis on no dim or on any one dim (innermost,
+    axes of one dim in ascending order), ``compute`` itself first."""
+    out = []
+    for where in itertools.product(range(-1, compute.ndim), repeat=len(axes)):
+        added = [tuple(a for a, d in zip(axes, where, strict=True) if d == i) for i in range(compute.ndim)]
+        dims = tuple(dim + extra for dim, extra in zip(compute.dims, added, strict=True))
+        out.append(Layout(dims=dims, mesh=compute.mesh))
     return out
 
 

@@ -18,7 +18,7 @@ from cli.main import main
 from planner import CostModel, plan
 from planner.knapsack import suggest
 from planner.model import plan_spec
-from planner.suggest import SuggestError, build_problem
+from planner.suggest import SuggestError, build_problem, state_layouts
 from runtime.optim.came import came_state_shapes
 from runtime.optim.shards import StateShard
 from shardlang import parse_spec
@@ -159,3 +159,13 @@ def test_the_main_job_says_what_suggest_would_change(tmp_path: Path, capsys: pyt
         "suggest: within this spec's own 6 MiB per rank (AdamW), `shardlang suggest` would change the layouts of "
         "1 of 1 tensors: 246 us -> 214 us modeled (12.8% less)"
     )
+
+
+def test_state_candidates_put_each_data_parallel_axis_on_any_dim_or_none() -> None:
+    spec = parse_spec("mesh m = [dp=2, tp=2, x=2]\ntensor t : f32[4, 4] { param = S(tp),R over m }")
+    compute = spec.tensor("t").param
+    layouts = state_layouts(compute, (0, 2))
+    assert len(set(layouts)) == 3 * 3 and layouts[0] == compute  # dp and x: no dim, dim 0 or dim 1 each
+    for layout in layouts:
+        assert [tuple(a for a in d if a == 1) for d in layout.dims] == [(1,), ()]  # tp stays, outermost
+        assert layout.dims[0][:1] == (1,)
