@@ -44,6 +44,7 @@ from cli.summary import TensorGroup, group_tensors, plan_spec_with_progress
 from cli.terminal import Progress, Style
 from planner import CostModel, Plan, plan
 from planner.model import SpecPlan
+from planner.step import DEFAULT_OVERLAP_BUCKET_BYTES
 from shardlang import Spec, TensorSpec, load_spec, parse_layout
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError, SpecError
@@ -105,8 +106,18 @@ def _add_step_options(p: argparse.ArgumentParser, buckets: bool = True) -> None:
             "--bucket-bytes",
             type=bucket_bytes_arg,
             metavar="N",
-            help="with a spec file: the most buffer bytes a bucket holds per rank (default 32MiB; 1 puts every "
-            "step in a bucket of its own)",
+            help="with a spec file: the most buffer bytes a bucket holds per rank (default 32MiB, 4MiB with "
+            "--overlap; 1 puts every step in a bucket of its own)",
+        )
+        p.add_argument(
+            "--overlap",
+            action="store_true",
+            help="with a spec file: buckets before the update start during backward, as the optimizers' overlap=True",
+        )
+        p.add_argument(
+            "--prefetch",
+            action="store_true",
+            help="with a spec file: buckets after the update start after the step, as with prefetch_params",
         )
 
 
@@ -211,8 +222,10 @@ def _target(args: argparse.Namespace) -> Pair | Spec:
     if len(args.targets) == 2:
         if args.tensor:
             raise UsageError("--tensor applies to a spec file, not to a pair of layouts")
-        if args.flat_axis is not None or args.bucket_bytes is not None:
-            raise UsageError("--flat-axis and --bucket-bytes apply to a spec file, not to a pair of layouts")
+        if args.flat_axis is not None or args.bucket_bytes is not None or args.overlap or args.prefetch:
+            raise UsageError(
+                "--flat-axis, --bucket-bytes, --overlap and --prefetch apply to a spec file, not to a pair of layouts"
+            )
         return read_pair(args.targets[0], args.targets[1], args.shape, args.dtype)
     if len(args.targets) == 1:
         if (args.shape is not None or args.dtype is not None) and not (args.tensor and args.shape is not None):
@@ -266,7 +279,9 @@ def _plan_spec(spec: Spec, args: argparse.Namespace) -> SpecPlan:
         max_local_bytes=args.max_local_bytes,
         point_to_point=args.p2p,
         flat_axis=args.flat_axis,
-        bucket_bytes=args.bucket_bytes,
+        bucket_bytes=DEFAULT_OVERLAP_BUCKET_BYTES if args.overlap and args.bucket_bytes is None else args.bucket_bytes,
+        overlap=args.overlap,
+        prefetch=args.prefetch,
     )
 
 

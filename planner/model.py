@@ -128,6 +128,8 @@ def plan_spec(
     point_to_point: bool = False,
     flat_axis: str | int | None = None,
     bucket_bytes: int | None = None,
+    overlap: bool = False,
+    prefetch: bool = False,
     rank: int = 0,
     on_tensor: Callable[[TensorSpec], None] | None = None,
 ) -> SpecPlan:
@@ -138,8 +140,9 @@ def plan_spec(
     ``point_to_point=True`` lets every hop use point-to-point steps and mixes where they are
     cheaper (:func:`planner.plan`); by default hops are collective plans (the baseline move set,
     which the optimizers run). ``cost`` replaces the spec's hints for every mesh (one model for
-    choosing the plans and for running them: give the optimizers the same one). ``flat_axis``
-    and ``bucket_bytes`` are the optimizers' options.
+    choosing the plans and for running them: give the optimizers the same one). ``flat_axis``,
+    ``bucket_bytes`` and ``overlap`` are the optimizers' options, ``prefetch`` stands for their
+    ``prefetch_params``.
     ``on_tensor`` is called with each tensor before it is planned (progress display).
 
     Plans are memoized by :func:`planner.plan`, so tensors with equal layouts, shape and
@@ -158,7 +161,13 @@ def plan_spec(
             costs[mesh] = cost_for(spec, t, alpha=alpha, bandwidth=bandwidth, cost=cost)
         inputs.append(step_tensor(t, costs[mesh], flat_axis))
     step = plan_step(
-        inputs, rank, bucket_bytes=bucket_bytes, max_local_bytes=max_local_bytes, point_to_point=point_to_point
+        inputs,
+        rank,
+        bucket_bytes=bucket_bytes,
+        max_local_bytes=max_local_bytes,
+        point_to_point=point_to_point,
+        overlap=overlap,
+        prefetch=prefetch,
     )
     plans = tuple(
         TensorPlans(tensor=t, legs=step.legs_of(t.name), cost=item.cost) for t, item in zip(chosen, inputs, strict=True)

@@ -135,6 +135,23 @@ def test_a_bucket_cap_cuts_in_leg_order() -> None:
     assert alone["collectives"] == alone["unbucketed_collectives"] == 10
 
 
+def test_overlap_reverses_the_buckets_before_the_update_and_marks_when_each_starts() -> None:
+    step = _step("--overlap", "--prefetch", "--bucket-bytes", "8KiB")
+    cuts = [(stage, op, names) for stage, op, names, _, _ in _buckets(step)]
+    assert cuts == [
+        ("before", "reduce_scatter", ["head", "ln.weight", "attn.proj"]),
+        ("before", "reduce_scatter", ["attn.qkv"]),
+        ("before", "all_to_all", ["head"]),
+        ("after", "all_gather", ["attn.qkv", "attn.proj"]),
+        ("after", "all_gather", ["ln.weight", "head"]),
+        ("after", "all_to_all", ["head"]),
+    ]
+    assert [b["launch"] for b in step["buckets"]] == ["during backward"] * 3 + ["after step"] * 3
+    assert {b["launch"] for b in _step()["buckets"]} == {"in step"}
+    # Without a cap, --overlap cuts at 4 MiB: everything here fits one bucket per kind.
+    assert _step("--overlap")["bucket_bytes"] == 4 * 2**20
+
+
 @pytest.mark.parametrize(
     ("options", "code", "words"),
     [
