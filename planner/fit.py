@@ -114,8 +114,9 @@ def figures_of(line: Line, rounds: int) -> tuple[float, float]:
 
 def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int], Line]]:
     """The cost model of ``samples``: per kind, per axis figures (every kind and axis of the
-    samples must have two or more); the model's own figures (slice and partial steps, which
-    send nothing) are all_gather's. Also the fitted lines, by (kind, axis)."""
+    samples must have two or more). The first kind's figures (all_gather's, in
+    :data:`PRICED_OPS` order) are the model's own, which every kind it does not name takes,
+    and the others are its ``ops``. Also the fitted lines, by (kind, axis)."""
     by_key: dict[tuple[str, int], list[Sample]] = {}
     for s in samples:
         by_key.setdefault((s.op, s.axis), []).append(s)
@@ -127,8 +128,7 @@ def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int
     if any(len({s.rounds for s in group}) > 1 for group in by_key.values()):
         raise ValueError("fit_model needs the samples of one kind on one axis to have the same rounds")
     figures = {op: [figures_of(lines[op, a], by_key[op, a][0].rounds) for a in axes] for op in ops}
-    costs = [OpCost(op, tuple(f[0] for f in fs), tuple(f[1] for f in fs)) for op, fs in figures.items()]
-    base = costs[0]
+    base, *costs = [OpCost(op, tuple(f[0] for f in fs), tuple(f[1] for f in fs)) for op, fs in figures.items()]
     return CostModel(alpha=base.alpha, bandwidth=base.bandwidth, ops=costs), lines
 
 

@@ -33,7 +33,7 @@ def test_the_sweep_measures_every_kind_at_the_tables_bytes_on_every_rank():
     assert got == want
     assert all(s.seconds > 0 for s in samples) and timed[0] > 0
     model, _ = fit_model(samples)
-    assert {c.op for c in model.ops} == set(planner.PRICED_OPS)
+    assert [c.op for c in model.ops] == list(planner.PRICED_OPS[1:])  # all_gather's are the model's own
 
 
 def test_calibrate_outside_torchrun_and_bad_meshes_are_clear_errors(capsys, monkeypatch):
