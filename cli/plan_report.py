@@ -1,5 +1,5 @@
-"""Plans as text tables and as JSON (the schema of the planner issue, with the receive lower
-bound and, for point-to-point steps, their transfers)."""
+"""Plans as text tables and as JSON (the keys of ``PLAN_KEYS``, with the receive lower bound
+and, for point-to-point steps, their transfers; README, "The `shardlang` command")."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from planner import COMMUNICATING_OPS, CostModel, Plan, Step
 from planner.model import SpecPlan, TensorPlans
 from shardlang import Mesh
 
-# The JSON of one plan: the planner issue's keys and the receive lower bound (Plan.to_json adds more).
+# The JSON of one plan: the keys every plan has, the receive lower bound last (Plan.to_json adds more).
 PLAN_KEYS = ("src", "dst", "shape", "dtype", "steps", "total_bytes", "total_seconds", "lower_bound_bytes")
 
 

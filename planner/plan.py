@@ -16,7 +16,7 @@ from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 from shardlang.parser import parse_layout, parse_mesh
 
-# The baseline move set of the planner issue: one mesh axis per step. The default, and the move
+# The baseline move set (README, "The planner"): one mesh axis per step. The default, and the move
 # set whose optimum the shared conformance data records.
 BASELINE_OPS = ("slice", "partial", "all_gather", "all_to_all", "reduce_scatter", "all_reduce")
 OPS = (*BASELINE_OPS, "point_to_point")

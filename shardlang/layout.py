@@ -34,6 +34,17 @@ def reduce_ops_commute(a: str, b: str) -> bool:
     return _COMMUTING_CLASS[a] == _COMMUTING_CLASS[b]
 
 
+def check_reduce_op(op: str) -> None:
+    """A :class:`LayoutError` unless ``op`` is a reduce op of the language."""
+    if op not in REDUCE_OPS:
+        raise LayoutError(f"unknown reduce op '{op}' (expected one of {', '.join(REDUCE_OPS)})")
+
+
+def axis_used_twice(mesh: Mesh, axis: int, first: str, second: str) -> LayoutError:
+    """The error for a mesh axis that two parts of one layout claim (``dim 0``, ``a partial``)."""
+    return LayoutError(f"mesh axis {mesh.axis_label(axis)} is used twice (by {first} and by {second})")
+
+
 def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
     """``[start, stop)`` of piece ``index`` when ``length`` is cut in ``parts`` as torch.chunk."""
     size = -(-length // parts)
@@ -87,16 +98,14 @@ class Layout:
                     f"which has {self.mesh.ndim} axes"
                 )
             if axis in used:
-                label = self.mesh.axis_label(axis)
-                raise LayoutError(f"mesh axis {label} is used twice (by {used[axis]} and by {by})")
+                raise axis_used_twice(self.mesh, axis, used[axis], by)
             used[axis] = by
 
         for d, axes in enumerate(self.dims):
             for a in axes:
                 claim(a, f"dim {d}")
         for a, op in self.partial:
-            if op not in REDUCE_OPS:
-                raise LayoutError(f"unknown reduce op '{op}' (expected one of {', '.join(REDUCE_OPS)})")
+            check_reduce_op(op)
             claim(a, "a partial")
 
     # --- what each axis does ---------------------------------------------------------

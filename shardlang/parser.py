@@ -23,7 +23,7 @@ from lark import Token, Tree
 
 from shardlang.dtypes import itemsize
 from shardlang.errors import LayoutError, ParseError, ShardlangError, SourcePosition, SpecError
-from shardlang.layout import REDUCE_OPS, Layout
+from shardlang.layout import Layout, axis_used_twice, check_reduce_op
 from shardlang.mesh import Mesh, check_identifier
 from shardlang.spec import (
     STATE_DEFAULT,
@@ -238,7 +238,7 @@ class _Reader:
 
         def claim(axis: int, by: str, pos: SourcePosition) -> None:
             if axis in used:
-                raise LayoutError(f"mesh axis {mesh.axis_label(axis)} is used twice (by {used[axis]} and by {by})", pos)
+                raise axis_used_twice(mesh, axis, used[axis], by).at(pos)
             used[axis] = by
 
         dims: list[tuple[int, ...]] = []
@@ -261,10 +261,10 @@ class _Reader:
                 op_token = p.children[1]
                 assert isinstance(op_token, Token)
                 op = str(op_token)
-                if op not in REDUCE_OPS:
-                    raise LayoutError(
-                        f"unknown reduce op '{op}' (expected one of {', '.join(REDUCE_OPS)})", self.pos(op_token)
-                    )
+                try:
+                    check_reduce_op(op)
+                except LayoutError as e:
+                    raise e.at(self.pos(op_token)) from None
             for axis, pos in self.axes(mesh, p.children[0]):
                 claim(axis, "a partial", pos)
                 partial.append((axis, op))

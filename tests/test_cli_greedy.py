@@ -88,7 +88,7 @@ def _table_cost(
     alpha: float,
     beta: float,
 ) -> tuple[int, float]:
-    """The planner issue's cost table, by hand."""
+    """The cost table of ``planner.cost``'s docstring, by hand."""
     n = before.mesh.shape[axis]
     size = itemsize(dtype)
     local = before.local_shape(shape)

@@ -1,4 +1,4 @@
-"""The layout language: every example of issue 2, canonical forms, round trips, chunking
+"""The layout language: every example of docs/language.md, canonical forms, round trips, chunking
 against torch.chunk, and every layout error with its exact position."""
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ DPTP = Mesh(shape=(2, 2), axis_names=("dp", "tp"))
 WORLD = Mesh(shape=(2, 2), axis_names=("dp", "tp"), name="world")
 
 
-# --- the examples of issue 2 ------------------------------------------------------------
-ISSUE_EXAMPLES = [
+# --- the examples of docs/language.md -----------------------------------------------------
+DOC_EXAMPLES = [
     ("S0,R over mesh[2,2]", Layout(dims=((0,), ()), mesh=M22)),
     ("R,S1 over mesh[2,2]", Layout(dims=((), (1,)), mesh=M22)),
     ("S01,R over mesh[2,2]", Layout(dims=((0, 1), ()), mesh=M22)),
@@ -47,8 +47,8 @@ ISSUE_EXAMPLES = [
 ]
 
 
-@pytest.mark.parametrize(("text", "expected"), ISSUE_EXAMPLES)
-def test_issue_examples_parse_to_the_layout_they_describe(text: str, expected: Layout) -> None:
+@pytest.mark.parametrize(("text", "expected"), DOC_EXAMPLES)
+def test_doc_examples_parse_to_the_layout_they_describe(text: str, expected: Layout) -> None:
     layout = parse_layout(text, {"world": WORLD})
     assert layout == expected
     assert str(layout) == text  # every example is already written canonically

@@ -1,6 +1,6 @@
 """The planner is optimal: an independent exhaustive search agrees on thousands of random cases.
 
-``Reference`` is written from the planner issue's tables alone and shares no code with
+``Reference`` is written from the cost tables (``planner.cost``'s docstring) alone, shares no code with
 ``planner/``: its own state form (per mesh axis: replicated, partial with an op, or split on a
 dim at a nesting depth), its own move rules (the full baseline move set, no pruning), its own
 sizes and costs, and exact times (integers on a common scale of the model's rationals).

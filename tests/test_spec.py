@@ -27,8 +27,8 @@ from shardlang.dtypes import ITEMSIZE, itemsize
 from shardlang.spec import expand_braces
 from tests.conftest import EXAMPLES
 
-# The spec of issue 2, with its elided block filled in.
-ISSUE_SPEC = """\
+# The spec of the README's language section, with its elided block filled in.
+README_SPEC = """\
 # gpt_dp2_tp2.shard
 mesh world = [dp=2, tp=2]  bandwidth [25e9, 300e9]  latency 5us   # cost hints, optional
 
@@ -44,8 +44,8 @@ rule "h.*.ln_*.weight" { param = R over world  grad = R | P(dp) over world  stat
 WORLD = Mesh(shape=(2, 2), axis_names=("dp", "tp"), name="world")
 
 
-def test_the_issue_spec() -> None:
-    spec = parse_spec(ISSUE_SPEC, "gpt_dp2_tp2.shard")
+def test_the_readme_spec() -> None:
+    spec = parse_spec(README_SPEC, "gpt_dp2_tp2.shard")
     (decl,) = spec.meshes
     assert decl.mesh == WORLD
     assert decl.hints == CostHints(bandwidth=(25e9, 300e9), latency=(5e-6, 5e-6))
