@@ -68,11 +68,12 @@ def describe_plan_cost(plan: Plan) -> str:
     src, dst = plan.src.mesh, plan.dst.mesh
     if src.same_geometry(dst):
         return describe_cost(plan.cost, dst)
-    rates = [plan.cost.for_mesh(mesh) for mesh in (src, dst)]
+    # Messages between the meshes take the point-to-point figures (planner.p2p).
+    rates = [plan.cost.for_op("point_to_point", mesh) for mesh in (src, dst)]
     alphas = {a for per_axis, _ in rates for a in per_axis}
     bandwidths = {b for _, per_axis in rates for b in per_axis}
     alpha, bandwidth = max(alphas), min(bandwidths)
-    if len(alphas) == len(bandwidths) == 1:
+    if len(alphas) == len(bandwidths) == 1 and not plan.cost.ops:
         return f"both meshes, every axis and message: {bandwidth / 1e9:g} GB/s, {format_seconds(alpha)} per round"
     return (
         f"source {src.describe()}: {describe_cost(plan.cost, src)}; target {dst.describe()}: "

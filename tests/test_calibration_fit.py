@@ -10,6 +10,7 @@ import pytest
 
 import planner
 from cli.main import main
+from cli.plan_report import describe_plan_cost
 from planner.cost import collective_rounds
 from planner.fit import Sample, fit_line, fit_model, median_relative_error, spearman
 from planner.model import plan_spec
@@ -120,3 +121,15 @@ def test_the_step_plan_uses_the_given_model():
     measured = plan_spec(spec, cost=model).step.buckets
     assert [(b.op, b.axis, b.bytes) for b in measured] == [("all_reduce", 0, 8192), ("all_gather", 0, 4096)]
     assert measured[0].seconds == pytest.approx(2 * 5e-6 + 8192 / 1e11)
+
+
+def test_a_cross_mesh_plan_prices_and_describes_messages_by_the_point_to_point_figures():
+    model = planner.CostModel(ops={"point_to_point": {"alpha": 2e-5, "bandwidth": 1e9}})
+    src, dst = Layout(((0,), (1,)), Mesh((2, 2))), Layout(((0,), ()), Mesh((4,), ranks=(4, 5, 6, 7)))
+    got = planner.plan(src, dst, (1000, 300), "f32", model)
+    (step,) = got.steps
+    # Each target rank holds 250 rows and receives them from the two ranks holding its columns,
+    # two messages of 250 x 150 f32 on 1 GB/s links.
+    assert step.bytes == 250 * 300 * 4 and step.seconds == pytest.approx(2 * 2e-5 + 250 * 300 * 4 / 1e9)
+    text = describe_plan_cost(got)
+    assert text.endswith("between the meshes the slowest of both: 1 GB/s, 20 us per message")
