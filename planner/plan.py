@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import attrs
 
@@ -12,14 +12,16 @@ from planner.errors import PlanError
 from planner.holdings import receive_lower_bound
 from shardlang.box import Box
 from shardlang.errors import ShardlangError
-from shardlang.layout import Layout
+from shardlang.layout import Layout, ReduceOp
 from shardlang.mesh import Mesh
 from shardlang.parser import parse_layout, parse_mesh
 
 # The baseline move set (README, "The planner"): one mesh axis per step. The default, and the move
 # set whose optimum the shared conformance data records.
-BASELINE_OPS = ("slice", "partial", "all_gather", "all_to_all", "reduce_scatter", "all_reduce")
-OPS = (*BASELINE_OPS, "point_to_point")
+BaselineOp = Literal["slice", "partial", "all_gather", "all_to_all", "reduce_scatter", "all_reduce"]
+Op = Literal[BaselineOp, "point_to_point"]
+BASELINE_OPS: tuple[BaselineOp, ...] = get_args(BaselineOp)
+OPS: tuple[Op, ...] = (*BASELINE_OPS, "point_to_point")
 COMMUNICATING_OPS = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "point_to_point")
 
 
@@ -48,11 +50,11 @@ class Step:
     two meshes) they are the largest per-rank max(sent, received).
     """
 
-    op: str
+    op: Op
     axis: int | None
     dim: int | None
     to_dim: int | None
-    reduce_op: str | None
+    reduce_op: ReduceOp | None
     layout: Layout
     bytes: int
     seconds: float

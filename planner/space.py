@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from shardlang.layout import REDUCE_OPS, padded_length, reduce_ops_commute
 
@@ -61,6 +62,32 @@ Fields = tuple[Dims, Partial]  # a layout's raw fields
 # op, axis, dim, to_dim, reduce_op, next state, bytes sent per rank, rounds, role before, role
 # after, local elements of the next state
 Move = tuple[str, int, "int | None", "int | None", "str | None", int, int, int, int, int, int]
+
+
+class MoveFields(NamedTuple):
+    """A named view of a packed :data:`Move`, ``MoveFields(*move)``: the search generates
+    moves as plain tuples (a named record per generated move would cost it time), and code
+    that reads one outside the hot loop names its fields through this view.
+
+    Example: ``S0,R over mesh[4]`` to ``R,R``, shape 8x8, f32. The one move of the plan is
+    ``("all_gather", 0, 0, None, None, 0, 192, 3, 5, 0, 64)``: an all_gather on axis 0 that
+    takes dim 0 out of the split, to state 0 (every axis replicated: the goal); each rank sends
+    its 2x8 piece (64 bytes) to the 3 others, 192 bytes in 3 rounds; axis 0's role goes from
+    ``role_code("S", 0)`` = 5 to ``REPLICATED`` = 0; the new state holds 64 elements per rank.
+    """
+
+    op: str
+    axis: int
+    dim: int | None
+    to_dim: int | None
+    reduce_op: str | None
+    state: int  # the state the move reaches
+    bytes: int  # sent per rank
+    rounds: int
+    role_before: int  # the axis' role code before and after the move
+    role_after: int
+    elements: int  # local elements of the state reached
+
 
 # Role codes (shared with the state codes for replicated and partial axes).
 REPLICATED = 0

@@ -17,6 +17,7 @@ reduced in that order.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Literal, get_args
 
 import attrs
 
@@ -24,7 +25,8 @@ from shardlang.box import Box
 from shardlang.errors import LayoutError
 from shardlang.mesh import Mesh
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
+ReduceOp = Literal["sum", "avg", "max", "min"]
+REDUCE_OPS: tuple[ReduceOp, ...] = get_args(ReduceOp)
 _COMMUTING_CLASS = {"sum": "linear", "avg": "linear", "max": "max", "min": "min"}
 
 
