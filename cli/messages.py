@@ -17,7 +17,7 @@ from shardlang.dtypes import itemsize
 
 
 @attrs.frozen
-class Messages:
+class MessageSummary:
     """``pairs[(sender, receiver)]``: bytes over the wire per rank pair; ``local_copies``: the
     transfers a rank makes to itself; the largest bytes one rank sends and one receives."""
 
@@ -39,7 +39,7 @@ class Messages:
         )
 
 
-def step_messages(step: Step, dtype: str) -> Messages:
+def step_messages(step: Step, dtype: str) -> MessageSummary:
     size = itemsize(dtype)
     pairs: Counter[tuple[int, int]] = Counter()
     sent: Counter[int] = Counter()
@@ -54,7 +54,7 @@ def step_messages(step: Step, dtype: str) -> Messages:
         pairs[(t.src_rank, t.dst_rank)] += nbytes
         sent[t.src_rank] += nbytes
         received[t.dst_rank] += nbytes
-    return Messages(
+    return MessageSummary(
         pairs=dict(sorted(pairs.items())),
         messages=messages,
         local_copies=copies,

@@ -23,7 +23,7 @@ import attrs
 from cli.blocks import Block, block_at
 from cli.buckets import bucket_rows, buffer_line, heading, summary_line
 from cli.mesh_grid import arrange, check_drawable, coordinate_text
-from cli.messages import Messages, step_messages
+from cli.messages import MessageSummary, step_messages
 from cli.plan_report import describe_cost, describe_plan_cost, leg_ops, lower_bound_text
 from cli.summary import TensorGroup, largest_first
 from cli.tables import format_bytes, format_seconds
@@ -236,7 +236,7 @@ LISTED_PAIRS = 24
 CELL = 'WIDTH="11" HEIGHT="11" FIXEDSIZE="TRUE"'
 
 
-def _messages_label(title: str, messages: Messages) -> str:
+def _messages_label(title: str, messages: MessageSummary) -> str:
     head = (
         f'<TR><TD COLSPAN="{{span}}" BGCOLOR="#f4f4f4" ALIGN="LEFT" BALIGN="LEFT"><B>{escape(title)}</B><BR/>'
         f'<FONT POINT-SIZE="10">{"<BR/>".join(escape(part) for part in messages.summary().split("; "))}</FONT>'

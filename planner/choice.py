@@ -48,7 +48,7 @@ import attrs
 
 from planner.cost import DEFAULT_COST, CostModel, OpUnits, collective_rounds
 from planner.errors import PlanBudgetError, PlanError
-from planner.p2p import Exchange, Links, message_count, time_lower_bound
+from planner.p2p import Links, PlannedExchange, message_count, time_lower_bound
 from planner.plan import Plan
 from planner.search import (
     DEFAULT_MAX_STATES,
@@ -173,7 +173,7 @@ class _Mix:
     before: Plan
     after: Plan
     legs_units: int
-    exchange: Exchange | None = None
+    exchange: PlannedExchange | None = None
 
 
 def _leg(
@@ -267,7 +267,7 @@ def _cheapest_within(
                 message_count(mix.before.dst, mix.after.src, shape),
                 f"the messages of the point-to-point step {mix.before.dst} -> {mix.after.src}",
             )
-            mix = attrs.evolve(mix, exchange=Exchange(mix.before.dst, mix.after.src, shape, itemsize, links))
+            mix = attrs.evolve(mix, exchange=PlannedExchange(mix.before.dst, mix.after.src, shape, itemsize, links))
             units = mix.legs_units + mix.exchange.units
         heapq.heappush(queue, (units, steps, order, stage + 1, mix))
     else:

@@ -48,7 +48,7 @@ from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 
-__all__ = ["Exchange", "Links", "message_count", "point_to_point_plan", "time_lower_bound"]
+__all__ = ["Links", "PlannedExchange", "message_count", "point_to_point_plan", "time_lower_bound"]
 
 
 @attrs.frozen
@@ -130,7 +130,7 @@ class _Traffic:
         return max(s[0], s[1]) + max(s[2], s[3])
 
 
-class Exchange:
+class PlannedExchange:
     """The messages of a point-to-point step from ``before`` to ``after`` (neither partial; on
     the meshes ``links`` was made for), senders chosen; ``units`` is its time in the integer
     units of ``links``. :meth:`step` makes the step record."""
@@ -193,7 +193,7 @@ class Exchange:
 
 
 def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], itemsize: int, links: Links) -> int:
-    """A lower bound on ``Exchange(before, after, ...).units`` without choosing senders: the
+    """A lower bound on ``PlannedExchange(before, after, ...).units`` without choosing senders: the
     largest, over target ranks, of what receiving alone costs on the fastest link."""
     source = blocks_of(before, shape)
     fastest = links.fastest
@@ -212,7 +212,7 @@ def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], item
 
 
 def message_count(before: Layout, after: Layout, shape: tuple[int, ...]) -> int:
-    """How many transfers ``Exchange(before, after, ...)`` makes (local copies included), counted
+    """How many transfers ``PlannedExchange(before, after, ...)`` makes (local copies included), counted
     from the blocks without making them: what the planner's budget charges before building them."""
     source = blocks_of(before, shape)
     return sum(source.count_overlapping(t) * len(r) for t, r in blocks_of(after, shape).holders.items())
@@ -248,5 +248,5 @@ def point_to_point_plan(
             )
     if src.mesh.size + dst.mesh.size + message_count(src, dst, shape) > max_states:
         raise budget_error(src, dst, shape, max_states, "the messages of the point-to-point step")
-    step = Exchange(src, dst, shape, dtype_itemsize(dtype), Links(cost, src.mesh, dst.mesh)).step()
+    step = PlannedExchange(src, dst, shape, dtype_itemsize(dtype), Links(cost, src.mesh, dst.mesh)).step()
     return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(step,), cost=cost)

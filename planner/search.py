@@ -28,7 +28,7 @@ from planner.bound import LowerBound, Terms, cheapest_rates
 from planner.cost import DEFAULT_COST, CostModel, integer_op_rates
 from planner.errors import PlanBudgetError, PlanError
 from planner.plan import Plan, Step
-from planner.space import Fields, Move, Space, pruning, roles_of
+from planner.space import Fields, PackedMove, Space, pruning, roles_of
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
@@ -259,14 +259,14 @@ def _astar(
     terms: Terms,
     max_local_bytes: int | None,
     budget: tuple[int, list[int]] = (DEFAULT_MAX_STATES, [0]),
-) -> list[Move] | None:
+) -> list[PackedMove] | None:
     """The moves of a cheapest plan by (time units, steps) from ``start`` (which holds
     ``elements`` per rank and whose bound terms are ``terms``) to ``space.goal``, or ``None``
     if none exists. ``budget`` is (most states to generate, a one-item counter of those
     generated); :class:`_OverBudget` when the search would generate more."""
     goal = space.goal
     # state -> (time units, steps, previous state, move) of the cheapest way there known
-    best: dict[int, tuple[int, int, int | None, Move | None]] = {start: (0, 0, None, None)}
+    best: dict[int, tuple[int, int, int | None, PackedMove | None]] = {start: (0, 0, None, None)}
     # Entries: (f time, f steps, -g time, tie, g time, g steps, state, local elements, bound
     # terms, bound is full). Among equal f the entry nearer the goal (more time spent) goes
     # first, which ends plateaus of equal-cost orders. Entries are queued with the quick

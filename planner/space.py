@@ -61,11 +61,11 @@ Partial = tuple[tuple[int, str], ...]
 Fields = tuple[Dims, Partial]  # a layout's raw fields
 # op, axis, dim, to_dim, reduce_op, next state, bytes sent per rank, rounds, role before, role
 # after, local elements of the next state
-Move = tuple[str, int, "int | None", "int | None", "str | None", int, int, int, int, int, int]
+PackedMove = tuple[str, int, "int | None", "int | None", "str | None", int, int, int, int, int, int]
 
 
 class MoveFields(NamedTuple):
-    """A named view of a packed :data:`Move`, ``MoveFields(*move)``: the search generates
+    """A named view of a packed :data:`PackedMove`, ``MoveFields(*move)``: the search generates
     moves as plain tuples (a named record per generated move would cost it time), and code
     that reads one outside the hot loop names its fields through this view.
 
@@ -210,7 +210,7 @@ class Space:
         )
 
     # --- moves ---------------------------------------------------------------------------
-    def moves(self, state: int, elements: int, last: Move | None) -> Iterator[Move]:
+    def moves(self, state: int, elements: int, last: PackedMove | None) -> Iterator[PackedMove]:
         """The moves from ``state``, which holds ``elements`` per rank and was reached by
         the move ``last`` (``None`` at the start), less the pruned ones, in a fixed order."""
         mesh_shape, shape, itemsize = self.mesh_shape, self.shape, self.itemsize

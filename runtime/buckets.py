@@ -6,9 +6,9 @@ communicating step waits for its bucket. A bucket's buffer is laid out peer-majo
 reduce_scatter or all_to_all over ``n`` ranks it is ``[n, sum of chunks]``, row ``p`` holding
 every member's block for peer ``p`` one after another; for an all_gather or all_reduce it is
 the members' pieces one after another. Each member packs its (padded) blocks straight into its
-columns (``Move.send_into``: the same padding as an unbucketed reshard, so uneven, empty and
+columns (``CollectiveMove.send_into``: the same padding as an unbucketed reshard, so uneven, empty and
 nested pieces stay exact), the collective runs once, and each member's result is a view of its
-columns (``Move.finish``). Ranks of one group hold the same chunk sizes (``runtime.program``),
+columns (``CollectiveMove.finish``). Ranks of one group hold the same chunk sizes (``runtime.program``),
 so their buffers agree.
 
 Memory: with ``buffers`` (a :class:`~runtime.buffers.Scratch` kept by the caller between steps)
@@ -36,9 +36,9 @@ from runtime.buffers import Scratch
 from runtime.comm import PendingCollective, start_collective
 from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError, ReshardError
-from runtime.exchange import Exchange
+from runtime.exchange import RankExchange
 from runtime.groups import group_for
-from runtime.program import Move, bytes_sent, compile_plan
+from runtime.program import CollectiveMove, bytes_sent, compile_plan
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 
@@ -48,7 +48,7 @@ class _LegProgram:
     """A leg as one rank runs it: its moves per hop, and the shape of the piece it starts from."""
 
     leg: Leg
-    moves: tuple[tuple[Move | Exchange | None, ...], ...]
+    moves: tuple[tuple[CollectiveMove | RankExchange | None, ...], ...]
     source_shape: tuple[int, ...]
 
 
@@ -59,7 +59,7 @@ class _BucketProgram:
 
     index: int
     bucket: Bucket
-    members: tuple[tuple[int, Move, int, int], ...]  # (leg, move, chunk, offset)
+    members: tuple[tuple[int, CollectiveMove, int, int], ...]  # (leg, move, chunk, offset)
     total: int
     per_peer: bool  # the send buffer has one row per peer (reduce_scatter, all_to_all)
     # Where its result (and gloo's reduce_scatter workspace) lie in the kept buffer of its
@@ -105,8 +105,10 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
         members, offset = [], 0
         for m in bucket.members:
             move = legs[m.leg].moves[m.hop][m.step]
-            if not isinstance(move, Move):
-                what = "a point-to-point step" if isinstance(move, Exchange) else "a step on a mesh without this rank"
+            if not isinstance(move, CollectiveMove):
+                what = (
+                    "a point-to-point step" if isinstance(move, RankExchange) else "a step on a mesh without this rank"
+                )
                 leg = plan.legs[m.leg]
                 raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' has {what}: not run in a step plan")
             members.append((m.leg, move, move.chunk, offset))
@@ -204,7 +206,7 @@ class _Walk:
             if (self.h, self.k) == until:
                 return
             move = self.moves[self.h][self.k]
-            if not isinstance(move, Move) or not move.is_local:
+            if not isinstance(move, CollectiveMove) or not move.is_local:
                 raise ReshardError(f"{self.leg.what} of tensor '{self.leg.tensor}' reached a collective out of order")
             self.x = move.local(self.x)
             self.k += 1

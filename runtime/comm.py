@@ -141,10 +141,10 @@ def _reduce_blocks(blocks: torch.Tensor, reduce_op: str | None, out: torch.Tenso
         torch.amin(blocks, 0, out=out)
 
 
-Messages = list[tuple[int, torch.Tensor]]  # (global peer rank, flat contiguous buffer)
+PeerBuffers = list[tuple[int, torch.Tensor]]  # (global peer rank, flat contiguous buffer)
 
 
-def post_point_to_point(sends: Messages, receives: Messages) -> list[tuple[str, dist.Work]]:
+def post_point_to_point(sends: PeerBuffers, receives: PeerBuffers) -> list[tuple[str, dist.Work]]:
     """Start every send and receive of one step; returns each message's work handle with what it
     is (``"the receive from rank 3"``)."""
     ops = [(f"the send to rank {peer}", dist.P2POp(dist.isend, buffer, peer)) for peer, buffer in sends]

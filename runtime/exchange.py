@@ -35,7 +35,7 @@ PeerBoxes = tuple[tuple[int, tuple[Box, ...]], ...]  # (peer rank, its boxes in 
 
 
 @attrs.frozen
-class Exchange:
+class RankExchange:
     """One rank's part in the point-to-point step ``index`` of a plan.
 
     ``sends``: per peer, boxes relative to this rank's source piece; ``receives``: per peer,
@@ -103,7 +103,7 @@ class Exchange:
             region(out, target_box).copy_(region(x, source_box))
 
 
-def compile_exchange(plan: Plan, index: int, rank: int) -> Exchange | None:
+def compile_exchange(plan: Plan, index: int, rank: int) -> RankExchange | None:
     """``rank``'s part in the point-to-point step ``index`` of ``plan``; ``None`` when the rank
     is in neither the step's source mesh nor its target mesh."""
     check_point_to_point(plan, index)
@@ -126,7 +126,7 @@ def compile_exchange(plan: Plan, index: int, rank: int) -> Exchange | None:
             sends[t.dst_rank].append(t.box.relative_to(source_bounds))
         else:
             receives[t.src_rank].append(t.box.relative_to(target_bounds))
-    return Exchange(
+    return RankExchange(
         index=index,
         step=step,
         sends=tuple((peer, tuple(boxes)) for peer, boxes in sorted(sends.items())),

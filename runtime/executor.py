@@ -52,9 +52,9 @@ from runtime import stats
 from runtime.comm import collective, default_device, post_point_to_point, timeout_of, wait_point_to_point
 from runtime.dtypes import dtype_name, torch_dtype
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
-from runtime.exchange import Exchange
+from runtime.exchange import RankExchange
 from runtime.groups import axis_group, group_for, ranks_group
-from runtime.program import Move, bytes_sent, compile_plan
+from runtime.program import CollectiveMove, bytes_sent, compile_plan
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
@@ -138,7 +138,7 @@ def _execute(
     for move in program.moves:
         if move is None:
             continue
-        if isinstance(move, Exchange):
+        if isinstance(move, RankExchange):
             x, writable = _point_to_point(move, x, device, program.plan, wait, label, name), True
             continue
         if move.is_local:
@@ -163,7 +163,7 @@ def _execute(
 
 
 def _point_to_point(
-    move: Exchange,
+    move: RankExchange,
     x: torch.Tensor | None,
     device: torch.device,
     plan: Plan,
@@ -192,14 +192,14 @@ def _point_to_point(
     return out
 
 
-def _record(move: Move | Exchange, plan: Plan, name: str | None, started: float) -> None:
+def _record(move: CollectiveMove | RankExchange, plan: Plan, name: str | None, started: float) -> None:
     stats.record(
         stats.CommRecord(
             tensor=name,
             step=move.index,
             op=move.step.op,
             axis=move.step.axis,
-            ranks=move.peers if isinstance(move, Exchange) else move.members,
+            ranks=move.peers if isinstance(move, RankExchange) else move.members,
             bytes_sent=bytes_sent(move, ITEMSIZE[plan.dtype]),
             planned_bytes=move.step.bytes,
             seconds=time.perf_counter() - started,
@@ -272,7 +272,7 @@ class _Program:
 
     def __init__(self, plan: Plan, rank: int) -> None:
         self.plan = plan
-        self.moves: tuple[Move | Exchange | None, ...] = compile_plan(plan, rank)
+        self.moves: tuple[CollectiveMove | RankExchange | None, ...] = compile_plan(plan, rank)
         in_source = rank in plan.src.mesh.ranks
         self.source_shape = plan.src.rank_piece(plan.shape, rank).shape if in_source else None
 
@@ -319,9 +319,9 @@ def _shape(global_shape: Sequence[int], label: str) -> tuple[int, ...]:
         raise ReshardError(f"{label}: global_shape must be a sequence of ints, not {global_shape!r}") from None
 
 
-def _where(move: Move | Exchange, plan: Plan) -> str:
+def _where(move: CollectiveMove | RankExchange, plan: Plan) -> str:
     step = move.step
-    if isinstance(move, Exchange):
+    if isinstance(move, RankExchange):
         what = f"{step.describe()} -> {step.layout}, with ranks {list(move.peers)}"
     else:
         what = f"{step.describe()} -> {step.layout}, on ranks {list(move.members)}"

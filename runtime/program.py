@@ -13,8 +13,8 @@ size the cost model counts, and equal to it on the rank at coordinate 0.
 
 A plan may change meshes at a ``point_to_point`` step (``runtime.exchange``): the steps
 before it run on the source mesh, the steps after it on the target mesh. A rank's program
-has one entry per step: a :class:`Move` for a step on a mesh the rank is in, an
-:class:`~runtime.exchange.Exchange` for a point-to-point step it sends or receives in (or
+has one entry per step: a :class:`CollectiveMove` for a step on a mesh the rank is in, an
+:class:`~runtime.exchange.RankExchange` for a point-to-point step it sends or receives in (or
 sits next to), ``None`` where it takes no part.
 """
 
@@ -30,13 +30,13 @@ from planner.plan import Plan, Step
 from runtime.blocks import crop, pack, unpack
 from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError
-from runtime.exchange import Exchange, compile_exchange
+from runtime.exchange import RankExchange, compile_exchange
 from runtime.groups import axis_ranks
 from shardlang.layout import padded_length
 
 
 @attrs.frozen
-class Move:
+class CollectiveMove:
     """One rank's part in one step of a plan.
 
     ``before``/``after`` are the rank's piece shapes around the step; ``start`` is where the
@@ -152,7 +152,7 @@ def check_reducible(plan: Plan) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def compile_plan(plan: Plan, rank: int) -> tuple[Move | Exchange | None, ...]:
+def compile_plan(plan: Plan, rank: int) -> tuple[CollectiveMove | RankExchange | None, ...]:
     """``rank``'s part in every step of ``plan``, one entry per step (``None`` where the rank
     is not in the step's mesh)."""
     check_reducible(plan)
@@ -162,7 +162,7 @@ def compile_plan(plan: Plan, rank: int) -> tuple[Move | Exchange | None, ...]:
             f"the plan {plan.src} -> {plan.dst} ends on {layouts[-1].mesh.describe()}, not on the target's mesh; "
             "only a point_to_point step changes meshes"
         )
-    moves: list[Move | Exchange | None] = []
+    moves: list[CollectiveMove | RankExchange | None] = []
     for index, step in enumerate(plan.steps):
         if step.op == "point_to_point":
             moves.append(compile_exchange(plan, index, rank))
@@ -183,7 +183,7 @@ def compile_plan(plan: Plan, rank: int) -> tuple[Move | Exchange | None, ...]:
         members = axis_ranks(mesh, (step.axis,), rank)
         start = new[step.dim][0] - old[step.dim][0] if step.op == "slice" else 0
         moves.append(
-            Move(
+            CollectiveMove(
                 index=index,
                 step=step,
                 members=members,
@@ -197,11 +197,11 @@ def compile_plan(plan: Plan, rank: int) -> tuple[Move | Exchange | None, ...]:
     return tuple(moves)
 
 
-def bytes_sent(move: Move | Exchange, itemsize: int) -> int:
+def bytes_sent(move: CollectiveMove | RankExchange, itemsize: int) -> int:
     """Bytes this rank sends in the step: for a collective under the standard (ring)
     algorithms, counted from the buffers it really passes (the cost model's formulas applied to
     actual sizes); for a point-to-point step, the boxes it sends to other ranks."""
-    if isinstance(move, Exchange):
+    if isinstance(move, RankExchange):
         return move.elements_sent * itemsize
     if move.is_local:
         return 0

@@ -17,9 +17,9 @@ import torch
 from planner.plan import Plan
 from runtime.dtypes import dtype_name
 from runtime.errors import ReshardError
-from runtime.exchange import Exchange
+from runtime.exchange import RankExchange
 from runtime.pieces import check_pieces, reduce_stacked
-from runtime.program import Move, compile_plan
+from runtime.program import CollectiveMove, compile_plan
 
 
 def simulate(plan: Plan, pieces_by_rank: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -51,7 +51,7 @@ def simulate(plan: Plan, pieces_by_rank: Mapping[int, torch.Tensor]) -> dict[int
     return {rank: piece.clone(memory_format=torch.contiguous_format) for rank, piece in pieces.items()}
 
 
-def _point_to_point(moves: dict[int, Exchange], pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+def _point_to_point(moves: dict[int, RankExchange], pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """The target mesh's pieces after a point-to-point step: each message copied from its
     sender's packed buffer into its receiver's buffer, then placed as the executor does."""
     messages = {
@@ -73,7 +73,7 @@ def _point_to_point(moves: dict[int, Exchange], pieces: dict[int, torch.Tensor])
     return out
 
 
-def _exchange(move: Move, sends: list[torch.Tensor]) -> list[torch.Tensor]:
+def _exchange(move: CollectiveMove, sends: list[torch.Tensor]) -> list[torch.Tensor]:
     """What each member of a group receives from the collective of ``move``'s step."""
     op, n = move.step.op, move.n
     if op == "all_gather":
