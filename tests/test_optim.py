@@ -328,3 +328,29 @@ def test_an_added_group_the_spec_cannot_place_changes_nothing() -> None:
         assert len(optimizer.param_groups) == 1 and len(optimizer._slots) == 2
     message = _error(lambda: optimizer.add_param_group({"params": _layer(model, 0)}))
     assert "more than one parameter group" in message and len(optimizer.param_groups) == 1
+
+
+def test_the_optimizer_plans_under_the_cost_model_it_is_given() -> None:
+    """``cost=``: the step plan the optimizer runs is the one ``plan_spec(spec, cost=...)``
+    shows; here a dear reduce_scatter makes it all-reduce the gradient instead."""
+    from planner import CostModel
+    from planner.model import plan_spec
+
+    spec = parse_spec(
+        "mesh world = [dp=2, tp=2]  bandwidth [25e9, 300e9]  latency [10us, 2us]\n"
+        "tensor w : f32[64, 32] { param = R,R over world  grad = R,R | P(dp):sum over world  "
+        "state = S(dp),R over world }\n"
+    )
+    model = CostModel(ops={"reduce_scatter": {"alpha": 3e-4, "bandwidth": 1e8}})
+    w = torch.nn.Parameter(torch.zeros(64, 32))
+    w.grad = torch.zeros(64, 32)
+
+    def buckets(optimizer: ShardedAdamW) -> list[tuple[str, int | None, int]]:
+        return [(b.op, b.axis, b.bytes) for b in optimizer.step_plan().buckets]
+
+    hinted = buckets(ShardedAdamW([("w", w)], spec, verify=False))
+    measured = buckets(ShardedAdamW([("w", w)], spec, verify=False, cost=model))
+    assert hinted == [(b.op, b.axis, b.bytes) for b in plan_spec(spec).step.buckets]
+    assert measured == [(b.op, b.axis, b.bytes) for b in plan_spec(spec, cost=model).step.buckets]
+    assert measured != hinted and measured[0][0] == "all_reduce"
+    assert "cost must be" in _error(lambda: ShardedAdamW([("w", w)], spec, cost="fast"))

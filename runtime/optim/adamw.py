@@ -87,6 +87,11 @@ class ShardedAdamW(ShardedOptimizer):
     drift apart. ``add_param_group`` places new named parameters from the same spec.
     ``all_ranks_commit``: a step commits only when every rank of the stepped tensors' meshes
     finished it (one all-reduce of a flag); otherwise every rank raises and nothing changes.
+    ``overlap``: start the buckets before the update during backward (README, "Overlap"; with
+    ``no_sync()`` and ``prefetch_params``). ``reduce_dtype``: reduce lower-precision gradients
+    in this dtype (``torch.float32`` for bf16 ones). ``cost``: the cost model the step is planned
+    under (``planner.CostModel.from_file`` of ``shardlang calibrate``'s hints), instead of the
+    spec's hints.
     """
 
     def __init__(

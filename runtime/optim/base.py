@@ -96,6 +96,7 @@ class StepOptions(TypedDict, total=False):
     all_ranks_commit: bool
     overlap: bool
     reduce_dtype: torch.dtype | None
+    cost: CostModel | None
 
 
 @attrs.define(eq=False)
@@ -305,6 +306,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         all_ranks_commit: bool = True,
         overlap: bool = False,
         reduce_dtype: torch.dtype | None = None,
+        cost: CostModel | None = None,
     ) -> None:
         named = list(named_params)
         if not named:
@@ -339,6 +341,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Gradients in a lower precision are reduced in this one (FSDP2's MixedPrecisionPolicy).
         self.reduce_dtype = reduce_dtype
         self._placing = (spec, flat_axis, state_dtype)  # how add_param_group places parameters
+        if cost is not None and not isinstance(cost, CostModel):
+            raise OptimizerError(f"cost must be a planner.CostModel, got {type(cost).__name__}")
+        # One model for choosing and for running the plans (``shardlang plan --costs``); by
+        # default the spec's hints for each state mesh.
+        self._cost = cost
         self._slots: list[Slot] = []
         for group in self.param_groups:
             self._slots += self._place_group(group)
@@ -440,7 +447,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         try:
             shape, param_layout, grad_layout, state_layout, own, device_mesh = _layouts(name, param, spec)
             # A spec file's cost hints for the state mesh (bandwidth, latency) steer the plans.
-            cost = CostModel.from_hints(spec.hints(state_layout.mesh)) if isinstance(spec, Spec) else CostModel()
+            if self._cost is not None:
+                cost = self._cost
+            elif isinstance(spec, Spec):
+                cost = CostModel.from_hints(spec.hints(state_layout.mesh))
+            else:
+                cost = CostModel()
             for layout in (param_layout, grad_layout, state_layout, *own.values()):
                 if layout is not None:
                     layout.check_shape(shape)
