@@ -20,8 +20,8 @@ from html import escape
 
 import attrs
 
-from cli.blocks import Block, block_at
 from cli.buckets import bucket_rows, buffer_line, heading, summary_line
+from cli.held_block import Block, block_at
 from cli.mesh_grid import arrange, check_drawable, coordinate_text
 from cli.messages import MessageSummary, step_messages
 from cli.plan_report import describe_cost, describe_plan_cost, leg_ops, lower_bound_text

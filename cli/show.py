@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cli.blocks import block_at
+from cli.held_block import block_at
 from cli.mesh_grid import arrange, check_drawable, coordinate_text
 from cli.tables import format_table, visible_width
 from cli.terminal import Style

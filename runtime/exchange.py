@@ -26,8 +26,8 @@ import attrs
 import torch
 
 from planner.plan import Plan, Step, Transfer
-from runtime.blocks import region
 from runtime.errors import ReshardError
+from runtime.packing import region
 from shardlang.box import Box
 from shardlang.layout import Layout
 

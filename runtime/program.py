@@ -27,11 +27,11 @@ import attrs
 import torch
 
 from planner.plan import Plan, Step
-from runtime.blocks import crop, pack, unpack
 from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError
 from runtime.exchange import RankExchange, compile_exchange
 from runtime.groups import axis_ranks
+from runtime.packing import crop, pack, unpack
 from shardlang.layout import padded_length
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import attrs
 import torch
 
-from runtime.blocks import region
 from runtime.checkpoint import agree
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.fields import field
@@ -33,6 +32,7 @@ from runtime.checkpoint.reader import RangeReader
 from runtime.comm import timeout_of
 from runtime.dtypes import torch_dtype
 from runtime.optim.base import STATE_DICT_FORMAT, ShardedOptimizer
+from runtime.packing import region
 
 
 @attrs.frozen

@@ -44,7 +44,6 @@ from planner.owners import (
 from planner.plan import Plan
 from planner.step import without_axis
 from runtime import stats
-from runtime.blocks import region
 from runtime.comm import collective
 from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError
@@ -53,6 +52,7 @@ from runtime.groups import axis_ranks, group_for
 from runtime.optim.adamw import ADAMW_STATES, adamw_update
 from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StepOptions, StepTraffic, StepWork, Update, done
 from runtime.optim.errors import OptimizerError, OptimizerStepError
+from runtime.packing import region
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 
