@@ -9,7 +9,7 @@ from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, PRICED_OPS, CostModel
 from planner.errors import PlanBudgetError, PlanError
 from planner.holdings import receive_lower_bound
 from planner.p2p import point_to_point_plan
-from planner.plan import BASELINE_OPS, COMMUNICATING_OPS, OPS, Plan, Step, Transfer
+from planner.records import BASELINE_OPS, COMMUNICATING_OPS, OPS, Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, collective_plan
 
 __all__ = [

@@ -49,7 +49,7 @@ import attrs
 from planner.cost import DEFAULT_COST, CostModel, OpUnits, collective_rounds
 from planner.errors import PlanBudgetError, PlanError
 from planner.p2p import Links, PlannedExchange, message_count, time_lower_bound
-from planner.plan import Plan
+from planner.records import Plan
 from planner.search import (
     DEFAULT_MAX_STATES,
     budget_error,

@@ -16,7 +16,7 @@ import attrs
 
 from planner.cost import CostModel
 from planner.errors import PlanError
-from planner.plan import Plan
+from planner.records import Plan
 from planner.step import Leg, StepPlan, StepTensor, plan_step
 from shardlang.errors import ShardlangError
 from shardlang.spec import STATE_DEFAULT, Spec, TensorSpec

@@ -32,7 +32,7 @@ import attrs
 
 from planner.choice import plan
 from planner.cost import CostModel
-from planner.plan import Plan
+from planner.records import Plan
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 

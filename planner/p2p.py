@@ -41,7 +41,7 @@ import attrs
 from planner.cost import DEFAULT_COST, CostModel, integer_op_rates
 from planner.errors import PlanError
 from planner.holdings import blocks_of
-from planner.plan import Plan, Step, Transfer
+from planner.records import Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, budget_error, check_budget, check_request
 from shardlang.box import Box
 from shardlang.dtypes import itemsize as dtype_itemsize

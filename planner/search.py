@@ -27,7 +27,7 @@ import math
 from planner.bound import LowerBound, Terms, cheapest_rates
 from planner.cost import DEFAULT_COST, CostModel, integer_op_rates
 from planner.errors import PlanBudgetError, PlanError
-from planner.plan import Plan, Step
+from planner.records import Plan, Step
 from planner.space import Fields, PackedMove, Space, pruning, roles_of
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.errors import ShardlangError

@@ -44,7 +44,7 @@ import attrs
 from planner.choice import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
-from planner.plan import Plan
+from planner.records import Plan
 from shardlang.errors import SourcePosition
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh

@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import planner
-from planner.plan import Plan
+from planner.records import Plan
 from runtime import stats
 from runtime.comm import collective, default_device, post_point_to_point, timeout_of, wait_point_to_point
 from runtime.dtypes import dtype_name, torch_dtype

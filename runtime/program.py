@@ -26,7 +26,7 @@ import math
 import attrs
 import torch
 
-from planner.plan import Plan, Step
+from planner.records import Plan, Step
 from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError
 from runtime.exchange import RankExchange, compile_exchange

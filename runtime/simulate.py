@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from planner.plan import Plan
+from planner.records import Plan
 from runtime.dtypes import dtype_name
 from runtime.errors import ReshardError
 from runtime.exchange import RankExchange

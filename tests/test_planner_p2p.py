@@ -24,7 +24,7 @@ import planner
 from planner import choice
 from planner.holdings import Blocks
 from planner.p2p import point_to_point_plan
-from planner.plan import Plan
+from planner.records import Plan
 from planner.search import collective_plan
 from shardlang import Layout, Mesh, parse_layout
 from shardlang.errors import ShardlangError

@@ -41,7 +41,7 @@ from planner.owners import (
     place_matrices,
     replicated,
 )
-from planner.plan import Plan
+from planner.records import Plan
 from planner.step import without_axis
 from runtime import stats
 from runtime.comm import collective
