@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_planner_quality as quality  # the DTensor helpers, shared
 
 import planner
-from cli.messages import step_messages
 from planner import choice, search
+from planner.messages import step_messages
 from shardlang import Layout, Mesh
 
 WORLD = 64

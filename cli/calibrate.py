@@ -122,7 +122,7 @@ def _start(mesh: Mesh) -> _World:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UsageError(
             f"calibrate runs one process per rank under torchrun: torchrun --nproc-per-node {mesh.size} "
-            "-m shardlang calibrate --mesh ..."
+            "--no-python shardlang calibrate --mesh ..."
         )
     if int(os.environ["WORLD_SIZE"]) != mesh.size:
         raise UsageError(f"--mesh has {mesh.size} ranks but torchrun started {os.environ['WORLD_SIZE']}")

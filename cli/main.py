@@ -1,4 +1,4 @@
-"""The ``shardlang`` console script (also ``python -m shardlang``).
+"""The ``shardlang`` console script (also ``python -m cli``).
 
 Exit codes: 0 success; 1 bad input (a spec or layout error, no plan, a file that cannot be
 read or written, no ``dot``); 2 bad usage (unknown options, missing arguments); 130 on

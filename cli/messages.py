@@ -1,63 +1,19 @@
-"""The messages of a point-to-point step, summarized per rank pair for tables and pictures.
-
-A step may carry thousands of transfers (64 ranks each receiving from many blocks); what a
-reader wants is who sends whom how much: the transfers merged per (sender, receiver) pair,
-local copies counted apart, and the busiest rank's volumes.
-"""
+"""The messages of a point-to-point step (``planner.messages``) as one line for tables and
+pictures."""
 
 from __future__ import annotations
 
-from collections import Counter
-
-import attrs
-
 from cli.tables import format_bytes
-from planner import Step
-from shardlang.dtypes import itemsize
+from planner.messages import MessageSummary
 
 
-@attrs.frozen
-class MessageSummary:
-    """``pairs[(sender, receiver)]``: bytes over the wire per rank pair; ``local_copies``: the
-    transfers a rank makes to itself; the largest bytes one rank sends and one receives."""
-
-    pairs: dict[tuple[int, int], int]
-    messages: int
-    local_copies: int
-    most_sent: int
-    most_received: int
-
-    def summary(self) -> str:
-        """``56 messages between 56 rank pairs, 8 local copies; the busiest rank sends 512 KiB, receives 512 KiB``"""
-        copies = f", {self.local_copies} local cop{'y' if self.local_copies == 1 else 'ies'}"
-        if not self.messages:
-            return f"no messages{copies}: every rank already holds what it needs"
-        return (
-            f"{self.messages} message{'s' * (self.messages != 1)} between {len(self.pairs)} rank "
-            f"pair{'s' * (len(self.pairs) != 1)}{copies}; the busiest rank sends "
-            f"{format_bytes(self.most_sent)}, receives {format_bytes(self.most_received)}"
-        )
-
-
-def step_messages(step: Step, dtype: str) -> MessageSummary:
-    size = itemsize(dtype)
-    pairs: Counter[tuple[int, int]] = Counter()
-    sent: Counter[int] = Counter()
-    received: Counter[int] = Counter()
-    copies = messages = 0
-    for t in step.transfers:
-        if t.src_rank == t.dst_rank:
-            copies += 1
-            continue
-        nbytes = t.box.numel * size
-        messages += 1
-        pairs[(t.src_rank, t.dst_rank)] += nbytes
-        sent[t.src_rank] += nbytes
-        received[t.dst_rank] += nbytes
-    return MessageSummary(
-        pairs=dict(sorted(pairs.items())),
-        messages=messages,
-        local_copies=copies,
-        most_sent=max(sent.values(), default=0),
-        most_received=max(received.values(), default=0),
+def describe_messages(messages: MessageSummary) -> str:
+    """``56 messages between 56 rank pairs, 8 local copies; the busiest rank sends 512 KiB, receives 512 KiB``"""
+    copies = f", {messages.local_copies} local cop{'y' if messages.local_copies == 1 else 'ies'}"
+    if not messages.messages:
+        return f"no messages{copies}: every rank already holds what it needs"
+    return (
+        f"{messages.messages} message{'s' * (messages.messages != 1)} between {len(messages.pairs)} rank "
+        f"pair{'s' * (len(messages.pairs) != 1)}{copies}; the busiest rank sends "
+        f"{format_bytes(messages.most_sent)}, receives {format_bytes(messages.most_received)}"
     )

@@ -23,11 +23,12 @@ import attrs
 from cli.buckets import bucket_rows, buffer_line, heading, summary_line
 from cli.held_block import Block, block_at
 from cli.mesh_grid import arrange, check_drawable, coordinate_text
-from cli.messages import MessageSummary, step_messages
+from cli.messages import describe_messages
 from cli.plan_report import describe_cost, describe_plan_cost, leg_ops, lower_bound_text
 from cli.summary import TensorGroup, largest_first
 from cli.tables import format_bytes, format_seconds
 from planner import COMMUNICATING_OPS, Plan, Step
+from planner.messages import MessageSummary, step_messages
 from planner.model import SpecPlan, TensorPlans
 from shardlang import Layout
 from shardlang.dtypes import itemsize
@@ -239,7 +240,7 @@ CELL = 'WIDTH="11" HEIGHT="11" FIXEDSIZE="TRUE"'
 def _messages_label(title: str, messages: MessageSummary) -> str:
     head = (
         f'<TR><TD COLSPAN="{{span}}" BGCOLOR="#f4f4f4" ALIGN="LEFT" BALIGN="LEFT"><B>{escape(title)}</B><BR/>'
-        f'<FONT POINT-SIZE="10">{"<BR/>".join(escape(part) for part in messages.summary().split("; "))}</FONT>'
+        f'<FONT POINT-SIZE="10">{"<BR/>".join(escape(part) for part in describe_messages(messages).split("; "))}</FONT>'
         "</TD></TR>"
     )
     pairs = messages.pairs

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from cli.buckets import format_buckets
-from cli.messages import step_messages
+from cli.messages import describe_messages
 from cli.summary import TensorGroup, group_tensors, largest_first
 from cli.tables import format_bytes, format_seconds, format_table
 from cli.terminal import Style
 from planner import COMMUNICATING_OPS, CostModel, Plan, Step
+from planner.messages import step_messages
 from planner.model import SpecPlan, TensorPlans
 from shardlang import Mesh
 
@@ -138,7 +139,7 @@ def message_lines(plan: Plan, indent: str = "  ", most_pairs: int = 12) -> list[
         if step.op != "point_to_point":
             continue
         messages = step_messages(step, plan.dtype)
-        lines.append(f"{indent}step {i}: {messages.summary()}")
+        lines.append(f"{indent}step {i}: {describe_messages(messages)}")
         largest = sorted(messages.pairs.items(), key=lambda item: (-item[1], item[0]))[:most_pairs]
         for (sender, receiver), nbytes in sorted(largest):
             lines.append(f"{indent}  r{sender} -> r{receiver}  {format_bytes(nbytes)}")

@@ -24,6 +24,7 @@ from tests.test_optim_dist import (
     hand_piece,
     initial_params,
     local_grad,
+    run_dtensor,
     step_grads,
 )
 
@@ -146,35 +147,6 @@ def _run_failed_step(rank: int) -> dict[str, Any]:
     }
 
 
-def _run_dtensor(rank: int, build: Any) -> dict[str, Any]:
-    """Parameters and gradients as DTensors on a [dp=2, tp=2] DeviceMesh; the spec gives only
-    the state layouts."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    from shardlang.interop import to_dtensor_placements
-
-    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    spec = _spec(*CONFIGS["dp2_tp2"][:2])
-    coordinate = (rank // 2, rank % 2)
-
-    def dtensor(full: torch.Tensor, local: torch.Tensor, layout: Any) -> DTensor:
-        placements = to_dtensor_placements(layout)
-        return DTensor.from_local(local, device_mesh, placements, shape=full.shape, stride=full.stride())
-
-    params = {}
-    for name, full in initial_params(torch.float32, SEED).items():
-        layout = spec[name].param
-        local = hand_piece(full, layout.dims, layout.mesh.shape, coordinate).clone()
-        params[name] = torch.nn.Parameter(dtensor(full, local, layout))
-    optimizer = build(list(params.items()), {n: s.layouts for n, s in spec.items()})
-    for step in range(DTENSOR_STEPS):
-        for name, (grad, addends) in step_grads(torch.float32, SEED, step).items():
-            params[name].grad = dtensor(grad, local_grad(grad, addends, spec[name].grad, coordinate), spec[name].grad)
-        optimizer.step()
-    return {"coordinate": coordinate, "params": {n: p.to_local().detach().clone() for n, p in params.items()}}
-
-
 def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -184,7 +156,7 @@ def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     out["eps"] = _run_config(rank, "nested_tp_dp", torch.float64, HYPER_EPS)
     out["resume"] = _run_resume(rank, directory)
     out["failed"] = _run_failed_step(rank)
-    out["dtensor"] = _run_dtensor(rank, _optimizer)
+    out["dtensor"] = run_dtensor(rank, _optimizer, SEED, DTENSOR_STEPS)
     return out
 
 

@@ -39,7 +39,7 @@ def test_the_sweep_measures_every_kind_at_the_tables_bytes_on_every_rank():
 def test_calibrate_outside_torchrun_and_bad_meshes_are_clear_errors(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert main(["calibrate", "--mesh", "world = [dp=2, tp=2]"]) == 2
-    assert "torchrun --nproc-per-node 4 -m shardlang calibrate" in capsys.readouterr().err
+    assert "torchrun --nproc-per-node 4 --no-python shardlang calibrate" in capsys.readouterr().err
     assert main(["calibrate", "--mesh", "world = [dp=2, tp=1]"]) == 2
     assert "an axis of size 1 sends nothing" in capsys.readouterr().err
     assert main(["calibrate", "--mesh", "world = [dp=2,"]) == 1

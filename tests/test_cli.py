@@ -619,8 +619,8 @@ def test_colors_only_on_a_terminal_and_never_with_no_color(tmp_path: Path) -> No
     assert re.sub(r"\x1b\[[0-9;]*m", "", colored) == plain
 
 
-def test_python_dash_m_shardlang() -> None:
-    result = subprocess.run([sys.executable, "-m", "shardlang", "--help"], capture_output=True, text=True, timeout=60)
+def test_python_dash_m_cli() -> None:
+    result = subprocess.run([sys.executable, "-m", "cli", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     for command in ("check", "plan", "show", "render", "explain"):
         assert command in result.stdout

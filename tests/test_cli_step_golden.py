@@ -190,3 +190,30 @@ def test_the_readme_shows_what_the_command_prints() -> None:
     result = run(*shlex.split(README_COMMAND)[1:], cwd=REPO, env=_env())
     assert result.returncode == 0, result.stderr
     assert result.stdout == readme_example()
+
+
+ERRORS = Path(__file__).parent / "golden" / "cli_errors.txt"
+
+
+def _error_cases() -> list[tuple[list[str], int, str]]:
+    """(arguments after ``shardlang``, exit code, stderr) of every case in the golden file."""
+    cases = []
+    for block in ERRORS.read_text().split("\n\n"):
+        lines = [line for line in block.splitlines() if line]
+        if not lines or not lines[0].startswith("# RUN: "):
+            continue
+        command = shlex.split(lines[0].removeprefix("# RUN: "))
+        code = int(lines[1].removeprefix("# EXIT: "))
+        cases.append((command[1:], code, "\n".join(lines[2:]) + "\n"))
+    return cases
+
+
+def test_there_are_error_cases() -> None:
+    assert len(_error_cases()) >= 6
+
+
+@pytest.mark.parametrize(("args", "code", "stderr"), _error_cases(), ids=lambda v: None)
+def test_an_error_message_is_the_golden_text(args: list[str], code: int, stderr: str) -> None:
+    result = run(*args, cwd=GOLDEN, env=_env())
+    no_traceback(result)
+    assert (result.returncode, result.stderr) == (code, stderr)

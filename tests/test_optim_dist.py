@@ -233,9 +233,9 @@ def _bytes_by_state(state_dict: dict) -> dict[str, int]:
     return out
 
 
-def _run_dtensor(rank: int, kind: str, seed: int) -> dict[str, Any]:
-    """Parameters and gradients as DTensors on a [dp=2, tp=2] DeviceMesh; the spec gives only
-    the state layouts."""
+def run_dtensor(rank: int, build: Callable[[list, dict], Any], seed: int, steps: int = 10) -> dict[str, Any]:
+    """Parameters and gradients as DTensors on a [dp=2, tp=2] DeviceMesh, ``steps`` steps of the
+    optimizer ``build(named_params, layouts)`` makes; the spec gives only the state layouts."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -244,25 +244,26 @@ def _run_dtensor(rank: int, kind: str, seed: int) -> dict[str, Any]:
     device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     spec = _spec(DP2_TP2, _dp2_tp2)
     coordinate = (rank // 2, rank % 2)
+
+    def dtensor(full: torch.Tensor, local: torch.Tensor, layout: Any) -> DTensor:
+        placements = to_dtensor_placements(layout)
+        return DTensor.from_local(local, device_mesh, placements, shape=full.shape, stride=full.stride())
+
     params = {}
     for name, full in initial_params(torch.float32, seed).items():
         layout = spec[name].param
         local = hand_piece(full, layout.dims, layout.mesh.shape, coordinate).clone()
-        placements = to_dtensor_placements(layout)
-        params[name] = torch.nn.Parameter(
-            DTensor.from_local(local, device_mesh, placements, shape=full.shape, stride=full.stride())
-        )
-    optimizer = _optimizer(kind, list(params.items()), {n: s.layouts for n, s in spec.items()})
-    for step in range(10):
+        params[name] = torch.nn.Parameter(dtensor(full, local, layout))
+    optimizer = build(list(params.items()), {n: s.layouts for n, s in spec.items()})
+    for step in range(steps):
         for name, (grad, addends) in step_grads(torch.float32, seed, step).items():
-            layout = spec[name].grad
-            local = local_grad(grad, addends, layout, coordinate)
-            placements = to_dtensor_placements(layout)
-            params[name].grad = DTensor.from_local(
-                local, device_mesh, placements, shape=grad.shape, stride=grad.stride()
-            )
+            params[name].grad = dtensor(grad, local_grad(grad, addends, spec[name].grad, coordinate), spec[name].grad)
         optimizer.step()
     return {"coordinate": coordinate, "params": {n: p.to_local().detach().clone() for n, p in params.items()}}
+
+
+def _run_dtensor(rank: int, kind: str, seed: int) -> dict[str, Any]:
+    return run_dtensor(rank, lambda named, layouts: _optimizer(kind, named, layouts), seed)
 
 
 def _run_mixed_precision(rank: int, kind: str, seed: int) -> dict[str, Any]:

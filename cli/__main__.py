@@ -1,0 +1,8 @@
+"""``python -m cli``: the ``shardlang`` command (the language package imports nothing above it,
+so the command's module entry point lives here)."""
+
+import sys
+
+from cli.main import main
+
+sys.exit(main())

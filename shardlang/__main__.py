@@ -1,7 +1,0 @@
-"""``python -m shardlang``: the ``shardlang`` command."""
-
-import sys
-
-from cli.main import main
-
-sys.exit(main())
