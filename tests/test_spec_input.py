@@ -64,7 +64,7 @@ def test_the_command_refuses_them_too(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     (tmp_path / "folder.shard").mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "shardlang", "check", "/dev/zero", str(fifo), str(tmp_path / "folder.shard")],
+        [sys.executable, "-m", "cli", "check", "/dev/zero", str(fifo), str(tmp_path / "folder.shard")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -244,7 +244,7 @@ def test_the_command_caps_lengths_as_spec_files_do() -> None:
     """``--shape`` takes lengths up to 2^63-1, like a spec file's shape, and says so past it."""
     too_long = str(2**63)
     result = subprocess.run(
-        [sys.executable, "-m", "shardlang", "show", "S0 over mesh[2]", "--shape", too_long],
+        [sys.executable, "-m", "cli", "show", "S0 over mesh[2]", "--shape", too_long],
         capture_output=True,
         text=True,
         timeout=60,
