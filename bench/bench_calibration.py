@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_calibration.py --pairs 40 --reps 7 --json out/calibration.json
 
 On each mesh: first ``runtime.calibrate.sweep`` and ``planner.fit`` (what ``shardlang calibrate``
-runs) give the calibrated model; then random pairs (``cli.calibrate.sample_pairs``: f32 tensors
+runs) give the calibrated model; then random pairs (``runtime.calibrate.sample_pairs``: f32 tensors
 of 16 KB-16 MB, sources partial over some axes), plus ``R,R | P01 -> R,R`` on [2,2] at three
 sizes, are planned under both models, and every distinct plan is timed by
 ``runtime.calibrate.time_plans`` (reshard by the plan; median over repetitions of the slowest
@@ -26,9 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import planner
-from cli.calibrate import sample_pairs
 from planner.fit import fit_model, median_relative_error, spearman
-from runtime.calibrate import sweep, time_plans
+from runtime.calibrate import sample_pairs, sweep, time_plans
 from runtime.testing import run_ranks
 from shardlang import Mesh, parse_layout
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -19,7 +18,7 @@ from cli.inputs import UsageError
 from cli.tables import format_seconds, format_table
 from planner import CostModel, Plan, plan
 from planner.fit import fit_model, median_relative_error, spearman
-from shardlang import Layout, Mesh, parse_mesh
+from shardlang import Mesh, parse_mesh
 
 DEFAULT_CHECK_PLANS = 8
 
@@ -49,38 +48,6 @@ def read_mesh(text: str) -> Mesh:
     return mesh
 
 
-def sample_pairs(
-    mesh: Mesh, count: int, rng: random.Random, low: int, high: int
-) -> list[tuple[Layout, Layout, tuple[int, ...]]]:
-    """``count`` random (source, target, shape) on ``mesh``: f32 [rows, cols] tensors of ``low``
-    to ``high`` bytes (log-uniform), sources partial (sum) over some axes, targets not, no two
-    alike and none a no-op."""
-    out: list[tuple[Layout, Layout, tuple[int, ...]]] = []
-    for _ in range(1000 * count):
-        if len(out) == count:
-            break
-        cols = rng.choice((256, 1024))
-        rows = max(mesh.size, round(math.exp(rng.uniform(math.log(low), math.log(high))) / 4 / cols))
-        src, dst = _random_layout(rng, mesh, partial=True), _random_layout(rng, mesh, partial=False)
-        if (src, dst, (rows, cols)) not in out and (src.dims, src.partial) != (dst.dims, dst.partial):
-            out.append((src, dst, (rows, cols)))
-    return out
-
-
-def _random_layout(rng: random.Random, mesh: Mesh, partial: bool) -> Layout:
-    dims: list[list[int]] = [[], []]
-    reduced = []
-    for axis in rng.sample(range(mesh.ndim), mesh.ndim):
-        role = rng.random()
-        if partial and role < 0.3:
-            reduced.append((axis, "sum"))
-        elif role < 0.55:
-            continue
-        else:
-            dims[rng.randrange(2)].append(axis)
-    return Layout(dims=dims, mesh=mesh, partial=sorted(reduced))
-
-
 def cmd_calibrate(args: argparse.Namespace) -> int:
     model = CostModel.from_file(args.check) if args.check else None
     mesh_text = args.mesh
@@ -93,7 +60,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise UsageError("--reps and --plans are positive counts and --budget a positive number of seconds")
     world = _start(mesh)
     import runtime  # after the checks: torch is slow to import
-    from runtime.calibrate import sweep, time_plans
+    from runtime.calibrate import sample_pairs, sweep, time_plans
 
     try:
         if model is None:

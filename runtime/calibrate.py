@@ -16,6 +16,8 @@ Every rank of the mesh calls both, in the same order; the default process group 
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -122,3 +124,35 @@ def time_plans(plans: Sequence[Plan], reps: int = 5, clock: float | None = None)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     out = [statistics.median(row) for row in times.tolist()]
     return out if clock is not None else out[:-1]
+
+
+def sample_pairs(
+    mesh: Mesh, count: int, rng: random.Random, low: int, high: int
+) -> list[tuple[Layout, Layout, tuple[int, ...]]]:
+    """``count`` random (source, target, shape) on ``mesh``: f32 [rows, cols] tensors of ``low``
+    to ``high`` bytes (log-uniform), sources partial (sum) over some axes, targets not, no two
+    alike and none a no-op."""
+    out: list[tuple[Layout, Layout, tuple[int, ...]]] = []
+    for _ in range(1000 * count):
+        if len(out) == count:
+            break
+        cols = rng.choice((256, 1024))
+        rows = max(mesh.size, round(math.exp(rng.uniform(math.log(low), math.log(high))) / 4 / cols))
+        src, dst = _random_layout(rng, mesh, partial=True), _random_layout(rng, mesh, partial=False)
+        if (src, dst, (rows, cols)) not in out and (src.dims, src.partial) != (dst.dims, dst.partial):
+            out.append((src, dst, (rows, cols)))
+    return out
+
+
+def _random_layout(rng: random.Random, mesh: Mesh, partial: bool) -> Layout:
+    dims: list[list[int]] = [[], []]
+    reduced = []
+    for axis in rng.sample(range(mesh.ndim), mesh.ndim):
+        role = rng.random()
+        if partial and role < 0.3:
+            reduced.append((axis, "sum"))
+        elif role < 0.55:
+            continue
+        else:
+            dims[rng.randrange(2)].append(axis)
+    return Layout(dims=dims, mesh=mesh, partial=sorted(reduced))
