@@ -459,14 +459,20 @@ def mlp_batches(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run_training(
-    rank: int, kind: str, flat_axis: str | None, seed: int, max_grad_norm: float | None = None
+    rank: int,
+    kind: str,
+    flat_axis: str | None,
+    seed: int,
+    max_grad_norm: float | None = None,
+    clip_method: bool = False,
 ) -> dict[str, Any]:
     """10 steps of an MLP; every rank trains on its 3 of the 12 samples; the global gradient
-    norm of every step when clipping."""
+    norm of every step when clipping (``max_grad_norm``, or ``optimizer.clip_grad_norm_`` before
+    each step with ``clip_method``)."""
     from shardlang import parse_spec
 
     model = mlp(seed)
-    options: dict[str, Any] = {"flat_axis": flat_axis, "max_grad_norm": max_grad_norm}
+    options: dict[str, Any] = {"flat_axis": flat_axis, "max_grad_norm": None if clip_method else max_grad_norm}
     optimizer = _optimizer(kind, list(model.named_parameters()), parse_spec(MLP_SPEC), **options)
     norms = []
     for step in range(10):
@@ -474,8 +480,11 @@ def _run_training(
         mine = slice(3 * rank, 3 * rank + 3)
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        returned = optimizer.clip_grad_norm_(max_grad_norm) if clip_method else None
         optimizer.step()
         norms.append(None if optimizer.last_grad_norm is None else float(optimizer.last_grad_norm))
+        if returned is not None:
+            assert float(returned) == norms[-1], (float(returned), norms[-1])
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
 
 
@@ -522,6 +531,9 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         out[("training", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=12)
     for kind, flat_axis in (("adamw", None), ("adamw", "dp"), ("came", None)):
         out[("clipped", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=14, max_grad_norm=CLIP)
+        out[("clip_method", kind, flat_axis)] = _run_training(
+            rank, kind, flat_axis, seed=14, max_grad_norm=CLIP, clip_method=True
+        )
     out["nonfinite"] = _run_nonfinite(rank, seed=15)
     out["smaller_mesh"] = _run_smaller_mesh(rank)
     out["late_failure"] = _run_fails_after_its_last_collective(rank, seed=17)
@@ -795,9 +807,9 @@ def test_data_parallel_training_equals_single_process_training(
 def test_clipping_equals_torch_clip_grad_norm_in_single_process_training(
     ranks: list[dict[str, Any]], kind: str, flat_axis: str | None
 ) -> None:
-    """``max_grad_norm`` on the reduced gradients against ``torch.nn.utils.clip_grad_norm_``
-    on the whole batch: the same norm every step, clipping at the same steps (some, not all),
-    the same parameters."""
+    """``max_grad_norm`` (and ``optimizer.clip_grad_norm_`` before each step, which returns the
+    norm) on the reduced gradients against ``torch.nn.utils.clip_grad_norm_`` on the whole batch:
+    the same norm every step, clipping at the same steps (some, not all), the same parameters."""
     model = mlp(14)
     params = [p for _, p in model.named_parameters()]
     hyper = ADAMW if kind == "adamw" else CAME
@@ -814,14 +826,15 @@ def test_clipping_equals_torch_clip_grad_norm_in_single_process_training(
     clipped = [n > CLIP for n in norms]
     assert any(clipped) and not all(clipped), norms
     for rank, result in enumerate(ranks):
-        got = result[("clipped", kind, flat_axis)]
-        assert [n > CLIP for n in got["norms"]] == clipped, (rank, got["norms"], norms)
-        for mine, want in zip(got["norms"], norms, strict=True):
-            assert mine == pytest.approx(want, rel=1e-5)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(
-                got["params"][name], p.detach(), rtol=2e-5, atol=2e-6, msg=f"rank {rank} '{name}'"
-            )
+        for how in ("clipped", "clip_method"):
+            got = result[(how, kind, flat_axis)]
+            assert [n > CLIP for n in got["norms"]] == clipped, (rank, how, got["norms"], norms)
+            for mine, want in zip(got["norms"], norms, strict=True):
+                assert mine == pytest.approx(want, rel=1e-5)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(
+                    got["params"][name], p.detach(), rtol=2e-5, atol=2e-6, msg=f"rank {rank} '{name}'"
+                )
 
 
 @pytest.mark.slow

@@ -266,6 +266,22 @@ class _Backward:
     stale: bool = False
 
 
+@attrs.frozen(eq=False)
+class _Reduced:
+    """The gradients brought into their state layout and their norm by ``clip_grad_norm_``,
+    for the ``step()`` that follows: valid while the gradients are the same tensors, unchanged
+    (``grads``: their data pointers and versions)."""
+
+    compiled: _Compiled
+    slots: list[Slot]
+    grads: tuple[tuple[int, int], ...]
+    arrived: dict[int, torch.Tensor]
+    waited: float
+    norm: torch.Tensor
+    norm_traffic: tuple[int, int]
+    max_norm: float
+
+
 @attrs.define(eq=False)
 class _Gathers:
     """The gathers after a committed step (``prefetch_params``): which legs bring each slot's
@@ -361,6 +377,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._prefetch = False
         self._gathers: _Gathers | None = None
         self._gather_failure: str | None = None
+        self._reduced: _Reduced | None = None  # clip_grad_norm_'s, for the next step
         self._hooks: list[Any] = []
         # Seconds the last step spent blocked waiting for its buckets' collectives.
         self.last_wait_seconds = 0.0
@@ -707,6 +724,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if isinstance(slot.param, DTensor):
                 slot.seen_grad = (layout, grad.dtype)
         step_number = min(s.step for s in slots) + 1
+        reduced, self._reduced = self._reduced, None
+        if reduced is not None and (
+            reduced.compiled is not compiled or reduced.slots != slots or reduced.grads != _grad_versions(grads)
+        ):
+            reduced = None  # the gradients changed since clip_grad_norm_: reduce them again
         before = None
         if backward is not None and backward.run is not None:
             if backward.stale or backward.compiled is not compiled or backward.slots != slots:
@@ -714,11 +736,77 @@ class ShardedOptimizer(torch.optim.Optimizer):
             else:
                 before = backward.run
         try:
-            return self._staged(slots, grads, compiled, step_number, before, backward)
+            return self._staged(slots, grads, compiled, step_number, before, backward, reduced)
         except Exception:
             if before is not None:
                 before.drain()
             raise
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients the coming ``step()`` applies to the global 2-norm ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one device, and return their norm before
+        clipping (the same on every rank). The norm is taken where it is exact, on the reduced
+        gradients in their state layout: this brings them there (the step's buckets before the
+        update) and keeps them for the ``step()`` that must follow, which then does not reduce
+        them again. Call it on every rank, after backward, right before ``step()``."""
+        if norm_type != 2.0:
+            raise OptimizerError(f"clip_grad_norm_ takes the 2-norm only (norm_type=2.0), got norm_type={norm_type!r}")
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise OptimizerError(f"max_norm must be a positive number, got {max_norm!r}")
+        self.wait_params()
+        slots = self._stepped()
+        backward, self._backward = self._backward, None
+        if not slots:
+            return torch.zeros(())
+        grads = [slot.local_grad() for slot in slots]
+        compiled = self._compiled(slots, [(layout, grad.dtype) for grad, layout in grads])
+        step_number = min(s.step for s in slots) + 1
+        before = None
+        if backward is not None and backward.run is not None:
+            if backward.stale or backward.compiled is not compiled or backward.slots != slots:
+                backward.run.drain()
+            else:
+                before = backward.run
+        try:
+            arrived, waited = self._reduce_before(slots, grads, compiled, step_number, before, backward)
+            reduced = [arrived[compiled.legs[(s.name, "grad -> state")]] for s in slots]
+            norm, norm_bytes, norm_collectives = self._grad_norm(slots, reduced, step_number)
+        except Exception:
+            if before is not None:
+                before.drain()
+            raise
+        self._reduced = _Reduced(
+            compiled, slots, _grad_versions(grads), arrived, waited, norm, (norm_bytes, norm_collectives), max_norm
+        )
+        return norm
+
+    def _reduce_before(
+        self,
+        slots: list[Slot],
+        grads: list[tuple[torch.Tensor, Layout]],
+        compiled: _Compiled,
+        step_number: int,
+        before: StageRun | None,
+        backward: _Backward | None,
+    ) -> tuple[dict[int, torch.Tensor], float]:
+        """The buckets before the update not started during backward, then all waited on: every
+        leg's piece in the state layout, and the seconds spent waiting."""
+        legs = compiled.legs
+        inputs: dict[int, torch.Tensor] = {}
+        for slot, (grad, _) in zip(slots, grads, strict=True):
+            inputs[legs[(slot.name, "grad -> state")]] = grad.to(self._wire_dtype(grad.dtype))
+            inputs |= self._before_inputs(compiled, slot, grad.device)
+        if before is None:
+            before = self._stage_run(compiled, BEFORE, slots)
+        try:
+            before.feed({i: x for i, x in inputs.items() if i not in before.legs})
+            arrived = before.finish()
+        except ShardlangError as e:
+            raise _failed(step_number, BEFORE, e) from e
+        if backward is not None and backward.error is not None:
+            raise _failed(step_number, BEFORE, backward.error) from backward.error
+        return arrived, before.waited
 
     def _stage_run(self, compiled: _Compiled, stage: str, slots: Sequence[Slot]) -> StageRun:
         return StageRun(
@@ -750,38 +838,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         step_number: int,
         before: StageRun | None,
         backward: _Backward | None,
+        clipped: _Reduced | None = None,
     ) -> Callable[[], None]:
         plan, legs = compiled.plan, compiled.legs
         flat = self._flat_states()
 
-        def failed(stage: str, e: ShardlangError) -> OptimizerStepError:
-            return OptimizerStepError(
-                f"step {step_number} failed {stage}: {e.message}; parameters and optimizer states are unchanged"
-            )
-
-        # 1. Before the update: the buckets not started during backward, then all waited on.
-        inputs: dict[int, torch.Tensor] = {}
-        for slot, (grad, _) in zip(slots, grads, strict=True):
-            inputs[legs[(slot.name, "grad -> state")]] = grad.to(self._wire_dtype(grad.dtype))
-            inputs |= self._before_inputs(compiled, slot, grad.device)
-        if before is None:
-            before = self._stage_run(compiled, BEFORE, slots)
-        try:
-            before.feed({i: x for i, x in inputs.items() if i not in before.legs})
-            arrived = before.finish()
-        except ShardlangError as e:
-            raise failed(BEFORE, e) from e
-        if backward is not None and backward.error is not None:
-            raise failed(BEFORE, backward.error) from backward.error
-        waited = before.waited
+        # 1. Before the update (unless clip_grad_norm_ did it): the gradients into the state layout.
+        if clipped is None:
+            arrived, waited = self._reduce_before(slots, grads, compiled, step_number, before, backward)
+        else:
+            arrived, waited = clipped.arrived, clipped.waited
         reduced = [arrived[legs[(s.name, "grad -> state")]] for s in slots]
         norm_bytes = norm_collectives = 0
-        if self.max_grad_norm is not None or self.skip_nonfinite:
-            norm, norm_bytes, norm_collectives = self._grad_norm(slots, reduced, step_number)
+        max_norm = self.max_grad_norm if clipped is None else clipped.max_norm
+        if clipped is not None or self.max_grad_norm is not None or self.skip_nonfinite:
+            if clipped is None:
+                norm, norm_bytes, norm_collectives = self._grad_norm(slots, reduced, step_number)
+            else:
+                norm, (norm_bytes, norm_collectives) = clipped.norm, clipped.norm_traffic
             if self.skip_nonfinite and not bool(torch.isfinite(norm)):
                 return self._skip(norm, step_number)
-            if self.max_grad_norm is not None:
-                coefficient = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            if max_norm is not None:
+                coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
                 if bool(coefficient < 1):  # as torch.nn.utils.clip_grad_norm_ scales them
                     reduced = [g * coefficient.to(g.dtype) for g in reduced]
         else:
@@ -823,7 +901,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             back = after.wait_for(own_legs) if self._prefetch else after.finish()
         except ShardlangError as e:
             after.drain()
-            raise failed(AFTER, e) from e
+            raise _failed(step_number, AFTER, e) from e
         self.last_wait_seconds = waited + after.waited
         flag_bytes, flag_collectives = self._flag_traffic(slots)
         traffic = StepTraffic(
@@ -1250,6 +1328,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load what :meth:`full_state_dict` or the torch optimizer's ``state_dict()`` wrote,
         each rank its pieces; every rank calls it."""
         full_state.load_full_state_dict(self, state_dict)
+
+
+def _failed(step_number: int, stage: str, e: ShardlangError) -> OptimizerStepError:
+    return OptimizerStepError(
+        f"step {step_number} failed {stage}: {e.message}; parameters and optimizer states are unchanged"
+    )
+
+
+def _grad_versions(grads: Sequence[tuple[torch.Tensor, Layout]]) -> tuple[tuple[int, int], ...]:
+    """Which gradient tensors, and how often changed in place: a kept reduction's key."""
+    return tuple((grad.data_ptr(), grad._version) for grad, _ in grads)
 
 
 def _grad_key(slot: Slot) -> tuple[Layout, torch.dtype]:
