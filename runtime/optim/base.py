@@ -729,12 +729,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             reduced.compiled is not compiled or reduced.slots != slots or reduced.grads != _grad_versions(grads)
         ):
             reduced = None  # the gradients changed since clip_grad_norm_: reduce them again
-        before = None
-        if backward is not None and backward.run is not None:
-            if backward.stale or backward.compiled is not compiled or backward.slots != slots:
-                backward.run.drain()  # planned for other gradients: run the step without them
-            else:
-                before = backward.run
+        before = _started(backward, compiled, slots)
         try:
             return self._staged(slots, grads, compiled, step_number, before, backward, reduced)
         except Exception:
@@ -762,12 +757,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grads = [slot.local_grad() for slot in slots]
         compiled = self._compiled(slots, [(layout, grad.dtype) for grad, layout in grads])
         step_number = min(s.step for s in slots) + 1
-        before = None
-        if backward is not None and backward.run is not None:
-            if backward.stale or backward.compiled is not compiled or backward.slots != slots:
-                backward.run.drain()
-            else:
-                before = backward.run
+        before = _started(backward, compiled, slots)
         try:
             arrived, waited = self._reduce_before(slots, grads, compiled, step_number, before, backward)
             reduced = [arrived[compiled.legs[(s.name, "grad -> state")]] for s in slots]
@@ -1328,6 +1318,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load what :meth:`full_state_dict` or the torch optimizer's ``state_dict()`` wrote,
         each rank its pieces; every rank calls it."""
         full_state.load_full_state_dict(self, state_dict)
+
+
+def _started(backward: _Backward | None, compiled: _Compiled, slots: Sequence[Slot]) -> StageRun | None:
+    """The buckets started during backward, if they were planned for these gradients; else
+    ``None``, after waiting out any that were not (the step then runs without them)."""
+    if backward is None or backward.run is None:
+        return None
+    if backward.stale or backward.compiled is not compiled or backward.slots != list(slots):
+        backward.run.drain()
+        return None
+    return backward.run
 
 
 def _failed(step_number: int, stage: str, e: ShardlangError) -> OptimizerStepError:
