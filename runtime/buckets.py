@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import KeysView, Mapping, Sequence
 
 import attrs
 import torch
@@ -270,9 +270,9 @@ class StageRun:
         return self._next
 
     @property
-    def legs(self) -> tuple[int, ...]:
-        """The legs given their input so far."""
-        return tuple(self._walks)
+    def legs(self) -> KeysView[int]:
+        """The legs given their input so far (a live view: membership is a lookup)."""
+        return self._walks.keys()
 
     def feed(self, inputs: Mapping[int, torch.Tensor]) -> None:
         """Give legs their inputs (each once); starts every bucket that became ready."""
