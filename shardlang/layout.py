@@ -183,16 +183,16 @@ def format_axes(mesh: Mesh, axes: Iterable[int]) -> str:
     return "(" + ",".join(mesh.axis_label(a) for a in axes) + ")"
 
 
-def format_layout(layout: Layout, *, mesh_inline: bool = False) -> str:
+def format_layout(layout: Layout, *, mesh_inline: bool = False, ellipsis: int | None = None) -> str:
     """The one canonical text of a layout; ``parse_layout`` reads it back to an equal value
     (given the declared meshes it names). With ``mesh_inline``, a declared mesh is written out
-    (``over mesh world = [dp=2]``): a text that reads back to an equal value on its own."""
+    (``over mesh world = [dp=2]``): a text that reads back to an equal value on its own. With
+    ``ellipsis``, a rule's ``...`` stands after that many dims (docs/language.md, "Rules")."""
     mesh = layout.mesh
-    if layout.ndim == 0:
-        dims = "()"
-    else:
-        dims = ",".join("S" + format_axes(mesh, axes) if axes else "R" for axes in layout.dims)
-    text = dims
+    dims = ["S" + format_axes(mesh, axes) if axes else "R" for axes in layout.dims]
+    if ellipsis is not None:
+        dims.insert(ellipsis, "...")
+    text = ",".join(dims) or "()"
     if layout.partial:
         # One group per op, groups ordered by their first axis, axes ascending within a group.
         groups: dict[str, list[int]] = {}

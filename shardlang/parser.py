@@ -232,6 +232,19 @@ class _Reader:
         return refs
 
     def layout(self, tree: Tree) -> Layout:
+        """A layout that names every dim (no ``...``: it has no tensor to stand for dims of)."""
+        layout, _, ellipsis = self.layout_parts(tree)
+        if ellipsis is not None:
+            raise ParseError(
+                "'...' stands for the dims of a tensor that a layout does not name: it is for a spec's "
+                "rules and tensor entries, not a layout on its own",
+                self.pos(ellipsis),
+            )
+        return layout
+
+    def layout_parts(self, tree: Tree) -> tuple[Layout, int | None, Token | None]:
+        """The layout of the dims named, how many of them come before its ``...`` (``None``
+        without one) and the ``...`` token."""
         dims_tree, *rest = tree.children
         mesh = self.mesh_ref(rest[-1])  # type: ignore[arg-type]
         used: dict[int, str] = {}
@@ -242,16 +255,29 @@ class _Reader:
             used[axis] = by
 
         dims: list[tuple[int, ...]] = []
+        at: int | None = None
+        ellipsis: Token | None = None
         assert isinstance(dims_tree, Tree)
         if dims_tree.data == "dims":
-            for d, dim in enumerate(dims_tree.children):
+            for dim in dims_tree.children:
                 assert isinstance(dim, Tree)
+                if dim.data == "ellipsis":
+                    token = dim.children[0]
+                    assert isinstance(token, Token)
+                    if ellipsis is not None:
+                        raise ParseError(
+                            f"a layout has at most one '...' (its first is at column {ellipsis.column}): "
+                            "which dims each stands for would be a guess",
+                            self.pos(token),
+                        )
+                    at, ellipsis = len(dims), token
+                    continue
                 if dim.data == "replicated":
                     dims.append(())
                     continue
                 refs = self.axes(mesh, dim.children[0])
                 for axis, pos in refs:
-                    claim(axis, f"dim {d}", pos)
+                    claim(axis, f"dim {len(dims)}", pos)
                 dims.append(tuple(a for a, _ in refs))
         partial: list[tuple[int, str]] = []
         for p in rest[:-1]:
@@ -269,9 +295,10 @@ class _Reader:
                 claim(axis, "a partial", pos)
                 partial.append((axis, op))
         try:
-            return Layout(dims=tuple(dims), mesh=mesh, partial=tuple(partial))
+            layout = Layout(dims=tuple(dims), mesh=mesh, partial=tuple(partial))
         except LayoutError as e:
             raise e.at(self.pos(tree)) from None
+        return layout, at, ellipsis
 
     # --- spec files ------------------------------------------------------------------
     def spec(self, tree: Tree) -> Spec:
@@ -344,8 +371,13 @@ class _Reader:
             )
         return tuple(values)
 
-    def entries(self, entries: list[Tree], owner: str, at: Tree, shape: tuple[int, ...] | None) -> Layouts:
+    def entries(
+        self, entries: list[Tree], owner: str, at: Tree, shape: tuple[int, ...] | None
+    ) -> tuple[Layouts, dict[str, int]]:
+        """The layouts of a tensor (``shape`` given: a ``...`` is filled in) or of a rule, and
+        for a rule where each entry's ``...`` stands (before its last dim; see ``Rule.ellipses``)."""
         seen: dict[str, Layout] = {}
+        ellipses: dict[str, int] = {}
         for entry in entries:
             key_token, layout_tree = entry.children
             assert isinstance(key_token, Token) and isinstance(layout_tree, Tree)
@@ -357,7 +389,18 @@ class _Reader:
                 )
             if key in seen:
                 raise SpecError(f"{owner} gives '{key}' twice", self.pos(key_token))
-            layout = self.layout(layout_tree)
+            layout, before, ellipsis = self.layout_parts(layout_tree)
+            if shape is not None and ellipsis is not None:
+                if layout.ndim > len(shape):
+                    raise SpecError(
+                        f"{owner} has shape {list(shape)} ({len(shape)} dims) but its {key} layout names "
+                        f"{layout.ndim} dims besides its '...'",
+                        self.pos(ellipsis),
+                    )
+                extra = ((),) * (len(shape) - layout.ndim)
+                layout = attrs.evolve(layout, dims=layout.dims[:before] + extra + layout.dims[before:])
+            elif before is not None and before < layout.ndim:
+                ellipses[key] = before
             if shape is not None and layout.ndim != len(shape):
                 raise SpecError(
                     f"{owner} has shape {list(shape)} ({len(shape)} dims) but its {key} layout has {layout.ndim} dims",
@@ -366,9 +409,12 @@ class _Reader:
             if seen:
                 # A rule has no shape: its layouts must at least agree with each other.
                 first_key, first = next(iter(seen.items()))
-                if layout.ndim != first.ndim:
+                # Without a '...', which dims the shorter one leaves out would be a guess.
+                fixed = next(((k, v) for k, v in seen.items() if k not in ellipses), None)
+                if fixed is not None and key not in ellipses and layout.ndim != fixed[1].ndim:
                     raise SpecError(
-                        f"{owner}: its {key} layout has {layout.ndim} dims but its {first_key} layout has {first.ndim}",
+                        f"{owner}: its {key} layout has {layout.ndim} dims but its {fixed[0]} layout has "
+                        f"{fixed[1].ndim}; write '...' where a layout's unnamed dims go",
                         self.pos(layout_tree),
                     )
                 # Layouts of one tensor are resharded into each other: one grid of ranks.
@@ -385,7 +431,10 @@ class _Reader:
         param = seen["param"]
         states = [(STATE_DEFAULT, seen.get("state", param))]
         states += sorted((k.split(".", 1)[1], v) for k, v in seen.items() if k.startswith("state."))
-        return Layouts(param=param, grad=seen.get("grad", param), states=tuple(states))
+        for key in ("grad", "state"):  # a default is the param layout, its '...' included
+            if key not in seen and "param" in ellipses:
+                ellipses[key] = ellipses["param"]
+        return Layouts(param=param, grad=seen.get("grad", param), states=tuple(states)), ellipses
 
     def tensor_decl(self, tree: Tree) -> list[TensorSpec]:
         name_token, dtype_token, *rest = tree.children
@@ -407,7 +456,7 @@ class _Reader:
                     f"tensor name '{name}' (from '{name_token}') may hold only letters, digits, '_', '.' and '-'",
                     self.pos(name_token),
                 )
-        layouts = self.entries(entries, f"tensor '{name_token}'", tree, shape)
+        layouts, _ = self.entries(entries, f"tensor '{name_token}'", tree, shape)
         position = self.pos(tree)
         return [TensorSpec(name=n, dtype=dtype, shape=shape, layouts=layouts, position=position) for n in names]
 
@@ -421,8 +470,8 @@ class _Reader:
             brace_choices(pattern, limit=MAX_EXPANDED_NAMES)  # checked, never expanded (spec.pattern_regex)
         except ShardlangError as e:
             raise e.at(self.pos(pattern_token)) from None
-        layouts = self.entries(entries, f'rule "{pattern}"', tree, None)  # type: ignore[arg-type]
-        return Rule(pattern=pattern, layouts=layouts, position=self.pos(tree))
+        layouts, ellipses = self.entries(entries, f'rule "{pattern}"', tree, None)  # type: ignore[arg-type]
+        return Rule(pattern=pattern, layouts=layouts, ellipses=tuple(ellipses.items()), position=self.pos(tree))
 
 
 def parse_layout(text: str, meshes: Mapping[str, Mesh] | None = None, *, filename: str | None = None) -> Layout:

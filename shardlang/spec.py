@@ -11,7 +11,7 @@ import re
 import attrs
 
 from shardlang.errors import ParseError, SourcePosition, SpecError
-from shardlang.layout import Layout
+from shardlang.layout import Layout, format_layout
 from shardlang.mesh import Mesh
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
@@ -130,10 +130,32 @@ class Rule:
 
     pattern: str
     layouts: Layouts
+    # Where a layout's ``...`` stands (docs/language.md, "Rules"): per entry key (``param``,
+    # ``grad``, ``state``, ``state.NAME``), how many of its named dims come before it. A layout
+    # without one, or with one after its last dim, is filled at the end.
+    ellipses: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=lambda e: tuple(sorted(e)))
     position: SourcePosition | None = attrs.field(default=None, eq=False)
 
     def matches(self, name: str) -> bool:
         return pattern_regex(self.pattern).match(name) is not None
+
+    def layouts_for(self, ndim: int) -> Layouts:
+        """The rule's layouts for a tensor of ``ndim`` dims: the dims a layout does not name
+        are replicated, where its ``...`` stands or else after its last dim (as in JAX's
+        ``PartitionSpec``)."""
+        at = dict(self.ellipses)
+
+        def fill(key: str, layout: Layout) -> Layout:
+            extra = ndim - layout.ndim
+            if extra == 0:
+                return layout
+            i = at.get(key, layout.ndim)
+            dims = layout.dims[:i] + ((),) * extra + layout.dims[i:]
+            return Layout(dims=dims, mesh=layout.mesh, partial=layout.partial)
+
+        layouts = self.layouts
+        states = tuple((k, fill(state_key(k), v)) for k, v in layouts.states)
+        return Layouts(param=fill("param", layouts.param), grad=fill("grad", layouts.grad), states=states)
 
 
 @functools.cache
@@ -261,35 +283,27 @@ class Spec:
                 return t
         for rule in self.rules:
             if rule.matches(name):
+                at = dict(rule.ellipses)
                 for role, layout in _named_layouts(rule.layouts):
                     if layout.ndim > len(shape):
+                        text = format_layout(layout, ellipsis=at.get(role))
                         raise SpecError(
                             f"rule \"{rule.pattern}\" gives tensor '{name}' of shape {list(shape)} "
-                            f"a {layout.ndim}-d {role} layout '{layout}': a rule's layout may name fewer dims "
+                            f"a {layout.ndim}-d {role} layout '{text}': a rule's layout may name fewer dims "
                             "than the tensor has (the rest are replicated), never more",
                             rule.position,
                         )
-                layouts = rank_filled(rule.layouts, len(shape))
+                layouts = rule.layouts_for(len(shape))
                 return TensorSpec(name=name, dtype=dtype, shape=shape, layouts=layouts, position=rule.position)
         raise SpecError(f"tensor '{name}' is not declared and no rule matches it in {self.filename or 'the spec'}")
 
 
-def rank_filled(layouts: Layouts, ndim: int) -> Layouts:
-    """A rule's layouts for a tensor of ``ndim`` dims: the dims a layout does not name are
-    replicated, as in JAX's ``PartitionSpec`` (docs/language.md, "Rules")."""
-
-    def fill(layout: Layout) -> Layout:
-        extra = ndim - layout.ndim
-        if extra == 0:
-            return layout
-        return Layout(dims=layout.dims + ((),) * extra, mesh=layout.mesh, partial=layout.partial)
-
-    return Layouts(
-        param=fill(layouts.param), grad=fill(layouts.grad), states=tuple((k, fill(v)) for k, v in layouts.states)
-    )
+def state_key(name: str) -> str:
+    """The entry key of a state layout: ``state`` for the default, else ``state.NAME``."""
+    return "state" if name == STATE_DEFAULT else f"state.{name}"
 
 
 def _named_layouts(layouts: Layouts) -> list[tuple[str, Layout]]:
     named = [("param", layouts.param), ("grad", layouts.grad)]
-    named += [("state" if not k else f"state.{k}", v) for k, v in layouts.states]
+    named += [(state_key(k), v) for k, v in layouts.states]
     return named

@@ -13,9 +13,10 @@ import re
 from collections.abc import Callable, Sequence
 from decimal import Decimal
 
+from shardlang.layout import Layout, format_layout
 from shardlang.mesh import RowMajorRanks, format_ranks
 from shardlang.parser import parse_duration
-from shardlang.spec import STATE_DEFAULT, Layouts, MeshDecl, Rule, Spec, TensorSpec, expand_braces
+from shardlang.spec import STATE_DEFAULT, Layouts, MeshDecl, Rule, Spec, TensorSpec, expand_braces, state_key
 
 _INT = re.compile(r"(0|[1-9][0-9]*)\Z")
 Comment = Callable[[TensorSpec, int], str | None]  # a group's first tensor and its size -> a comment
@@ -98,16 +99,28 @@ def _per_axis(values: list[str]) -> str:
     return values[0] if len(set(values)) == 1 else "[" + ", ".join(values) + "]"
 
 
-def format_entries(layouts: Layouts, indent: str = "  ") -> list[str]:
+def format_entries(layouts: Layouts, indent: str = "  ", ellipses: Sequence[tuple[str, int]] = ()) -> list[str]:
     """``param = ...``, then ``grad`` and ``state`` where they differ from their default (the
-    param layout), then every state kept in a layout of its own."""
-    lines = [f"param = {layouts.param}"]
-    if layouts.grad != layouts.param:
-        lines.append(f"grad  = {layouts.grad}")
+    param layout), then every state kept in a layout of its own; a rule's layouts with their
+    ``...`` where ``ellipses`` (``Rule.ellipses``) puts one."""
+    at = dict(ellipses)
+
+    def entry(key: str, layout: Layout) -> tuple[Layout, int | None]:
+        return layout, at.get(key)
+
+    def text(key: str, layout: Layout) -> str:
+        return format_layout(layout, ellipsis=at.get(key))
+
+    param = entry("param", layouts.param)
+    lines = [f"param = {text('param', layouts.param)}"]
+    if entry("grad", layouts.grad) != param:
+        lines.append(f"grad  = {text('grad', layouts.grad)}")
     default = layouts.state()
-    if default != layouts.param:
-        lines.append(f"state = {default}")
-    lines += [f"state.{name} = {layout}" for name, layout in layouts.states if name != STATE_DEFAULT]
+    if entry("state", default) != param:
+        lines.append(f"state = {text('state', default)}")
+    for name, layout in layouts.states:
+        if name != STATE_DEFAULT:
+            lines.append(f"{state_key(name)} = {text(state_key(name), layout)}")
     return [indent + line for line in lines]
 
 
@@ -135,4 +148,4 @@ def format_spec(spec: Spec, comment: Comment | None = None, header: Sequence[str
 
 
 def _rule_lines(rule: Rule) -> list[str]:
-    return [f'rule "{rule.pattern}" {{', *format_entries(rule.layouts), "}"]
+    return [f'rule "{rule.pattern}" {{', *format_entries(rule.layouts, ellipses=rule.ellipses), "}"]
