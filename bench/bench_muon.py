@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_muon.py                  # the model below, 10 timed steps
     .venv/bin/python bench/bench_muon.py --steps 20 --width 512
+    .venv/bin/python bench/bench_muon.py --bucket-bytes 1 # every move its own collective or exchange
 
 The model: 4 blocks of GPT-like matrices (``[3w, w]``, ``[w, w]``, ``[4w, w]``, ``[w, 4w]``) and
 their biases and norms, f32. One process steps it with ``torch.optim.Muon`` (the matrices) and
@@ -17,7 +18,10 @@ rank holds, and the whole matrices the busiest rank assembles in a step, one aft
 (gathers: every matrix; owners: those it owns). Newton-Schulz Gflop is the most any
 rank runs per step (``planner.owners``). Bytes are what rank 0 sent in a step as the runtime
 measured it (``runtime.recording``) and what the optimizer's plans predict for the busiest
-rank, split into the reshards, the matrices' moves and the commit flag.
+rank, split into the reshards, the matrices' moves and the commit flag; "moves" counts the
+collectives and exchanges of the matrices' moves (one per bucket of the step plan's matrix
+part, ``planner.matrices``), and "modeled" is that part's estimate (bucketed moves plus the
+busiest rank's iterations at the stated rate).
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def _piece(full: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
     return runtime.shard(full, Layout(dims=layout.dims, mesh=layout.mesh), rank)
 
 
-def sharded(rank: int, world: int, shapes: dict[str, tuple[int, ...]], steps: int) -> bytes:
+def sharded(rank: int, world: int, shapes: dict[str, tuple[int, ...]], steps: int, bucket_bytes: int | None) -> bytes:
     torch.set_num_threads(1)
     runs = {}
     for layout in LAYOUTS:
@@ -123,7 +127,13 @@ def sharded(rank: int, world: int, shapes: dict[str, tuple[int, ...]], steps: in
             flat_axis = LAYOUTS[layout][-1]
             adamw = {f"adamw_{k}": v for k, v in ADAMW.items()}
             optimizer = ShardedMuon(
-                list(params.items()), spec, placement=placement, flat_axis=flat_axis, **MUON, **adamw
+                list(params.items()),
+                spec,
+                placement=placement,
+                flat_axis=flat_axis,
+                bucket_bytes=bucket_bytes,
+                **MUON,
+                **adamw,
             )
             runs[(layout, placement)] = (spec, params, optimizer, [], [])
     for step in range(steps + 2):
@@ -139,7 +149,7 @@ def sharded(rank: int, world: int, shapes: dict[str, tuple[int, ...]], steps: in
             sent.append(log.total_bytes)
     out = {}
     for key, (_, _, optimizer, times, sent) in runs.items():
-        plan = optimizer.owner_plan()
+        plan = optimizer.step_plan().matrices
         flops: dict[int, int] = {}
         assembled = 0
         for name, shape in shapes.items():
@@ -150,7 +160,7 @@ def sharded(rank: int, world: int, shapes: dict[str, tuple[int, ...]], steps: in
                 flops[r] = flops.get(r, 0) + newton_schulz_flops(shape, 5)
             if owner is None or owner == rank:
                 assembled += shape[0] * shape[1] * 4
-        owners = sorted({p.owner for p in plan.placements}, key=str)
+        owners = sorted({m.owner for m in plan.matrices}, key=str)
         out[key] = {
             "owners": owners,
             "ms": statistics.median(times[2:]) * 1e3,
@@ -159,6 +169,7 @@ def sharded(rank: int, world: int, shapes: dict[str, tuple[int, ...]], steps: in
             "gflop": max(flops.values()) / 1e9,
             "sent": statistics.median(sent[2:]),
             "traffic": optimizer.planned_traffic(),
+            "modeled": plan.seconds,
         }
     buffer = io.BytesIO()
     torch.save(out, buffer)
@@ -176,19 +187,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--bucket-bytes", type=int, default=None, help="the optimizers' bucket_bytes")
     args = parser.parse_args()
     shapes = model_shapes(args.width)
     numel = sum(torch.Size(s).numel() for s in shapes.values())
     matrices = sum(1 for s in shapes.values() if len(s) == 2)
     one, one_state = single_process(shapes, args.steps)
-    results = run_ranks(sharded, 4, args=(shapes, args.steps), timeout=1200)
+    results = run_ranks(sharded, 4, args=(shapes, args.steps, args.bucket_bytes), timeout=1200)
     rank0 = torch.load(io.BytesIO(results[0]), weights_only=False)
     per_rank = [torch.load(io.BytesIO(r), weights_only=False) for r in results]
     print(f"{numel / 1e6:.2f}M f32 parameters, {matrices} matrices, {args.steps} timed steps")
     print("| optimizer | step ms | state MiB/rank | whole matrices MiB/rank/step | NS Gflop/rank |", end="")
-    print(" sent B/step (rank 0) | planned: reshards + matrices + flag |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| torch Muon + AdamW, 1 process | {one:.1f} | {one_state / 2**20:.2f} | | | | |")
+    print(" sent B/step (rank 0) | planned: reshards + matrices + flag | moves | modeled ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| torch Muon + AdamW, 1 process | {one:.1f} | {one_state / 2**20:.2f} | | | | | | |")
     for key, r in rank0.items():
         assembled = max(p[key]["assembled"] for p in per_rank)
         t = r["traffic"]
@@ -196,7 +208,8 @@ def main() -> None:
             f"| ShardedMuon, 4 ranks, {key[0]}, {key[1]}{_chose(key[1], r['owners'])} | {r['ms']:.1f} | "
             f"{r['state'] / 2**20:.2f} | "
             f"{assembled / 2**20:.2f} | {r['gflop']:.2f} | {int(r['sent']):,} | "
-            f"{t.reshard_bytes:,} + {t.matrix_bytes:,} + {t.commit_bytes:,} |"
+            f"{t.reshard_bytes:,} + {t.matrix_bytes:,} + {t.commit_bytes:,} | {t.matrix_collectives} | "
+            f"{r['modeled'] * 1e3:.2f} |"
         )
 
 

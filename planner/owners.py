@@ -49,9 +49,10 @@ def newton_schulz_flops(shape: tuple[int, int], steps: int) -> int:
     return steps * (4 * m * m * n + 2 * m**3)
 
 
-def owner_layout(rank: int, ndim: int) -> Layout:
-    """The whole tensor on ``rank`` alone."""
-    return Layout(dims=((),) * ndim, mesh=Mesh(shape=(1,), ranks=(rank,)))
+def owner_layout(rank: int, ndim: int, mesh_axes: int = 1) -> Layout:
+    """The whole tensor on ``rank`` alone, on a mesh of ``mesh_axes`` axes of one rank (as many
+    as the state mesh has, so that a cost model with a figure per axis prices both)."""
+    return Layout(dims=((),) * ndim, mesh=Mesh(shape=(1,) * mesh_axes, ranks=(rank,)))
 
 
 def replicated(layout: Layout) -> Layout:
@@ -67,7 +68,7 @@ def gather_plan(layout: Layout, shape: tuple[int, ...], dtype: str, cost: CostMo
 @functools.lru_cache(maxsize=1024)
 def owner_plans(layout: Layout, owner: int, shape: tuple[int, ...], dtype: str, cost: CostModel) -> tuple[Plan, Plan]:
     """The cheapest plans that move the tensor whole to ``owner`` and its bf16 result back."""
-    whole = owner_layout(owner, len(shape))
+    whole = owner_layout(owner, len(shape), layout.mesh.ndim)
     return plan(layout, whole, shape, dtype, cost), plan(whole, layout, shape, "bf16", cost)
 
 

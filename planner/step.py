@@ -36,8 +36,8 @@ over the axis bandwidth (``planner.cost``): merging ``k`` steps saves ``k - 1`` 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -48,6 +48,9 @@ from planner.records import Plan
 from shardlang.errors import SourcePosition
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
+
+if TYPE_CHECKING:
+    from planner.matrices import MatrixPlan
 
 # Extra buffer memory a bucket may hold per rank. 32 MiB: under the default cost model (5 us a
 # round, 100 GB/s) a bucket of this size on an axis of up to 8 ranks spends under 5% of its
@@ -227,6 +230,9 @@ class StepPlan:
     legs: tuple[Leg, ...]
     buckets: tuple[Bucket, ...]
     bucket_bytes: int
+    # Muon's Newton-Schulz iterations: where each runs, its moves and their buckets
+    # (``planner.matrices``); ``None`` for optimizers without them.
+    matrices: MatrixPlan | None = None
 
     def legs_of(self, tensor: str) -> tuple[Leg, ...]:
         return tuple(leg for leg in self.legs if leg.tensor == tensor)
@@ -262,7 +268,7 @@ class StepPlan:
         return max((b.buffer_bytes for b in self.buckets), default=0)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "rank": self.rank,
             "bucket_bytes": self.bucket_bytes,
             "tensors": list(self.tensors),
@@ -274,57 +280,75 @@ class StepPlan:
             "unbucketed_collectives": self.unbucketed_collectives,
             "unbucketed_seconds": self.unbucketed_seconds,
         }
+        if self.matrices is not None:
+            out["matrices"] = self.matrices.to_json()
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> StepPlan:
         """Read back what :meth:`to_json` wrote."""
         try:
-            legs = tuple(
-                Leg(
-                    tensor=str(leg["tensor"]),
-                    what=str(leg["leg"]),
-                    stage=str(leg["stage"]),
-                    dtype=str(leg["dtype"]),
-                    hops=tuple(
-                        Hop(Plan.from_json(h["plan"]), None if h["view"] is None else tuple(h["view"]))
-                        for h in leg["hops"]
-                    ),
-                )
-                for leg in data["legs"]
-            )
-            meshes = {
-                step.layout.mesh.describe(): step.layout.mesh
-                for leg in legs
-                for hop in leg.hops
-                for step in hop.plan.steps
-            }
-            buckets = tuple(
-                Bucket(
-                    stage=str(b["stage"]),
-                    op=str(b["op"]),
-                    mesh=meshes[b["mesh"]],
-                    axis=None if b["axis"] is None else int(b["axis"]),
-                    reduce_op=b["reduce_op"],
-                    dtype=str(b["dtype"]),
-                    members=tuple(Member(int(m["leg"]), int(m["hop"]), int(m["step"])) for m in b["members"]),
-                    bytes=int(b["bytes"]),
-                    buffer_bytes=int(b["buffer_bytes"]),
-                    seconds=float(b["seconds"]),
-                    launch=_launch(b["launch"]),
-                )
-                for b in data["buckets"]
-            )
+            legs = tuple(leg_from_json(leg) for leg in data["legs"])
+            meshes = leg_meshes(legs)
+            matrices = data.get("matrices")
             return cls(
                 rank=int(data["rank"]),
                 tensors=tuple(str(t) for t in data["tensors"]),
                 legs=legs,
-                buckets=buckets,
+                buckets=tuple(bucket_from_json(b, meshes) for b in data["buckets"]),
                 bucket_bytes=int(data["bucket_bytes"]),
+                matrices=None if matrices is None else _matrix_plan_from_json(matrices),
             )
         except PlanError as e:
             raise PlanError(f"not a step plan in JSON form: {e.message}") from None
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise PlanError(f"not a step plan in JSON form: {type(e).__name__}: {e}") from None
+
+
+def _matrix_plan_from_json(data: Mapping[str, Any]) -> MatrixPlan:
+    from planner.matrices import MatrixPlan  # it builds on this module's legs and buckets
+
+    return MatrixPlan.from_json(data)
+
+
+def leg_from_json(data: Mapping[str, Any]) -> Leg:
+    """A leg of :meth:`Leg.to_json`."""
+    return Leg(
+        tensor=str(data["tensor"]),
+        what=str(data["leg"]),
+        stage=str(data["stage"]),
+        dtype=str(data["dtype"]),
+        hops=tuple(
+            Hop(Plan.from_json(h["plan"]), None if h["view"] is None else tuple(h["view"])) for h in data["hops"]
+        ),
+    )
+
+
+def leg_meshes(legs: Iterable[Leg]) -> dict[str, Mesh]:
+    """Every mesh the legs' plans start from or step on, by its text (buckets name theirs so)."""
+    meshes = {}
+    for leg in legs:
+        for hop in leg.hops:
+            meshes[hop.plan.src.mesh.describe()] = hop.plan.src.mesh
+            meshes.update((step.layout.mesh.describe(), step.layout.mesh) for step in hop.plan.steps)
+    return meshes
+
+
+def bucket_from_json(data: Mapping[str, Any], meshes: Mapping[str, Mesh]) -> Bucket:
+    """A bucket of :meth:`Bucket.to_json`, its mesh one of ``meshes`` (:func:`leg_meshes`)."""
+    return Bucket(
+        stage=str(data["stage"]),
+        op=str(data["op"]),
+        mesh=meshes[data["mesh"]],
+        axis=None if data["axis"] is None else int(data["axis"]),
+        reduce_op=data["reduce_op"],
+        dtype=str(data["dtype"]),
+        members=tuple(Member(int(m["leg"]), int(m["hop"]), int(m["step"])) for m in data["members"]),
+        bytes=int(data["bytes"]),
+        buffer_bytes=int(data["buffer_bytes"]),
+        seconds=float(data["seconds"]),
+        launch=_launch(data["launch"]),
+    )
 
 
 def _launch(value: object) -> str:
@@ -366,7 +390,7 @@ def plan_step(
     buckets = [
         attrs.evolve(b, launch=launch[stage])
         for stage in STAGES
-        for b in _schedule(legs, stage, costs, cap, reverse=overlap and stage == BEFORE)
+        for b in bucket_stage(legs, stage, costs, cap, reverse=overlap and stage == BEFORE)
     ]
     return StepPlan(
         rank=rank, tensors=tuple(t.name for t in tensors), legs=tuple(legs), buckets=tuple(buckets), bucket_bytes=cap
@@ -420,14 +444,20 @@ def _mesh_key(mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return mesh.shape, mesh.ranks
 
 
-def _schedule(
-    legs: Sequence[Leg], stage: str, costs: Mapping[str, CostModel], cap: int, *, reverse: bool
+def bucket_stage(
+    legs: Sequence[Leg],
+    stage: str,
+    costs: Mapping[str, CostModel],
+    cap: int,
+    *,
+    reverse: bool,
+    skip: Collection[int] = (),
 ) -> Iterable[Bucket]:
     """The buckets of one stage (see the module doc), mesh by mesh in one global order; the
-    legs in reverse order when ``reverse``."""
+    legs in reverse order when ``reverse``; the legs ``skip`` (indices) left out."""
     chains: dict[tuple, list[tuple[int, list[tuple[int, int]]]]] = {}
     for index, leg in enumerate(legs):
-        if leg.stage != stage or not leg.communicating:
+        if leg.stage != stage or not leg.communicating or index in skip:
             continue
         first_hop, first_step = leg.communicating[0]
         mesh = leg.hops[first_hop].plan.steps[first_step].layout.mesh

@@ -100,7 +100,7 @@ def _run_config(rank: int, config: str, dtype: torch.dtype, placement: str, muon
         "coordinate": coordinate,
         "params": {n: p.detach().clone() for n, p in params.items()},
         "traffic": traffic,
-        "owners": {p.name: p.owner for p in optimizer.owner_plan().placements},
+        "owners": {m.name: m.owner for m in optimizer.step_plan().matrices.matrices},
     }
 
 

@@ -217,3 +217,67 @@ def test_a_step_plan_survives_json() -> None:
 def test_errors_name_the_tensor() -> None:
     with pytest.raises(planner.PlanError, match=r"tensor 'w': .*100"):
         plan_step([zero2("v", (4, 4)), zero2("w", (64, 64))], 0, max_local_bytes=100)
+
+
+# --- the matrices' part (planner.matrices), numbers worked by hand ---------------------------
+def _matrices_zero2() -> list[StepTensor]:
+    """The 2-d tensors of tests/golden/cli_step/zero2.shard, under the default cost model
+    (5 us a round, 100 GB/s)."""
+    mesh = "mesh[dp=2, tp=2]"
+
+    def tensor(name: str, shape: tuple[int, int], state: str) -> StepTensor:
+        return StepTensor(
+            name=name,
+            shape=shape,
+            param=L(f"R,R over {mesh}"),
+            grad=L(f"R,R over {mesh}"),
+            state=L(f"{state} over {mesh}"),
+        )
+
+    return [
+        tensor("qkv", (64, 32), "S(tp,dp),R"),
+        tensor("proj", (32, 64), "S(dp),S(tp)"),
+        tensor("head", (40, 16), "S(tp,dp),R"),
+    ]
+
+
+def test_gathers_share_one_all_gather_per_axis() -> None:
+    """Every piece is a quarter: qkv, proj 16x32 f32 = 2048 B, head 10x16 = 640 B. The gather
+    goes one axis at a time: (n-1) b over the first axis (n = 2), then (n-1) 2b over the other;
+    one bucket per axis saves 2 latencies each."""
+    from planner.matrices import TO, plan_matrices
+
+    plan = plan_matrices(_matrices_zero2(), 0, placement="gather", bucket_bytes=DEFAULT_BUCKET_BYTES)
+    assert [m.owner for m in plan.matrices] == [None, None, None]
+    assert [(b.stage, b.op, len(b.members)) for b in plan.buckets] == [(TO, "all_gather", 3)] * 2
+    assert sorted(b.bytes for b in plan.buckets) == [2048 + 2048 + 640, 2 * (2048 + 2048 + 640)]
+    assert (plan.collectives, plan.unbucketed_collectives) == (2, 6)
+    assert abs(plan.unbucketed_seconds - plan.comm_seconds - 4 * 5e-6) < 1e-12
+    # Every rank computes every matrix: 5 (4 m^2 n + 2 m^3) flops each at 1e11 flop/s.
+    flops = 2 * 5 * (4 * 32 * 32 * 64 + 2 * 32**3) + 5 * (4 * 16 * 16 * 40 + 2 * 16**3)
+    assert abs(plan.compute_seconds - flops / 1e11) < 1e-15
+
+
+def test_moves_to_owners_share_one_exchange_each_way() -> None:
+    """LPT owners: proj -> 0, qkv -> 1, head -> 2 (largest first, ties by name). Rank 0
+    receives 3 x 2048 B, the most any rank sends or receives; back in bf16 the owners send
+    3 x 1024 B. A message between the state mesh and a one-rank mesh is priced at the slowest
+    figures of the two (planner.p2p): 5 us, 100 GB/s; rank 0 receives from 3 peers."""
+    from planner.matrices import BACK, TO, MatrixPlan, plan_matrices
+
+    plan = plan_matrices(_matrices_zero2(), 0, placement="owner", bucket_bytes=DEFAULT_BUCKET_BYTES)
+    assert [(m.name, m.owner) for m in plan.matrices] == [("qkv", 1), ("proj", 0), ("head", 2)]
+    assert [(b.stage, b.op, len(b.members), b.bytes) for b in plan.buckets] == [
+        (TO, "point_to_point", 3, 6144),
+        (BACK, "point_to_point", 3, 3072),
+    ]
+    assert [b.dtype for b in plan.buckets] == ["f32", "bf16"]
+    assert abs(plan.buckets[0].seconds - (3 * 5e-6 + 6144 / 100e9)) < 1e-12
+    assert (plan.collectives, plan.unbucketed_collectives) == (2, 6)
+    # A cap of one byte: every move its own exchange.
+    alone = plan_matrices(_matrices_zero2(), 0, placement="owner", bucket_bytes=1)
+    assert alone.collectives == 6 and alone.total_bytes > plan.total_bytes
+    # Carried by the step plan, through JSON.
+    step = attrs.evolve(plan_step(_matrices_zero2(), 0), matrices=plan)
+    assert StepPlan.from_json(step.to_json()) == step
+    assert MatrixPlan.from_json(plan.to_json()) == plan

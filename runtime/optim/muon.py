@@ -3,7 +3,8 @@ the others (biases, norms, batched tensors), as Muon's users configure it.
 
 Momentum, Nesterov's lookahead, weight decay and the step are elementwise, so they run on the
 local shards in the state layout, op for op as torch runs them. The Newton-Schulz iteration
-needs the whole matrix; per matrix, the placement (``planner.owners``) says where it runs:
+needs the whole matrix; the step plan's matrix part (``planner.matrices``, :meth:`step_plan`)
+says, per matrix, where it runs and how it moves, and the step runs exactly that:
 
 - *gather*: the update's pieces are all-gathered on every rank of the state mesh (the
   planner's cheapest plan to the replicated layout), every rank iterates, and keeps its piece;
@@ -12,15 +13,16 @@ needs the whole matrix; per matrix, the placement (``planner.owners``) says wher
   from the one-rank layout to the state layout); owners are balanced by the matrices' flops.
 
 Flat chunks of a whole matrix (flat ZeRO) move as the 1-d chunks they are; flat chunks of a
-block that other axes split are first all-gathered over the flat axis into the block. The iteration is
-torch's own (``torch.optim._muon``), on the same bits, so the result equals torch's whatever the
-layout. Moves run matrix after matrix, in the optimizer's order, on every rank of the mesh.
+block that other axes split are first all-gathered over the flat axis into the block. The moves
+of all matrices run bucketed (``runtime.matrix_moves``): the gathers of one kind and group in
+one collective, the moves to owners in one exchange, the results back in another. The
+iteration is torch's own (``torch.optim._muon``), on the same bits, so the result equals
+torch's whatever the layout.
 """
 
 from __future__ import annotations
 
-import math
-import time
+import functools
 from collections.abc import Iterable
 from typing import Any, Unpack
 
@@ -30,25 +32,12 @@ import torch
 # torch's own iteration and learning-rate rule, so that the sharded step equals torch's bit for bit
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
-from planner.owners import (
-    DEFAULT_FLOPS_PER_SECOND,
-    PLACEMENTS,
-    Matrix,
-    OwnerPlan,
-    gather_plan,
-    newton_schulz_flops,
-    owner_plans,
-    place_matrices,
-    replicated,
-)
-from planner.records import Plan
-from planner.step import without_axis
-from runtime import stats
-from runtime.comm import collective
+from planner.matrices import BACK, TO, MatrixPlan, joins, pieces, plan_matrices
+from planner.owners import PLACEMENTS
+from planner.step import DEFAULT_BUCKET_BYTES, StepPlan, StepTensor
+from runtime.buffers import Scratch
 from runtime.dtypes import dtype_name
-from runtime.errors import DistributedError
-from runtime.executor import reshard
-from runtime.groups import axis_ranks, group_for
+from runtime.matrix_moves import MatrixProgram, compile_matrices, run_matrix_stage
 from runtime.optim.adamw import ADAMW_STATES, adamw_update
 from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StepOptions, StepTraffic, StepWork, Update, done
 from runtime.optim.errors import OptimizerError, OptimizerStepError
@@ -59,43 +48,6 @@ from shardlang.layout import Layout
 MUON_STATES = ("momentum_buffer",)
 
 
-@attrs.frozen
-class MatrixMoves:
-    """What one matrix's iteration communicates on this rank: the all-gather joining flat
-    chunks (bytes; 0 unless they are joined) and the plans that bring the matrix to where it is
-    iterated and its result back (``back`` ``None`` for a gather)."""
-
-    flat_bytes: int
-    to: Plan
-    back: Plan | None
-
-    @property
-    def bytes(self) -> int:
-        return self.flat_bytes + self.to.total_bytes + (self.back.total_bytes if self.back is not None else 0)
-
-    @property
-    def collectives(self) -> int:
-        steps = len(self.to.collectives) + (len(self.back.collectives) if self.back is not None else 0)
-        return steps + (self.flat_bytes > 0)
-
-
-def _pieces(slot: Slot) -> tuple[Layout, tuple[int, ...]]:
-    """The layout and shape the matrix's pieces move in: the state layout; for flat chunks of
-    a whole matrix (flat ZeRO), their own 1-d layout of the matrix flattened; for flat chunks of
-    a block, the block's layout, once the chunks are joined (:meth:`ShardedMuon._join_flat`)."""
-    if slot.flat_axis is None:
-        return slot.state_layout, slot.shape
-    base = without_axis(slot.state_layout, slot.flat_axis)
-    if not _joins(slot):
-        return Layout(dims=((slot.flat_axis,),), mesh=base.mesh), (math.prod(slot.shape),)
-    return base, slot.shape
-
-
-def _joins(slot: Slot) -> bool:
-    """Whether the pieces are flat chunks of a block that other ranks split further."""
-    return slot.flat_axis is not None and any(without_axis(slot.state_layout, slot.flat_axis).dims)
-
-
 class ShardedMuon(ShardedOptimizer):
     """Muon with every state in its tensor's state layout; equals ``torch.optim.Muon`` on the
     2-d parameters and ``torch.optim.AdamW`` (``adamw_*`` hyperparameters) on the others.
@@ -103,7 +55,9 @@ class ShardedMuon(ShardedOptimizer):
     Arguments as :class:`~runtime.optim.ShardedAdamW`; Muon's hyperparameters as torch's.
     ``placement``: ``"auto"`` (the cheaper per matrix under the cost model and
     ``flops_per_second``), ``"gather"`` or ``"owner"`` (``planner.owners``);
-    :meth:`owner_plan` shows the choice.
+    ``flops_per_second``: the compute rate the choice assumes (default
+    ``planner.owners.DEFAULT_FLOPS_PER_SECOND``).
+    :meth:`step_plan` shows the choice, the moves and the estimate (``StepPlan.matrices``).
     """
 
     def __init__(
@@ -124,7 +78,7 @@ class ShardedMuon(ShardedOptimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
         placement: str = "auto",
-        flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
+        flops_per_second: float | None = None,
         **options: Unpack[StepOptions],
     ) -> None:
         if (
@@ -145,7 +99,7 @@ class ShardedMuon(ShardedOptimizer):
             )
         if placement not in PLACEMENTS:
             raise OptimizerError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-        if not flops_per_second > 0:
+        if flops_per_second is not None and not flops_per_second > 0:
             raise OptimizerError(f"flops_per_second must be positive, got {flops_per_second!r}")
         defaults = {
             "lr": lr,
@@ -163,8 +117,8 @@ class ShardedMuon(ShardedOptimizer):
         }
         self.placement = placement
         self.flops_per_second = flops_per_second
-        self._owner_plans: dict[tuple, OwnerPlan] = {}
-        self._moves = (0, 0)  # bytes and collectives of the matrices' moves in the step being staged
+        self._matrix_plans: dict[tuple, tuple[MatrixPlan, MatrixProgram]] = {}
+        self._matrix_buffers = Scratch()  # the matrices' bucket buffers, kept between steps
         super().__init__(named_params, spec, defaults, **options)
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
@@ -172,89 +126,56 @@ class ShardedMuon(ShardedOptimizer):
         names = MUON_STATES if len(slot.shape) == 2 else ADAMW_STATES
         return dict.fromkeys(names, slot.shard.local_shape)
 
-    # --- where each matrix is iterated -------------------------------------------------
-    def _matrix(self, slot: Slot) -> Matrix:
-        layout, shape = _pieces(slot)
-        flat_seconds = 0.0
-        if _joins(slot):  # the busiest rank's block: the mesh's first rank's
-            block = layout.rank_piece(slot.shape, layout.mesh.ranks[0]).numel
-            chunks = Layout(dims=((slot.flat_axis,),), mesh=layout.mesh)
-            flat_seconds = gather_plan(chunks, (block,), dtype_name(slot.dtype), slot.cost).total_seconds
-        return Matrix(
-            name=slot.name,
-            shape=shape,
-            layout=layout,
-            dtype=dtype_name(slot.dtype),
-            flops=newton_schulz_flops((slot.shape[0], slot.shape[1]), slot.group["ns_steps"]),
-            flat_seconds=flat_seconds,
-            cost=slot.cost,
-        )
-
-    def _placed(self, slots: list[Slot]) -> OwnerPlan:
-        """The placement of the matrices among ``slots``, per state mesh (every rank of a mesh
-        steps the same matrices of it, so all of them choose alike); cached."""
+    # --- where each matrix is iterated: the step plan's matrix part ---------------------
+    def _matrices(self, slots: list[Slot]) -> tuple[MatrixPlan, MatrixProgram]:
+        """The matrix plan of the 2-d tensors among ``slots`` and this rank's program of it;
+        built once per set of slots."""
         matrices = [s for s in slots if len(s.shape) == 2]
         key = tuple((s.index, s.group["ns_steps"]) for s in matrices)
-        cached = self._owner_plans.get(key)
+        cached = self._matrix_plans.get(key)
         if cached is None:
-            by_mesh: dict[tuple, list[Matrix]] = {}
-            for s in matrices:
-                mesh = s.state_layout.mesh
-                by_mesh.setdefault((mesh.shape, tuple(mesh.ranks)), []).append(self._matrix(s))
-            placed = [place_matrices(ms, self.placement, self.flops_per_second) for ms in by_mesh.values()]
-            order = {s.name: i for i, s in enumerate(matrices)}
-            cached = OwnerPlan(
-                placements=tuple(sorted((p for op in placed for p in op.placements), key=lambda p: order[p.name])),
-                loads=tuple(sorted(load for op in placed for load in op.loads)),
-                flops_per_second=self.flops_per_second,
-            )
-            self._owner_plans[key] = cached
+            tensors = [_tensor_view(s) for s in matrices]
+            try:
+                plan = plan_matrices(
+                    tensors,
+                    self.rank,
+                    ns_steps={s.name: s.group["ns_steps"] for s in matrices},
+                    placement=self.placement,
+                    flops_per_second=self.flops_per_second,
+                    bucket_bytes=DEFAULT_BUCKET_BYTES if self.bucket_bytes is None else self.bucket_bytes,
+                )
+                cached = self._matrix_plans[key] = (plan, compile_matrices(plan, self.rank))
+            except ShardlangError as e:
+                raise OptimizerError(e.message) from None
         return cached
 
-    def owner_plan(self) -> OwnerPlan:
-        """Where the next step iterates each matrix with a gradient now, and its estimate."""
-        return self._placed(self._stepped())
-
-    def _moves_of(self, slot: Slot, owner: int | None) -> MatrixMoves:
-        (layout, shape), dtype = _pieces(slot), dtype_name(slot.dtype)
-        flat_bytes = 0
-        if _joins(slot):
-            assert slot.shard is not None
-            n = slot.state_layout.mesh.shape[slot.flat_axis]
-            chunk = -(-math.prod(slot.shard.block_shape) // n)
-            flat_bytes = (n - 1) * chunk * slot.dtype.itemsize  # the cost model's all_gather row
-        if owner is None or len(slot.state_layout.mesh.ranks) == 1:
-            return MatrixMoves(flat_bytes, gather_plan(layout, shape, dtype, slot.cost), None)
-        to, back = owner_plans(layout, owner, shape, dtype, slot.cost)
-        return MatrixMoves(flat_bytes, to, back)
+    def step_plan(self) -> StepPlan:
+        """The plan of the next step, for the parameters that have gradients now, with the
+        matrices' iterations (``StepPlan.matrices``: where each runs, its moves, their buckets
+        and the estimate)."""
+        return attrs.evolve(super().step_plan(), matrices=self._matrices(self._stepped())[0])
 
     # --- what a step communicates ------------------------------------------------------
     def planned_traffic(self) -> StepTraffic:
         traffic = super().planned_traffic()
-        slots = [s for s in self._stepped() if len(s.shape) == 2]
-        placed = self._placed(self._stepped())
-        moves = [self._moves_of(s, placed.of(s.name).owner) for s in slots]
-        return attrs.evolve(
-            traffic,
-            matrix_bytes=sum(m.bytes for m in moves),
-            matrix_collectives=sum(m.collectives for m in moves),
-        )
+        plan, _ = self._matrices(self._stepped())
+        return attrs.evolve(traffic, matrix_bytes=plan.total_bytes, matrix_collectives=plan.collectives)
 
     def _stage(self, slots: list[Slot], *args: Any, **kwargs: Any) -> Any:
-        self._moves = (0, 0)
         commit = super()._stage(slots, *args, **kwargs)
-        moved = self._moves
+        plan, _ = self._matrices(slots)
 
         def with_moves() -> None:
             commit()
-            self.last_traffic = attrs.evolve(self.last_traffic, matrix_bytes=moved[0], matrix_collectives=moved[1])
+            self.last_traffic = attrs.evolve(
+                self.last_traffic, matrix_bytes=plan.total_bytes, matrix_collectives=plan.collectives
+            )
 
         return with_moves
 
     # --- the math ----------------------------------------------------------------------
     def _updates(self, work: StepWork) -> list[Update]:
-        placed = self._placed(list(work.slots))
-        moved_bytes = moved_collectives = 0
+        updates: dict[str, torch.Tensor] = {}
         for i, slot in enumerate(work.slots):
             group = slot.group
             grad, param, new_param = work.grads[i].to(slot.dtype), work.params[i], work.new_params[i]
@@ -276,94 +197,85 @@ class ShardedMuon(ShardedOptimizer):
             buffer = torch.lerp(
                 work.state(i, "momentum_buffer"), grad, 1 - momentum, out=work.new_state(i, "momentum_buffer")
             )
-            update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-            moves = self._moves_of(slot, placed.of(slot.name).owner)
-            ortho = self._orthogonalised(slot, update, moves)
-            moved_bytes += moves.bytes
-            moved_collectives += moves.collectives
-            torch.mul(param, 1 - group["lr"] * group["weight_decay"], out=new_param)
-            new_param.add_(ortho, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], torch.Size(slot.shape)))
-        self._moves = (moved_bytes, moved_collectives)
+            updates[slot.name] = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+        if updates:
+            orthogonalised = self._orthogonalised([s for s in work.slots if s.name in updates], updates)
+            for i, slot in enumerate(work.slots):
+                if slot.name in updates:
+                    group, new_param = slot.group, work.new_params[i]
+                    torch.mul(work.params[i], 1 - group["lr"] * group["weight_decay"], out=new_param)
+                    lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], torch.Size(slot.shape))
+                    new_param.add_(orthogonalised[slot.name], alpha=-lr)
         return [done()]
 
-    def _orthogonalised(self, slot: Slot, update: torch.Tensor, moves: MatrixMoves) -> torch.Tensor:
-        """This rank's piece (block or flat chunk) of the iteration's result on the whole matrix."""
-        assert slot.shard is not None
-        shard, group = slot.shard, slot.group
-        step_number = slot.step + 1
-        layout, shape = _pieces(slot)
-
-        def iterate(whole: torch.Tensor) -> torch.Tensor:
-            matrix = whole.reshape(slot.shape)
-            ortho = _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
-            return ortho.reshape(shape)
-
+    def _orthogonalised(self, slots: list[Slot], updates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's piece (block or flat chunk) of every matrix's iteration result, the
+        matrices moved and iterated as the step plan's matrix part says."""
+        plan, program = self._matrices(slots)
+        by_name = {s.name: s for s in slots}
+        device = slots[0].local_param().device
+        run = functools.partial(
+            run_matrix_stage,
+            program,
+            device=device,
+            device_meshes={s.name: s.device_mesh for s in slots},
+            timeout=self.timeout,
+            buffers=self._matrix_buffers,
+        )
+        step_number = slots[0].step + 1
         try:
-            local = self._join_flat(slot, update) if _joins(slot) else update
-            if moves.back is None:  # gather: every rank iterates the whole matrix
-                whole = self._move(local, layout, replicated(layout), moves.to, shape, slot)
-                assert whole is not None
-                result = region(iterate(whole), layout.rank_piece(shape, self.rank))
-            else:
-                whole = self._move(local, layout, moves.to.dst, moves.to, shape, slot)
-                done_whole = iterate(whole) if whole is not None else None
-                result = self._move(done_whole, moves.back.src, layout, moves.back, shape, slot)
-                assert result is not None
+            arrived = run(TO, updates)
+            results: dict[str, torch.Tensor | None] = {}
+            for matrix in plan.matrices:
+                slot, whole = by_name[matrix.name], arrived[matrix.name]
+                layout, shape = _pieces_of(slot)
+                if matrix.owner is None:  # gathered: every rank iterates and keeps its piece
+                    assert whole is not None
+                    results[matrix.name] = region(_iterate(slot, whole, shape), layout.rank_piece(shape, self.rank))
+                else:  # the owner iterates; the others receive their pieces
+                    results[matrix.name] = None if whole is None else _iterate(slot, whole, shape)
+            owned = {m.name: results[m.name] for m in plan.matrices if m.owner is not None}
+            if owned:
+                results |= run(BACK, owned)
         except ShardlangError as e:
+            names = ", ".join(f"'{m.name}'" for m in plan.matrices)
             raise OptimizerStepError(
-                f"step {step_number} failed moving tensor '{slot.name}' for its Newton-Schulz iteration: {e.message}; "
+                f"step {step_number} failed moving tensors {names} for their Newton-Schulz iteration: {e.message}; "
                 "parameters and optimizer states are unchanged"
             ) from e
-        if _joins(slot):  # the block's flat chunk
-            assert shard.flat_range is not None
-            lo, hi = shard.flat_range
-            return result.reshape(-1)[lo:hi]
-        return result
+        out = {}
+        for name, result in results.items():
+            assert result is not None
+            slot = by_name[name]
+            if slot.shard is not None and slot.shard.flat_range is not None and joins(_tensor_view(slot)):
+                lo, hi = slot.shard.flat_range  # the block's flat chunk
+                result = result.reshape(-1)[lo:hi]
+            out[name] = result
+        return out
 
-    def _move(
-        self, local: torch.Tensor | None, src: Layout, dst: Layout, plan: Plan, shape: tuple[int, ...], slot: Slot
-    ) -> torch.Tensor | None:
-        if not plan.steps:
-            return local
-        return reshard(
-            local,
-            src,
-            dst,
-            global_shape=shape,
-            plan=plan,
-            timeout=self.timeout,
-            name=slot.name,
-            device=slot.local_param().device,
-        )
 
-    def _join_flat(self, slot: Slot, chunk: torch.Tensor) -> torch.Tensor:
-        """The base block from the flat chunks of the ranks along the flat axis: equal chunks
-        but the last (``chunk_bounds``), so the padded all-gather holds the block first."""
-        assert slot.shard is not None and slot.flat_axis is not None
-        shard, mesh, axis = slot.shard, slot.state_layout.mesh, slot.flat_axis
-        n, total = mesh.shape[axis], math.prod(shard.block_shape)
-        size = -(-total // n)
-        padded = torch.zeros(size, dtype=chunk.dtype, device=chunk.device)
-        padded[: chunk.numel()] = chunk.reshape(-1)
-        members = axis_ranks(mesh, (axis,), self.rank)
-        started = time.perf_counter()
-        try:
-            group = group_for(mesh, (axis,), members, timeout=self.timeout)
-            gathered = collective("all_gather", padded, n, None, group, self.timeout)
-        except DistributedError as e:
-            raise DistributedError(f"the all-gather of its flat chunks over ranks {list(members)}: {e.message}") from e
-        if stats.is_recording():
-            sent = (n - 1) * size * chunk.element_size()
-            stats.record(
-                stats.CommRecord(
-                    tensor=slot.name,
-                    step=0,
-                    op="all_gather",
-                    axis=axis,
-                    ranks=members,
-                    bytes_sent=sent,
-                    planned_bytes=sent,
-                    seconds=time.perf_counter() - started,
-                )
-            )
-        return gathered[:total].reshape(shard.block_shape)
+def _tensor_view(slot: Slot) -> StepTensor:
+    """What ``planner.matrices`` reads of a slot: its shape and state layout, flat axis, dtype."""
+    return StepTensor(
+        name=slot.name,
+        shape=slot.shape,
+        param=slot.param_layout,
+        grad=slot.state_layout,  # not moved here: the step plan brings the gradient
+        state=slot.state_layout,
+        state_dtype=dtype_name(slot.dtype),
+        flat_axis=slot.flat_axis,
+        cost=slot.cost,
+    )
+
+
+def _pieces_of(slot: Slot) -> tuple[Layout, tuple[int, ...]]:
+    return pieces(_tensor_view(slot))
+
+
+def _iterate(slot: Slot, whole: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """torch's Newton-Schulz iteration on the whole matrix (given in the pieces' shape)."""
+    group = slot.group
+    ortho = _zeropower_via_newtonschulz(
+        whole.reshape(slot.shape), group["ns_coefficients"], group["ns_steps"], group["eps"]
+    )
+    return ortho.reshape(shape)

@@ -1,0 +1,216 @@
+"""Running the matrices' moves of a step plan (``planner.matrices``) on one rank, bucket by
+bucket as planned.
+
+To the iteration: the collective buckets first (the joins of flat chunks and the gathers), run
+by the step plan's bucket runner (``runtime.buckets``, on a step plan of those legs alone); then each
+exchange bucket: every member packs its blocks per peer (``RankExchange.pack``), the blocks for
+one peer are sent as one message (members in bucket order; both ends read the same plans, so
+they agree on the message's layout), and one ``batch_isend_irecv`` posts every message of the
+bucket; received messages are cut back into the members' blocks and placed. A matrix's legs of
+one stage run in order, each from the previous one's result (a joined block moves to its
+owner). Back from the iteration: the exchange buckets again, from the owners' results.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Mapping
+
+import attrs
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from planner.matrices import TO, MatrixPlan
+from planner.step import BEFORE, Bucket, StepPlan
+from runtime import stats
+from runtime.buckets import StepProgram, compile_step, run_stage
+from runtime.buffers import Scratch
+from runtime.comm import post_point_to_point, wait_point_to_point
+from runtime.dtypes import torch_dtype
+from runtime.errors import DistributedError
+from runtime.exchange import RankExchange
+from runtime.program import CollectiveMove, compile_plan
+from shardlang.dtypes import ITEMSIZE
+
+
+@attrs.frozen(eq=False)
+class MatrixProgram:
+    """A matrix plan compiled for one rank: its collective legs as a step program (``index``:
+    the matrix plan's leg -> the program's), and every exchange leg's moves."""
+
+    plan: MatrixPlan
+    rank: int
+    collectives: StepProgram
+    index: Mapping[int, int]
+    exchanges: Mapping[int, tuple[CollectiveMove | RankExchange | None, ...]]
+
+
+def compile_matrices(plan: MatrixPlan, rank: int) -> MatrixProgram:
+    exchange_buckets = [b for b in plan.buckets if b.op == "point_to_point"]
+    exchanged = {m.leg for b in exchange_buckets for m in b.members}
+    kept = [i for i in range(len(plan.legs)) if i not in exchanged]
+    index = {leg: k for k, leg in enumerate(kept)}
+    # The bucket runner runs (and lays out buffers for) a step's stages: the collective moves,
+    # all to the iteration, run as a step plan's first stage.
+    collective = StepPlan(
+        rank=rank,
+        tensors=tuple(m.name for m in plan.matrices),
+        legs=tuple(attrs.evolve(plan.legs[i], stage=BEFORE) for i in kept),
+        buckets=tuple(
+            attrs.evolve(b, stage=BEFORE, members=tuple(attrs.evolve(m, leg=index[m.leg]) for m in b.members))
+            for b in plan.buckets
+            if b.op != "point_to_point"
+        ),
+        bucket_bytes=1,
+    )
+    exchanges = {i: compile_plan(plan.legs[i].hops[0].plan, rank) for i in sorted(exchanged)}
+    return MatrixProgram(plan, rank, compile_step(collective, rank), index, exchanges)
+
+
+Pieces = dict[str, torch.Tensor | None]
+
+
+def run_matrix_stage(
+    program: MatrixProgram,
+    stage: str,
+    inputs: Mapping[str, torch.Tensor | None],
+    *,
+    device: torch.device,
+    device_meshes: Mapping[str, DeviceMesh | None],
+    timeout: datetime.timedelta,
+    buffers: Scratch,
+) -> Pieces:
+    """Every matrix's legs of ``stage`` (:data:`~planner.matrices.TO` or ``BACK``) from its
+    input (``None`` on a rank that holds none of it: not the owner, back from the iteration):
+    per matrix with legs in the stage, its piece after them (``None`` where this rank gets
+    none: a non-owner, to the iteration). Results of collective buckets are views of
+    ``buffers``, valid until the next run."""
+    plan = program.plan
+    chains = {m.name: [i for i in m.legs if plan.legs[i].stage == stage] for m in plan.matrices}
+    current: dict[int, torch.Tensor | None] = {}  # each leg's input, then its result
+    for name, chain in chains.items():
+        if chain:
+            current[chain[0]] = inputs[name]
+    if stage == TO:
+        fed = {program.index[i]: x for i, x in current.items() if i in program.index and x is not None}
+        if fed:
+            done = run_stage(
+                program.collectives, BEFORE, fed, device_meshes=device_meshes, timeout=timeout, buffers=buffers
+            )
+            back = {k: i for i, k in program.index.items()}
+            for k, x in done.items():
+                current[back[k]] = x
+    for bucket in plan.buckets:
+        if bucket.stage != stage or bucket.op != "point_to_point":
+            continue
+        for m in bucket.members:  # a leg after a collective leg of its matrix starts from its result
+            if m.leg not in current:
+                name = plan.legs[m.leg].tensor
+                chain = chains[name]
+                current[m.leg] = current[chain[chain.index(m.leg) - 1]]
+        ran = _exchange(program, bucket, current, device, timeout)
+        current.update(ran)
+    return {name: current.get(chain[-1]) for name, chain in chains.items() if chain}
+
+
+def _exchange(
+    program: MatrixProgram,
+    bucket: Bucket,
+    inputs: Mapping[int, torch.Tensor | None],
+    device: torch.device,
+    timeout: datetime.timedelta,
+) -> dict[int, torch.Tensor | None]:
+    """One exchange bucket: its members' point-to-point steps as one message per peer."""
+    plan = program.plan
+    started = time.perf_counter()
+    outs: dict[int, torch.Tensor | None] = {}
+    sends: dict[int, list[torch.Tensor]] = {}
+    receives: dict[int, list[torch.Tensor]] = {}
+    placed: list[tuple[RankExchange, torch.Tensor, list[tuple[int, torch.Tensor, bool]]]] = []
+    copies: list[tuple[RankExchange, torch.Tensor | None, torch.Tensor]] = []
+    after: list[tuple[int, int]] = []  # (leg, step) of members with local steps left
+    for m in bucket.members:
+        leg = plan.legs[m.leg]
+        moves = program.exchanges[m.leg]
+        x = _local(moves[: m.step], _viewed(inputs[m.leg], leg.hops[0].view))
+        move = moves[m.step]
+        assert move is None or isinstance(move, RankExchange)
+        if move is None:  # this rank takes no part in the member's step
+            outs[m.leg] = None
+            continue
+        out = None
+        if move.after is not None:
+            out = torch.empty(move.after, dtype=torch_dtype(leg.hops[0].plan.dtype), device=device)
+        if move.sends:
+            assert x is not None
+            for peer, message in move.pack(x):
+                sends.setdefault(peer, []).append(message)
+        if move.receives:
+            assert out is not None
+            buffers = move.receive_buffers(out)
+            for peer, buffer, _ in buffers:
+                receives.setdefault(peer, []).append(buffer)
+            placed.append((move, out, buffers))
+        if move.copies:
+            assert x is not None and out is not None
+            copies.append((move, x, out))
+        outs[m.leg] = out
+        if m.step + 1 < len(moves):
+            after.append((m.leg, m.step))
+    joined = [(peer, torch.cat(parts) if len(parts) > 1 else parts[0]) for peer, parts in sorted(sends.items())]
+    landing = [(peer, _landing(parts)) for peer, parts in sorted(receives.items())]
+    try:
+        works = post_point_to_point(joined, landing)
+        for move, x, out in copies:  # while the messages travel
+            move.copy_local(x, out)
+        wait_point_to_point(works, timeout)
+    except DistributedError as e:
+        names = ", ".join(f"'{plan.legs[m.leg].tensor}'" for m in bucket.members)
+        raise DistributedError(f"the exchange {bucket.stage} of {names} failed: {e.message}") from e
+    for (_, message), (_, parts) in zip(landing, sorted(receives.items()), strict=True):
+        offset = 0
+        for part in parts:
+            if part.data_ptr() != message.data_ptr() + offset * message.element_size():
+                part.copy_(message[offset : offset + part.numel()])
+            offset += part.numel()
+    for move, out, buffers in placed:
+        move.place(out, buffers)
+    for leg, step in after:
+        outs[leg] = _local(program.exchanges[leg][step + 1 :], outs[leg])
+    if stats.is_recording():
+        sent = sum(message.numel() for _, message in joined) * ITEMSIZE[bucket.dtype]
+        stats.record(
+            stats.CommRecord(
+                tensor=",".join(plan.legs[m.leg].tensor for m in bucket.members),
+                step=plan.buckets.index(bucket),
+                op="point_to_point",
+                axis=None,
+                ranks=tuple(sorted({peer for peer, _ in joined} | {peer for peer, _ in landing})),
+                bytes_sent=sent,
+                planned_bytes=bucket.bytes,
+                seconds=time.perf_counter() - started,
+            )
+        )
+    return outs
+
+
+def _landing(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Where one peer's message lands: the one buffer itself, else a buffer the parts are cut from."""
+    if len(parts) == 1:
+        return parts[0]
+    return parts[0].new_empty(sum(p.numel() for p in parts))
+
+
+def _viewed(x: torch.Tensor | None, view: tuple[int, ...] | None) -> torch.Tensor | None:
+    return x if x is None or view is None else x.reshape(view)
+
+
+def _local(moves: tuple[CollectiveMove | RankExchange | None, ...], x: torch.Tensor | None) -> torch.Tensor | None:
+    """Run local steps (slices) of a leg; ``x`` ``None`` (a rank with no piece) stays so."""
+    for move in moves:
+        if x is None or move is None:
+            continue
+        assert isinstance(move, CollectiveMove) and move.is_local
+        x = move.local(x)
+    return x
