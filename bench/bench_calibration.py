@@ -10,8 +10,9 @@ sizes, are planned under both models, and every distinct plan is timed by
 ``runtime.calibrate.time_plans`` (reshard by the plan; median over repetitions of the slowest
 rank, plans interleaved run by run). Per model: the Spearman rank correlation and the median
 absolute relative error of its predicted time against the measured time of the plan it
-chose, and, for the pairs where the two models choose different plans, the measured time of
-each choice.
+chose; the calibrated model's error by kind of plan (sends nothing, one step, more steps), which
+says where prediction and measurement part; and, for the pairs where the two models choose
+different plans, the measured time of each choice.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -87,6 +89,26 @@ def _scores(rows: list[dict], which: str) -> tuple[float, float]:
     return spearman(predicted, measured), median_relative_error(predicted, measured)
 
 
+def _kind(steps: list[str]) -> str:
+    if all(s.startswith(("slice", "partial")) for s in steps):
+        return "sends nothing"
+    return "one step" if len(steps) == 1 else "two or more steps"
+
+
+def _by_kind(rows: list[dict]) -> list[str]:
+    """The calibrated model's error and median predicted / measured per kind of plan."""
+    out = ["| calibrated plans | pairs | median abs rel error | median predicted / measured |", "|---|---|---|---|"]
+    for kind in ("sends nothing", "one step", "two or more steps"):
+        chosen = [r for r in rows if _kind(r["calibrated_steps"]) == kind]
+        if chosen:
+            predicted = [r["calibrated_predicted"] for r in chosen]
+            measured = [r["calibrated_measured"] for r in chosen]
+            ratio = statistics.median(p / m for p, m in zip(predicted, measured, strict=True))
+            error = median_relative_error(predicted, measured)
+            out.append(f"| {kind} | {len(chosen)} | {error:.1%} | {ratio:.2f} |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=32, help="random pairs per mesh")
@@ -107,6 +129,8 @@ def main() -> None:
         for which in ("default", "calibrated"):
             rho, error = _scores(chosen, which)
             print(f"| {label} | {len(chosen)} | {which} | {rho:.3f} | {error:.1%} |")
+    print()
+    print("\n".join(_by_kind(rows)))
     differ = [r for r in rows if r["default_steps"] != r["calibrated_steps"]]
     print(f"\n{len(differ)} pairs where the models choose different plans (measured ms):")
     print("| mesh | pair | shape | default plan | ms | calibrated plan | ms | calibrated/default |")

@@ -17,7 +17,8 @@ from pathlib import Path
 from cli.inputs import UsageError
 from cli.tables import format_seconds, format_table
 from planner import CostModel, Plan, plan
-from planner.fit import fit_model, median_relative_error, spearman
+from planner.cost import PRICED_OPS
+from planner.fit import LOCAL, fit_model, median_relative_error, spearman
 from shardlang import Mesh, parse_mesh
 
 DEFAULT_CHECK_PLANS = 8
@@ -28,13 +29,16 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
         "calibrate",
         help="measure collectives and fit per-axis, per-collective latency and bandwidth (under torchrun)",
         description="Under torchrun, one process per rank of --mesh: time every collective kind on every mesh "
-        "axis at 4 KiB-16 MiB, fit latency and bandwidth per kind and axis, and write the hints file that "
+        "axis at 4 KiB-16 MiB, and a slice that sends nothing; fit latency and bandwidth per kind and axis, the "
+        "executor's overhead per step and its copy bandwidth (docs/calibration.md), and write the hints file that "
         "--costs reads. With --check HINTS.json: time a sample of plans and print predicted against measured.",
     )
     p.add_argument("--mesh", metavar="DECL", help="the mesh, as a spec file declares it: 'world = [dp=2,tp=2]'")
     p.add_argument("-o", "--output", metavar="HINTS.json", help="where to write the hints (default: standard output)")
     p.add_argument("--check", metavar="HINTS.json", help="time a sample of plans under this model instead")
-    p.add_argument("--reps", type=int, default=7, metavar="N", help="repetitions per size (default 7)")
+    p.add_argument(
+        "--reps", type=int, default=7, metavar="N", help="repetitions per size and pass (default 7, two passes)"
+    )
     p.add_argument("--budget", type=float, default=45.0, metavar="SECONDS", help="time for the sweep (default 45)")
     p.add_argument("--plans", type=int, default=DEFAULT_CHECK_PLANS, metavar="N", help="plans --check times")
 
@@ -102,28 +106,39 @@ def _start(mesh: Mesh) -> _World:
     return _World(dist.get_rank())
 
 
-def _report_fit(fitted: CostModel, lines: dict, mesh: Mesh, samples: list, output: str | None) -> None:
+def fit_table(fitted: CostModel, lines: dict, mesh: Mesh) -> str:
+    """The fitted figures per kind and axis, then the executor terms (``planner.fit``)."""
     rows = []
-    for c in fitted.ops:
-        alphas, bandwidths = fitted.for_op(c.op, mesh)
+    for op in PRICED_OPS:
+        alphas, bandwidths = fitted.for_op(op, mesh)
         for axis in range(mesh.ndim):
-            line = lines[c.op, axis]
-            rows.append(
-                [
-                    c.op,
-                    mesh.axis_label(axis),
-                    format_seconds(alphas[axis]),
-                    f"{bandwidths[axis] / 1e9:.3g} GB/s",
-                    f"{line.kept}/{line.total}",
-                ]
-            )
-    table = format_table(["collective", "axis", "latency/round", "bandwidth", "sizes kept"], rows)
+            if (op, axis) in lines:
+                line = lines[op, axis]
+                row = [op, mesh.axis_label(axis), format_seconds(alphas[axis]), f"{bandwidths[axis] / 1e9:.3g} GB/s"]
+                rows.append([*row, f"{line.kept}/{line.total}"])
+    if (LOCAL, -1) in lines:
+        line, copy = lines[LOCAL, -1], fitted.copy_bandwidth
+        rows.append(
+            [
+                "executor (per step, copy)",
+                "any",
+                format_seconds(fitted.overhead),
+                "" if copy is None else f"{copy / 1e9:.3g} GB/s",
+                f"{line.kept}/{line.total}",
+            ]
+        )
+    return format_table(["collective", "axis", "latency/round", "bandwidth", "sizes kept"], rows)
+
+
+def _report_fit(fitted: CostModel, lines: dict, mesh: Mesh, samples: list, output: str | None) -> None:
+    table = fit_table(fitted, lines, mesh)
     data = {
         "mesh": mesh.text(),
         **fitted.to_json(),
         "calibration": {
             "samples": [[s.op, s.axis, s.bytes, s.seconds] for s in samples],
-            "note": "op, axis, bytes per rank as the cost table counts them, median seconds of the slowest rank",
+            "note": "op, axis, bytes per rank as the cost table counts them (slice: the target piece), "
+            "median seconds of the slowest rank",
         },
     }
     text = json.dumps(data, indent=1) + "\n"

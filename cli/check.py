@@ -1,5 +1,6 @@
 """``shardlang check FILE...``: a spec file is valid when it parses, means something, and
-every tensor's optimizer step can be planned."""
+every tensor's optimizer step can be planned (under ``--costs``, by that cost model, which must
+fit every mesh of the file)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import attrs
 
 from cli.summary import plan_spec_with_progress
 from cli.terminal import Style
+from planner import CostModel
 from shardlang import Spec, load_spec
 from shardlang.errors import ShardlangError
 
@@ -21,11 +23,14 @@ class Checked:
     error: ShardlangError | None
 
 
-def check_file(path: str, progress: TextIO, flat_axis: str | int | None = None) -> Checked:
-    """Load and plan one file (with ``flat_axis``, as the optimizers' flat sharding over it)."""
+def check_file(
+    path: str, progress: TextIO, flat_axis: str | int | None = None, cost: CostModel | None = None
+) -> Checked:
+    """Load and plan one file (with ``flat_axis``, as the optimizers' flat sharding over it;
+    with ``cost``, under that model instead of the spec's hints)."""
     try:
         spec = load_spec(path)
-        plan_spec_with_progress(spec, progress, flat_axis=flat_axis)
+        plan_spec_with_progress(spec, progress, flat_axis=flat_axis, cost=cost)
     except ShardlangError as e:
         return Checked(path, None, e)
     return Checked(path, spec, None)
@@ -53,8 +58,15 @@ def error_json(checked: Checked) -> dict[str, Any]:
     return data
 
 
-def run_check(paths: list[str], fmt: str, out: TextIO, err: TextIO, flat_axis: str | int | None = None) -> int:
-    results = [check_file(p, err, flat_axis) for p in paths]
+def run_check(
+    paths: list[str],
+    fmt: str,
+    out: TextIO,
+    err: TextIO,
+    flat_axis: str | int | None = None,
+    cost: CostModel | None = None,
+) -> int:
+    results = [check_file(p, err, flat_axis, cost) for p in paths]
     if fmt == "json":
         files = [
             {

@@ -46,7 +46,7 @@ import itertools
 
 import attrs
 
-from planner.cost import DEFAULT_COST, CostModel, OpUnits, collective_rounds
+from planner.cost import DEFAULT_COST, STEP, CostModel, OpUnits, collective_rounds
 from planner.errors import PlanBudgetError, PlanError
 from planner.p2p import Links, PlannedExchange, message_count, time_lower_bound
 from planner.records import Plan
@@ -196,9 +196,12 @@ def _leg(
 def _units(leg: Plan, rates: OpUnits) -> int:
     per_round, per_byte = rates
     shape = leg.src.mesh.shape
-    return sum(
-        collective_rounds(s.op, shape[s.axis]) * per_round[s.op][s.axis] + s.bytes * per_byte[s.op][s.axis]
-        for s in leg.steps
+    return (
+        sum(
+            collective_rounds(s.op, shape[s.axis]) * per_round[s.op][s.axis] + s.bytes * per_byte[s.op][s.axis]
+            for s in leg.steps
+        )
+        + len(leg.steps) * per_round[STEP][0]
     )
 
 

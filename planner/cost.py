@@ -13,7 +13,15 @@ all_to_all      (n-1) * (b with dim j's local length cut to ceil(Lj/n))   n-1
 slice, partial  0                                                         0
 =============== ========================================================= ==========
 
-Step time = rounds * alpha[a] + bytes / bandwidth[a]; plan time = sum of step times.
+Step time = rounds * alpha[a] + bytes / bandwidth[a] + overhead; plan time = sum of step times.
+
+Executor terms (both measured by ``shardlang calibrate``, both free in the default model;
+docs/calibration.md says what they stand for and how they are fitted). ``overhead`` is the
+fixed cost of one step of any kind, local steps included (the executor's own work per step:
+dispatch, views, the buffer it allocates); a collective's measured fixed cost beyond it is its
+``alpha``. ``copy_bandwidth`` prices the copy of the target piece that a plan which sends
+nothing makes (the executor returns fresh memory: a plan of slice and partial steps only ends
+in a copy of its result), added to that plan's last step; ``None`` means free.
 
 Per-collective figures. A model may give any of the priced kinds (:data:`PRICED_OPS`) its own
 per-axis alpha and bandwidth (``CostModel.ops``, e.g. measured by ``shardlang calibrate``, README
@@ -26,7 +34,13 @@ model is documented there.
 
 The search compares times exactly: :func:`integer_rates` scales the model so that
 every step time is an integer, so equal-time plans compare equal whatever the order of their
-steps, and the fewer-steps rule decides between them.
+steps, and the fewer-steps rule decides between them. The overhead is on the same scale (the
+pseudo-kind :data:`STEP` of :meth:`CostModel.figures`): every move of the search pays it, so
+the lower bound (which leaves it out) stays admissible, and the pruning rules of
+``planner.space``, which never trade a plan for one with more steps, stay exact. The copy is
+not part of the search's comparison: it applies only to a plan that sends nothing, which
+exists only when slices alone reach the target, and then every other plan communicates and
+writes a buffer at least as large as the target piece (docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -59,7 +73,14 @@ def _per_axis(value: object) -> float | tuple[float, ...]:
 # The collective kinds a model may price apart; slice and partial steps send nothing.
 PRICED_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point")
 # The fields of a hints file (``CostModel.from_file``); "mesh" and "calibration" are notes.
-HINTS_FIELDS = ("mesh", "alpha", "bandwidth", "ops", "calibration")
+# Readers ignore nothing: a field that is not here is an error, so a new term is added here
+# (with its check in ``CostModel.from_json`` and its docs in docs/calibration.md).
+HINTS_FIELDS = (
+    "mesh", "alpha", "bandwidth", "ops", "overhead", "copy_bandwidth", "calibration", "flops_per_second"
+)  # fmt: skip
+# The pseudo-kind of :meth:`CostModel.figures` whose per-round figure is the per-step overhead.
+STEP = "step"
+LOCAL_OPS = ("slice", "partial")
 
 
 def _check_figures(alpha: float | tuple[float, ...], bandwidth: float | tuple[float, ...], of: str) -> None:
@@ -146,9 +167,26 @@ class CostModel:
     bandwidth: float | tuple[float, ...] = attrs.field(default=DEFAULT_BANDWIDTH, converter=_per_axis)
 
     ops: tuple[OpCost, ...] = attrs.field(default=(), converter=_op_costs)
+    # Matrix-product flops per second of one rank (``shardlang calibrate``'s timed matmuls),
+    # which prices compute beside communication (Muon's iterations, ``planner.matrices``);
+    # ``None``: the stated default rate of ``planner.owners``.
+    flops_per_second: float | None = None
+    # The executor terms (module docstring): seconds per step, and bytes/s of a local copy.
+    overhead: float = attrs.field(default=0.0, converter=float)
+    copy_bandwidth: float | None = attrs.field(default=None, converter=attrs.converters.optional(float))
 
     def __attrs_post_init__(self) -> None:
         _check_figures(self.alpha, self.bandwidth, "")
+        if not math.isfinite(self.overhead) or self.overhead < 0:
+            raise PlanError(f"the step overhead must be finite and zero or positive, got {self.overhead}")
+        if self.copy_bandwidth is not None and not (math.isfinite(self.copy_bandwidth) and self.copy_bandwidth > 0):
+            raise PlanError(f"the copy bandwidth must be finite and positive, got {self.copy_bandwidth}")
+        if self.flops_per_second is not None and not (
+            isinstance(self.flops_per_second, (int, float))
+            and math.isfinite(self.flops_per_second)
+            and self.flops_per_second > 0
+        ):
+            raise PlanError(f"flops_per_second must be a positive number, got {self.flops_per_second!r}")
 
     @classmethod
     def from_hints(cls, hints: CostHints) -> CostModel:
@@ -159,11 +197,11 @@ class CostModel:
         self, alpha: float | tuple[float, ...] | None = None, bandwidth: float | tuple[float, ...] | None = None
     ) -> CostModel:
         """This model with ``alpha`` and ``bandwidth`` replaced where they are given (not ``None``);
-        per-collective figures are kept."""
-        return CostModel(
+        per-collective figures and every other term are kept."""
+        return attrs.evolve(
+            self,
             alpha=self.alpha if alpha is None else alpha,
             bandwidth=self.bandwidth if bandwidth is None else bandwidth,
-            ops=self.ops,
         )
 
     def for_mesh(self, mesh: Mesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -182,14 +220,23 @@ class CostModel:
         return _axis_values("latency", self.alpha, mesh), _axis_values("bandwidth", self.bandwidth, mesh)
 
     def figures(self, mesh: Mesh) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
-        """:meth:`for_op` of every op a plan step can have."""
-        return {op: self.for_op(op, mesh) for op in (*PRICED_OPS, "slice", "partial")}
+        """:meth:`for_op` of every op a plan step can have, and under :data:`STEP` the overhead
+        per axis as its per-round figure (with the model's bandwidths, so that the integer
+        scale of :func:`integer_op_rates` covers it and changes nothing else)."""
+        out = {op: self.for_op(op, mesh) for op in (*PRICED_OPS, *LOCAL_OPS)}
+        out[STEP] = ((self.overhead,) * mesh.ndim, _axis_values("bandwidth", self.bandwidth, mesh))
+        return out
+
+    def copy_seconds(self, nbytes: int) -> float:
+        """The copy of ``nbytes`` of a target piece by a plan that sends nothing."""
+        return 0.0 if self.copy_bandwidth is None else nbytes / self.copy_bandwidth
 
     @classmethod
     def from_file(cls, path: str | Path) -> CostModel:
         """The model of a hints file (JSON; README "Calibration"): optional ``alpha`` and
         ``bandwidth`` (one number or one per mesh axis; defaults where absent) and ``ops``, an
-        object from collective kinds to their own ``alpha`` and ``bandwidth``. A
+        object from collective kinds to their own ``alpha`` and ``bandwidth``; optional
+        ``overhead`` (seconds per step) and ``copy_bandwidth`` (bytes/s), one number each. A
         :class:`PlanError` naming the file and the field when it is unreadable or a value is bad."""
         where = str(path)
         try:
@@ -222,8 +269,13 @@ class CostModel:
             if extra:
                 raise PlanError(f"{where}: field 'ops.{op}.{extra[0]}': unknown (fields: alpha, bandwidth)")
             ops[op] = _hint_figures(figures, f"ops.{op}.", where)
-        top = _hint_figures(data, "", where)
-        model = cls(**top)  # type: ignore[arg-type]
+        top: dict[str, object] = dict(_hint_figures(data, "", where))
+        for key in ("overhead", "copy_bandwidth"):
+            if key in data:
+                if isinstance(data[key], list):
+                    raise PlanError(f"{where}: field '{key}': expected one number, got {json.dumps(data[key])[:60]}")
+                top[key] = _hint_figure(data[key], key, where, latency=key == "overhead")
+        model = cls(**top, flops_per_second=_hint_rate(data.get("flops_per_second"), where))  # type: ignore[arg-type]
         ops_costs = [OpCost(op, **{"alpha": model.alpha, "bandwidth": model.bandwidth, **f}) for op, f in ops.items()]
         lengths = {len(v) for c in (model, *ops_costs) for v in (c.alpha, c.bandwidth) if isinstance(v, tuple)}
         if len(lengths) > 1:
@@ -231,11 +283,27 @@ class CostModel:
         return attrs.evolve(model, ops=ops_costs)
 
     def to_json(self) -> dict[str, object]:
-        """The JSON form (``ops`` only when the model has per-kind figures), as a hints file holds it."""
+        """The JSON form (``ops`` only when the model has per-kind figures, other terms only
+        when they are not their defaults), as a hints file holds it."""
         out: dict[str, object] = _figures_json(self.alpha, self.bandwidth)
         if self.ops:
             out["ops"] = {c.op: _figures_json(c.alpha, c.bandwidth) for c in self.ops}
+        if self.flops_per_second is not None:
+            out["flops_per_second"] = self.flops_per_second
+        if self.overhead:
+            out["overhead"] = self.overhead
+        if self.copy_bandwidth is not None:
+            out["copy_bandwidth"] = self.copy_bandwidth
         return out
+
+
+def _hint_rate(value: object, where: str) -> float | None:
+    """A hints file's ``flops_per_second``: absent, or a positive number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PlanError(f"{where}: field 'flops_per_second': expected a positive number of flops per second")
+    return float(value)
 
 
 def _figures_json(alpha: float | tuple[float, ...], bandwidth: float | tuple[float, ...]) -> dict[str, object]:
@@ -251,7 +319,7 @@ DEFAULT_COST = CostModel()
 
 def collective_rounds(op: str, n: int) -> int:
     """The rounds column of the table: latency rounds of ``op`` on a mesh axis of size ``n``."""
-    if op in ("slice", "partial"):
+    if op in LOCAL_OPS:
         return 0
     return 2 * (n - 1) if op == "all_reduce" else n - 1
 

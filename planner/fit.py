@@ -22,6 +22,14 @@ intercept refits through zero; a slope of zero or less (time flat in bytes) give
 :data:`MAX_BANDWIDTH`. Figures are rounded to three significant digits, which keeps the
 planner's exact integer scale small (``planner.cost.integer_rates``).
 
+The executor terms (``planner.cost``; docs/calibration.md). Samples of kind ``slice`` time a
+plan of one slice step, which sends nothing: the executor's fixed cost of a step and its copy of
+the target piece (their ``bytes`` are that piece's). One line over them on every axis gives
+``overhead`` (its intercept) and ``copy_bandwidth`` (1 / its slope). Every collective step pays
+the overhead too, so a collective's ``alpha`` is what its intercept adds to it:
+``(intercept - overhead) / rounds`` (zero if less), and a one-step plan's predicted time is still
+its fitted line. Without slice samples the terms stay free (0 and ``None``).
+
 Pure: no torch, no communication, so the fit is tested on synthetic timings.
 """
 
@@ -36,6 +44,7 @@ import attrs
 from planner.cost import PRICED_OPS, CostModel, OpCost
 
 MAX_BANDWIDTH = 1e13  # bytes/s: what a kind whose time does not grow with bytes is given
+LOCAL = "slice"  # the kind of the samples that price the executor terms (module docstring)
 _OUTLIER_FACTOR = 3.0
 _OUTLIER_FLOOR = 0.10
 
@@ -105,21 +114,31 @@ def three_digits(value: float) -> float:
     return float(f"{value:.2e}")
 
 
-def figures_of(line: Line, rounds: int) -> tuple[float, float]:
-    """(alpha, bandwidth) of a line fitted to samples of ``rounds`` rounds, rounded."""
-    alpha = three_digits(line.intercept / rounds)
-    bandwidth = MAX_BANDWIDTH if line.slope <= 1 / MAX_BANDWIDTH else three_digits(1 / line.slope)
-    return alpha, bandwidth
+def figures_of(line: Line, rounds: int, overhead: float = 0.0) -> tuple[float, float]:
+    """(alpha, bandwidth) of a line fitted to samples of ``rounds`` rounds of steps that each
+    also pay ``overhead``, rounded."""
+    alpha = three_digits(max(line.intercept - overhead, 0.0) / rounds)
+    return alpha, _bandwidth_of(line)
+
+
+def _bandwidth_of(line: Line) -> float:
+    return MAX_BANDWIDTH if line.slope <= 1 / MAX_BANDWIDTH else three_digits(1 / line.slope)
 
 
 def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int], Line]]:
     """The cost model of ``samples``: per kind, per axis figures (every kind and axis of the
     samples must have two or more). The first kind's figures (all_gather's, in
     :data:`PRICED_OPS` order) are the model's own, which every kind it does not name takes,
-    and the others are its ``ops``. Also the fitted lines, by (kind, axis)."""
+    and the others are its ``ops``; :data:`LOCAL` samples (two or more, any axes) give the
+    executor terms (module docstring). Also the fitted lines, by (kind, axis), the executor
+    terms' under (:data:`LOCAL`, -1)."""
     by_key: dict[tuple[str, int], list[Sample]] = {}
+    local: list[Sample] = []
     for s in samples:
-        by_key.setdefault((s.op, s.axis), []).append(s)
+        if s.op == LOCAL:
+            local.append(s)
+        else:
+            by_key.setdefault((s.op, s.axis), []).append(s)
     axes = sorted({axis for _, axis in by_key})
     ops = [op for op in PRICED_OPS if any(op == o for o, _ in by_key)]
     if not axes or axes != list(range(len(axes))) or any((op, a) not in by_key for op in ops for a in axes):
@@ -127,9 +146,16 @@ def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int
     lines = {key: fit_line([s.bytes for s in group], [s.seconds for s in group]) for key, group in by_key.items()}
     if any(len({s.rounds for s in group}) > 1 for group in by_key.values()):
         raise ValueError("fit_model needs the samples of one kind on one axis to have the same rounds")
-    figures = {op: [figures_of(lines[op, a], by_key[op, a][0].rounds) for a in axes] for op in ops}
+    overhead, copy_bandwidth = 0.0, None
+    if local:
+        line = lines[LOCAL, -1] = fit_line([s.bytes for s in local], [s.seconds for s in local])
+        overhead, copy_bandwidth = three_digits(line.intercept), _bandwidth_of(line)
+    figures = {op: [figures_of(lines[op, a], by_key[op, a][0].rounds, overhead) for a in axes] for op in ops}
     base, *costs = [OpCost(op, tuple(f[0] for f in fs), tuple(f[1] for f in fs)) for op, fs in figures.items()]
-    return CostModel(alpha=base.alpha, bandwidth=base.bandwidth, ops=costs), lines
+    model = CostModel(
+        alpha=base.alpha, bandwidth=base.bandwidth, ops=costs, overhead=overhead, copy_bandwidth=copy_bandwidth
+    )
+    return model, lines
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:

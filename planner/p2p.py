@@ -24,21 +24,22 @@ Cost model of a point-to-point step. Per rank ``r``, over its messages sent ``Ms
     time_r = max(sum of alpha_link over Ms, sum of alpha_link over Mr)
            + max(sum of bytes / beta_link over Ms, sum of bytes / beta_link over Mr)
 
-and the step's time is the largest ``time_r``. Links are full duplex, so sending and receiving
-overlap; with one alpha and beta on every link this is ``messages * alpha + max(sent, received)
-/ beta`` with messages = the larger of the counts sent and received, which prices a ring
-all_gather done by messages (n-1 sent and n-1 received per rank) exactly as the all_gather
-(n-1 rounds). Links: two ranks of one mesh that differ on several mesh axes are joined by the
-slowest of those axes (least bandwidth, largest alpha); between two different meshes (another
-shape or rank set) every message is priced at the slowest bandwidth and largest alpha of all
-axes of both meshes, as nothing says which axis joins them.
+and the step's time is the largest ``time_r``, plus the model's per-step overhead
+(``planner.cost``). Links are full duplex, so sending and receiving overlap; with one alpha and
+beta on every link this is ``messages * alpha + max(sent, received) / beta`` with messages =
+the larger of the counts sent and received, which prices a ring all_gather done by messages
+(n-1 sent and n-1 received per rank) exactly as the all_gather (n-1 rounds). Links: two ranks
+of one mesh that differ on several mesh axes are joined by the slowest of those axes (least
+bandwidth, largest alpha); between two different meshes (another shape or rank set) every
+message is priced at the slowest bandwidth and largest alpha of all axes of both meshes, as
+nothing says which axis joins them.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from planner.cost import DEFAULT_COST, CostModel, integer_op_rates
+from planner.cost import DEFAULT_COST, STEP, CostModel, integer_op_rates
 from planner.errors import PlanError
 from planner.holdings import blocks_of
 from planner.records import Plan, Step, Transfer
@@ -70,6 +71,8 @@ class Links:
     def __init__(self, cost: CostModel, src_mesh: Mesh, dst_mesh: Mesh) -> None:
         src_figures, dst_figures = cost.figures(src_mesh), cost.figures(dst_mesh)
         self.src_rates, self.dst_rates = integer_op_rates(src_figures, dst_figures)
+        # The overhead every step pays (planner.cost), in units and in seconds.
+        self.step_units, self.overhead = self.src_rates[0][STEP][0], cost.overhead
         # Messages are priced with the point-to-point figures of both meshes.
         src_alpha, src_bandwidth = src_figures["point_to_point"]
         dst_alpha, dst_bandwidth = dst_figures["point_to_point"]
@@ -175,7 +178,8 @@ class PlannedExchange:
         self.after = after
         self._slots = slots
         self._traffic = traffic
-        self.units = max((t.time_units() for t in traffic.values()), default=0)
+        self.units = max((t.time_units() for t in traffic.values()), default=0) + links.step_units
+        self._overhead = links.overhead
 
     def step(self) -> Step:
         traffic = self._traffic.values()
@@ -187,14 +191,15 @@ class PlannedExchange:
             reduce_op=None,
             layout=self.after,
             bytes=max((max(t.sent, t.received) for t in traffic), default=0),
-            seconds=max((t.time_seconds() for t in traffic), default=0.0),
+            seconds=max((t.time_seconds() for t in traffic), default=0.0) + self._overhead,
             transfers=tuple(Transfer(sender, receiver, part) for sender, receiver, part in self._slots),
         )
 
 
 def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], itemsize: int, links: Links) -> int:
     """A lower bound on ``PlannedExchange(before, after, ...).units`` without choosing senders: the
-    largest, over target ranks, of what receiving alone costs on the fastest link."""
+    largest, over target ranks, of what receiving alone costs on the fastest link, plus the
+    step's overhead."""
     source = blocks_of(before, shape)
     fastest = links.fastest
     bound = 0
@@ -208,7 +213,7 @@ def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], item
         # The receiver that holds least needs the most bytes; it lacks all blocks but (maybe) one.
         missing = (elements - least_held) * itemsize
         bound = max(bound, (messages - (least_held > 0)) * fastest.units_per_message + missing * fastest.units_per_byte)
-    return bound
+    return bound + links.step_units
 
 
 def message_count(before: Layout, after: Layout, shape: tuple[int, ...]) -> int:

@@ -24,8 +24,10 @@ import functools
 import heapq
 import math
 
+import attrs
+
 from planner.bound import LowerBound, Terms, cheapest_rates
-from planner.cost import DEFAULT_COST, CostModel, integer_op_rates
+from planner.cost import DEFAULT_COST, LOCAL_OPS, STEP, CostModel, integer_op_rates
 from planner.errors import PlanBudgetError, PlanError
 from planner.records import Plan, Step
 from planner.space import Fields, PackedMove, Space, pruning, roles_of
@@ -189,8 +191,12 @@ def _plan_cached(
                 tuple(tuple(kept[a] for a in axes) for axes in dims), mesh, tuple((kept[a], o) for a, o in partial)
             )
         alpha, bandwidth = figures[op]
-        seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis]
+        seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis] + cost.overhead
         steps.append(Step(op, full_axis, dim, to_dim, reduce_op, layout, nbytes, seconds))
+    if all(s.op in LOCAL_OPS for s in steps):  # the executor's copy of the result (planner.cost)
+        last = steps[-1]
+        copy = cost.copy_seconds(math.prod(dst.local_shape(shape)) * problem.space.itemsize)
+        steps[-1] = attrs.evolve(last, seconds=last.seconds + copy)
     return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=tuple(steps), cost=cost), counter[0]
 
 
@@ -279,6 +285,7 @@ def _astar(
     limit = math.inf if max_local_bytes is None else max_local_bytes // space.itemsize  # in elements
     max_states, counter = budget
     generated = 0
+    per_step = per_round[STEP][0]  # the overhead every step pays (planner.cost), left out of the bound
     while heap:
         f, f_steps, _, _, g, g_steps, state, elements, terms, full = heapq.heappop(heap)
         known = best[state]
@@ -304,7 +311,7 @@ def _astar(
             op, axis, _, _, _, nxt, nbytes, rounds, before, after, next_elements = move
             if next_elements > limit:
                 continue
-            n_g = g + rounds * per_round[op][axis] + nbytes * per_byte[op][axis]
+            n_g = g + rounds * per_round[op][axis] + nbytes * per_byte[op][axis] + per_step
             seen = best.get(nxt)
             if seen is not None and (seen[0] < n_g or (seen[0] == n_g and seen[1] <= n_steps)):
                 continue

@@ -2,14 +2,19 @@
 
 :func:`sweep` times every collective kind on every mesh axis at message sizes from 4 KiB to
 16 MiB, through the same calls the executor makes (``runtime.comm``: on gloo a reduce_scatter
-is an all_to_all plus a local sum), all groups of an axis at once as in a plan's step. Each
-repetition starts after a barrier of the whole mesh; a repetition's time is the slowest
-rank's (one all-reduce of every rank's times per size), and a sample is the median over
-repetitions, the kinds interleaved repetition by repetition so that noise hits them alike. A
-sample's bytes are what the cost table counts for the step (``planner.cost``), so that
-``planner.fit`` fits the table's own formula. A time budget bounds the sweep: once an axis
-has used its share, its larger sizes are skipped (every rank agrees, from the all-reduced
-clocks). :func:`time_plans` runs whole plans the same way (``--check`` and the benchmark).
+is an all_to_all plus a local sum), all groups of an axis at once as in a plan's step, and a
+plan of one slice step, which sends nothing (the executor's fixed cost of a step and its copy
+of the result: ``planner.fit``'s executor terms). Each repetition starts after a barrier of
+the whole mesh; a repetition's time is the slowest rank's (one all-reduce of every rank's
+times per size), and a sample is the median over repetitions, the kinds interleaved
+repetition by repetition so that noise hits them alike. The sizes are swept twice (``passes``),
+a sample's median taken over both passes' repetitions, so that a burst of load on the machine
+during one pass moves it less. A sample's bytes are what the cost table counts for the step
+(``planner.cost``; a slice's: the target piece it copies), so that ``planner.fit`` fits the
+table's own formula. A time budget bounds the sweep: once an axis has used its share of a
+pass, its larger sizes are skipped in that pass (every rank agrees, from the all-reduced
+clocks); a size is sampled if either pass timed it. :func:`time_plans` runs whole plans the
+same way (``--check`` and the benchmark).
 
 Every rank of the mesh calls both, in the same order; the default process group must be up.
 """
@@ -27,14 +32,15 @@ import torch.distributed as dist
 
 from planner import Plan, collective_plan, point_to_point_plan
 from planner.cost import collective_rounds
-from planner.fit import Sample
+from planner.fit import LOCAL, Sample
 from runtime.comm import default_device
 from runtime.executor import reshard
 from runtime.pieces import shard
 from shardlang import Layout, Mesh
 
 SWEEP_BYTES = tuple(4096 * 4**k for k in range(7))  # the larger buffer of a call: 4 KiB .. 16 MiB
-DEFAULT_REPS = 7
+DEFAULT_REPS = 7  # per pass
+DEFAULT_PASSES = 2
 DEFAULT_BUDGET = 45.0  # seconds for the whole sweep
 _COLUMNS = 64
 
@@ -43,7 +49,8 @@ def step_plans(mesh: Mesh, axis: int, size: int) -> dict[str, Plan]:
     """One plan of one step per kind on mesh ``axis``, of an f32 ``[rows, 64]`` tensor whose
     larger local buffer is about ``size`` bytes: ``S(a) -> R`` (all_gather), ``R | P(a) -> S(a)``
     (reduce_scatter), ``R | P(a) -> R`` (all_reduce), ``S(a),R -> R,S(a)`` (all_to_all, and by
-    one point-to-point step)."""
+    one point-to-point step), and under ``slice`` a ``R -> S(a)`` of a tensor whose target
+    piece is about ``size`` bytes."""
     n = mesh.shape[axis]
     shape = (max(size // 4 // _COLUMNS // n, 1) * n, _COLUMNS)
     split = Layout(dims=((axis,), ()), mesh=mesh)
@@ -56,6 +63,7 @@ def step_plans(mesh: Mesh, axis: int, size: int) -> dict[str, Plan]:
         "all_reduce": collective_plan(reduced, whole, shape),
         "all_to_all": collective_plan(split, moved, shape),
         "point_to_point": point_to_point_plan(split, moved, shape),
+        LOCAL: collective_plan(whole, split, (shape[0] * n, _COLUMNS)),
     }
     for op, planned in plans.items():
         if [s.op for s in planned.steps] != [op]:  # the default model's choice for these pairs
@@ -65,8 +73,8 @@ def step_plans(mesh: Mesh, axis: int, size: int) -> dict[str, Plan]:
 
 def step_rounds(plan: Plan) -> int:
     """The rounds the cost table charges the plan's one step: ``collective_rounds`` of a
-    collective; the messages the busiest rank sends or receives of a point-to-point step
-    (``planner.p2p``)."""
+    collective (none of a slice); the messages the busiest rank sends or receives of a
+    point-to-point step (``planner.p2p``)."""
     (step,) = plan.steps
     if step.axis is not None:
         return collective_rounds(step.op, plan.src.mesh.shape[step.axis])
@@ -79,33 +87,53 @@ def step_rounds(plan: Plan) -> int:
     return max([*sent.values(), *received.values(), 1])
 
 
+def sample_bytes(op: str, plan: Plan) -> int:
+    """A sample's bytes: the step's bytes per rank of the cost table; a slice's, the target
+    piece it copies (``planner.fit``)."""
+    if op == LOCAL:
+        return math.prod(plan.dst.local_shape(plan.shape)) * 4
+    return plan.steps[0].bytes
+
+
 def sweep(
     mesh: Mesh,
     *,
     sizes: Sequence[int] = SWEEP_BYTES,
     reps: int = DEFAULT_REPS,
     budget: float = DEFAULT_BUDGET,
+    passes: int = DEFAULT_PASSES,
 ) -> list[Sample]:
     """The samples of every kind on every axis of ``mesh`` (of two or more ranks), the same
     list on every rank (module docstring)."""
+    runs: dict[tuple[int, int], list[list[float]]] = {}  # (axis, size) -> per plan, every run
+    share = budget / mesh.ndim / passes
+    for _ in range(passes):
+        for axis in range(mesh.ndim):
+            started = time.perf_counter()
+            for size in sizes:
+                plans = list(step_plans(mesh, axis, size).values())
+                measured = _runs(plans, reps, started)
+                for timed, new in zip(runs.setdefault((axis, size), [[] for _ in plans]), measured, strict=False):
+                    timed.extend(new)
+                if measured[-1][-1] > share:
+                    break
     samples = []
-    share = budget / mesh.ndim
-    for axis in range(mesh.ndim):
-        started = time.perf_counter()
-        for size in sizes:
-            plans = step_plans(mesh, axis, size)
-            measured = time_plans(list(plans.values()), reps=reps, clock=started)
-            for (op, planned), seconds in zip(plans.items(), measured[:-1], strict=True):
-                samples.append(Sample(op, axis, step_rounds(planned), planned.steps[0].bytes, seconds))
-            if measured[-1] > share:
-                break
+    for (axis, size), timed in sorted(runs.items()):
+        for (op, planned), times in zip(step_plans(mesh, axis, size).items(), timed, strict=True):
+            samples.append(Sample(op, axis, step_rounds(planned), sample_bytes(op, planned), statistics.median(times)))
     return samples
 
 
-def time_plans(plans: Sequence[Plan], reps: int = 5, clock: float | None = None) -> list[float]:
+def time_plans(plans: Sequence[Plan], reps: int = 5) -> list[float]:
     """Per plan (all on one mesh, which every rank is in), the median over ``reps`` runs of
-    the slowest rank's time to ``reshard`` by it, the plans interleaved run by run. With
-    ``clock`` (a ``perf_counter`` reading), one more entry: the most seconds since then on any rank."""
+    the slowest rank's time to ``reshard`` by it, the plans interleaved run by run."""
+    return [statistics.median(times) for times in _runs(plans, reps)]
+
+
+def _runs(plans: Sequence[Plan], reps: int, clock: float | None = None) -> list[list[float]]:
+    """Per plan, the slowest rank's time of each of ``reps`` runs (:func:`time_plans`). With
+    ``clock`` (a ``perf_counter`` reading), one more entry: the most seconds since then on any
+    rank, after each run."""
     rank = dist.get_rank()
     pieces = []
     for plan in plans:
@@ -119,11 +147,11 @@ def time_plans(plans: Sequence[Plan], reps: int = 5, clock: float | None = None)
             begun = time.perf_counter()
             reshard(piece, plan.src, plan.dst, global_shape=plan.shape, plan=plan)
             times[k, rep] = time.perf_counter() - begun
-    if clock is not None:
-        times[len(plans), :] = time.perf_counter() - clock
+        if clock is not None:
+            times[len(plans), rep] = time.perf_counter() - clock
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    out = [statistics.median(row) for row in times.tolist()]
-    return out if clock is not None else out[:-1]
+    rows = times.tolist()
+    return rows if clock is not None else rows[:-1]
 
 
 def sample_pairs(

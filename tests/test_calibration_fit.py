@@ -4,8 +4,11 @@ hints file with bad values is a clear error naming the file and the field."""
 from __future__ import annotations
 
 import json
+import math
 import random
+from fractions import Fraction
 
+import attrs
 import pytest
 
 import planner
@@ -14,7 +17,8 @@ from cli.plan_report import describe_plan_cost
 from planner.cost import collective_rounds
 from planner.fit import Sample, fit_line, fit_model, median_relative_error, spearman
 from planner.model import plan_spec
-from shardlang import Layout, Mesh, parse_spec
+from shardlang import Layout, Mesh, parse_layout, parse_spec
+from tests.test_planner_optimal import Reference, calibrated_looking, random_case, reference_for
 
 SIZES = [4096 * 4**k for k in range(7)]  # 4 KiB .. 16 MiB
 
@@ -133,3 +137,118 @@ def test_a_cross_mesh_plan_prices_and_describes_messages_by_the_point_to_point_f
     assert step.bytes == 250 * 300 * 4 and step.seconds == pytest.approx(2 * 2e-5 + 250 * 300 * 4 / 1e9)
     text = describe_plan_cost(got)
     assert text.endswith("between the meshes the slowest of both: 1 GB/s, 20 us per message")
+
+
+def test_the_fit_recovers_the_executor_terms():
+    """Slice samples (a plan that sends nothing: the step overhead and the copy of the target
+    piece) give the overhead and the copy bandwidth; every collective sample pays the overhead
+    too, so its alpha is what its line adds to the overhead."""
+    rng = random.Random(2)
+    overhead, copy_bandwidth = 1.5e-4, 2.5e9
+    truth = {op: tuple((rng.uniform(1e-4, 1e-3), rng.uniform(2e8, 2e9)) for _ in range(2)) for op in planner.PRICED_OPS}
+    samples = [
+        Sample(s.op, s.axis, s.rounds, s.bytes, s.seconds + overhead * (1 + rng.uniform(-0.02, 0.02)))
+        for s in synthetic(truth, rng, noise=0.02)
+    ]
+    for axis in (0, 1):
+        for nbytes in SIZES:
+            seconds = (overhead + nbytes / copy_bandwidth) * (1 + rng.uniform(-0.02, 0.02))
+            samples.append(Sample("slice", axis, 0, nbytes, seconds))
+    model, lines = fit_model(samples)
+    assert model.overhead == pytest.approx(overhead, rel=0.1)
+    assert model.copy_bandwidth == pytest.approx(copy_bandwidth, rel=0.05)
+    assert lines["slice", -1].total == 2 * len(SIZES)
+    mesh = Mesh((2, 4))
+    for op, per_axis in truth.items():
+        alphas, _ = model.for_op(op, mesh)
+        for axis, (alpha, _) in enumerate(per_axis):
+            assert alphas[axis] == pytest.approx(alpha, rel=0.15), (op, axis)
+    # Without slice samples the terms stay free.
+    bare, _ = fit_model([s for s in samples if s.op != "slice"])
+    assert (bare.overhead, bare.copy_bandwidth) == (0.0, None)
+
+
+def test_plans_are_priced_with_the_overhead_and_the_copy():
+    """By hand: every step pays the overhead; only a plan that sends nothing pays the copy of
+    its target piece; a cross-mesh point-to-point step pays the overhead once."""
+    model = planner.CostModel(alpha=2e-5, bandwidth=1e9, overhead=1e-4, copy_bandwidth=4e9)
+    mesh = "over mesh[4]"
+    sliced = planner.plan(parse_layout(f"R,R {mesh}"), parse_layout(f"S0,R {mesh}"), (1000, 300), "f32", model)
+    assert [s.op for s in sliced.steps] == ["slice"]
+    assert sliced.total_seconds == pytest.approx(1e-4 + 250 * 300 * 4 / 4e9)
+    gathered = planner.plan(parse_layout(f"S0,R {mesh}"), parse_layout(f"R,R {mesh}"), (1000, 300), "f32", model)
+    assert gathered.total_seconds == pytest.approx(1e-4 + 3 * 2e-5 + 3 * 250 * 300 * 4 / 1e9)
+    src, dst = Layout(((0,), (1,)), Mesh((2, 2))), Layout(((0,), ()), Mesh((4,), ranks=(4, 5, 6, 7)))
+    (step,) = planner.plan(src, dst, (1000, 300), "f32", model).steps
+    assert step.seconds == pytest.approx(1e-4 + 2 * 2e-5 + 250 * 300 * 4 / 1e9)
+    # The default model's terms are free: the conformance data's costs are unchanged.
+    free = planner.plan(parse_layout(f"R,R {mesh}"), parse_layout(f"S0,R {mesh}"), (1000, 300), "f32")
+    assert free.total_seconds == 0
+
+
+def test_the_overhead_steers_the_plan_to_fewer_steps():
+    """``R,R | P01 -> R,R`` on [2,2]: three steps (reduce_scatter, all_reduce, all_gather) send
+    less than two all-reduces; a large enough overhead per step makes the two cheaper."""
+    src, dst = parse_layout("R,R | P01 over mesh[2,2]"), parse_layout("R,R over mesh[2,2]")
+    # By the table, of a 64 KiB piece: the three steps send 32 + 32 + 32 KiB in 1 + 2 + 1
+    # rounds, the two all-reduces 64 + 64 KiB in 2 + 2: 32 KiB more at 1 GB/s (32.8 us) in as
+    # many rounds. One step more costs the three an overhead more: at 30 us they still win,
+    # at 35 us the two do.
+    shape = (2048, 8)
+    steps = {
+        overhead: [
+            s.op
+            for s in planner.plan(src, dst, shape, "f32", planner.CostModel(bandwidth=1e9, overhead=overhead)).steps
+        ]
+        for overhead in (3e-5, 3.5e-5)
+    }
+    assert steps == {3e-5: ["reduce_scatter", "all_reduce", "all_gather"], 3.5e-5: ["all_reduce", "all_reduce"]}
+
+
+class _ReferenceWithOverhead(Reference):
+    """The independent brute force of tests/test_planner_optimal.py, every step of any kind
+    paying ``overhead`` on the same exact scale."""
+
+    def __init__(self, base: Reference, overhead: float) -> None:
+        self.__dict__.update(base.__dict__)
+        extra = Fraction(overhead)
+        scale = math.lcm(base.scale, extra.denominator)
+        self.op_units = {
+            op: tuple([u * (scale // base.scale) for u in v] for v in f) for op, f in base.op_units.items()
+        }
+        self.scale, self.overhead_units = scale, int(extra * scale)
+
+    def units(self, axis, nbytes, rounds, op="all_gather"):
+        return super().units(axis, nbytes, rounds, op) + self.overhead_units
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_plans_are_optimal_with_a_step_overhead(seed):
+    """The planner (its bound, its pruning rules, the fewer-steps tie rule) finds the optimum
+    of the brute force when every step also pays an overhead."""
+    rng = random.Random(700 + seed)
+    for _ in range(250):
+        src, dst, shape, dtype, _ = random_case(rng, naxes=rng.choice((1, 2, 2, 3)))
+        base = calibrated_looking(rng, src.mesh.ndim)
+        cost = attrs.evolve(base, overhead=rng.choice((1e-6, 3e-5, 1e-4, 1e-3)))
+        ref = _ReferenceWithOverhead(reference_for(src, dst, shape, dtype, base), cost.overhead)
+        got = planner.plan(src, dst, shape, dtype, cost)
+        want = ref.solve(ref.state_of(src), ref.state_of(dst), len(got.steps) + 3)
+        assert (ref.replay(got), len(got.steps)) == want, f"{src} -> {dst}, {shape}, {dtype}, {cost}"
+
+
+@pytest.mark.parametrize(
+    ("content", "field"),
+    [
+        ('{"overhead": -1}', "field 'overhead': expected zero or a positive number of seconds, got -1"),
+        ('{"overhead": [1e-4, 1e-4]}', "field 'overhead': expected one number"),
+        ('{"copy_bandwidth": 0}', "field 'copy_bandwidth': expected a positive number of bytes per second, got 0"),
+        ('{"copy_bandwidth": "fast"}', "field 'copy_bandwidth': expected a number"),
+    ],
+)
+def test_bad_executor_terms_name_the_file_and_field(tmp_path, capsys, content, field):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    assert main(["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "8", "--costs", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}: {field}" in err and "Traceback" not in err
