@@ -1,20 +1,30 @@
 """``shardlang suggest FILE.shard --memory 24GiB``: layouts chosen per tensor under a memory
-budget (``planner.suggest``), against the fixed strategies; and the main job's one line."""
+budget (``planner.suggest``), with and without the optimizers' flat sharding, against the fixed
+strategies; and the main job's one line.
+
+Tensors that the spec's rules give layouts are chosen for too when their shapes are known:
+``--shapes FILE`` (as ``shardlang init`` reads it), ``--model MODULE:FACTORY`` or ``--tensor
+NAME:SHAPE[:DTYPE]`` (braces expand). ``-o`` declares every chosen tensor, the rules kept."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cli.inputs import UsageError, bytes_arg, read_spec
+from cli.init import named_tensors
+from cli.inputs import UsageError, bytes_arg, read_spec, shape_arg
 from cli.tables import format_bytes, format_seconds
-from planner.knapsack import smallest_memory, suggest
-from planner.suggest import OPTIMIZERS, STRATEGY_NAMES, Choice, Problem, SuggestError, Suggestion, build_problem
-from shardlang import Spec, format_spec
-from shardlang.errors import SpecError
+from planner.knapsack import smallest_memory, suggest_best
+from planner.suggest import OPTIMIZERS, Choice, Problem, SuggestError, Suggestion, build_problems
+from shardlang import Spec, TensorSpec, format_spec
+from shardlang.errors import ShardlangError, SpecError
+from shardlang.generate import named_entries
+from shardlang.parser import MAX_EXPANDED_NAMES
+from shardlang.spec import expand_braces
 from shardlang.writer import fold_names
 
 _FRONTIER_POINTS = 16
@@ -31,12 +41,51 @@ def add_suggest_parser(sub: Any) -> None:
     )
     p.add_argument("file", metavar="FILE.shard")
     p.add_argument("--memory", required=True, type=bytes_arg, metavar="BYTES", help="per-rank budget: 24GiB, 8e9")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--shapes", metavar="FILE", help="JSON list of [name, shape(, dtype)]: tensors rules match")
+    source.add_argument("--model", metavar="MODULE:FACTORY", help="a function returning the nn.Module, called bare")
+    p.add_argument(
+        "--tensor",
+        action="append",
+        default=[],
+        type=_tensor_arg,
+        metavar="NAME:SHAPE[:DTYPE]",
+        help="a tensor a rule matches (repeatable; braces expand): 'h.{0..31}.norm.weight:4096:bf16' (default f32)",
+    )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="whose states to count (default adamw)")
     p.add_argument("--states-only", action="store_true", help="keep every param and grad layout; choose states")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS", help="for the solver (default 10)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("-o", "--output", metavar="OUT.shard", help="write the spec with the chosen layouts")
     p.add_argument("--plot", metavar="FRONTIER.svg", help="draw the memory/time frontier")
+
+
+def _tensor_arg(text: str) -> list[tuple[str, tuple[int, ...], str]]:
+    name, _, rest = text.partition(":")
+    shape_text, _, dtype = rest.partition(":")
+    if not name or not rest:
+        raise argparse.ArgumentTypeError(f"'{text}': write NAME:SHAPE or NAME:SHAPE:DTYPE, e.g. norm.weight:4096:bf16")
+    try:
+        names = expand_braces(name, limit=MAX_EXPANDED_NAMES)
+        return named_entries([(n, shape_arg(shape_text), dtype or "f32") for n in names])
+    except ShardlangError as e:
+        raise argparse.ArgumentTypeError(f"'{text}': {e.message}") from None
+
+
+def chosen_tensors(spec: Spec, args: argparse.Namespace) -> list[TensorSpec]:
+    """The declared tensors, then those the options name (declared: checked; else a rule's)."""
+    entries = [e for group in args.tensor for e in group]
+    if args.shapes is not None or args.model is not None:
+        entries += named_entries(named_tensors(args))
+    out = {t.name: t for t in spec.tensors}
+    for name, shape, dtype in entries:
+        resolved = spec.resolve(name, shape, dtype)
+        out.setdefault(name, resolved)
+    return list(out.values())
+
+
+def _label(problem: Problem, name: str) -> str:
+    return name if problem.flat_axis is None else f"{name} {problem.flat_axis}"
 
 
 def _choice_json(problem: Problem, choice: Choice) -> dict[str, Any]:
@@ -56,32 +105,35 @@ def _chosen_lines(problem: Problem, choice: Choice) -> list[str]:
     return lines
 
 
-def format_suggestion(result: Suggestion) -> str:
+def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
+    """The chosen layouts, then every fixed strategy of ``problems`` (the plain one first)."""
     problem, best = result.problem, result.best
-    n = sum(len(g.tensors) for g in problem.groups)
+    n = len(problem.tensors)
+    flat = "" if problem.flat_axis is None else f", states flat over {problem.flat_axis} (the optimizers' flat_axis)"
     out = [
         f"suggest: {problem.spec.filename}, {problem.optimizer}, budget {format_bytes(result.budget)} per rank",
         "",
         "chosen layouts:",
         *_chosen_lines(problem, best),
         "",
-        f"suggested: {format_bytes(best.memory)} per rank, {format_seconds(best.seconds)} modeled; "
+        f"suggested: {format_bytes(best.memory)} per rank, {format_seconds(best.seconds)} modeled{flat}; "
         f"{problem.changed(best)} of {n} tensors changed",
         "",
-        "  strategy    memory/rank  modeled time  fits  time vs suggested",
+        "  strategy        memory/rank  modeled time  fits  time vs suggested",
     ]
-    rows = [("this spec", problem.original())] + [(s, problem.strategy(s)) for s in STRATEGY_NAMES]
+    rows = [("this spec", problems[0].original())]
+    rows += [(_label(p, s), p.strategy(s)) for p in problems for s in p.strategy_names()]
     fitting = []
     for name, choice in rows:
         if choice is None:
-            out.append(f"  {name:<10}  (not a candidate of every tensor)")
+            out.append(f"  {name:<14}  (not a candidate of every tensor)")
             continue
         fits = choice.memory <= result.budget
         if fits and name != "this spec":
             fitting.append((choice.seconds, name))
         ratio = choice.seconds / best.seconds if best.seconds else 1.0
         out.append(
-            f"  {name:<10}  {format_bytes(choice.memory):>11}  {format_seconds(choice.seconds):>12}  "
+            f"  {name:<14}  {format_bytes(choice.memory):>11}  {format_seconds(choice.seconds):>12}  "
             f"{'yes' if fits else 'no':>4}  {ratio:.3f}x"
         )
     if fitting:
@@ -90,15 +142,19 @@ def format_suggestion(result: Suggestion) -> str:
         out.append(f"best fixed strategy that fits: {name}, {ratio:.3f}x the suggested time")
     else:
         out.append("no fixed strategy fits the budget")
+    out += [f"not offered: {note}" for note in problems[0].notes]
     status = "optimal" if result.optimal else f"stopped at the time limit, optimality gap {result.gap:.2%}"
+    candidates = sum(len(g.candidates) for p in problems for g in p.groups)
+    pricing = sum(p.price_seconds for p in problems)
+    kinds = ", ".join("plain" if p.flat_axis is None else f"flat over {p.flat_axis}" for p in problems)
     out.append(
-        f"solved: {status} (HiGHS, {result.solve_seconds:.2f} s; pricing {problem.price_seconds:.2f} s, "
-        f"{sum(len(g.candidates) for g in problem.groups)} candidates in {len(problem.groups)} groups)"
+        f"solved: {status} (HiGHS, {result.solve_seconds:.2f} s; pricing {pricing:.2f} s, "
+        f"{candidates} candidates in {len(problems)} problem{'s' * (len(problems) != 1)}: {kinds})"
     )
     return "\n".join(out)
 
 
-def suggestion_json(result: Suggestion) -> dict[str, Any]:
+def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str, Any]:
     problem = result.problem
     tensors = []
     for group, picks in zip(problem.groups, result.best.picks, strict=True):
@@ -114,16 +170,19 @@ def suggestion_json(result: Suggestion) -> dict[str, Any]:
                 }
             )
     strategies = {}
-    for name in STRATEGY_NAMES:
-        choice = problem.strategy(name)
-        if choice is not None:
-            strategies[name] = _choice_json(problem, choice) | {"fits": choice.memory <= result.budget}
+    for p in problems:
+        for name in p.strategy_names():
+            choice = p.strategy(name)
+            if choice is not None:
+                strategies[_label(p, name)] = _choice_json(p, choice) | {"fits": choice.memory <= result.budget}
     return {
         "file": problem.spec.filename,
         "optimizer": problem.optimizer,
         "budget_bytes": result.budget,
+        "flat_axis": problem.flat_axis,
+        "not_offered": list(problems[0].notes),
         "suggested": _choice_json(problem, result.best),
-        "this_spec": _choice_json(problem, problem.original()),
+        "this_spec": _choice_json(problems[0], problems[0].original()),
         "strategies": strategies,
         "optimal": result.optimal,
         "gap": result.gap,
@@ -132,18 +191,19 @@ def suggestion_json(result: Suggestion) -> dict[str, Any]:
     }
 
 
-def frontier(problem: Problem, time_limit: float) -> list[Choice]:
+def frontier(problems: Sequence[Problem], time_limit: float) -> list[Choice]:
     """The fastest choice at budgets from the smallest memory to the fastest choice's memory."""
-    low = smallest_memory(problem, time_limit).memory
-    fastest = suggest(problem, 2**62, time_limit).best
+    low = min(smallest_memory(p, time_limit).memory for p in problems)
+    fastest = suggest_best(problems, 2**62, time_limit).best
     high = max(low, fastest.memory)
     budgets = sorted({round(low + (high - low) * k / (_FRONTIER_POINTS - 1)) for k in range(_FRONTIER_POINTS)})
-    return [suggest(problem, b, time_limit).best for b in budgets]
+    return [suggest_best(problems, b, time_limit).best for b in budgets]
 
 
-def frontier_svg(problem: Problem, points: list[Choice]) -> str:
+def frontier_svg(problems: Sequence[Problem], points: list[Choice]) -> str:
     """Modeled time against memory per rank: the frontier as a line, the strategies as dots."""
-    marks = [(s, c) for s in STRATEGY_NAMES if (c := problem.strategy(s)) is not None]
+    problem = problems[0]
+    marks = [(_label(p, s), c) for p in problems for s in p.strategy_names() if (c := p.strategy(s)) is not None]
     xs = [c.memory for c in points] + [c.memory for _, c in marks]
     ys = [c.seconds for c in points] + [c.seconds for _, c in marks]
     width, height, pad = 640, 400, 60
@@ -190,20 +250,26 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be positive")
     spec = read_spec(args.file)
-    problem = build_problem(spec, args.optimizer, states_only=args.states_only)
-    result = suggest(problem, args.memory, args.time_limit)
+    problems = build_problems(spec, args.optimizer, states_only=args.states_only, tensors=chosen_tensors(spec, args))
+    result = suggest_best(problems, args.memory, args.time_limit)
     if args.format == "json":
-        json.dump(suggestion_json(result), sys.stdout, indent=2)
+        json.dump(suggestion_json(result, problems), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print(format_suggestion(result))
+        print(format_suggestion(result, problems))
     if args.output:
         command = f"shardlang suggest {args.file} --memory {args.memory} --optimizer {args.optimizer}"
         header = [f"Layouts chosen by `{command}`."]
+        axis = result.problem.flat_axis
+        if axis is not None:
+            header += [
+                f"Flat sharding: run the optimizers with flat_axis={axis!r} (each state the rank's chunk of its",
+                f"layout without {axis}); `shardlang check --flat-axis {axis}` plans it so.",
+            ]
         _write(args.output, format_spec(result.spec(), header=header))
         print(f"wrote {args.output}", file=sys.stderr)
     if args.plot:
-        _write(args.plot, frontier_svg(problem, frontier(problem, args.time_limit)))
+        _write(args.plot, frontier_svg(problems, frontier(problems, args.time_limit)))
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
@@ -211,17 +277,19 @@ def cmd_suggest(args: argparse.Namespace) -> int:
 def suggest_line(spec: Spec) -> str:
     """The main job's line: what ``suggest`` changes within the spec's own memory (AdamW)."""
     try:
-        problem = build_problem(spec, "adamw")
-        own = problem.original()
-        best = suggest(problem, own.memory).best
+        problems = build_problems(spec, "adamw")
+        own = problems[0].original()
+        result = suggest_best(problems, own.memory)
     except SuggestError as e:
         return f"suggest: not for this spec: {e.message}"
+    problem, best = result.problem, result.best
     changed = problem.changed(best)
     within = f"within this spec's own {format_bytes(own.memory)} per rank (AdamW)"
-    if not changed or best.seconds > own.seconds * (1 - _WORTH):
+    if (not changed and problem.flat_axis is None) or best.seconds > own.seconds * (1 - _WORTH):
         return f"suggest: {within}, no other layouts are {_WORTH:.1%} faster ({format_seconds(own.seconds)} modeled)"
+    flat = "" if problem.flat_axis is None else f" and keep the states flat over {problem.flat_axis}"
     return (
         f"suggest: {within}, `shardlang suggest` would change the layouts of {changed} of "
-        f"{len(spec.tensors)} tensors: {format_seconds(own.seconds)} -> {format_seconds(best.seconds)} modeled "
+        f"{len(spec.tensors)} tensors{flat}: {format_seconds(own.seconds)} -> {format_seconds(best.seconds)} modeled "
         f"({1 - best.seconds / own.seconds:.1%} less)"
     )

@@ -13,7 +13,9 @@ budget lowered by any excess.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
+import attrs
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -96,10 +98,7 @@ def suggest(problem: Problem, budget: int, time_limit: float = 10.0) -> Suggesti
     started = time.perf_counter()
     least = smallest_memory(problem, time_limit)
     if least.memory > budget:
-        raise SuggestError(
-            f"no choice of layouts fits {budget} bytes per rank; the smallest budget that fits is "
-            f"{least.memory} bytes ({least.memory / 2**30:.3f} GiB)"
-        )
+        raise _too_small(budget, least.memory)
     limit = budget
     for _ in range(8):
         try:
@@ -110,3 +109,23 @@ def suggest(problem: Problem, budget: int, time_limit: float = 10.0) -> Suggesti
             return Suggestion(problem, budget, best, optimal, gap, time.perf_counter() - started)
         limit -= best.memory - budget  # the solver's float tolerance let it exceed: tighten
     return Suggestion(problem, budget, least, False, 0.0, time.perf_counter() - started)
+
+
+def _too_small(budget: int, least: int) -> SuggestError:
+    return SuggestError(
+        f"no choice of layouts fits {budget} bytes per rank; the smallest budget that fits is "
+        f"{least} bytes ({least / 2**30:.3f} GiB)"
+    )
+
+
+def suggest_best(problems: Sequence[Problem], budget: int, time_limit: float = 10.0) -> Suggestion:
+    """The fastest of :func:`suggest` over ``problems`` (the plain one and the flat ones of
+    ``planner.suggest.build_problems``; the first on a tie); when none fits, the error names
+    the smallest budget that fits any of them."""
+    started = time.perf_counter()
+    least = [smallest_memory(p, time_limit).memory for p in problems]
+    fitting = [suggest(p, budget, time_limit) for p, m in zip(problems, least, strict=True) if m <= budget]
+    if not fitting:
+        raise _too_small(budget, min(least))
+    best = min(fitting, key=lambda r: r.best.seconds)
+    return attrs.evolve(best, solve_seconds=time.perf_counter() - started)

@@ -10,6 +10,15 @@ compute layout ``C`` (its param layout without ``D``; ``G0`` is its grad as the 
 - ``(C, C, s)`` (ZeRO-1: backward all-reduces the gradient, as DDP's hooks do);
 - ``(X, X, X)`` for every split ``X`` (ZeRO-3: parameter and gradient are the rank's shard).
 
+Flat sharding over a mesh axis ``a`` (the optimizers' ``flat_axis``, DeepSpeed's flat ZeRO)
+is an option of the whole optimizer, not of a tensor: every tensor's state is then the rank's
+equal chunk over ``a`` of its state layout without ``a`` (its *base*). So it is a problem of
+its own (``build_problem(..., flat_axis=a)``), whose candidates are the ZeRO-1/2 forms above
+with states of distinct bases (one that splits over ``a`` stands for each, so the file reads as
+ZeRO without flat too), priced with the flat step plan; :func:`planner.knapsack.suggest_best`
+solves it beside the plain one and keeps the faster. Its fixed strategies are ``zero1 flat``
+and ``zero2 flat``.
+
 Modeled time of a choice (README, "Choosing layouts"): the optimizer step's collectives as the
 step plan runs them (``planner.step``, buckets unbounded: one collective per kind and stage,
 its latency paid once, every member's bytes over the axis bandwidth), plus the training loop's
@@ -21,7 +30,9 @@ per-kind latency, a fixed charge: the integer program has one binary per kind us
 Memory per rank (padded pieces, the largest rank's): parameter and gradient in the tensor's
 dtype; states in f32 (f64 for f64 tensors): AdamW's two moments, CAME's first moment and
 factored row and column statistics (two each; unfactored second moment for 1-d tensors),
-and an f32 master for a lower-precision parameter; plus the largest transient buffer of any
+and an f32 master for a lower-precision parameter (flat: the moments and the master are the
+chunk, ``ceil(block / |a|)``, CAME's statistics those of the whole base block, as the
+optimizers keep them); plus the largest transient buffer of any
 tensor: its largest step collective's buffer, its gathered parameter ``C`` when it is
 sharded, its unreduced gradient ``G0`` when backward reduces it.
 
@@ -42,20 +53,26 @@ from planner.choice import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
 from planner.model import cost_for, step_tensor
-from planner.step import plan_step
+from planner.step import BEFORE, plan_step, without_axis
 from shardlang.dtypes import itemsize
 from shardlang.errors import ShardlangError
 from shardlang.generate import split_dim
 from shardlang.layout import Layout
+from shardlang.mesh import Mesh
 from shardlang.spec import STATE_DEFAULT, Layouts, Spec, TensorSpec
 
 OPTIMIZERS = ("adamw", "came")
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3")
+FLAT_STRATEGY_NAMES = ("zero1 flat", "zero2 flat")  # of a problem with a flat axis
 _UNBOUNDED = 2**62  # bucket bytes: one bucket per kind
 
 
 class SuggestError(ShardlangError):
     """No choice fits the budget (names the smallest budget that does), or bad options."""
+
+
+class FlatUnavailable(SuggestError):
+    """Flat sharding over an axis is no option for this model (the message says why)."""
 
 
 @attrs.frozen
@@ -71,7 +88,7 @@ class Candidate:
     seconds: float
     loop_seconds: float
     kinds: tuple[tuple[tuple, float], ...]
-    strategy: str | None = None  # the fixed strategy it is, if any
+    strategies: tuple[str, ...] = ()  # the fixed strategies it is
 
 
 @attrs.frozen
@@ -110,10 +127,17 @@ class Suggestion:
 
 @attrs.frozen
 class Problem:
+    """``tensors`` are those chosen for (the spec's declared ones, then any that its rules
+    give layouts), in order; ``flat_axis`` the optimizers' flat axis (a mesh axis name or
+    number) every candidate is priced with, or ``None``."""
+
     spec: Spec
     optimizer: str
+    tensors: tuple[TensorSpec, ...]
     groups: tuple[Group, ...]
     price_seconds: float
+    flat_axis: str | int | None = None
+    notes: tuple[str, ...] = ()  # flat axes that are no option, and why
 
     # --- evaluating a choice ---------------------------------------------------------------
     def evaluate(self, picks: Sequence[Sequence[int]]) -> Choice:
@@ -136,7 +160,7 @@ class Problem:
         """The fixed strategy ``name`` on every tensor (``None`` where a tensor lacks it)."""
         pick = []
         for g in self.groups:
-            found = [i for i, c in enumerate(g.candidates) if c.strategy == name]
+            found = [i for i, c in enumerate(g.candidates) if name in c.strategies]
             if not found:
                 return None
             pick.append(found[0])
@@ -145,12 +169,17 @@ class Problem:
     def original(self) -> Choice:
         return self.uniform([g.original for g in self.groups])
 
+    def strategy_names(self) -> tuple[str, ...]:
+        return STRATEGY_NAMES if self.flat_axis is None else FLAT_STRATEGY_NAMES
+
     def spec_of(self, choice: Choice) -> Spec:
+        """The spec with every chosen tensor declared in its chosen layouts (a tensor a rule
+        matched is declared too: a declaration comes before the rules); the rules stay."""
         chosen = {}
         for group, picks in zip(self.groups, choice.picks, strict=True):
             for t, c in zip(group.tensors, picks, strict=True):
                 chosen[t.name] = attrs.evolve(t, layouts=group.candidates[c].layouts)
-        return attrs.evolve(self.spec, tensors=tuple(chosen[t.name] for t in self.spec.tensors))
+        return attrs.evolve(self.spec, tensors=tuple(chosen[t.name] for t in self.tensors))
 
     def changed(self, choice: Choice) -> int:
         """How many tensors ``choice`` gives other layouts than the spec does."""
@@ -181,7 +210,7 @@ def state_layouts(compute: Layout, axes: Sequence[int]) -> list[Layout]:
     return out
 
 
-def _triples(tensor: TensorSpec, states_only: bool) -> list[tuple[Layouts, str | None]]:
+def _triples(tensor: TensorSpec, states_only: bool, flat: int | None) -> list[tuple[Layouts, tuple[str, ...]]]:
     axes = data_parallel_axes(tensor)
     compute = _without(tensor.param, axes)
     g0 = tensor.grad
@@ -190,28 +219,58 @@ def _triples(tensor: TensorSpec, states_only: bool) -> list[tuple[Layouts, str |
     if axes and d is not None:
         dims = tuple(dim + axes if i == d else dim for i, dim in enumerate(compute.dims))
         full = Layout(dims=dims, mesh=compute.mesh)
-    names = {(compute, g0, compute): "ddp", (compute, compute, full): "zero1", (compute, g0, full): "zero2"}
-    names[(full, full, full)] = "zero3"
     states = state_layouts(compute, axes)
+    if flat is None:
+        strategies = [
+            ((compute, g0, compute), "ddp"),
+            ((compute, compute, full), "zero1"),
+            ((compute, g0, full), "zero2"),
+            ((full, full, full), "zero3"),
+        ]
+    else:  # one state per base, one splitting over the flat axis where there is one (module doc)
+        bases: dict[Layout, Layout] = {}
+        for state in sorted([full, *states], key=lambda lay: lay.dim_of_axis(flat) is None):
+            bases.setdefault(without_axis(state, flat), state)
+        states = list(bases.values())
+        own = bases.get(without_axis(compute, flat), compute)
+        strategies = [((compute, compute, own), "zero1 flat"), ((compute, g0, own), "zero2 flat")]
+    names: dict[tuple[Layout, Layout, Layout], tuple[str, ...]] = {}
+    for key, name in strategies:
+        names[key] = (*names.get(key, ()), name)
     triples = [(compute, g0, s) for s in states]
     if axes and not states_only:
         triples += [(compute, compute, s) for s in states]
-        triples += [(x, x, x) for x in states[1:]]
-    out = [(Layouts(param=p, grad=g, states=((STATE_DEFAULT, s),)), names.get((p, g, s))) for p, g, s in triples]
-    if tensor.layouts not in [lay for lay, _ in out]:
-        out.insert(0, (tensor.layouts, None))
+        if flat is None:  # a ZeRO-3 parameter is no flat chunk
+            triples += [(x, x, x) for x in states[1:]]
+    out = [(Layouts(param=p, grad=g, states=((STATE_DEFAULT, s),)), names.get((p, g, s), ())) for p, g, s in triples]
+    if _find(tensor.layouts, [lay for lay, _ in out], flat) is None:
+        out.insert(0, (tensor.layouts, ()))
     return out
+
+
+def _find(layouts: Layouts, among: Sequence[Layouts], flat: int | None) -> int | None:
+    """The index of the candidate that runs as ``layouts`` do (flat: the same base)."""
+
+    def key(lay: Layouts) -> tuple:
+        states = tuple((k, v if flat is None else without_axis(v, flat)) for k, v in lay.states)
+        return lay.param, lay.grad, states
+
+    return next((i for i, lay in enumerate(among) if key(lay) == key(layouts)), None)
 
 
 def _local_bytes(layout: Layout, shape: tuple[int, ...], dtype: str) -> int:
     return math.prod(layout.local_shape(shape)) * itemsize(dtype)
 
 
-def state_bytes(tensor: TensorSpec, state: Layout, optimizer: str) -> int:
-    """The optimizer states of ``tensor`` per rank, states in ``state`` (module doc)."""
+def state_bytes(tensor: TensorSpec, state: Layout, optimizer: str, flat: int | None = None) -> int:
+    """The optimizer states of ``tensor`` per rank, states in ``state`` (module doc); with
+    ``flat``, in equal chunks over that axis of the base block (``state`` without it)."""
     dtype = "f64" if tensor.dtype == "f64" else "f32"
+    if flat is not None:
+        state = without_axis(state, flat)
     local = state.local_shape(tensor.shape)
-    full = math.prod(local) * itemsize(dtype)
+    elements = math.prod(local) if flat is None else -(-math.prod(local) // state.mesh.shape[flat])
+    full = elements * itemsize(dtype)
     master = full if tensor.dtype not in ("f32", "f64") else 0
     if optimizer == "adamw" or len(local) < 2:
         return 2 * full + master
@@ -220,14 +279,24 @@ def state_bytes(tensor: TensorSpec, state: Layout, optimizer: str) -> int:
 
 
 def _price(
-    tensor: TensorSpec, layouts: Layouts, optimizer: str, cost: CostModel
+    tensor: TensorSpec, layouts: Layouts, optimizer: str, cost: CostModel, flat: int | None
 ) -> tuple[int, int, float, float, tuple[tuple[tuple, float], ...]]:
     entry = attrs.evolve(tensor, layouts=layouts)
-    step = plan_step([step_tensor(entry, cost)], 0, bucket_bytes=1)
+    step = plan_step([step_tensor(entry, cost, flat)], 0, bucket_bytes=1)
     seconds, kinds = 0.0, {}
     for leg in step.legs:
         for h, k in leg.communicating:
             s = leg.hops[h].plan.steps[k]
+            # The flat hop (a leg's second into the state, its first out of it: planner.step)
+            # moves the rank's own block, which differs across the other axes: the step plan
+            # may still route it over them, and such a plan is not the rank's own (README,
+            # "Choosing layouts").
+            if flat is not None and h == (1 if leg.stage == BEFORE else 0) and s.axis not in (None, flat):
+                raise FlatUnavailable(
+                    f"flat over {s.layout.mesh.axis_label(flat)}: the step plan moves the flat chunks of "
+                    f"tensor '{tensor.name}' ({layouts.state()}) over mesh axis {s.layout.mesh.axis_label(s.axis)}, "
+                    "across ranks that hold other blocks of it"
+                )
             if s.axis is None:  # point to point: a collective of its own
                 seconds += s.seconds
                 continue
@@ -248,34 +317,92 @@ def _price(
         transient = max(transient, _local_bytes(g0, tensor.shape, tensor.dtype))
     memory = _local_bytes(layouts.param, tensor.shape, tensor.dtype)
     memory += _local_bytes(layouts.grad, tensor.shape, tensor.dtype)
-    memory += state_bytes(tensor, layouts.state(), optimizer)
+    memory += state_bytes(tensor, layouts.state(), optimizer, flat)
     for name, _ in layouts.states:
         if name != STATE_DEFAULT:
             raise SuggestError(f"tensor '{tensor.name}': suggest prices one state layout per tensor, not state.{name}")
     return memory, transient, seconds + loop, loop, tuple(kinds.items())
 
 
-def build_problem(spec: Spec, optimizer: str = "adamw", *, states_only: bool = False) -> Problem:
-    """Every declared tensor's candidates, priced (module doc)."""
+def flat_axes(tensors: Sequence[TensorSpec]) -> tuple[str | int, ...]:
+    """The axes a flat problem may use: the data-parallel axes of the tensors (by name, or by
+    number on a mesh without names) that every tensor's state mesh has."""
+    out: list[str | int] = []
+    for t in tensors:
+        mesh = t.state().mesh
+        for a in data_parallel_axes(t):
+            label = a if mesh.axis_names is None else mesh.axis_names[a]
+            if label not in out and all(_has_axis(u.state().mesh, label) for u in tensors):
+                out.append(label)
+    return tuple(out)
+
+
+def _has_axis(mesh: Mesh, label: str | int) -> bool:
+    try:
+        mesh.axis_index(label)
+    except ShardlangError:
+        return False
+    return True
+
+
+def build_problem(
+    spec: Spec,
+    optimizer: str = "adamw",
+    *,
+    states_only: bool = False,
+    tensors: Sequence[TensorSpec] | None = None,
+    flat_axis: str | int | None = None,
+) -> Problem:
+    """The candidates of ``tensors`` (default: the declared ones), priced (module doc); with
+    ``flat_axis``, as the optimizers run them with flat sharding over that axis."""
     if optimizer not in OPTIMIZERS:
         raise SuggestError(f"unknown optimizer '{optimizer}' (expected one of {', '.join(OPTIMIZERS)})")
-    if not spec.tensors:
-        raise SuggestError(f"{spec.filename or 'the spec'} declares no tensors to choose layouts for")
+    chosen = tuple(spec.tensors if tensors is None else tensors)
+    if not chosen:
+        hint = " (a tensor its rules match needs its shape: --shapes, --model or --tensor)" if spec.rules else ""
+        raise SuggestError(f"{spec.filename or 'the spec'} declares no tensors to choose layouts for{hint}")
     started = time.perf_counter()
     grouped: dict[tuple, list[TensorSpec]] = {}
-    for t in spec.tensors:
+    for t in chosen:
         grouped.setdefault((t.shape, t.dtype, t.layouts), []).append(t)
     groups = []
     for members in grouped.values():
         first = members[0]
         cost = cost_for(spec, first)
+        try:
+            flat = None if flat_axis is None else first.state().mesh.axis_index(flat_axis)
+        except ShardlangError as e:
+            raise SuggestError(f"tensor '{first.name}': flat axis: {e.message}", first.position) from None
         candidates = []
-        for layouts, strategy in _triples(first, states_only):
+        for layouts, strategies in _triples(first, states_only, flat):
             try:
-                priced = _price(first, layouts, optimizer, cost)
+                priced = _price(first, layouts, optimizer, cost, flat)
             except PlanError as e:
                 raise SuggestError(f"tensor '{first.name}': {e.message}", first.position) from None
-            candidates.append(Candidate(layouts, *priced, strategy=strategy))
-        original = next(i for i, c in enumerate(candidates) if c.layouts == first.layouts)
+            candidates.append(Candidate(layouts, *priced, strategies=strategies))
+        original = _find(first.layouts, [c.layouts for c in candidates], flat)
+        assert original is not None  # _triples adds the spec's own layouts where no candidate runs as they do
         groups.append(Group(tensors=tuple(members), candidates=tuple(candidates), original=original))
-    return Problem(spec=spec, optimizer=optimizer, groups=tuple(groups), price_seconds=time.perf_counter() - started)
+    return Problem(
+        spec=spec,
+        optimizer=optimizer,
+        tensors=chosen,
+        groups=tuple(groups),
+        price_seconds=time.perf_counter() - started,
+        flat_axis=flat_axis,
+    )
+
+
+def build_problems(
+    spec: Spec, optimizer: str = "adamw", *, states_only: bool = False, tensors: Sequence[TensorSpec] | None = None
+) -> tuple[Problem, ...]:
+    """The plain problem, then one per axis the optimizers' flat sharding may use; why an
+    axis is no option is among the plain problem's ``notes``."""
+    plain = build_problem(spec, optimizer, states_only=states_only, tensors=tensors)
+    flat, notes = [], []
+    for axis in flat_axes(plain.tensors):
+        try:
+            flat.append(build_problem(spec, optimizer, states_only=states_only, tensors=tensors, flat_axis=axis))
+        except FlatUnavailable as e:
+            notes.append(e.message)
+    return (attrs.evolve(plain, notes=tuple(notes)), *flat)

@@ -109,7 +109,9 @@ def strategy_layouts(strategy: str, shape: Sequence[int], mesh: Mesh) -> Layouts
     return Layouts(param=param, grad=grad, states=((STATE_DEFAULT, state),))
 
 
-def _entries(named: Iterable[Any], dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
+def named_entries(named: Iterable[Any], dtype: str = "f32") -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, dtype)`` of ``(name, tensor)`` pairs or ``(name, shape[, dtype])``
+    entries (``dtype`` where an entry gives none), names and shapes checked."""
     out = []
     for item in named:
         name, value, *rest = item
@@ -144,7 +146,7 @@ def spec_for(
     or ``(name, shape, dtype)`` entries (``dtype`` is the default for these).
     """
     decl = mesh_decl(mesh)
-    entries = _entries(named, dtype)
+    entries = named_entries(named, dtype)
     seen: set[str] = set()
     tensors = []
     for name, shape, kind in entries:

@@ -1,8 +1,10 @@
 """``shardlang suggest``: the integer program's choice equals brute force over every
-combination of candidates, always fits its budget, and an impossible budget names the smallest
-one that fits. Brute force prices each combination on its own: the whole spec's step plan
-(``plan_spec``, buckets unbounded), the training loop's gathers and reductions planned pair by
-pair, and memory from the layouts' pieces and the runtime's own state shapes."""
+combination of candidates (with and without the optimizers' flat sharding), always fits its
+budget, and an impossible budget names the smallest one that fits. Brute force prices each
+combination on its own: the whole spec's step plan (``plan_spec``, buckets unbounded, the flat
+axis as the optimizers take it), the training loop's gathers and reductions planned pair by
+pair, and memory from the layouts' pieces and the runtime's own state shapes (flat: its
+chunks)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,14 @@ import pytest
 
 from cli.main import main
 from planner import CostModel, plan
-from planner.knapsack import suggest
+from planner.knapsack import suggest, suggest_best
 from planner.model import plan_spec
-from planner.suggest import SuggestError, build_problem, state_layouts
+from planner.suggest import SuggestError, build_problems, state_layouts
 from runtime.optim.came import came_state_shapes
 from runtime.optim.shards import StateShard
-from shardlang import parse_spec
+from shardlang import Layout, load_spec, parse_spec
 from shardlang.dtypes import itemsize
+from tests.conftest import REPO
 
 SMALL = """
 mesh world = [dp=4]  bandwidth 25e9  latency 20us
@@ -33,6 +36,11 @@ tensor d : f32[96, 8] { param = R,R over world  grad = R,R | P(dp):avg over worl
 tensor e : f32[64] { param = R over world  grad = R | P(dp):avg over world }
 tensor f : bf16[36] { param = R over world  grad = R | P(dp):avg over world }
 """
+TWO_AXES = """
+mesh world = [dp=2, x=2]  bandwidth [25e9, 5e10]  latency [20us, 8us]
+tensor a : f32[6, 24] { param = R,R over world  grad = R,R | P(dp,x):avg over world }
+tensor c : f32[10] { param = R over world  grad = R | P(dp,x):avg over world }
+"""
 MIXED = """
 mesh world = [dp=2, tp=2]  bandwidth [25e9, 3e11]  latency [20us, 3us]
 tensor w : bf16[64, 32] { param = S(tp),R over world  grad = S(tp),R | P(dp):avg over world }
@@ -41,12 +49,16 @@ tensor n : f32[24] { param = R over world  grad = R | P(dp):avg over world }
 """
 
 
-def _state_bytes(tensor, optimizer: str) -> int:
-    """The largest rank's optimizer states, from the runtime's shapes (f32 master for bf16)."""
-    state = tensor.state()
+def _state_bytes(tensor, optimizer: str, flat: str | None) -> int:
+    """The largest rank's optimizer states, from the runtime's shapes (f32 master for bf16);
+    flat: the rank's chunk of the state layout without the flat axis."""
+    state, axis = tensor.state(), None
+    if flat is not None:
+        axis = state.mesh.axis_index(flat)
+        state = Layout(dims=[[a for a in d if a != axis] for d in state.dims], mesh=state.mesh)
     best = 0
     for rank in state.mesh.ranks:
-        shard = StateShard.of(tensor.shape, state, rank)
+        shard = StateShard.of(tensor.shape, state, rank, axis)
         if optimizer == "came":
             shapes = list(came_state_shapes(shard).values())
         else:
@@ -61,13 +73,14 @@ def _brute(problem, spec, optimizer: str) -> list[tuple[int, float, tuple]]:
     """(memory, seconds, layouts) of every combination of the problem's candidates."""
     options = [g.candidates for g in problem.groups]
     assert all(len(g.tensors) == 1 for g in problem.groups)
+    flat = problem.flat_axis
     out = []
     for combo in itertools.product(*options):
         tensors = tuple(attrs.evolve(g.first, layouts=c.layouts) for g, c in zip(problem.groups, combo, strict=True))
         chosen = attrs.evolve(spec, tensors=tensors)
-        step = plan_spec(chosen, bucket_bytes=2**62).step
+        step = plan_spec(chosen, bucket_bytes=2**62, flat_axis=flat).step
         seconds, memory = step.total_seconds, 0
-        transient = plan_spec(chosen, bucket_bytes=1).step.max_buffer_bytes
+        transient = plan_spec(chosen, bucket_bytes=1, flat_axis=flat).step.max_buffer_bytes
         for before, t in zip(spec.tensors, tensors, strict=True):
             cost = CostModel.from_hints(spec.hints(t.param.mesh))
             compute = before.param  # the specs' parameters use no data-parallel axis
@@ -79,31 +92,45 @@ def _brute(problem, spec, optimizer: str) -> list[tuple[int, float, tuple]]:
                 seconds += plan(before.grad, t.grad, t.shape, t.dtype, cost).total_seconds
                 transient = max(transient, math.prod(before.grad.local_shape(t.shape)) * size)
             memory += sum(math.prod(lay.local_shape(t.shape)) * size for lay in (t.param, t.grad))
-            memory += _state_bytes(t, optimizer)
+            memory += _state_bytes(t, optimizer, flat)
         out.append((memory + transient, seconds, tuple(c.layouts for c in combo)))
     return out
 
 
-@pytest.mark.parametrize(("text", "optimizer", "states_only"), [(SMALL, "adamw", True), (MIXED, "came", False)])
-def test_suggest_equals_brute_force_and_fits(text: str, optimizer: str, states_only: bool) -> None:
+@pytest.mark.parametrize(
+    ("text", "optimizer", "states_only", "counts", "checked"),
+    [
+        # the state layouts R, S(dp) on each dim; flat over dp, one base each
+        (SMALL, "adamw", True, [[2, 2, 3, 3, 3, 3], [1, 1, 1, 1, 1, 1]], slice(0, 2)),
+        # and the ZeRO-1 and ZeRO-3 forms; flat over dp
+        (MIXED, "came", False, [[5, 8, 8], [2, 2, 2]], slice(0, 2)),
+        # flat over dp: states of distinct bases (x on no dim or any one), ZeRO-1 and ZeRO-2 forms
+        # (brute force over the flat problem only: the plain one has 286 combinations)
+        (TWO_AXES, "adamw", False, [[11, 26], [4, 6], [4, 6]], slice(1, 2)),
+    ],
+)
+def test_suggest_equals_brute_force_and_fits(
+    text: str, optimizer: str, states_only: bool, counts: list, checked: slice
+) -> None:
     spec = parse_spec(text)
-    problem = build_problem(spec, optimizer, states_only=states_only)
-    if states_only:  # the state layouts R, S(dp) on each dim
-        assert sorted(len(g.candidates) for g in problem.groups) == [2, 2, 3, 3, 3, 3]
-    else:  # and the ZeRO-1 and ZeRO-3 forms
-        assert sorted(len(g.candidates) for g in problem.groups) == [5, 8, 8]
-    everything = _brute(problem, spec, optimizer)
-    memories = sorted({m for m, _, _ in everything})
+    problems = build_problems(spec, optimizer, states_only=states_only)[checked.start :]
+    assert [p.flat_axis for p in problems] == [None, "dp", "x"][checked.start : len(counts)]
+    assert [sorted(len(g.candidates) for g in p.groups) for p in problems] == counts[checked.start :]
+    problems = problems[: checked.stop - checked.start]
+    everything = [(m, s, lay, p) for p in problems for m, s, lay in _brute(p, spec, optimizer)]
+    memories = sorted({m for m, _, _, _ in everything})
     for budget in [memories[0], memories[len(memories) // 3], memories[len(memories) // 2] + 1, memories[-1]]:
-        fitting = [s for m, s, _ in everything if m <= budget]
-        result = suggest(problem, budget)
-        chosen = result.spec()
-        (mine,) = [(m, s) for m, s, lay in everything if lay == tuple(t.layouts for t in chosen.tensors)]
+        fitting = [s for m, s, _, _ in everything if m <= budget]
+        result = suggest_best(problems, budget)
+        layouts = tuple(t.layouts for t in result.spec().tensors)
+        (mine,) = [(m, s) for m, s, lay, p in everything if lay == layouts and p is result.problem]
         assert mine[0] <= budget and result.best.memory == mine[0]
         assert math.isclose(mine[1], min(fitting), rel_tol=1e-9), (budget, mine, min(fitting))
         assert math.isclose(result.best.seconds, mine[1], rel_tol=1e-9)
     with pytest.raises(SuggestError, match=f"the smallest budget that fits is {memories[0]} bytes"):
-        suggest(problem, memories[0] - 1)
+        suggest_best(problems, memories[0] - 1)
+    with pytest.raises(SuggestError, match="the smallest budget that fits is"):
+        suggest(problems[0], memories[0] - 1)
 
 
 def test_the_command_text_json_output_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,16 +152,19 @@ def test_the_command_text_json_output_and_errors(tmp_path: Path, capsys: pytest.
         "",
         "suggested: 19.6 KiB per rank, 160 us modeled; 2 of 3 tensors changed",
         "",
-        "  strategy    memory/rank  modeled time  fits  time vs suggested",
-        "  this spec      35.1 KiB       80.2 us    no  0.500x",
-        "  ddp            35.1 KiB       80.2 us    no  0.500x",
-        "  zero1          25.3 KiB        160 us    no  1.000x",
-        "  zero2          25.3 KiB       80.2 us    no  0.500x",
-        "  zero3          19.4 KiB        180 us   yes  1.125x",
+        "  strategy        memory/rank  modeled time  fits  time vs suggested",
+        "  this spec          35.1 KiB       80.2 us    no  0.500x",
+        "  ddp                35.1 KiB       80.2 us    no  0.500x",
+        "  zero1              25.3 KiB        160 us    no  1.000x",
+        "  zero2              25.3 KiB       80.2 us    no  0.500x",
+        "  zero3              19.4 KiB        180 us   yes  1.125x",
+        # flat chunks of unpadded pieces: ZeRO-1 and ZeRO-2's memory and time
+        "  zero1 flat dp      25.3 KiB        160 us    no  1.000x",
+        "  zero2 flat dp      25.3 KiB       80.2 us    no  0.500x",
         "best fixed strategy that fits: zero3, 1.125x the suggested time",
         lines[-1],
     ]
-    assert lines[-1].startswith("solved: optimal (HiGHS, ")
+    assert lines[-1].startswith("solved: optimal (HiGHS, ") and lines[-1].endswith("2 problems: plain, flat over dp)")
     assert main(["check", str(out)]) == 0
     assert "<polyline" in (tmp_path / "f.svg").read_text()
     capsys.readouterr()
@@ -169,3 +199,48 @@ def test_state_candidates_put_each_data_parallel_axis_on_any_dim_or_none() -> No
     for layout in layouts:
         assert [tuple(a for a in d if a == 1) for d in layout.dims] == [(1,), ()]  # tp stays, outermost
         assert layout.dims[0][:1] == (1,)
+
+
+def test_tensors_a_rule_matches_are_chosen_for_and_declared(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    llama = str(REPO / "examples" / "llama7b_dp4_tp8.shard")
+    norms = ["--tensor", "model.layers.{0..31}.{input,post_attention}_layernorm.weight:4096:bf16"]
+    norms += ["--tensor", "model.norm.weight:4096:bf16"]
+    out = tmp_path / "chosen.shard"
+    assert main(["suggest", llama, "--memory", "4GiB", "--format", "json", "-o", str(out), *norms]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert main(["suggest", llama, "--memory", "4GiB", "--format", "json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert len(data["tensors"]) == len(alone["tensors"]) + 65
+    # The norms' parameters and gradients are counted: 65 x 4096 bf16 each, at least 1/4 of it per rank.
+    assert data["suggested"]["memory_bytes"] >= alone["suggested"]["memory_bytes"] + 2 * 65 * 4096 * 2 // 4
+    written = load_spec(out)
+    assert written.tensor("model.layers.7.input_layernorm.weight").shape == (4096,)
+    assert written.rules == load_spec(llama).rules  # kept for tensors not named
+    assert main(["check", str(out)]) == 0
+    capsys.readouterr()
+    # The same names from a shapes file; a name no rule matches is an error naming it.
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(
+        json.dumps(
+            [
+                [f"model.layers.{i}.{k}_layernorm.weight", [4096], "bf16"]
+                for i in range(32)
+                for k in ("input", "post_attention")
+            ]
+            + [["model.norm.weight", [4096], "bf16"]]
+        )
+    )
+    assert main(["suggest", llama, "--memory", "4GiB", "--format", "json", "--shapes", str(shapes)]) == 0
+    assert json.loads(capsys.readouterr().out)["tensors"] == data["tensors"]
+    assert main(["suggest", llama, "--memory", "4GiB", "--tensor", "model.bias:8"]) == 1
+    assert "tensor 'model.bias' is not declared and no rule matches it" in capsys.readouterr().err
+
+
+def test_flat_is_not_offered_where_the_step_plan_moves_flat_chunks_over_another_axis() -> None:
+    # On dp=4, tp=8 the step plan routes the flat chunks of a tp-split tensor over tp, across
+    # ranks that hold other rows of it (README, "Choosing layouts"): flat is no option there.
+    problems = build_problems(load_spec(REPO / "examples" / "llama7b_dp4_tp8.shard"))
+    assert [p.flat_axis for p in problems] == [None]
+    (note,) = problems[0].notes
+    assert note.startswith("flat over dp: the step plan moves the flat chunks of tensor 'model.embed_tokens.weight'")
+    assert note.endswith("over mesh axis tp, across ranks that hold other blocks of it")
