@@ -243,8 +243,11 @@ def _triples(tensor: TensorSpec, states_only: bool, flat: int | None) -> list[tu
         if flat is None:  # a ZeRO-3 parameter is no flat chunk
             triples += [(x, x, x) for x in states[1:]]
     out = [(Layouts(param=p, grad=g, states=((STATE_DEFAULT, s),)), names.get((p, g, s), ())) for p, g, s in triples]
-    if _find(tensor.layouts, [lay for lay, _ in out], flat) is None:
+    own_index = _find(tensor.layouts, [lay for lay, _ in out], flat)
+    if own_index is None:
         out.insert(0, (tensor.layouts, ()))
+    else:  # flat: the spec's own state stands for its base (an unchanged tensor keeps its text)
+        out[own_index] = (tensor.layouts, out[own_index][1])
     return out
 
 

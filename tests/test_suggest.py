@@ -244,3 +244,34 @@ def test_flat_is_not_offered_where_the_step_plan_moves_flat_chunks_over_another_
     (note,) = problems[0].notes
     assert note.startswith("flat over dp: the step plan moves the flat chunks of tensor 'model.embed_tokens.weight'")
     assert note.endswith("over mesh axis tp, across ranks that hold other blocks of it")
+
+
+def test_flat_wins_where_pieces_are_padded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "uneven.shard"
+    path.write_text(
+        "mesh world = [dp=4]  bandwidth 25e9  latency 20us\n"
+        "tensor t : f32[6, 10] { param = R,R over world  grad = R,R | P(dp):avg over world }\n"
+        "tensor u : f32[7] { param = R over world  grad = R | P(dp):avg over world }\n"
+    )
+    out = tmp_path / "flat.shard"
+    assert main(["suggest", str(path), "--memory", "912", "-o", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # By hand: t's param and grad 240 B each, u's 28 B each. ZeRO-2 splits t's 10 columns
+    # into pieces of 3 (AdamW's two moments: 2 x 18 floats, 144 B) and u's 7 into 2 (16 B), and
+    # its largest buffer is t's gradient padded to 12 columns (288 B): 984 B. Flat chunks are
+    # 60 / 4 = 15 floats (120 B) and 2 floats (16 B), the buffer t's unpadded 240 B: 912 B.
+    assert lines[8] == (
+        "suggested: 912 B per rank, 120 us modeled, states flat over dp (the optimizers' flat_axis); "
+        "0 of 2 tensors changed"
+    )
+    assert lines[14:19] == [
+        "  zero2                 984 B        120 us    no  1.000x",
+        "  zero3                 560 B        360 us   yes  3.000x",
+        "  zero1 flat dp         912 B        300 us   yes  2.500x",
+        "  zero2 flat dp         912 B        120 us   yes  1.000x",
+        "best fixed strategy that fits: zero2 flat dp, 1.000x the suggested time",
+    ]
+    text = out.read_text()
+    assert "# Flat sharding: run the optimizers with flat_axis='dp'" in text
+    assert load_spec(out).tensors == parse_spec(path.read_text()).tensors  # the same layouts, run flat
+    assert main(["check", "--flat-axis", "dp", str(out)]) == 0
