@@ -14,6 +14,8 @@ import random
 import sys
 from pathlib import Path
 
+import attrs
+
 from cli.inputs import UsageError
 from cli.tables import format_seconds, format_table
 from planner import CostModel, Plan, plan
@@ -71,6 +73,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             samples = sweep(mesh, reps=args.reps, budget=args.budget)
             fitted, lines = fit_model(samples)
             if world.rank == 0:
+                fitted = _with_flop_rate(fitted)
                 _report_fit(fitted, lines, mesh, samples, args.output)
         else:
             pairs = sample_pairs(mesh, args.plans, random.Random(0), 16 * 2**10, 16 * 2**20)
@@ -81,6 +84,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     finally:
         runtime.shutdown()
     return 0
+
+
+def _with_flop_rate(fitted: CostModel) -> CostModel:
+    """The model with rank 0's measured bf16 matrix-product rate (``runtime.flops``), which
+    prices Muon's Newton-Schulz iterations (``planner.matrices``)."""
+    from runtime.flops import matmul_rate
+
+    rate = matmul_rate()
+    print(f"matrix products (bf16, rank 0): {rate:.3g} flop/s", file=sys.stderr)
+    return attrs.evolve(fitted, flops_per_second=rate)
 
 
 class _World:

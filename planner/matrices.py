@@ -26,7 +26,9 @@ messages to a peer joined); its ``bytes`` are the largest a rank sends or receiv
 
 **Estimate.** The step's matrices cost their bucketed communication plus the compute of the
 busiest rank: the iteration's flops (:func:`planner.owners.newton_schulz_flops`) at
-``flops_per_second`` (:data:`planner.owners.DEFAULT_FLOPS_PER_SECOND` unless given). The
+``flops_per_second``: given, else the cost model's measured rate (``CostModel.flops_per_second``,
+a hints file's field that ``shardlang calibrate`` writes from timed bf16 matrix products,
+``runtime.flops``), else the stated :data:`planner.owners.DEFAULT_FLOPS_PER_SECOND`. The
 placement itself is chosen on the unbucketed costs.
 """
 
@@ -253,13 +255,15 @@ def plan_matrices(
     """The matrix plan of ``rank`` for the 2-d ``tensors`` (in the order every rank gives
     them): placed per state mesh (every rank of a mesh steps the same matrices), legs and
     buckets as the module docstring says. ``ns_steps`` per tensor name or for all;
-    ``flops_per_second`` defaults to :data:`DEFAULT_FLOPS_PER_SECOND`."""
+    ``flops_per_second`` defaults to the rate the first tensor's cost model carries (a hints
+    file's ``flops_per_second``, measured by ``shardlang calibrate``), else
+    :data:`DEFAULT_FLOPS_PER_SECOND`."""
     if placement not in PLACEMENTS:
         raise PlanError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     for t in tensors:
         if len(t.shape) != 2:
             raise PlanError(f"tensor '{t.name}': a Newton-Schulz iteration needs a matrix, not {list(t.shape)}")
-    rate = DEFAULT_FLOPS_PER_SECOND if flops_per_second is None else flops_per_second
+    rate = flops_per_second if flops_per_second is not None else _calibrated_rate(tensors)
     steps = {t.name: ns_steps if isinstance(ns_steps, int) else ns_steps[t.name] for t in tensors}
     by_mesh: dict[tuple, list[StepTensor]] = {}
     for t in tensors:
@@ -297,6 +301,12 @@ def plan_matrices(
         buckets=tuple(buckets),
         loads=tuple(sorted(loads.items())),
     )
+
+
+def _calibrated_rate(tensors: Sequence[StepTensor]) -> float:
+    """The first tensor's cost model's measured rate (``shardlang calibrate``), else the stated one."""
+    rate = tensors[0].cost.flops_per_second if tensors else None
+    return DEFAULT_FLOPS_PER_SECOND if rate is None else rate
 
 
 def _mesh_key(layout: Layout) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -257,8 +257,11 @@ def test_what_a_step_moves_is_what_it_planned(ranks: list[dict[str, Any]], place
             for planned, ran, sent in case.get("traffic", []):
                 assert planned == ran, f"{config} {placement}: planned {planned}, ran {ran}"
                 assert sent <= planned.bytes, f"{config} {placement}: sent {sent} > planned {planned.bytes}"
-    moved = ranks[0][("zero_rows", str(torch.float32), placement)]["traffic"][0][0].matrix_bytes
-    assert moved > 0
+    planned = ranks[0][("zero_rows", str(torch.float32), placement)]["traffic"][0][0]
+    assert planned.matrix_bytes > 0
+    # The three matrices (w, e, s: rows over dp) move together: one all-gather over dp, or one
+    # exchange to their owners and one back (unbucketed: 3, or 6).
+    assert planned.matrix_collectives == {"gather": 1, "owner": 2}[placement]
 
 
 def test_other_hyperparameters_and_auto_placement(ranks: list[dict[str, Any]]) -> None:

@@ -281,3 +281,27 @@ def test_moves_to_owners_share_one_exchange_each_way() -> None:
     step = attrs.evolve(plan_step(_matrices_zero2(), 0), matrices=plan)
     assert StepPlan.from_json(step.to_json()) == step
     assert MatrixPlan.from_json(plan.to_json()) == plan
+
+
+def test_the_flop_rate_comes_from_the_cost_model_unless_given() -> None:
+    """A hints file's flops_per_second prices the iterations (compute = flops / rate); an
+    explicit rate wins; without either, the stated default."""
+    from planner.cost import CostModel
+    from planner.matrices import plan_matrices
+    from planner.owners import DEFAULT_FLOPS_PER_SECOND
+
+    measured = CostModel.from_json({"alpha": 5e-6, "flops_per_second": 2.5e9})
+    assert measured.flops_per_second == 2.5e9
+    assert CostModel.from_json(measured.to_json()) == measured
+    with pytest.raises(planner.PlanError, match="flops_per_second"):
+        CostModel.from_json({"flops_per_second": -1})
+    tensors = [attrs.evolve(t, cost=measured) for t in _matrices_zero2()]
+    flops = 5 * (4 * 32 * 32 * 64 + 2 * 32**3)  # qkv
+    rates = [
+        plan_matrices(tensors, 0, bucket_bytes=DEFAULT_BUCKET_BYTES).flops_per_second,
+        plan_matrices(tensors, 0, bucket_bytes=DEFAULT_BUCKET_BYTES, flops_per_second=1e12).flops_per_second,
+        plan_matrices(_matrices_zero2(), 0, bucket_bytes=DEFAULT_BUCKET_BYTES).flops_per_second,
+    ]
+    assert rates == [2.5e9, 1e12, DEFAULT_FLOPS_PER_SECOND]
+    slow = plan_matrices(tensors, 0, bucket_bytes=DEFAULT_BUCKET_BYTES)
+    assert abs(slow.of("qkv").compute_seconds - flops / 2.5e9) < 1e-15

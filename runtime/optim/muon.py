@@ -55,7 +55,8 @@ class ShardedMuon(ShardedOptimizer):
     Arguments as :class:`~runtime.optim.ShardedAdamW`; Muon's hyperparameters as torch's.
     ``placement``: ``"auto"`` (the cheaper per matrix under the cost model and
     ``flops_per_second``), ``"gather"`` or ``"owner"`` (``planner.owners``);
-    ``flops_per_second``: the compute rate the choice assumes (default
+    ``flops_per_second``: the compute rate the choice assumes (default: the cost model's
+    measured rate, a hints file's ``flops_per_second``, else
     ``planner.owners.DEFAULT_FLOPS_PER_SECOND``).
     :meth:`step_plan` shows the choice, the moves and the estimate (``StepPlan.matrices``).
     """
