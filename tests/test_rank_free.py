@@ -68,7 +68,7 @@ def _dim_text(layout: Layout, axes: tuple[int, ...]) -> str:
     return "S(" + ",".join(layout.mesh.axis_label(a) for a in axes) + ")" if axes else "R"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_ellipsis_layouts_parse_print_round_trip_and_fill(data: st.DataObject) -> None:
     layout = data.draw(layouts(meshes(max_axes=3).map(lambda m: attrs.evolve(m, name=None)), max_dims=3))
