@@ -62,6 +62,7 @@ class _BucketProgram:
     members: tuple[tuple[int, CollectiveMove, int, int], ...]  # (leg, move, chunk, offset)
     total: int
     per_peer: bool  # the send buffer has one row per peer (reduce_scatter, all_to_all)
+    final: tuple[bool, ...]  # per member: its step is the last of its leg
     # Where its result (and gloo's reduce_scatter workspace) lie in the kept buffer of its
     # dtype: (offset, elements); see :func:`_lay_out`.
     result: tuple[int, int] = (0, 0)
@@ -102,8 +103,10 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
         )
     buckets = []
     for index, bucket in enumerate(plan.buckets):
-        members, offset = [], 0
+        members, final, offset = [], [], 0
         for m in bucket.members:
+            hops = plan.legs[m.leg].hops
+            final.append(m.hop == len(hops) - 1 and m.step == len(hops[-1].plan.steps) - 1)
             move = legs[m.leg].moves[m.hop][m.step]
             if not isinstance(move, CollectiveMove):
                 what = (
@@ -114,7 +117,7 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
             members.append((m.leg, move, move.chunk, offset))
             offset += move.chunk
         per_peer = bucket.op in ("reduce_scatter", "all_to_all")
-        buckets.append(_BucketProgram(index, bucket, tuple(members), offset, per_peer))
+        buckets.append(_BucketProgram(index, bucket, tuple(members), offset, per_peer, tuple(final)))
     laid, send_numel, kept_numel = _lay_out(buckets)
     return StepProgram(plan, rank, tuple(legs), tuple(laid), send_numel, kept_numel)
 
@@ -177,13 +180,16 @@ def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], d
 
 
 class _Walk:
-    """Where one leg is: its current piece, and the next step (hop ``h``, step ``k``)."""
+    """Where one leg is: its current piece, and the next step (hop ``h``, step ``k``).
+    ``unpacking``: the leg's last step, a gather whose result ``x`` still holds as the blocks
+    it received (a leg delivered by :meth:`StageRun.write`)."""
 
-    __slots__ = ("h", "k", "leg", "moves", "viewed", "x")
+    __slots__ = ("h", "k", "leg", "moves", "unpacking", "viewed", "x")
 
     def __init__(self, program: _LegProgram, x: torch.Tensor, rank: int) -> None:
         leg = self.leg = program.leg
         self.x, self.h, self.k, self.viewed, self.moves = x, 0, 0, False, program.moves
+        self.unpacking: CollectiveMove | None = None
         if tuple(x.shape) != program.source_shape or dtype_name(x.dtype) != leg.dtype:
             source = leg.hops[0].plan
             raise ReshardError(
@@ -244,6 +250,10 @@ class StageRun:
     match. After an error, :meth:`drain` waits out what is in flight, so nothing is left
     running.
 
+    Legs in ``deliver`` are not among the results of :meth:`finish` and :meth:`wait_for`:
+    :meth:`write` puts them where they are kept, unpacking a final gather straight from the
+    bucket's result (one copy instead of two, and no new tensor per step).
+
     Raises :class:`DistributedError` naming the bucket when its collective fails, and
     :class:`ReshardError` for an input of the wrong shape or dtype."""
 
@@ -255,9 +265,10 @@ class StageRun:
         device_meshes: Mapping[str, DeviceMesh | None],
         timeout: datetime.timedelta,
         buffers: Scratch | None = None,
+        deliver: frozenset[int] = frozenset(),
     ) -> None:
         self.program, self.stage, self.timeout = program, stage, timeout
-        self._device_meshes, self._buffers = device_meshes, buffers
+        self._device_meshes, self._buffers, self._deliver = device_meshes, buffers, deliver
         self._buckets = [b for b in program.buckets if b.bucket.stage == stage]
         self._next = 0  # the next bucket to start
         self._walks: dict[int, _Walk] = {}
@@ -298,22 +309,40 @@ class StageRun:
             self._next += 1
         while self._in_flight:
             self._wait_oldest(deadline)
-        for walk in self._walks.values():
+        out = {}
+        for i, walk in self._walks.items():
             walk.advance()
-        return {i: walk.x for i, walk in self._walks.items()}
+            if i not in self._deliver:
+                out[i] = walk.x
+        return out
 
     def wait_for(self, legs: Sequence[int]) -> dict[int, torch.Tensor]:
         """Wait for the buckets in flight (oldest first) until ``legs`` have passed all of
         theirs (every bucket of the stage must have been started), and return their results."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while self._in_flight and any(self._walks[leg].x is None for leg in legs):
-            self._wait_oldest(deadline)
+        self._wait(legs)
         out = {}
         for leg in legs:
             walk = self._walks[leg]
             walk.advance()
             out[leg] = walk.x
         return out
+
+    def write(self, outs: Mapping[int, torch.Tensor]) -> None:
+        """Wait as :meth:`wait_for` does for the legs of ``outs`` (legs in ``deliver``) and
+        write each one's result into its tensor."""
+        self._wait(list(outs))
+        for leg, out in outs.items():
+            walk = self._walks[leg]
+            walk.advance()
+            if walk.unpacking is not None:
+                walk.unpacking.finish_into(walk.x, out)
+            else:
+                out.copy_(walk.x)
+
+    def _wait(self, legs: Sequence[int]) -> None:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while self._in_flight and any(self._walks[leg].x is None for leg in legs):
+            self._wait_oldest(deadline)
 
     def source_shape(self, leg: int) -> tuple[int, ...]:
         """The shape of the piece leg ``leg`` starts from on this rank."""
@@ -355,13 +384,21 @@ class StageRun:
                 send = send[bucket.send : bucket.send + bucket.send_numel].view(shape)
             if bucket.workspace is not None:
                 workspace = kept[bucket.workspace[0] : bucket.workspace[0] + bucket.workspace[1]]
+        # Members that need no padding are written with one copy call for the whole bucket.
+        targets, sources = [], []
         for m, (leg, move, chunk, offset) in zip(bucket.bucket.members, bucket.members, strict=True):
             walk = self._walks[leg]
             walk.advance((m.hop, m.step))
-            move.send_into(
-                walk.x, send[:, offset : offset + chunk] if bucket.per_peer else send[offset : offset + chunk]
-            )
+            part = send[:, offset : offset + chunk] if bucket.per_peer else send[offset : offset + chunk]
+            blocks = move.send_blocks(walk.x)
+            if blocks is None:
+                move.send_into(walk.x, part)
+            else:
+                targets.append(part.view(blocks.shape))
+                sources.append(blocks)
             walk.x = None  # type: ignore[assignment]  # the piece is in the buffer now
+        if targets:
+            torch._foreach_copy_(targets, sources)
         names = [plan.legs[leg].tensor for leg, *_ in bucket.members]
         started = time.perf_counter()
         try:
@@ -407,9 +444,13 @@ class StageRun:
             )
         rows = op in ("all_gather", "all_to_all")
         gathered = received.view(n, total) if rows else received
-        for leg, move, chunk, offset in bucket.members:
+        for (leg, move, chunk, offset), final in zip(bucket.members, bucket.final, strict=True):
             walk = self._walks[leg]
-            walk.x = move.finish(gathered[:, offset : offset + chunk] if rows else gathered[offset : offset + chunk])
+            mine = gathered[:, offset : offset + chunk] if rows else gathered[offset : offset + chunk]
+            if rows and final and leg in self._deliver:
+                walk.x, walk.unpacking = mine, move  # unpacked by write(), into where it is kept
+            else:
+                walk.x = move.finish(mine)
             walk.k += 1
 
     def _where(self, bucket: _BucketProgram) -> str:

@@ -33,14 +33,14 @@ def pack(x: torch.Tensor, dim: int, n: int, block: Sequence[int], out: torch.Ten
     ``out`` (``[n, *block]``, e.g. a member's part of a bucket buffer) when given, else a
     contiguous tensor (``x`` itself, viewed, when it already is one)."""
     block = tuple(block)
+    blocks = as_blocks(x, dim, n, block)
+    if blocks is not None:
+        if out is None:
+            return blocks
+        out.copy_(blocks)
+        return out
     b, length = block[dim], x.shape[dim]
     padded = length != n * b or any(x.shape[k] != block[k] for k in range(x.dim()) if k != dim)
-    runs = x.is_contiguous() and (n == 1 or math.prod(block[:dim]) == 1)  # blocks are runs of x
-    if not padded and runs:
-        if out is None:
-            return x.view(n, *block)
-        out.copy_(x.view(n, *block))
-        return out
     if out is None:
         out = x.new_zeros((n, *block)) if padded else x.new_empty((n, *block))
     elif padded:
@@ -56,14 +56,27 @@ def pack(x: torch.Tensor, dim: int, n: int, block: Sequence[int], out: torch.Ten
     return out
 
 
-def unpack(blocks: torch.Tensor, dim: int, shape: Sequence[int]) -> torch.Tensor:
+def as_blocks(x: torch.Tensor, dim: int, n: int, block: Sequence[int]) -> torch.Tensor | None:
+    """``x`` viewed as the ``[n, *block]`` blocks :func:`pack` makes, when they need no padding
+    and are runs of its memory (so packing them is one copy); else ``None``."""
+    if x.shape[dim] != n * block[dim] or any(x.shape[k] != block[k] for k in range(x.dim()) if k != dim):
+        return None
+    if not x.is_contiguous() or (n != 1 and math.prod(block[:dim]) != 1):
+        return None
+    return x.view(n, *block)
+
+
+def unpack(blocks: torch.Tensor, dim: int, shape: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
     """``[n, *block]`` blocks concatenated along ``dim`` and cropped to ``shape``; a view of
-    ``blocks`` when they are contiguous runs along ``dim``, else a new tensor."""
+    ``blocks`` when they are contiguous runs along ``dim``, else a new tensor. Written into
+    ``out`` (of ``shape``, e.g. the parameter a gathered piece belongs to) when given, so that
+    the result is copied once, from the blocks to where it is kept."""
     n, *block = blocks.shape
     b = block[dim]
-    if math.prod(block[:dim]) == 1:
-        return crop(blocks.reshape(*block[:dim], n * b, *block[dim + 1 :]), shape)
-    out = blocks.new_empty(tuple(shape))
+    if out is None and math.prod(block[:dim]) == 1 and blocks.is_contiguous():
+        return crop(blocks.view(*block[:dim], n * b, *block[dim + 1 :]), shape)
+    if out is None:
+        out = blocks.new_empty(tuple(shape))
     if out.numel() == 0:
         return out
     spread = crop(blocks.movedim(0, dim), [*shape[:dim], n, b, *shape[dim + 1 :]])

@@ -31,7 +31,7 @@ from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError
 from runtime.exchange import RankExchange, compile_exchange
 from runtime.groups import axis_ranks
-from runtime.packing import crop, pack, unpack
+from runtime.packing import as_blocks, crop, pack, unpack
 from shardlang.layout import padded_length
 
 
@@ -108,6 +108,18 @@ class CollectiveMove:
         else:
             out.view(self.before).copy_(x)
 
+    def send_blocks(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This rank's contribution as a view of ``x``, shaped as :meth:`send_into` writes it,
+        when writing it is one copy (no padding; all_reduce: always); else ``None``."""
+        op, dim = self.step.op, self.step.dim
+        if op == "all_gather":
+            return as_blocks(x, dim, 1, self.block)
+        if op == "reduce_scatter":
+            return as_blocks(x, dim, self.n, self.block)
+        if op == "all_to_all":
+            return as_blocks(x, self.step.to_dim, self.n, self.block)
+        return x
+
     def finish(self, received: torch.Tensor) -> torch.Tensor:
         """The rank's piece after the step, from the collective's result: flat, or for
         all_gather and all_to_all a ``[n, chunk]`` part of a bucket's result."""
@@ -117,6 +129,14 @@ class CollectiveMove:
         if op == "reduce_scatter":
             return crop(received.view(self.block), self.after)
         return unpack(received.view(self.n, *self.block), self.step.dim, self.after)
+
+    def finish_into(self, received: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the rank's piece after the step into ``out`` (of shape ``after``) straight
+        from the collective's result, as :meth:`finish` gives it but without a copy between."""
+        if self.step.op in ("all_gather", "all_to_all"):
+            unpack(received.view(self.n, *self.block), self.step.dim, self.after, out=out)
+        else:
+            out.copy_(self.finish(received))
 
 
 def _block(step: Step, before: tuple[int, ...], after: tuple[int, ...], n: int) -> tuple[int, ...]:

@@ -134,14 +134,15 @@ class ShardedAdamW(ShardedOptimizer):
             grads = flat_or_copy([work.grads[i] for i in run], dtype, scratch, "grads")
             params = as_flat([work.params[i] for i in run])
             if params is None or params.dtype != dtype:
-                # Pieces of other tensors (a slice of each parameter): decayed one by one straight
-                # into the new parameter, rather than copied into one buffer first.
-                offset = 0
+                # Pieces of other tensors (a slice of each parameter): copied into the new
+                # parameters in one call and decayed there as one range (the same product).
+                targets, offset = [], 0
                 for i in run:
                     piece = work.params[i]
-                    target = outputs[0][offset : offset + piece.numel()].view(piece.shape)
-                    decay(piece, target, lr=group["lr"], weight_decay=group["weight_decay"])
+                    targets.append(outputs[0][offset : offset + piece.numel()].view(piece.shape))
                     offset += piece.numel()
+                torch._foreach_copy_(targets, [work.params[i] for i in run])
+                decay(outputs[0], outputs[0], lr=group["lr"], weight_decay=group["weight_decay"])
                 params = None
             adamw_update(
                 params,

@@ -367,6 +367,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._slots += self._place_group(group)
         self._flat: FlatStates | None = None  # allocated at the first step
         self._scratch = Scratch()  # the step's working buffers, kept between steps
+        # _fresh_params' views per set of slots stepped, with the buffers they are views of.
+        self._fresh_views: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], list[tuple[Any, int, int]]]] = {}
         self._bucket_buffers = Scratch()  # the buckets' buffers (``runtime.buckets``)
         self._plans: dict[tuple, _Compiled] = {}
         self.last_traffic = StepTraffic()
@@ -798,13 +800,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise _failed(step_number, BEFORE, backward.error) from backward.error
         return arrived, before.waited
 
-    def _stage_run(self, compiled: _Compiled, stage: str, slots: Sequence[Slot]) -> StageRun:
+    def _stage_run(
+        self, compiled: _Compiled, stage: str, slots: Sequence[Slot], deliver: frozenset[int] = frozenset()
+    ) -> StageRun:
         return StageRun(
             compiled.program,
             stage,
             device_meshes={s.name: s.device_mesh for s in slots},
             timeout=self.timeout,
             buffers=self._bucket_buffers,
+            deliver=deliver,
         )
 
     def _before_inputs(self, compiled: _Compiled, slot: Slot, device: torch.device) -> dict[int, torch.Tensor]:
@@ -884,7 +889,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inputs[legs[(slot.name, "state -> param")]] = param.to(slot.param.dtype)
             for state in slot.own_layouts:
                 inputs[legs[(slot.name, f"state -> state.{state}")]] = work.own_new[(i, state)]
-        after = self._stage_run(compiled, AFTER, slots)
+        param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
+        after = self._stage_run(compiled, AFTER, slots, deliver=frozenset(param_legs.values()))
         own_legs = [legs[(s.name, f"state -> state.{state}")] for s in slots for state in s.own_layouts]
         try:
             after.feed(inputs)
@@ -909,11 +915,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     slot.own_states[state] = back[legs[(slot.name, f"state -> state.{state}")]].clone()
                 slot.step += 1
             if self._prefetch:
-                params = {s.index: legs[(s.name, "state -> param")] for s in slots}
-                self._gathers = _Gathers(after, params, {s.index: s for s in slots}, step_number)
+                self._gathers = _Gathers(after, param_legs, {s.index: s for s in slots}, step_number)
             else:
-                for slot in slots:
-                    slot.local_param().copy_(back[legs[(slot.name, "state -> param")]])
+                after.write({param_legs[s.index]: s.local_param() for s in slots})
             flat.replace(new_buffers)
             self.last_traffic = traffic
             self.last_grad_norm, self.last_step_skipped = norm, False
@@ -1035,11 +1039,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not waiting:
             return
         try:
-            back = gathers.run.wait_for([gathers.legs[s.index] for s in waiting])
+            gathers.run.write({gathers.legs[s.index]: s.local_param() for s in waiting})
         except ShardlangError as e:
             self._fail_gathers(e)
         for slot in waiting:
-            slot.local_param().copy_(back[gathers.legs[slot.index]])
             del gathers.waiting[slot.index]
         if not gathers.waiting:
             self._gathers = None
@@ -1114,7 +1117,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _fresh_params(self, slots: Sequence[Slot]) -> dict[int, torch.Tensor]:
         """Where the new state-layout shard of every parameter without a master goes: views of
-        one flat buffer per (dtype, device), in the slots' order, kept between steps."""
+        one flat buffer per (dtype, device), in the slots' order, kept between steps (and so
+        are the views, while the buffers are the same)."""
+        cached = self._fresh_views.get(tuple(s.index for s in slots))
+        if cached is not None and all(
+            self._scratch.take("new params", n, *key).data_ptr() == at for key, n, at in cached[1]
+        ):
+            return cached[0]
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         for slot in slots:
             if not slot.needs_master:
@@ -1130,6 +1139,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 n = math.prod(slot.shard.local_shape)
                 out[slot.index] = buffers[key][offsets[key] : offsets[key] + n].view(slot.shard.local_shape)
                 offsets[key] += n
+        held = [(key, n, buffers[key].data_ptr()) for key, n in sizes.items()]
+        self._fresh_views[tuple(s.index for s in slots)] = (out, held)
         return out
 
     def _exchange(self, work: StepWork, step_number: int) -> tuple[int, int]:
