@@ -58,6 +58,10 @@ What is counted:
   profiler runs from step 2, so tensors freed in step 3 were seen allocated); largest over
   ranks. Steps 2 and 3 are profiled and therefore never timed.
 
+A third section times the collectives alone: one flat buffer of every parameter, all-reduced
+(DDP's traffic) against reduce-scattered and all-gathered (ZeRO's), through the runtime's own
+``collective``: the floor under any ZeRO step on the backend, whatever the optimizer does.
+
 The machine this was written on is a shared 2-core VM: 4 ranks share 2 cores, so absolute
 times are noisy and only ratios measured in the same run mean much. The default steps per
 model (10 small, 6 medium) keep the default run near 3 minutes there; ``--steps`` sets one
@@ -69,6 +73,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import copy
+import datetime
 import itertools
 import json
 import os
@@ -95,6 +100,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import runtime
+from runtime.comm import collective
 from runtime.optim import ShardedAdamW, ShardedCAME
 from runtime.testing import run_ranks
 from shardlang import parse_layout
@@ -350,6 +356,30 @@ def step_alone_variant(key: str, base: nn.Module, rank: int, world: int) -> Vari
     return Variant(key, nn.ParameterList(params), optimizer, memory, prepare=prepare, sharded=how != "ref")
 
 
+COLLECTIVE_REPS = 7
+
+
+def collectives_alone(numel: int, world: int) -> dict[str, list[float]]:
+    """Seconds of the collectives a step needs at least, on one flat f32 buffer of every
+    parameter (``numel`` elements, padded to a multiple of ``world``), through the runtime's own
+    ``collective`` (gloo's reduce_scatter as an all_to_all and a local sum, as the step runs it):
+    DDP's one all_reduce, against ZeRO's reduce_scatter and all_gather. Interleaved, a barrier
+    before each."""
+    group, timeout = dist.group.WORLD, datetime.timedelta(seconds=600)
+    padded = -(-numel // world) * world
+    grads = torch.randn(padded, generator=torch.Generator().manual_seed(dist.get_rank()))
+    shard = grads[: padded // world].clone()
+    times: dict[str, list[float]] = {"all_reduce": [], "reduce_scatter": [], "all_gather": []}
+    for _ in range(COLLECTIVE_REPS):
+        for op in times:
+            send = shard if op == "all_gather" else grads.clone()
+            dist.barrier()
+            started = time.perf_counter()
+            collective(op, send, world, None if op == "all_gather" else "sum", group, timeout)
+            times[op].append(time.perf_counter() - started)
+    return times
+
+
 def walk(nodes: Iterable[Any]) -> Iterator[Any]:
     stack = list(nodes)
     while stack:
@@ -465,10 +495,16 @@ def rank_main(
         alone = [step_alone_variant(key, base, rank, world) for key in STEP_ALONE]
         step_alone = results_of(alone, interleaved(alone, steps[name]))
         wall = {"train": middle - started, "step_alone": time.perf_counter() - middle}
+        numel = sum(p.numel() for p in base.parameters())
         by_key = {v.key: v for v in alone}
         for v in alone:
             step_alone[v.key]["param_difference"] = reference_difference(v, by_key[v.key.split("-")[0] + "-ref"])
-        out[name] = {"train": train, "step_alone": step_alone, "wall_seconds": wall}
+        out[name] = {
+            "train": train,
+            "step_alone": step_alone,
+            "collectives": collectives_alone(numel, world),
+            "wall_seconds": wall,
+        }
         del alone
     return out
 
@@ -580,7 +616,18 @@ def report_model(name: str, steps: int, ranks: list[dict[str, Any]], keys: list[
             "param_difference": difference,
             "step_seconds_rank0": alone[0][k]["step_seconds"],
         }
+    seconds = ranks[0][name]["collectives"]
+    collective_ms = {op: median_ms(times) for op, times in seconds.items()}
+    zero_ms = collective_ms["reduce_scatter"] + collective_ms["all_gather"]
+    print(
+        f"\n**{name}, the collectives alone** (one flat f32 buffer of all {numel:,} parameters through "
+        f"runtime.comm.collective, median of {COLLECTIVE_REPS}, rank 0): DDP's all_reduce "
+        f"{collective_ms['all_reduce']:.1f} ms; ZeRO's reduce_scatter {collective_ms['reduce_scatter']:.1f} ms + "
+        f"all_gather {collective_ms['all_gather']:.1f} ms = {zero_ms:.1f} ms "
+        f"({zero_ms / collective_ms['all_reduce']:.2f}x the all_reduce)"
+    )
     return {
+        "collectives_ms": collective_ms,
         "tensors": tensors,
         "parameters": numel,
         "steps": steps,
