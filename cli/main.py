@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("files", nargs="+", metavar="FILE")
     _add_step_options(p, buckets=False)
+    p.add_argument(
+        "--costs",
+        metavar="HINTS.json",
+        help="plan every tensor's step under the cost model of a hints file (`shardlang calibrate -o`) "
+        "instead of the spec's hints: the file is checked, and must fit every mesh",
+    )
     p.add_argument("--format", choices=("text", "json"), default="text")
 
     pair_or_spec = "two layouts (SRC DST, with --shape) or one spec file (FILE.shard)"
@@ -417,7 +423,8 @@ def run_main_job(path: Path, bundled: bool) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    return run_check(args.files, args.format, sys.stdout, sys.stderr, flat_axis=args.flat_axis)
+    cost = CostModel.from_file(args.costs) if args.costs else None
+    return run_check(args.files, args.format, sys.stdout, sys.stderr, flat_axis=args.flat_axis, cost=cost)
 
 
 COMMAND_FUNCTIONS = {
