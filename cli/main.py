@@ -35,6 +35,7 @@ from cli.inputs import (
     read_spec,
     shape_arg,
 )
+from cli.matrices import add_optimizer_options, format_matrices, with_matrices
 from cli.picture import picture_dot, plan_picture, summary_dot, tensor_picture
 from cli.plan_report import format_plan, format_spec_report, format_spec_summary, plan_json, spec_plan_json
 from cli.render import FORMATS, RenderError, draw, output_format, write
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tensor_options(p)
     _add_cost_options(p)
     _add_step_options(p)
+    add_optimizer_options(p)
     p.add_argument("--format", choices=("text", "json"), default="text")
 
     p = sub.add_parser(
@@ -300,6 +302,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     style = Style.for_stream(sys.stdout)
     target = _target(args)
     if isinstance(target, Pair):
+        if args.optimizer is not None:
+            raise UsageError("--optimizer applies to a spec file, not to a pair of layouts")
         result = _plan_pair(target, args)
         if args.format == "json":
             _emit_json(plan_json(result))
@@ -307,10 +311,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(format_plan(result, style))
         return 0
     spec_plan = _plan_spec(target, args)
+    if args.optimizer == "muon":
+        spec_plan = with_matrices(
+            spec_plan, placement=args.placement, flops_per_second=args.flops_per_second, flat_axis=args.flat_axis
+        )
     if args.format == "json":
         _emit_json(spec_plan_json(spec_plan))
-    else:
-        print(format_spec_report(spec_plan, style, each_tensor=bool(args.tensor), flat_axis=args.flat_axis))
+        return 0
+    print(format_spec_report(spec_plan, style, each_tensor=bool(args.tensor), flat_axis=args.flat_axis))
+    if spec_plan.step.matrices is not None:
+        print(f"\n{format_matrices(spec_plan.step.matrices, style)}")
     return 0
 
 
