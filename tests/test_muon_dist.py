@@ -171,6 +171,24 @@ def _run_failed_step(rank: int) -> dict[str, Any]:
     }
 
 
+def _run_disagreeing_placements(rank: int) -> dict[str, Any]:
+    """Rank 0 gathers every matrix, the others give each an owner: the step fails on every
+    rank, naming the ranks, and changes nothing (instead of waiting on messages never sent)."""
+    from runtime.errors import PlanMismatchError
+
+    spec = _spec(*CONFIGS["zero_rows"][:2])
+    params = _params(spec, (rank,), torch.float32)
+    optimizer = _optimizer(list(params.items()), spec, "gather" if rank == 0 else "owner", timeout=60)
+    _set_grads(params, spec, (rank,), torch.float32, 0)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    message = None
+    try:
+        optimizer.step()
+    except PlanMismatchError as e:
+        message = str(e)
+    return {"message": message, "unchanged": all(torch.equal(before[n], p) for n, p in params.items())}
+
+
 def _dtensor_optimizer(named: list, spec: Any) -> Any:
     return _optimizer(named, spec, "owner")
 
@@ -185,6 +203,7 @@ def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     out["other"] = _run_config(rank, "dp2_tp2", torch.float64, "auto", MUON | OTHER)
     out["resume"] = _run_resume(rank, directory)
     out["failed"] = _run_failed_step(rank)
+    out["disagree"] = _run_disagreeing_placements(rank)
     out["dtensor"] = run_dtensor(rank, _dtensor_optimizer, SEED, DTENSOR_STEPS)
     return out
 
@@ -280,6 +299,14 @@ def test_state_dict_and_checkpoint_resume(ranks: list[dict[str, Any]]) -> None:
         assert case["states"] == {"w": ["momentum_buffer"], "b": ["exp_avg", "exp_avg_sq"]}
         _check_pieces({"params": case["state_dict"], "coordinate": (rank,)}, rows, want, torch.float32, "state dict")
         _check_pieces({"params": case["checkpoint"], "coordinate": (rank,)}, cols, want, torch.float32, "checkpoint")
+
+
+def test_ranks_that_place_the_matrices_apart_fail_the_step_and_change_nothing(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        case = result["disagree"]
+        assert case["message"] is not None and "disagree on where the matrices" in case["message"], case["message"]
+        assert "ranks [0, 1, 2, 3]" in case["message"]
+        assert case["unchanged"]
 
 
 def test_a_failed_step_changes_nothing(ranks: list[dict[str, Any]]) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Unpack
 
 import attrs
 import torch
+import torch.distributed as dist
 
 # torch's own iteration and learning-rate rule, so that the sharded step equals torch's bit for bit
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
@@ -36,7 +37,11 @@ from planner.matrices import BACK, TO, MatrixPlan, joins, pieces, plan_matrices
 from planner.owners import PLACEMENTS
 from planner.step import DEFAULT_BUCKET_BYTES, StepPlan, StepTensor
 from runtime.buffers import Scratch
+from runtime.comm import collective
 from runtime.dtypes import dtype_name
+from runtime.errors import DistributedError, PlanMismatchError
+from runtime.executor import fingerprint
+from runtime.groups import ranks_group
 from runtime.matrix_moves import MatrixProgram, compile_matrices, run_matrix_stage
 from runtime.optim.adamw import ADAMW_STATES, adamw_update
 from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StepOptions, StepTraffic, StepWork, Update, done
@@ -120,6 +125,7 @@ class ShardedMuon(ShardedOptimizer):
         self.flops_per_second = flops_per_second
         self._matrix_plans: dict[tuple, tuple[MatrixPlan, MatrixProgram]] = {}
         self._matrix_buffers = Scratch()  # the matrices' bucket buffers, kept between steps
+        self._agreed: set[int] = set()  # ids of the matrix plans the ranks have agreed on
         super().__init__(named_params, spec, defaults, **options)
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
@@ -214,6 +220,9 @@ class ShardedMuon(ShardedOptimizer):
         matrices moved and iterated as the step plan's matrix part says."""
         plan, program = self._matrices(slots)
         by_name = {s.name: s for s in slots}
+        if self.verify and id(plan) not in self._agreed:
+            self._agree_on_matrices(plan, by_name)
+            self._agreed.add(id(plan))
         device = slots[0].local_param().device
         run = functools.partial(
             run_matrix_stage,
@@ -253,6 +262,46 @@ class ShardedMuon(ShardedOptimizer):
                 result = result.reshape(-1)[lo:hi]
             out[name] = result
         return out
+
+    def _agree_on_matrices(self, plan: MatrixPlan, slots: dict[str, Slot]) -> None:
+        """Every rank of a state mesh holds the same placements and buckets of its matrices: a
+        digest per mesh, all-gathered once per plan (as the step plan's buckets are checked), so
+        that ranks configured apart (``placement``, ``flops_per_second``, ``ns_steps``) fail
+        here, naming the ranks, instead of waiting on messages no peer sends."""
+        records: dict[tuple, list[Any]] = {}
+        for m in plan.matrices:
+            mesh = slots[m.name].state_layout.mesh
+            records.setdefault((mesh.shape, tuple(mesh.ranks)), []).append([m.name, m.owner, m.flops])
+        for b in plan.buckets:  # rank-free: the members, not their (per-rank) sizes
+            members = [[plan.legs[m.leg].tensor, plan.legs[m.leg].what] for m in b.members]
+            records.setdefault((b.mesh.shape, tuple(b.mesh.ranks)), []).append(
+                [b.stage, b.op, b.axis, b.dtype, members]
+            )
+        device = next(iter(slots.values())).local_param().device
+        for (_, ranks), record in sorted(records.items()):
+            if len(ranks) < 2 or not dist.is_initialized():
+                continue
+            mine = fingerprint(record)
+            try:
+                gathered = collective(
+                    "all_gather",
+                    torch.tensor([mine], dtype=torch.int64, device=device),
+                    len(ranks),
+                    None,
+                    ranks_group(ranks, timeout=self.timeout),
+                    self.timeout,
+                )
+            except DistributedError as e:
+                raise OptimizerStepError(
+                    f"checking the matrices' plan on ranks {list(ranks)} failed: {e.message}"
+                ) from e
+            differ = [r for r, p in zip(ranks, gathered.tolist(), strict=True) if p != mine]
+            if differ:
+                raise PlanMismatchError(
+                    f"the ranks {list(ranks)} disagree on where the matrices' Newton-Schulz iterations run: rank "
+                    f"{self.rank}'s placements and buckets differ from those of ranks {differ}; every rank must give "
+                    "ShardedMuon the same placement, flops_per_second, ns_steps and cost model"
+                )
 
 
 def _tensor_view(slot: Slot) -> StepTensor:
