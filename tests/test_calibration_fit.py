@@ -182,6 +182,9 @@ def test_plans_are_priced_with_the_overhead_and_the_copy():
     src, dst = Layout(((0,), (1,)), Mesh((2, 2))), Layout(((0,), ()), Mesh((4,), ranks=(4, 5, 6, 7)))
     (step,) = planner.plan(src, dst, (1000, 300), "f32", model).steps
     assert step.seconds == pytest.approx(1e-4 + 2 * 2e-5 + 250 * 300 * 4 / 1e9)
+    # The terms travel with the plan: its JSON and the model's repr read back equal.
+    assert planner.Plan.from_json(json.loads(json.dumps(sliced.to_json()))) == sliced
+    assert eval(repr(model), vars(planner)) == model
     # The default model's terms are free: the conformance data's costs are unchanged.
     free = planner.plan(parse_layout(f"R,R {mesh}"), parse_layout(f"S0,R {mesh}"), (1000, 300), "f32")
     assert free.total_seconds == 0
