@@ -15,20 +15,29 @@ the tensor's element count) before the EMA, so uneven and empty pieces weigh rig
 normaliser ``mean_H r`` needs the rows of other ranks when the rows are split; because the
 EMA is linear, ``sum_H r_new = beta * sum_H r_old + (1-beta) * sum_HW U / W``, whose two sums
 travel with the row and column sums. A step is three phases of sums: second moment, RMS,
-instability; :func:`came_sum_specs` lists them, :func:`came_update` computes them.
+instability; :func:`came_sum_specs` lists them, :class:`CameRun` computes them.
+
+The math runs over runs of consecutive tensors at once (as ShardedAdamW's, README
+"Flat state buffers"): whole-range ops on flat buffers where the math is elementwise, one
+``torch._foreach_*`` call per op for the per-tensor statistics, and for flat chunks one
+``index_add_`` per kind of sum for the whole run; per block-sharded matrix only its row and
+column sums remain ops of their own.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from typing import Any, Unpack
 
 import attrs
 import torch
 
+from runtime.buffers import Scratch
+from runtime.optim.adamw import _runs
 from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StateWhere, StepOptions, StepWork, Update
 from runtime.optim.errors import OptimizerError
+from runtime.optim.flat import as_flat, flat_or_copy, scatter_back
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumSpec
 
@@ -87,90 +96,254 @@ def came_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[t
     return tuple(moments), rms, tuple(moments)
 
 
-def came_update(
-    grad: torch.Tensor,
-    param: torch.Tensor,
-    state: Mapping[str, torch.Tensor],
-    shard: StateShard,
-    hyper: CameHyper,
-    new_param: torch.Tensor,
-    new: Mapping[str, torch.Tensor],
-) -> Update:
-    """One CAME step on local data, as a generator: it yields the partial sums of each phase
-    and is sent them completed; it writes the new parameter into ``new_param`` and the new
-    states into ``new`` (of the states' shapes). Nothing passed in is modified."""
-    beta1, beta2, beta3 = hyper.betas
-    eps1, eps2 = hyper.eps
-    second = grad.square().add_(eps1)
-    if shard.factored:
-        row, col, norm = yield from _factored_ema(
-            second,
-            state["exp_avg_sq_row"],
-            state["exp_avg_sq_col"],
-            beta2,
-            shard,
-            (new["exp_avg_sq_row"], new["exp_avg_sq_col"]),
-        )
-        update = _approx_rsqrt(row, col, norm, shard).mul_(grad)
-    else:
-        yield []
-        torch.mul(state["exp_avg_sq"], beta2, out=new["exp_avg_sq"]).add_(second, alpha=1.0 - beta2)
-        update = new["exp_avg_sq"].rsqrt().mul_(grad)
+@attrs.frozen(eq=False)
+class RunStats:
+    """Where the row, column and per-matrix statistics of a run's matrices lie in one buffer
+    each: per slot its offset in each (``None`` for a 1-d tensor), and the size of each, whose
+    last entry is a spare one (``1`` there) for the elements of no flat chunk. When some
+    matrices are flat chunks, every element of the run has its row, column and matrix in those
+    buffers (``index``), so that their partial sums are one ``index_add_`` for the whole run and
+    the statistics spread back to the elements one ``index_select``."""
 
-    (square_sum,) = yield [torch.linalg.vector_norm(update).square().reshape(1)]
-    rms = square_sum.sqrt()[0] / math.sqrt(shard.numel)
-    update.div_((rms / hyper.clip_threshold).clamp_(min=1.0))
+    offsets: tuple[tuple[int, int, int] | None, ...]
+    sizes: tuple[int, int, int]
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
-    exp_avg = torch.mul(state["exp_avg"], beta1, out=new["exp_avg"]).add_(update, alpha=1 - beta1)
-    if shard.factored:
-        instability = torch.sub(update, exp_avg).square_().add_(eps2)
-        row, col, norm = yield from _factored_ema(
-            instability,
-            state["exp_avg_res_row"],
-            state["exp_avg_res_col"],
-            beta3,
-            shard,
-            (new["exp_avg_res_row"], new["exp_avg_res_col"]),
-        )
-        update = _approx_rsqrt(row, col, norm, shard).mul_(exp_avg)
-    else:
-        yield []
-        update = exp_avg
-
-    if hyper.weight_decay != 0:
-        torch.add(param, param, alpha=-hyper.weight_decay * hyper.lr, out=new_param)
-    else:
-        new_param.copy_(param)
-    new_param.sub_(update.mul(hyper.lr))
+    @classmethod
+    def of(cls, shards: Sequence[StateShard], device: torch.device) -> RunStats:
+        offsets: list[tuple[int, int, int] | None] = []
+        sizes = [0, 0, 0]
+        for shard in shards:
+            if not shard.factored:
+                offsets.append(None)
+                continue
+            offsets.append((sizes[0], sizes[1], sizes[2]))
+            sizes[0] += math.prod(shard.row_stat_shape)
+            sizes[1] += math.prod(shard.col_stat_shape)
+            sizes[2] += math.prod(shard.block_shape[:-2])
+        index = None
+        if any(s.flat_range is not None and s.factored for s in shards):
+            dtype = torch.int32 if max(sizes) < 2**31 - 1 else torch.int64
+            numel = sum(math.prod(s.local_shape) for s in shards)
+            index = tuple(torch.full((numel,), size, dtype=dtype) for size in sizes)
+            start = 0
+            for shard, at in zip(shards, offsets, strict=True):
+                n = math.prod(shard.local_shape)
+                if at is not None and shard.row_index is not None:
+                    local = (shard.row_index, shard.col_index, shard.batch_index)
+                    for whole, piece, offset in zip(index, local, at, strict=True):
+                        assert piece is not None
+                        whole[start : start + n] = piece + offset
+                start += n
+            index = tuple(i.to(device) for i in index)
+        return cls(offsets=tuple(offsets), sizes=(sizes[0], sizes[1], sizes[2]), index=index)
 
 
-def _factored_ema(
-    x: torch.Tensor,
-    row: torch.Tensor,
-    col: torch.Tensor,
-    beta: float,
-    shard: StateShard,
-    out: tuple[torch.Tensor, torch.Tensor],
-) -> Generator[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Row and column EMAs of the means of ``x`` (written to ``out``), and the per-matrix
-    mean of the new rows."""
-    sums = [shard.row_sums(x), shard.col_sums(x)]
-    spans = rows_span_ranks(shard)
-    if spans:
-        sums += [shard.matrix_sums(x), row.sum(-1)]
-    completed = yield sums
-    height, width = shard.shape[-2], shard.shape[-1]
-    new_row = torch.mul(row, beta, out=out[0]).add_(completed[0] / width, alpha=1.0 - beta)
-    new_col = torch.mul(col, beta, out=out[1]).add_(completed[1] / height, alpha=1.0 - beta)
-    if spans:  # the rows are split: sum_H of the new rows from the sums (see the module doc)
-        return new_row, new_col, (completed[3] * beta + completed[2] / width * (1.0 - beta)) / height
-    return new_row, new_col, new_row.mean(dim=-1)
+class CameRun:
+    """One CAME step of a run of consecutive slots (one param group, dtype and device), on
+    local data, batched over the run: the elementwise math as whole-range ops over flat
+    buffers of the run (gradients, ``g^2 + eps1``, the update, ``exp_avg``, the parameters),
+    the per-tensor statistics as one ``torch._foreach_*`` call per op; per matrix remain only
+    its row and column sums. :meth:`advance` moves it phase by phase; nothing passed in is
+    modified, results go to the work's new parameters and states."""
+
+    def __init__(self, work: StepWork, run: Sequence[int], hyper: CameHyper, stats: RunStats, scratch: Scratch) -> None:
+        self.work, self.run, self.hyper, self.stats, self.scratch = work, list(run), hyper, stats, scratch
+        self.shards = [work.slots[i].shard for i in run]
+        dtype = work.slots[run[0]].dtype
+        self.grads = flat_or_copy([work.grads[i] for i in run], dtype, scratch, "grads")
+        numel, device = self.grads.numel(), self.grads.device
+        self.numels = [math.prod(s.local_shape) for s in self.shards]
+        second = scratch.take("came second", numel, dtype, device)
+        update = scratch.take("came update", numel, dtype, device)
+        self.second, self.update = second, update
+        self.u = self._pieces(update)
+        self.matrices = [j for j, s in enumerate(self.shards) if s.factored]
+        self.vectors = [j for j, s in enumerate(self.shards) if not s.factored]
+        self.spans = [s.factored and rows_span_ranks(s) for s in self.shards]
+        self.exp_avg = self._flat_state("exp_avg", scratch)
+        self.new_exp_avg = work.states_of(run, "exp_avg", new=True)
+        if self.new_exp_avg is None:
+            self.new_exp_avg = torch.empty(numel, dtype=dtype, device=device)
+
+    def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per slot, its view of a flat buffer of the run."""
+        return [p.view(s.local_shape) for p, s in zip(flat.split(self.numels), self.shards, strict=True)]
+
+    def _flat_state(self, name: str, scratch: Scratch) -> torch.Tensor:
+        flat = self.work.states_of(self.run, name)
+        if flat is not None:
+            return flat
+        dtype = self.grads.dtype
+        return flat_or_copy([self.work.state(i, name) for i in self.run], dtype, scratch, f"came {name}")
+
+    def _states(self, js: Sequence[int], name: str, *, new: bool = False) -> list[torch.Tensor]:
+        get = self.work.new_state if new else self.work.state
+        return [get(self.run[j], name) for j in js]
+
+    def _decayed(self, js: Sequence[int], name: str, beta: float) -> list[torch.Tensor]:
+        """``beta`` times state ``name`` of the slots ``js``, written to (and returned as) the new
+        states: one op where both lie as one range, else one foreach call per op."""
+        new = self._states(js, name, new=True)
+        slots = [self.run[j] for j in js]
+        old_flat, new_flat = self.work.states_of(slots, name), self.work.states_of(slots, name, new=True)
+        if old_flat is not None and new_flat is not None:
+            torch.mul(old_flat, beta, out=new_flat)
+        else:
+            torch._foreach_copy_(new, self._states(js, name))
+            torch._foreach_mul_(new, beta)
+        return new
+
+    def _stat_view(self, buffer: torch.Tensor, j: int, which: int) -> torch.Tensor:
+        """Slot ``j``'s row (``which`` 0), column (1) or per-matrix (2) statistics in a buffer
+        laid out as :class:`RunStats` says."""
+        shard, at = self.shards[j], self.stats.offsets[j]
+        assert at is not None
+        shape = (shard.row_stat_shape, shard.col_stat_shape, shard.block_shape[:-2])[which]
+        return buffer[at[which] : at[which] + math.prod(shape)].view(shape)
+
+    def _stat_sums(self, x: torch.Tensor, row_state: str) -> list[list[torch.Tensor]]:
+        """Per slot, the partial sums of ``x`` (a flat buffer of the run) that the row and
+        column EMAs of ``row_state`` (and its column twin) need; none for a 1-d tensor."""
+        out: list[list[torch.Tensor]] = [[] for _ in self.run]
+        if not self.matrices:
+            return out
+        wanted = 3 if any(self.spans) else 2
+        sums = [x.new_zeros(size + 1) for size in self.stats.sizes[:wanted]]
+        if self.stats.index is not None:  # flat chunks: one index_add_ each for the whole run
+            for total, index in zip(sums, self.stats.index, strict=False):
+                total.index_add_(0, index, x)
+        pieces = self._pieces(x)
+        for j in self.matrices:
+            out[j] = [self._stat_view(sums[0], j, 0), self._stat_view(sums[1], j, 1)]
+            if self.spans[j]:
+                out[j] += [self._stat_view(sums[2], j, 2), self.work.state(self.run[j], row_state).sum(-1)]
+            if self.shards[j].flat_range is None:
+                torch.sum(pieces[j], -1, out=out[j][0])
+                torch.sum(pieces[j], -2, out=out[j][1])
+                if self.spans[j]:
+                    torch.sum(pieces[j], (-2, -1), out=out[j][2])
+        return out
+
+    def _factors(self, completed: Sequence[list[torch.Tensor]], states: tuple[str, str], beta: float) -> None:
+        """The row and column EMAs of the completed sums (written to the new states ``states``),
+        and their ``rsqrt(row / mean_H row) * rsqrt(col)`` spread into the update's matrices
+        (and ``1`` into the other elements, when some matrices are flat chunks)."""
+        js = self.matrices
+        if not js:
+            return
+        rows, cols = self._decayed(js, states[0], beta), self._decayed(js, states[1], beta)
+        row_sums, col_sums = [completed[j][0] for j in js], [completed[j][1] for j in js]
+        torch._foreach_div_(row_sums, [float(self.shards[j].shape[-1]) for j in js])
+        torch._foreach_div_(col_sums, [float(self.shards[j].shape[-2]) for j in js])
+        torch._foreach_add_(rows, row_sums, alpha=1.0 - beta)
+        torch._foreach_add_(cols, col_sums, alpha=1.0 - beta)
+        norms = [None if self.spans[j] else row.mean(dim=-1) for j, row in zip(js, rows, strict=True)]
+        spans = [k for k, j in enumerate(js) if self.spans[j]]
+        if spans:  # the rows are split: sum_H of the new rows from the sums (see the module doc)
+            old, total = [completed[js[k]][3] for k in spans], [completed[js[k]][2] for k in spans]
+            torch._foreach_mul_(old, beta)
+            torch._foreach_div_(total, [float(self.shards[js[k]].shape[-1]) for k in spans])
+            torch._foreach_add_(old, total, alpha=1.0 - beta)
+            torch._foreach_div_(old, [float(self.shards[js[k]].shape[-2]) for k in spans])
+            for k, norm in zip(spans, old, strict=True):
+                norms[k] = norm
+        dtype, device = self.grads.dtype, self.grads.device
+        factors = []
+        for which, stats, name in ((0, rows, "came row factors"), (1, cols, "came column factors")):
+            buffer = self.scratch.take(name, self.stats.sizes[which] + 1, dtype, device)
+            buffer[-1:].fill_(1.0)
+            views = [self._stat_view(buffer, j, which) for j in js]
+            torch._foreach_copy_(views, stats)
+            if which == 0:
+                torch._foreach_div_(views, [self.shards[j].matrices(n) for j, n in zip(js, norms, strict=True)])
+            factors.append((buffer.rsqrt_(), views))
+        (row_buffer, row_factors), (col_buffer, col_factors) = factors
+        if self.stats.index is not None:
+            torch.index_select(row_buffer, 0, self.stats.index[0], out=self.update)
+            self.update.mul_(col_buffer.index_select(0, self.stats.index[1]))
+        blocks = [k for k, j in enumerate(js) if self.shards[j].flat_range is None]
+        if blocks:
+            update = [self.u[js[k]] for k in blocks]
+            torch._foreach_copy_(update, [row_factors[k].unsqueeze(-1) for k in blocks])
+            torch._foreach_mul_(update, [col_factors[k].unsqueeze(-2) for k in blocks])
+
+    def advance(self, phase: int, completed: Sequence[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """The math up to the sums of ``phase`` (see :data:`PHASES`; past the last, to the end),
+        given per slot the completed sums of the phase before; per slot, the partial sums."""
+        beta1, beta2, beta3 = self.hyper.betas
+        eps1, eps2 = self.hyper.eps
+        if phase == 0:
+            torch.square(self.grads, out=self.second).add_(eps1)
+            if self.vectors:
+                second = self._pieces(self.second)
+                torch._foreach_add_(
+                    self._decayed(self.vectors, "exp_avg_sq", beta2),
+                    [second[j] for j in self.vectors],
+                    alpha=1.0 - beta2,
+                )
+            return self._stat_sums(self.second, "exp_avg_sq_row")
+        if phase == 1:
+            self._factors(completed, ("exp_avg_sq_row", "exp_avg_sq_col"), beta2)
+            if self.vectors:
+                update = [self.u[j] for j in self.vectors]
+                torch._foreach_copy_(update, self._states(self.vectors, "exp_avg_sq", new=True))
+                torch._foreach_rsqrt_(update)
+            self.update.mul_(self.grads)
+            squares = torch.stack(torch._foreach_norm(self.u)).square_()
+            return [[squares[j : j + 1]] for j in range(len(self.run))]
+        if phase == 2:
+            rms = torch.cat([c[0] for c in completed]).sqrt_()
+            rms /= torch.tensor([math.sqrt(s.numel) for s in self.shards], dtype=rms.dtype, device=rms.device)
+            torch._foreach_div_(self.u, list((rms / self.hyper.clip_threshold).clamp_(min=1.0).unbind()))
+            torch.mul(self.exp_avg, beta1, out=self.new_exp_avg).add_(self.update, alpha=1 - beta1)
+            if not self.matrices:
+                return [[] for _ in self.run]
+            torch.sub(self.update, self.new_exp_avg, out=self.second).square_().add_(eps2)
+            return self._stat_sums(self.second, "exp_avg_res_row")
+        if self.vectors and self.stats.index is None:  # their update is exp_avg itself
+            self.update.fill_(1.0)
+        self._factors(completed, ("exp_avg_res_row", "exp_avg_res_col"), beta3)
+        self.update.mul_(self.new_exp_avg)
+        self._step_params()
+        if self.work.states_of(self.run, "exp_avg", new=True) is None:
+            scatter_back(self.new_exp_avg, self._states(range(len(self.run)), "exp_avg", new=True))
+        return []
+
+    def _step_params(self) -> None:
+        """``p - lr*wd*p - lr*update`` into the new parameters, as whole-range ops."""
+        work, run, lr = self.work, self.run, self.hyper.lr
+        new = flat_or_copy([work.new_params[i] for i in run], self.grads.dtype, self.scratch, "params out")
+        params = as_flat([work.params[i] for i in run])
+        if params is None or params.dtype != new.dtype:
+            # Pieces of other tensors (a slice of each parameter): copied into the new
+            # parameters in one call and decayed there as one range (the same product).
+            torch._foreach_copy_(self._pieces(new), [work.params[i] for i in run])
+            params = new
+        if self.hyper.weight_decay != 0:
+            torch.add(params, params, alpha=-self.hyper.weight_decay * lr, out=new)
+        elif params is not new:
+            new.copy_(params)
+        new.sub_(self.update.mul_(lr))
+        scatter_back(new, [work.new_params[i] for i in run])
 
 
-def _approx_rsqrt(row: torch.Tensor, col: torch.Tensor, norm: torch.Tensor, shard: StateShard) -> torch.Tensor:
-    """``rsqrt(row / norm) * rsqrt(col)`` spread over the local data."""
-    row_factor = (row / shard.matrices(norm)).rsqrt_()
-    return shard.rows(row_factor) * shard.cols(col.rsqrt())
+def _relays(run: CameRun) -> list[Update]:
+    """The run's math as the updates the base class drives, one per slot: the sums of a phase
+    travel in slot order, so the run's last update yields those of all its slots, and each
+    update is sent the completed sums of its own slot; the last, sent its own after all the
+    others, moves the run's math to the next phase."""
+    received: list[list[torch.Tensor]] = [[] for _ in run.run]
+
+    def relay(j: int) -> Update:
+        last = j == len(received) - 1
+        sums = run.advance(0, received) if last else []
+        for phase in range(len(PHASES)):
+            received[j] = yield [s for slot_sums in sums for s in slot_sums] if last else []
+            if last:
+                sums = run.advance(phase + 1, received)
+
+    return [relay(j) for j in range(len(received))]
 
 
 class ShardedCAME(ShardedOptimizer):
@@ -208,6 +381,8 @@ class ShardedCAME(ShardedOptimizer):
             "betas": tuple(betas),
             "weight_decay": weight_decay,
         }
+        self._specs: dict[int, tuple[StateShard, torch.dtype, tuple[tuple[SumSpec, ...], ...]]] = {}
+        self._stats: dict[tuple[int, ...], tuple[tuple[StateShard, ...], torch.device, RunStats]] = {}
         super().__init__(named_params, spec, defaults, **options)
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
@@ -215,8 +390,16 @@ class ShardedCAME(ShardedOptimizer):
         return came_state_shapes(slot.shard)
 
     def _sum_specs(self, slot: Slot) -> tuple[tuple[SumSpec, ...], ...]:
+        # Kept per slot while its shard and dtype are the same: every step asks for them.
         assert slot.shard is not None
-        return came_sum_specs(slot.shard, slot.dtype, slot.name)
+        cached = self._specs.get(slot.index)
+        if cached is None or cached[0] is not slot.shard or cached[1] != slot.dtype:
+            cached = self._specs[slot.index] = (
+                slot.shard,
+                slot.dtype,
+                came_sum_specs(slot.shard, slot.dtype, slot.name),
+            )
+        return cached[2]
 
     def _where(self, slot: Slot, name: str) -> StateWhere:
         assert slot.shard is not None
@@ -226,11 +409,19 @@ class ShardedCAME(ShardedOptimizer):
             return StateWhere(*slot.shard.col_stat_layout(), None, slot.shard.col_stat_shape)
         return super()._where(slot, name)
 
+    def _run_stats(self, work: StepWork, run: Sequence[int]) -> RunStats:
+        """The run's :class:`RunStats`, kept while its slots' shards and device are the same."""
+        shards, device = tuple(work.slots[i].shard for i in run), work.grads[run[0]].device
+        key = tuple(work.slots[i].index for i in run)
+        cached = self._stats.get(key)
+        if cached is None or cached[1] != device or any(a is not b for a, b in zip(cached[0], shards, strict=True)):
+            cached = self._stats[key] = (shards, device, RunStats.of(shards, device))
+        return cached[2]
+
     def _updates(self, work: StepWork) -> list[Update]:
-        updates = []
-        for i, slot in enumerate(work.slots):
-            assert slot.shard is not None
-            group = slot.group
+        updates: list[Update] = []
+        for run in _runs(work):
+            group = work.slots[run[0]].group
             hyper = CameHyper(
                 lr=group["lr"],
                 eps=group["eps"],
@@ -238,9 +429,5 @@ class ShardedCAME(ShardedOptimizer):
                 betas=group["betas"],
                 weight_decay=group["weight_decay"],
             )
-            grad = work.grads[i].to(slot.dtype)
-            names = came_state_shapes(slot.shard)
-            states = {name: work.state(i, name) for name in names}
-            new = {name: work.new_state(i, name) for name in names}
-            updates.append(came_update(grad, work.params[i], states, slot.shard, hyper, work.new_params[i], new))
+            updates += _relays(CameRun(work, run, hyper, self._run_stats(work, run), self._scratch))
         return updates
