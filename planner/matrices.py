@@ -97,7 +97,8 @@ def _block(tensor: StepTensor, rank: int) -> tuple[int, ...]:
 def _join_hop(tensor: StepTensor, rank: int) -> Hop:
     """``S(a) -> R`` on the rank's base block flattened: the chunks joined into the block."""
     assert tensor.flat_axis is not None
-    whole, split = flat_view(tensor.base, tensor.flat_axis)
+    mesh = tensor.state.mesh
+    whole, split = flat_view(tensor.base, tensor.flat_axis, rank if rank in mesh.ranks else mesh.ranks[0])
     n = math.prod(_block(tensor, rank))
     return Hop(plan_pair(split, whole, (n,), tensor.state_dtype, tensor.cost))
 

@@ -71,11 +71,32 @@ IN_STEP, DURING_BACKWARD, AFTER_STEP = "in step", "during backward", "after step
 LAUNCHES = (IN_STEP, DURING_BACKWARD, AFTER_STEP)
 
 
-def flat_view(layout: Layout, axis: int) -> tuple[Layout, Layout]:
-    """The 1-d layouts of a flattened base block: as it arrives (partial over ``axis`` when
-    ``layout`` is, else replicated) and as the state holds it (split over ``axis``)."""
+def flat_view(layout: Layout, axis: int, rank: int) -> tuple[Layout, Layout]:
+    """The 1-d layouts of ``rank``'s flattened base block: as it arrives (partial over ``axis``
+    when ``layout`` is, else replicated) and as the state holds it (split over ``axis``), on
+    the mesh of the rank's flat group (:func:`flat_group`)."""
+    mesh = flat_group(layout.mesh, axis, rank)
     partial = tuple((a, op) for a, op in layout.partial if a == axis)
-    return Layout(dims=((),), mesh=layout.mesh, partial=partial), Layout(dims=((axis,),), mesh=layout.mesh)
+    return Layout(dims=((),), mesh=mesh, partial=partial), Layout(dims=((axis,),), mesh=mesh)
+
+
+def flat_group(mesh: Mesh, axis: int, rank: int) -> Mesh:
+    """The ranks of ``mesh`` along ``axis`` through ``rank``, as a mesh of the same axes with
+    every other axis of size 1 (``mesh`` itself when there are no others). Ranks that differ
+    along an axis the base layout splits hold different blocks, so the 1-d view of a block is
+    not replicated over that axis: on the whole mesh a plan could mix pieces of different
+    blocks (e.g. slice over a fast ``tp``, reduce over ``dp``, gather over ``tp``). On this mesh
+    the search sees ``axis`` alone (size-1 axes drop out) and axis numbers, hence cost figures,
+    stay those of ``mesh``; every rank of the group plans the same."""
+    if all(n == 1 for a, n in enumerate(mesh.shape) if a != axis):
+        return mesh
+    coordinate = list(mesh.coordinate(rank))
+    ranks = []
+    for k in range(mesh.shape[axis]):
+        coordinate[axis] = k
+        ranks.append(mesh.rank_at(tuple(coordinate)))
+    shape = tuple(n if a == axis else 1 for a, n in enumerate(mesh.shape))
+    return Mesh(shape=shape, ranks=tuple(ranks), axis_names=mesh.axis_names)
 
 
 def without_axis(layout: Layout, axis: int) -> Layout:
@@ -415,14 +436,14 @@ def _legs(tensor: StepTensor, rank: int, max_local_bytes: int | None, point_to_p
             return (hop(layout, tensor.state, tensor.shape, dtype),)
         partial = tuple((a, op) for a, op in layout.partial if a == axis)
         arriving = attrs.evolve(base, partial=partial)
-        src, dst = flat_view(arriving, axis)
+        src, dst = flat_view(arriving, axis, rank)
         n = math.prod(block)
         return hop(layout, arriving, tensor.shape, dtype), hop(src, dst, (n,), dtype, view=(n,))
 
     def out_of_state(layout: Layout, dtype: str) -> tuple[Hop, ...]:
         if axis is None or block is None:
             return (hop(tensor.state, layout, tensor.shape, dtype),)
-        src, dst = flat_view(base, axis)
+        src, dst = flat_view(base, axis, rank)
         n = math.prod(block)
         return hop(dst, src, (n,), dtype), hop(base, layout, tensor.shape, dtype, view=block)
 

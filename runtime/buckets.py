@@ -400,15 +400,12 @@ class StageRun:
         if targets:
             torch._foreach_copy_(targets, sources)
         names = [plan.legs[leg].tensor for leg, *_ in bucket.members]
+        device_mesh = self._device_meshes.get(names[0])
+        if device_mesh is not None and tuple(device_mesh.shape) != bucket.bucket.mesh.shape:
+            device_mesh = None  # a flat group's mesh (planner.step.flat_group): a group of its own
         started = time.perf_counter()
         try:
-            group = group_for(
-                bucket.bucket.mesh,
-                (first.step.axis,),
-                first.members,
-                self._device_meshes.get(names[0]),
-                timeout=self.timeout,
-            )
+            group = group_for(bucket.bucket.mesh, (first.step.axis,), first.members, device_mesh, timeout=self.timeout)
             pending = start_collective(
                 op, send.view(-1), n, bucket.bucket.reduce_op, group, out=out, workspace=workspace
             )

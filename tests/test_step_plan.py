@@ -128,6 +128,32 @@ def test_flat_sharding_takes_two_hops_sized_by_the_ranks_base_block() -> None:
         assert [s.describe() for s in back.hops[0].plan.steps] == ["all_gather(axis=dp, dim=0)"]
 
 
+def test_flat_hops_stay_in_the_ranks_flat_group_where_other_axes_are_faster() -> None:
+    # The base blocks of S(tp),R differ across tp. With tp ten times faster than dp, planning the
+    # flattened block as replicated over tp takes "slice over tp, all_reduce over dp, all_gather
+    # over tp", which mixes the blocks of different tp ranks; it must be one reduce_scatter over
+    # dp among the ranks holding this block, and one all_gather back.
+    mesh = "mesh[dp=2, tp=4]"
+    cost = planner.CostModel(alpha=(20e-6, 3e-6), bandwidth=(25e9, 300e9))
+    w = StepTensor(
+        name="w",
+        shape=(4096, 1024),
+        param=L(f"S(tp),R over {mesh}"),
+        grad=L(f"S(tp),R | P(dp):avg over {mesh}"),
+        state=L(f"S(tp),R over {mesh}"),
+        flat_axis=0,
+        cost=cost,
+    )
+    for rank in range(8):
+        step = plan_step([w], rank)
+        grad, back = step.legs_of("w")[0], step.legs_of("w")[-1]
+        same_block = {r for r in range(8) if r % 4 == rank % 4}  # rank = 4 * dp + tp
+        for flat in (grad.hops[1], back.hops[0]):
+            assert set(flat.plan.src.mesh.ranks) == same_block, rank
+        assert [s.describe() for s in grad.hops[1].plan.steps] == ["reduce_scatter(axis=dp, dim=0, op=avg)"]
+        assert [s.describe() for s in back.hops[0].plan.steps] == ["all_gather(axis=dp, dim=0)"]
+
+
 def test_own_layout_states_get_a_leg_each_way() -> None:
     t = attrs.evolve(zero2("w", (8, 4)), own_states=(("exp_avg_sq", L("R,S(dp) over mesh[dp=4]")),))
     step = plan_step([t], 0)
