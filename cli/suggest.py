@@ -142,7 +142,6 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
         out.append(f"best fixed strategy that fits: {name}, {ratio:.3f}x the suggested time")
     else:
         out.append("no fixed strategy fits the budget")
-    out += [f"not offered: {note}" for note in problems[0].notes]
     status = "optimal" if result.optimal else f"stopped at the time limit, optimality gap {result.gap:.2%}"
     candidates = sum(len(g.candidates) for p in problems for g in p.groups)
     pricing = sum(p.price_seconds for p in problems)
@@ -180,7 +179,6 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
         "optimizer": problem.optimizer,
         "budget_bytes": result.budget,
         "flat_axis": problem.flat_axis,
-        "not_offered": list(problems[0].notes),
         "suggested": _choice_json(problem, result.best),
         "this_spec": _choice_json(problems[0], problems[0].original()),
         "strategies": strategies,

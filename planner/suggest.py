@@ -53,7 +53,7 @@ from planner.choice import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
 from planner.model import cost_for, step_tensor
-from planner.step import BEFORE, plan_step, without_axis
+from planner.step import plan_step, without_axis
 from shardlang.dtypes import itemsize
 from shardlang.errors import ShardlangError
 from shardlang.generate import split_dim
@@ -69,10 +69,6 @@ _UNBOUNDED = 2**62  # bucket bytes: one bucket per kind
 
 class SuggestError(ShardlangError):
     """No choice fits the budget (names the smallest budget that does), or bad options."""
-
-
-class FlatUnavailable(SuggestError):
-    """Flat sharding over an axis is no option for this model (the message says why)."""
 
 
 @attrs.frozen
@@ -137,7 +133,6 @@ class Problem:
     groups: tuple[Group, ...]
     price_seconds: float
     flat_axis: str | int | None = None
-    notes: tuple[str, ...] = ()  # flat axes that are no option, and why
 
     # --- evaluating a choice ---------------------------------------------------------------
     def evaluate(self, picks: Sequence[Sequence[int]]) -> Choice:
@@ -290,16 +285,6 @@ def _price(
     for leg in step.legs:
         for h, k in leg.communicating:
             s = leg.hops[h].plan.steps[k]
-            # The flat hop (a leg's second into the state, its first out of it: planner.step)
-            # moves the rank's own block, which differs across the other axes: the step plan
-            # may still route it over them, and such a plan is not the rank's own (README,
-            # "Choosing layouts").
-            if flat is not None and h == (1 if leg.stage == BEFORE else 0) and s.axis not in (None, flat):
-                raise FlatUnavailable(
-                    f"flat over {s.layout.mesh.axis_label(flat)}: the step plan moves the flat chunks of "
-                    f"tensor '{tensor.name}' ({layouts.state()}) over mesh axis {s.layout.mesh.axis_label(s.axis)}, "
-                    "across ranks that hold other blocks of it"
-                )
             if s.axis is None:  # point to point: a collective of its own
                 seconds += s.seconds
                 continue
@@ -399,13 +384,10 @@ def build_problem(
 def build_problems(
     spec: Spec, optimizer: str = "adamw", *, states_only: bool = False, tensors: Sequence[TensorSpec] | None = None
 ) -> tuple[Problem, ...]:
-    """The plain problem, then one per axis the optimizers' flat sharding may use; why an
-    axis is no option is among the plain problem's ``notes``."""
+    """The plain problem, then one per axis the optimizers' flat sharding may use."""
     plain = build_problem(spec, optimizer, states_only=states_only, tensors=tensors)
-    flat, notes = [], []
-    for axis in flat_axes(plain.tensors):
-        try:
-            flat.append(build_problem(spec, optimizer, states_only=states_only, tensors=tensors, flat_axis=axis))
-        except FlatUnavailable as e:
-            notes.append(e.message)
-    return (attrs.evolve(plain, notes=tuple(notes)), *flat)
+    flat = [
+        build_problem(spec, optimizer, states_only=states_only, tensors=tensors, flat_axis=axis)
+        for axis in flat_axes(plain.tensors)
+    ]
+    return (plain, *flat)

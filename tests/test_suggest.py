@@ -236,14 +236,11 @@ def test_tensors_a_rule_matches_are_chosen_for_and_declared(tmp_path: Path, caps
     assert "tensor 'model.bias' is not declared and no rule matches it" in capsys.readouterr().err
 
 
-def test_flat_is_not_offered_where_the_step_plan_moves_flat_chunks_over_another_axis() -> None:
-    # On dp=4, tp=8 the step plan routes the flat chunks of a tp-split tensor over tp, across
-    # ranks that hold other rows of it (README, "Choosing layouts"): flat is no option there.
+def test_flat_over_dp_is_offered_where_other_axes_split_the_blocks() -> None:
+    # On dp=4, tp=8 the flat hops of a tp-split tensor stay among the ranks holding its block
+    # (planner.step.flat_group), so flat over dp is a problem of its own beside the plain one.
     problems = build_problems(load_spec(REPO / "examples" / "llama7b_dp4_tp8.shard"))
-    assert [p.flat_axis for p in problems] == [None]
-    (note,) = problems[0].notes
-    assert note.startswith("flat over dp: the step plan moves the flat chunks of tensor 'model.embed_tokens.weight'")
-    assert note.endswith("over mesh axis tp, across ranks that hold other blocks of it")
+    assert [p.flat_axis for p in problems] == [None, "dp"]
 
 
 def test_flat_wins_where_pieces_are_padded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
