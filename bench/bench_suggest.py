@@ -59,8 +59,6 @@ def main() -> None:
         f"{args.spec}: {n} tensors in {len(problems[0].groups)} groups, {args.optimizer}; "
         f"{len(problems)} problem(s), pricing {pricing:.2f} s"
     )
-    for note in problems[0].notes:
-        print(f"  not offered: {note}")
     print("  " + ", ".join(f"{k} {c.memory / 2**30:.2f} GiB {c.seconds * 1e3:.1f} ms" for k, c in fixed.items()))
     heads = ("budget GiB", "solve s", "suggested ms", "best fixed", "fixed ms")
     print("  ".join(f"{h:>{w}}" for h, w in zip(heads, (10, 7, 12, 10, 8), strict=True)) + "  ratio  optimal")
