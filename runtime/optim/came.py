@@ -100,17 +100,24 @@ def came_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[t
 class RunStats:
     """Where the row, column and per-matrix statistics of a run's matrices lie in one buffer
     each: per slot its offset in each (``None`` for a 1-d tensor), and the size of each, whose
-    last entry is a spare one (``1`` there) for the elements of no flat chunk. When some
-    matrices are flat chunks, every element of the run has its row, column and matrix in those
-    buffers (``index``), so that their partial sums are one ``index_add_`` for the whole run and
-    the statistics spread back to the elements one ``index_select``."""
+    last entry is a spare one (``1`` there) for the elements of no flat chunk. ``row_matrix``
+    gives every row statistic (and the spare) its matrix, ``heights`` every matrix its row
+    statistics' count, so that per-matrix sums and means of rows are one ``index_add_`` for the
+    run. When some matrices are flat chunks, every element of the run has its row, column and
+    matrix there (``index``): their partial sums are one ``index_add_`` each for the whole run
+    and the statistics spread back to the elements one ``index_select``."""
 
     offsets: tuple[tuple[int, int, int] | None, ...]
     sizes: tuple[int, int, int]
-    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    row_matrix: torch.Tensor
+    heights: torch.Tensor
+    index: tuple[torch.Tensor, ...] | None
+    # Per slot its local element count, and the square root of its tensor's (for the RMS).
+    counts: torch.Tensor
+    roots: torch.Tensor
 
     @classmethod
-    def of(cls, shards: Sequence[StateShard], device: torch.device) -> RunStats:
+    def of(cls, shards: Sequence[StateShard], dtype: torch.dtype, device: torch.device) -> RunStats:
         offsets: list[tuple[int, int, int] | None] = []
         sizes = [0, 0, 0]
         for shard in shards:
@@ -121,22 +128,37 @@ class RunStats:
             sizes[0] += math.prod(shard.row_stat_shape)
             sizes[1] += math.prod(shard.col_stat_shape)
             sizes[2] += math.prod(shard.block_shape[:-2])
+        kind = torch.int32 if max(sizes) < 2**31 - 1 else torch.int64
+        row_matrix = torch.full((sizes[0] + 1,), sizes[2], dtype=kind)
+        heights = torch.ones(sizes[2] + 1, dtype=dtype)
+        for shard, at in zip(shards, offsets, strict=True):
+            if at is not None:
+                count, height = math.prod(shard.block_shape[:-2]), shard.row_stat_shape[-1]
+                row_matrix[at[0] : at[0] + count * height] = torch.arange(count).repeat_interleave(height) + at[2]
+                heights[at[2] : at[2] + count] = height
         index = None
         if any(s.flat_range is not None and s.factored for s in shards):
-            dtype = torch.int32 if max(sizes) < 2**31 - 1 else torch.int64
             numel = sum(math.prod(s.local_shape) for s in shards)
-            index = tuple(torch.full((numel,), size, dtype=dtype) for size in sizes)
+            whole = tuple(torch.full((numel,), size, dtype=kind) for size in sizes)
             start = 0
             for shard, at in zip(shards, offsets, strict=True):
                 n = math.prod(shard.local_shape)
                 if at is not None and shard.row_index is not None:
                     local = (shard.row_index, shard.col_index, shard.batch_index)
-                    for whole, piece, offset in zip(index, local, at, strict=True):
+                    for indices, piece, offset in zip(whole, local, at, strict=True):
                         assert piece is not None
-                        whole[start : start + n] = piece + offset
+                        indices[start : start + n] = piece + offset
                 start += n
-            index = tuple(i.to(device) for i in index)
-        return cls(offsets=tuple(offsets), sizes=(sizes[0], sizes[1], sizes[2]), index=index)
+            index = tuple(i.to(device) for i in whole)
+        return cls(
+            offsets=tuple(offsets),
+            sizes=(sizes[0], sizes[1], sizes[2]),
+            row_matrix=row_matrix.to(device),
+            heights=heights.to(device),
+            index=index,
+            counts=torch.tensor([math.prod(s.local_shape) for s in shards], device=device),
+            roots=torch.tensor([math.sqrt(s.numel) for s in shards], dtype=dtype, device=device),
+        )
 
 
 class CameRun:
@@ -161,6 +183,12 @@ class CameRun:
         self.matrices = [j for j, s in enumerate(self.shards) if s.factored]
         self.vectors = [j for j, s in enumerate(self.shards) if not s.factored]
         self.spans = [s.factored and rows_span_ranks(s) for s in self.shards]
+        factored = [self.shards[j] for j in self.matrices]
+        self.stat_shapes = (
+            [s.row_stat_shape for s in factored],
+            [s.col_stat_shape for s in factored],
+            [s.block_shape[:-2] for s in factored],
+        )
         self.exp_avg = self._flat_state("exp_avg", scratch)
         self.new_exp_avg = work.states_of(run, "exp_avg", new=True)
         if self.new_exp_avg is None:
@@ -194,13 +222,12 @@ class CameRun:
             torch._foreach_mul_(new, beta)
         return new
 
-    def _stat_view(self, buffer: torch.Tensor, j: int, which: int) -> torch.Tensor:
-        """Slot ``j``'s row (``which`` 0), column (1) or per-matrix (2) statistics in a buffer
-        laid out as :class:`RunStats` says."""
-        shard, at = self.shards[j], self.stats.offsets[j]
-        assert at is not None
-        shape = (shard.row_stat_shape, shard.col_stat_shape, shard.block_shape[:-2])[which]
-        return buffer[at[which] : at[which] + math.prod(shape)].view(shape)
+    def _stat_views(self, buffer: torch.Tensor, which: int) -> list[torch.Tensor]:
+        """Per matrix of the run, its row (``which`` 0), column (1) or per-matrix (2)
+        statistics in a buffer laid out as :class:`RunStats` says."""
+        shapes = self.stat_shapes[which]
+        pieces = buffer[: self.stats.sizes[which]].split([math.prod(s) for s in shapes])
+        return [p.view(s) for p, s in zip(pieces, shapes, strict=True)]
 
     def _stat_sums(self, x: torch.Tensor, row_state: str) -> list[list[torch.Tensor]]:
         """Per slot, the partial sums of ``x`` (a flat buffer of the run) that the row and
@@ -208,22 +235,36 @@ class CameRun:
         out: list[list[torch.Tensor]] = [[] for _ in self.run]
         if not self.matrices:
             return out
-        wanted = 3 if any(self.spans) else 2
-        sums = [x.new_zeros(size + 1) for size in self.stats.sizes[:wanted]]
+        sums = [x.new_zeros(size + 1) for size in self.stats.sizes[:2]]
         if self.stats.index is not None:  # flat chunks: one index_add_ each for the whole run
             for total, index in zip(sums, self.stats.index, strict=False):
                 total.index_add_(0, index, x)
         pieces = self._pieces(x)
-        for j in self.matrices:
-            out[j] = [self._stat_view(sums[0], j, 0), self._stat_view(sums[1], j, 1)]
-            if self.spans[j]:
-                out[j] += [self._stat_view(sums[2], j, 2), self.work.state(self.run[j], row_state).sum(-1)]
+        rows, cols = self._stat_views(sums[0], 0), self._stat_views(sums[1], 1)
+        for j, row, col in zip(self.matrices, rows, cols, strict=True):
+            out[j] = [row, col]
             if self.shards[j].flat_range is None:
-                torch.sum(pieces[j], -1, out=out[j][0])
-                torch.sum(pieces[j], -2, out=out[j][1])
+                torch.sum(pieces[j], -1, out=row)
+                torch.sum(pieces[j], -2, out=col)
+        if any(self.spans):  # per matrix: its sum (of its row sums) and the sum of its old rows
+            row_matrix = self.stats.row_matrix
+            totals = x.new_zeros(self.stats.sizes[2] + 1).index_add_(0, row_matrix, sums[0])
+            old = x.new_zeros(self.stats.sizes[2] + 1).index_add_(0, row_matrix[:-1], self._row_stats(row_state))
+            for j, total, old_sum in zip(
+                self.matrices, self._stat_views(totals, 2), self._stat_views(old, 2), strict=True
+            ):
                 if self.spans[j]:
-                    torch.sum(pieces[j], (-2, -1), out=out[j][2])
+                    out[j] += [total, old_sum]
         return out
+
+    def _row_stats(self, name: str) -> torch.Tensor:
+        """Row statistics ``name`` of the run's matrices, one after another (a range of their
+        buffer where they lie so, else a copy)."""
+        slots = [self.run[j] for j in self.matrices]
+        flat = self.work.states_of(slots, name)
+        if flat is not None:
+            return flat
+        return flat_or_copy(self._states(self.matrices, name), self.grads.dtype)
 
     def _factors(self, completed: Sequence[list[torch.Tensor]], states: tuple[str, str], beta: float) -> None:
         """The row and column EMAs of the completed sums (written to the new states ``states``),
@@ -238,7 +279,18 @@ class CameRun:
         torch._foreach_div_(col_sums, [float(self.shards[j].shape[-2]) for j in js])
         torch._foreach_add_(rows, row_sums, alpha=1.0 - beta)
         torch._foreach_add_(cols, col_sums, alpha=1.0 - beta)
-        norms = [None if self.spans[j] else row.mean(dim=-1) for j, row in zip(js, rows, strict=True)]
+        dtype, device = self.grads.dtype, self.grads.device
+        buffers, views = [], []
+        for which, stats, name in ((0, rows, "came row factors"), (1, cols, "came column factors")):
+            buffer = self.scratch.take(name, self.stats.sizes[which] + 1, dtype, device)
+            buffer[-1:].fill_(1.0)
+            views.append(self._stat_views(buffer, which))
+            torch._foreach_copy_(views[-1], stats)
+            buffers.append(buffer)
+        row_buffer, col_buffer = buffers
+        row_matrix = self.stats.row_matrix
+        norms = row_buffer.new_zeros(self.stats.sizes[2] + 1).index_add_(0, row_matrix, row_buffer)
+        norms.div_(self.stats.heights)  # mean_H of the new rows, where the rows are whole here
         spans = [k for k, j in enumerate(js) if self.spans[j]]
         if spans:  # the rows are split: sum_H of the new rows from the sums (see the module doc)
             old, total = [completed[js[k]][3] for k in spans], [completed[js[k]][2] for k in spans]
@@ -246,27 +298,18 @@ class CameRun:
             torch._foreach_div_(total, [float(self.shards[js[k]].shape[-1]) for k in spans])
             torch._foreach_add_(old, total, alpha=1.0 - beta)
             torch._foreach_div_(old, [float(self.shards[js[k]].shape[-2]) for k in spans])
-            for k, norm in zip(spans, old, strict=True):
-                norms[k] = norm
-        dtype, device = self.grads.dtype, self.grads.device
-        factors = []
-        for which, stats, name in ((0, rows, "came row factors"), (1, cols, "came column factors")):
-            buffer = self.scratch.take(name, self.stats.sizes[which] + 1, dtype, device)
-            buffer[-1:].fill_(1.0)
-            views = [self._stat_view(buffer, j, which) for j in js]
-            torch._foreach_copy_(views, stats)
-            if which == 0:
-                torch._foreach_div_(views, [self.shards[j].matrices(n) for j, n in zip(js, norms, strict=True)])
-            factors.append((buffer.rsqrt_(), views))
-        (row_buffer, row_factors), (col_buffer, col_factors) = factors
+            per_matrix = self._stat_views(norms, 2)
+            torch._foreach_copy_([per_matrix[k] for k in spans], old)
+        row_buffer.div_(norms.index_select(0, row_matrix)).rsqrt_()
+        col_buffer.rsqrt_()
         if self.stats.index is not None:
             torch.index_select(row_buffer, 0, self.stats.index[0], out=self.update)
             self.update.mul_(col_buffer.index_select(0, self.stats.index[1]))
         blocks = [k for k, j in enumerate(js) if self.shards[j].flat_range is None]
         if blocks:
             update = [self.u[js[k]] for k in blocks]
-            torch._foreach_copy_(update, [row_factors[k].unsqueeze(-1) for k in blocks])
-            torch._foreach_mul_(update, [col_factors[k].unsqueeze(-2) for k in blocks])
+            torch._foreach_copy_(update, [views[0][k].unsqueeze(-1) for k in blocks])
+            torch._foreach_mul_(update, [views[1][k].unsqueeze(-2) for k in blocks])
 
     def advance(self, phase: int, completed: Sequence[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """The math up to the sums of ``phase`` (see :data:`PHASES`; past the last, to the end),
@@ -293,9 +336,9 @@ class CameRun:
             squares = torch.stack(torch._foreach_norm(self.u)).square_()
             return [[squares[j : j + 1]] for j in range(len(self.run))]
         if phase == 2:
-            rms = torch.cat([c[0] for c in completed]).sqrt_()
-            rms /= torch.tensor([math.sqrt(s.numel) for s in self.shards], dtype=rms.dtype, device=rms.device)
-            torch._foreach_div_(self.u, list((rms / self.hyper.clip_threshold).clamp_(min=1.0).unbind()))
+            rms = torch.cat([c[0] for c in completed]).sqrt_().div_(self.stats.roots)
+            scale = rms.div_(self.hyper.clip_threshold).clamp_(min=1.0)
+            self.update.div_(scale.repeat_interleave(self.stats.counts, output_size=self.update.numel()))
             torch.mul(self.exp_avg, beta1, out=self.new_exp_avg).add_(self.update, alpha=1 - beta1)
             if not self.matrices:
                 return [[] for _ in self.run]
@@ -382,7 +425,9 @@ class ShardedCAME(ShardedOptimizer):
             "weight_decay": weight_decay,
         }
         self._specs: dict[int, tuple[StateShard, torch.dtype, tuple[tuple[SumSpec, ...], ...]]] = {}
-        self._stats: dict[tuple[int, ...], tuple[tuple[StateShard, ...], torch.device, RunStats]] = {}
+        self._stats: dict[
+            tuple[int, ...], tuple[tuple[StateShard, ...], tuple[torch.dtype, torch.device], RunStats]
+        ] = {}
         super().__init__(named_params, spec, defaults, **options)
 
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
@@ -410,12 +455,17 @@ class ShardedCAME(ShardedOptimizer):
         return super()._where(slot, name)
 
     def _run_stats(self, work: StepWork, run: Sequence[int]) -> RunStats:
-        """The run's :class:`RunStats`, kept while its slots' shards and device are the same."""
+        """The run's :class:`RunStats`, kept while its slots' shards, dtype and device are the same."""
         shards, device = tuple(work.slots[i].shard for i in run), work.grads[run[0]].device
+        dtype = work.slots[run[0]].dtype
         key = tuple(work.slots[i].index for i in run)
         cached = self._stats.get(key)
-        if cached is None or cached[1] != device or any(a is not b for a, b in zip(cached[0], shards, strict=True)):
-            cached = self._stats[key] = (shards, device, RunStats.of(shards, device))
+        if (
+            cached is None
+            or cached[1] != (dtype, device)
+            or any(a is not b for a, b in zip(cached[0], shards, strict=True))
+        ):
+            cached = self._stats[key] = (shards, (dtype, device), RunStats.of(shards, dtype, device))
         return cached[2]
 
     def _updates(self, work: StepWork) -> list[Update]:
