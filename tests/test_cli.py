@@ -1,6 +1,7 @@
-"""The ``shardlang`` console script, run for real in subprocesses: exit codes, the error
-format (line and column), JSON validity and schema, pictures (SVG structure, PNG signature,
-a 64-rank mesh), the main job, colors and progress only on a terminal.
+"""The ``shardlang`` command, run through ``cli.main.main`` as the console script runs it (and
+the installed script itself where a process matters: its exit code, a terminal): exit codes,
+the error format (line and column), JSON validity and schema, pictures (SVG structure, PNG
+signature, a 64-rank mesh), the main job, colors and progress only on a terminal.
 
 Expected numbers come from the cost model's formulas worked by hand, or from torch.chunk.
 """
@@ -8,6 +9,7 @@ Expected numbers come from the cost model's formulas worked by hand, or from tor
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -17,11 +19,14 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from cli.inputs import bandwidth_arg, bytes_arg, duration_arg
+from cli.main import main
 from cli.mesh_grid import arrange
 from shardlang import Mesh, parse_layout
 from tests.conftest import EXAMPLES
@@ -34,11 +39,29 @@ HAR = ["R | P01 over mesh[2,8]", "R over mesh[2,8]", "--shape", "1048576", "--ba
 
 
 def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``shardlang ARGS`` as the console script runs it (``sys.exit(cli.main.main())``), in this
+    process with piped output: its exit code, stdout and stderr. A process costs a second of
+    imports each; the installed script itself is run by test_the_installed_script and the
+    terminal tests."""
+    out, err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8"), io.StringIO()  # out has a .buffer
+    here = Path.cwd()
+    with mock.patch.dict(os.environ, env or _plain_env(), clear=True), redirect_stdout(out), redirect_stderr(err):
+        try:
+            os.chdir(cwd or here)
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors and --help
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        finally:
+            os.chdir(here)
+    out.flush()
+    printed = out.buffer.getvalue().decode()  # type: ignore[attr-defined]
+    return subprocess.CompletedProcess(["shardlang", *args], code, printed, err.getvalue())
+
+
+def run_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The installed console script; a bounded wait so that a hang fails the test."""
     assert SCRIPT.exists(), f"the console script {SCRIPT} is not installed (pip install -e .)"
-    return subprocess.run(
-        [str(SCRIPT), *args], capture_output=True, text=True, timeout=60, cwd=cwd, env=env or _plain_env()
-    )
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=60, env=env or _plain_env())
 
 
 def _plain_env() -> dict[str, str]:
@@ -617,6 +640,14 @@ def test_colors_only_on_a_terminal_and_never_with_no_color(tmp_path: Path) -> No
     assert "\x1b[" not in plain.replace("\x1b[K", "")  # only progress clearing its line
     # The same text either way, colors aside.
     assert re.sub(r"\x1b\[[0-9;]*m", "", colored) == plain
+
+
+def test_the_installed_script() -> None:
+    """What run() stands for: the console script's exit code and output, in its own process."""
+    for args in (["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "4"], ["nonsense"]):
+        script, here = run_script(*args), run(*args)
+        assert (script.returncode, script.stdout, script.stderr) == (here.returncode, here.stdout, here.stderr)
+    assert script.returncode == 2 and "unknown command" in script.stderr
 
 
 def test_python_dash_m_cli() -> None:

@@ -1,5 +1,5 @@
-"""The ``shardlang`` command on cross-mesh pairs and point-to-point plans, run for real in
-subprocesses: the receive lower bound in text and JSON, the messages, ``--p2p``, explain,
+"""The ``shardlang`` command on cross-mesh pairs and point-to-point plans, run as the console
+script runs it (tests/test_cli.py's run): the receive lower bound in text and JSON, the messages, ``--p2p``, explain,
 and pictures that show both meshes and the messages (a 64-rank grid included).
 
 Expected numbers come from element sets cut by torch.chunk (the references of

@@ -118,13 +118,16 @@ def dtensor_expressible(layout: Layout) -> bool:
     return all(list(a) == sorted(a) for a in layout.dims) and (len(ops) <= 1 or ops == {"sum", "avg"})
 
 
+DTENSOR_LAYOUTS = layouts(meshes(max_axes=3, max_size=3).map(Mesh.anonymous), max_dims=3)  # built once
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_dtensor_chunking_matches_torch(data: st.DataObject) -> None:
     """Every layout either converts, and then torch's own local-shape-and-offset
     computation agrees with Layout.piece on every rank, or raises InteropError exactly when
     DTensor cannot express it."""
-    layout = data.draw(layouts(meshes(max_axes=3, max_size=3).map(Mesh.anonymous), max_dims=3))
+    layout = data.draw(DTENSOR_LAYOUTS)
     shape = tuple(data.draw(st.lists(st.integers(0, 9), min_size=layout.ndim, max_size=layout.ndim)))
     if not dtensor_expressible(layout):
         with pytest.raises(InteropError):

@@ -13,7 +13,6 @@ import itertools
 import json
 import math
 import random
-import time
 from collections import Counter
 from functools import cache
 
@@ -377,13 +376,12 @@ def test_sender_choice_is_within_the_lpt_bound_of_the_best():
     assert checked >= 40 and tight >= 30
 
 
-def test_the_holders_of_a_block_are_gathered_in_linear_time():
-    """A layout replicated over a large mesh has one block with every rank as a holder; growing
-    its holder tuple one rank at a time took quadratic time (seconds at 65536 ranks)."""
+def test_the_holders_of_a_block_are_gathered_in_mesh_order():
+    """A layout replicated over a large mesh has one block with every rank as a holder (growing
+    its holder tuple one rank at a time took quadratic time: bench/bench_planner_budget.py
+    times this case)."""
     layout = L("R over mesh[256,256] ranks 1..65536")
-    started = time.perf_counter()
     blocks = Blocks(layout, (8,))
-    assert time.perf_counter() - started < 1.5
     assert blocks.holders == {((0, 8),): tuple(range(1, 65537))}
 
 

@@ -9,7 +9,6 @@ import fnmatch
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardlang.parser
+import shardlang.spec
 from shardlang import ParseError, ShardlangError, SpecError, load_spec, parse_spec
 from shardlang.spec import expand_braces, pattern_regex
 from tests.conftest import REPO
+from tests.test_cli import run
 
 SPEC = "mesh w = [2]\ntensor a : f32[4] { param = S0 over w }\n"
 
@@ -50,11 +51,11 @@ def test_what_is_not_a_regular_file_is_refused_at_once(tmp_path: Path, kind: str
     else:
         path, words = tmp_path / "folder.shard", "it is a folder, not a spec file"
         path.mkdir()
-    started = time.monotonic()
+    # The message says the kind was refused before any read (a read would block, or end in
+    # the size limit's message); the command's bounded wait below catches a hang.
     with pytest.raises(SpecError) as caught:
         load_spec(path)
     assert str(caught.value) == f"{path}: cannot read: {words}"
-    assert time.monotonic() - started < 5
 
 
 def test_the_command_refuses_them_too(tmp_path: Path) -> None:
@@ -209,17 +210,20 @@ def test_sets_cut_by_a_brace_match_as_their_expansions_do() -> None:
             assert (pattern_regex(pattern).match(name) is not None) == _by_expansion(pattern, name), (pattern, name)
 
 
-def test_a_huge_brace_range_costs_nothing_per_name() -> None:
-    """``x{0..99999}`` (the most names a rule may name) is not expanded: resolving names
-    that no rule matches, and ones that it does, takes microseconds each."""
+def test_a_huge_brace_range_costs_nothing_per_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``x{0..99999}`` (the most names a rule may name) is not expanded: each pattern is
+    compiled once into a short regex, and resolving names that no rule matches, and ones that
+    it does, expands nothing (bench/bench_planner_budget.py times these lookups)."""
     spec = parse_spec('rule "x{0..99999}.w" { param = R over mesh[2] }\nrule "y.*" { param = R over mesh[2] }\n')
-    started = time.monotonic()
+    shardlang.spec.pattern_regex.cache_clear()
+    monkeypatch.setattr(shardlang.spec, "expand_braces", lambda *a, **k: pytest.fail(f"expanded {a}"))
     for i in range(2000):
         assert spec.resolve(f"y.{i}", (3,), "f32").param.ndim == 1
         assert spec.resolve(f"x{i * 37}.w", (3,), "f32").position.line == 1  # type: ignore[union-attr]
         with pytest.raises(SpecError, match="no rule matches"):
             spec.resolve(f"z{i}", (3,), "f32")
-    assert time.monotonic() - started < 5
+    assert shardlang.spec.pattern_regex.cache_info().misses == 2
+    assert len(shardlang.spec.pattern_regex("x{0..99999}.w").pattern) < 200
     with pytest.raises(SpecError, match="no rule matches"):
         spec.resolve("x100000.w", (3,), "f32")
     with pytest.raises(SpecError, match="no rule matches"):
@@ -243,14 +247,7 @@ def test_braces_of_allowed_characters_still_expand() -> None:
 def test_the_command_caps_lengths_as_spec_files_do() -> None:
     """``--shape`` takes lengths up to 2^63-1, like a spec file's shape, and says so past it."""
     too_long = str(2**63)
-    result = subprocess.run(
-        [sys.executable, "-m", "cli", "show", "S0 over mesh[2]", "--shape", too_long],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        env={**os.environ, "NO_COLOR": "1"},
-    )
+    result = run("show", "S0 over mesh[2]", "--shape", too_long)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"'{too_long}': a length is at most 2^63-1 (9223372036854775807)" in result.stderr
     with pytest.raises(ParseError, match="too large \\(at most 9223372036854775807\\)"):
