@@ -185,7 +185,6 @@ def spellings(draw: st.DrawFn) -> tuple[Layout, str]:
     and order, ``:sum`` spelled out or not, random spaces, the mesh inline."""
     layout = draw(ANONYMOUS_LAYOUTS)
     mesh = layout.mesh
-    space = SPACE
 
     def axis_ref(axis: int) -> str:
         by_name = mesh.axis_names is not None and draw(st.booleans())
@@ -194,10 +193,10 @@ def spellings(draw: st.DrawFn) -> tuple[Layout, str]:
     def axis_group(letter: str, axes: list[int]) -> str:
         if mesh.axis_names is None and all(a < 10 for a in axes) and draw(st.booleans()):
             return letter + "".join(str(a) for a in axes)
-        return letter + draw(space) + "(" + ",".join(draw(space) + axis_ref(a) + draw(space) for a in axes) + ")"
+        return letter + draw(SPACE) + "(" + ",".join(draw(SPACE) + axis_ref(a) + draw(SPACE) for a in axes) + ")"
 
     dims = [axis_group("S", list(axes)) if axes else "R" for axes in layout.dims]
-    text = ",".join(draw(space) + d + draw(space) for d in dims) if dims else "(" + draw(space) + ")"
+    text = ",".join(draw(SPACE) + d + draw(SPACE) for d in dims) if dims else "(" + draw(SPACE) + ")"
     if layout.partial:
         entries = draw(st.permutations(layout.partial))
         groups: list[tuple[str, list[int]]] = []
@@ -210,7 +209,7 @@ def spellings(draw: st.DrawFn) -> tuple[Layout, str]:
         for op, axes in groups:
             suffix = "" if op == "sum" and draw(st.booleans()) else ":" + op
             written.append(axis_group("P", axes) + suffix)
-        text += draw(space) + "|" + draw(space) + ",".join(written)
+        text += draw(SPACE) + "|" + draw(SPACE) + ",".join(written)
     shape = ",".join(
         str(s) if mesh.axis_names is None else f"{mesh.axis_names[i]}={s}" for i, s in enumerate(mesh.shape)
     )
