@@ -112,9 +112,7 @@ class RunStats:
     row_matrix: torch.Tensor
     heights: torch.Tensor
     index: tuple[torch.Tensor, ...] | None
-    # Per slot its local element count, and the square root of its tensor's (for the RMS).
-    counts: torch.Tensor
-    roots: torch.Tensor
+    roots: torch.Tensor  # per slot, the square root of its tensor's element count (for the RMS)
 
     @classmethod
     def of(cls, shards: Sequence[StateShard], dtype: torch.dtype, device: torch.device) -> RunStats:
@@ -156,7 +154,6 @@ class RunStats:
             row_matrix=row_matrix.to(device),
             heights=heights.to(device),
             index=index,
-            counts=torch.tensor([math.prod(s.local_shape) for s in shards], device=device),
             roots=torch.tensor([math.sqrt(s.numel) for s in shards], dtype=dtype, device=device),
         )
 
@@ -179,7 +176,7 @@ class CameRun:
         second = scratch.take("came second", numel, dtype, device)
         update = scratch.take("came update", numel, dtype, device)
         self.second, self.update = second, update
-        self.u = self._pieces(update)
+        self.s, self.u = self._pieces(second), self._pieces(update)
         self.matrices = [j for j, s in enumerate(self.shards) if s.factored]
         self.vectors = [j for j, s in enumerate(self.shards) if not s.factored]
         self.spans = [s.factored and rows_span_ranks(s) for s in self.shards]
@@ -229,9 +226,10 @@ class CameRun:
         pieces = buffer[: self.stats.sizes[which]].split([math.prod(s) for s in shapes])
         return [p.view(s) for p, s in zip(pieces, shapes, strict=True)]
 
-    def _stat_sums(self, x: torch.Tensor, row_state: str) -> list[list[torch.Tensor]]:
-        """Per slot, the partial sums of ``x`` (a flat buffer of the run) that the row and
-        column EMAs of ``row_state`` (and its column twin) need; none for a 1-d tensor."""
+    def _stat_sums(self, row_state: str) -> list[list[torch.Tensor]]:
+        """Per slot, the partial sums of ``self.second`` that the row and column EMAs of
+        ``row_state`` (and its column twin) need; none for a 1-d tensor."""
+        x = self.second
         out: list[list[torch.Tensor]] = [[] for _ in self.run]
         if not self.matrices:
             return out
@@ -239,13 +237,12 @@ class CameRun:
         if self.stats.index is not None:  # flat chunks: one index_add_ each for the whole run
             for total, index in zip(sums, self.stats.index, strict=False):
                 total.index_add_(0, index, x)
-        pieces = self._pieces(x)
         rows, cols = self._stat_views(sums[0], 0), self._stat_views(sums[1], 1)
         for j, row, col in zip(self.matrices, rows, cols, strict=True):
             out[j] = [row, col]
             if self.shards[j].flat_range is None:
-                torch.sum(pieces[j], -1, out=row)
-                torch.sum(pieces[j], -2, out=col)
+                torch.sum(self.s[j], -1, out=row)
+                torch.sum(self.s[j], -2, out=col)
         if any(self.spans):  # per matrix: its sum (of its row sums) and the sum of its old rows
             row_matrix = self.stats.row_matrix
             totals = x.new_zeros(self.stats.sizes[2] + 1).index_add_(0, row_matrix, sums[0])
@@ -319,13 +316,12 @@ class CameRun:
         if phase == 0:
             torch.square(self.grads, out=self.second).add_(eps1)
             if self.vectors:
-                second = self._pieces(self.second)
                 torch._foreach_add_(
                     self._decayed(self.vectors, "exp_avg_sq", beta2),
-                    [second[j] for j in self.vectors],
+                    [self.s[j] for j in self.vectors],
                     alpha=1.0 - beta2,
                 )
-            return self._stat_sums(self.second, "exp_avg_sq_row")
+            return self._stat_sums("exp_avg_sq_row")
         if phase == 1:
             self._factors(completed, ("exp_avg_sq_row", "exp_avg_sq_col"), beta2)
             if self.vectors:
@@ -338,12 +334,12 @@ class CameRun:
         if phase == 2:
             rms = torch.cat([c[0] for c in completed]).sqrt_().div_(self.stats.roots)
             scale = rms.div_(self.hyper.clip_threshold).clamp_(min=1.0)
-            self.update.div_(scale.repeat_interleave(self.stats.counts, output_size=self.update.numel()))
+            torch._foreach_div_(self.u, list(scale.unbind()))
             torch.mul(self.exp_avg, beta1, out=self.new_exp_avg).add_(self.update, alpha=1 - beta1)
             if not self.matrices:
                 return [[] for _ in self.run]
             torch.sub(self.update, self.new_exp_avg, out=self.second).square_().add_(eps2)
-            return self._stat_sums(self.second, "exp_avg_res_row")
+            return self._stat_sums("exp_avg_res_row")
         if self.vectors and self.stats.index is None:  # their update is exp_avg itself
             self.update.fill_(1.0)
         self._factors(completed, ("exp_avg_res_row", "exp_avg_res_col"), beta3)
