@@ -30,7 +30,8 @@ on it. A bucket holds at most ``bucket_bytes`` of buffer per rank (see
 Point-to-point steps are never merged (each is its own bucket).
 
 Modeled time of a bucket: the rounds of its collective times the axis latency, plus its bytes
-over the axis bandwidth (``planner.cost``): merging ``k`` steps saves ``k - 1`` latencies.
+over the axis bandwidth, plus the cost model's per-step executor overhead (``planner.cost``):
+merging ``k`` steps saves ``k - 1`` latencies and overheads.
 """
 
 from __future__ import annotations
@@ -554,9 +555,11 @@ def _bucket(legs: Sequence[Leg], stage: str, group: list[tuple[Member, Any]], co
     if first.axis is None:  # point_to_point: its own plan's time
         seconds = first.seconds
     else:
-        alphas, bandwidths = costs[leg.tensor].for_op(first.op, first.layout.mesh)
+        cost = costs[leg.tensor]
+        alphas, bandwidths = cost.for_op(first.op, first.layout.mesh)
         rounds = collective_rounds(first.op, first.layout.mesh.shape[first.axis])
-        seconds = rounds * alphas[first.axis] + total / bandwidths[first.axis]
+        # One collective: one executor overhead per bucket, as a plan pays one per step.
+        seconds = rounds * alphas[first.axis] + total / bandwidths[first.axis] + cost.overhead
     return Bucket(
         stage=stage,
         op=first.op,

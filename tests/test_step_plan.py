@@ -63,6 +63,21 @@ def test_zero2_is_one_reduce_scatter_and_one_all_gather_for_every_tensor() -> No
     assert step.bucket_bytes == DEFAULT_BUCKET_BYTES
 
 
+def test_a_bucket_pays_the_executor_overhead_once() -> None:
+    # Every plan step pays the cost model's overhead (planner.cost); a bucket is one collective,
+    # so it pays one: 3 rounds of 5 us, the bytes at 100 GB/s, plus 40 us.
+    cost = planner.CostModel(alpha=5e-6, bandwidth=1e11, overhead=40e-6)
+    tensors = [attrs.evolve(zero2(n, s), cost=cost) for n, s in SHAPES.items()]
+    step = plan_step(tensors, 0)
+    expected = sum(padded_rows_bytes(s) for s in SHAPES.values())
+    for bucket in step.buckets:
+        assert bucket.seconds == pytest.approx(3 * 5e-6 + expected / 1e11 + 40e-6)
+    # Unbucketed, every tensor's reduce_scatter and all_gather pay their own, and so does the
+    # slice that fetches each parameter's shard.
+    each = 2 * (3 * 5e-6 + 40e-6) + 40e-6
+    assert step.unbucketed_seconds == pytest.approx(len(SHAPES) * each + 2 * expected / 1e11)
+
+
 def test_bucket_bytes_cuts_a_kind_into_buckets_in_order() -> None:
     tensors = [zero2(f"w{i}", (40, 10)) for i in range(5)]  # each a 40*10*4 = 1600-byte buffer
     step = plan_step(tensors, 0, bucket_bytes=3200)
