@@ -73,7 +73,7 @@ def rows_span_ranks(shard: StateShard) -> bool:
 
 
 def came_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[tuple[SumSpec, ...], ...]:
-    """The sums of each phase (see :data:`PHASES`), in the order :func:`came_update` yields them."""
+    """The sums of each phase (see :data:`PHASES`), in the order :class:`CameRun` yields them."""
     mesh = shard.layout.mesh
 
     def spec(axes: frozenset[int], shape: tuple[int, ...], replicated: frozenset[int]) -> SumSpec:
