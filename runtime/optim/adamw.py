@@ -120,7 +120,7 @@ class ShardedAdamW(ShardedOptimizer):
         """The math of every run of consecutive slots with one param group and step count, on
         their flat buffers at once (ranges of the buffers where they already are flat, else
         copies)."""
-        for run in _runs(work):
+        for run in work.runs():
             slot = work.slots[run[0]]
             group, dtype = slot.group, slot.dtype
             scratch = self._scratch
@@ -164,17 +164,3 @@ class ShardedAdamW(ShardedOptimizer):
                 if work.states_of(run, name, new=True) is None:
                     scatter_back(output, [work.new_state(i, name) for i in run])
         return [done()]
-
-
-def _runs(work: StepWork) -> list[list[int]]:
-    """Indices of ``work.slots`` in runs of consecutive slots sharing param group, step count,
-    dtype and device (one flat update each)."""
-    runs: list[list[int]] = []
-    last: tuple | None = None
-    for i, slot in enumerate(work.slots):
-        key = (id(slot.group), slot.step, slot.dtype, work.grads[i].device)
-        if key != last:
-            runs.append([])
-            last = key
-        runs[-1].append(i)
-    return runs

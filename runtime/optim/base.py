@@ -233,6 +233,19 @@ class StepWork:
         own = self.own_new.get((i, name))
         return own if own is not None else self._flat.view(self.slots[i].index, name, self._new_buffers)
 
+    def runs(self) -> list[list[int]]:
+        """Indices of ``slots`` in runs of consecutive slots sharing param group, step count,
+        dtype and device: what one whole-buffer update covers."""
+        runs: list[list[int]] = []
+        last: tuple | None = None
+        for i, slot in enumerate(self.slots):
+            key = (id(slot.group), slot.step, slot.dtype, self.grads[i].device)
+            if key != last:
+                runs.append([])
+                last = key
+            runs[-1].append(i)
+        return runs
+
     def states_of(self, run: Sequence[int], name: str, *, new: bool = False) -> torch.Tensor | None:
         """State ``name`` (new: its destination) of the slots ``run`` as one flat range, when
         they lie one after another in its buffer; else ``None``."""
@@ -1145,7 +1158,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _exchange(self, work: StepWork, step_number: int) -> tuple[int, int]:
         """Drive the math in lockstep, one batch of reductions per phase; the bytes and
-        all-reduces the reductions took."""
+        all-reduces the reductions took. An update (one per slot, or one per run of slots)
+        yields, per phase, the partial sums of its slots in slot order (those of the slots'
+        :meth:`_sum_specs`) and is sent back as many, completed."""
         updates = self._updates(work)
         specs = [self._sum_specs(slot) for slot in work.slots]
         pending: list[Update] = []
@@ -1156,14 +1171,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 pending.append(update)
             except StopIteration:  # no phases: the math is local
                 pass
-        if pending and len(pending) != len(work.slots):
-            raise AssertionError("updates with phases come one per slot")
         total_bytes = total_collectives = 0
         if not pending:
             return 0, 0
         for k, phase in enumerate(self.phases):
             phase_specs = [spec for slot_specs in specs for spec in slot_specs[k]]
             values = [v for slot_values in sent for v in slot_values]
+            if len(values) != len(phase_specs):
+                raise AssertionError(f"{len(values)} sums yielded for {phase}, {len(phase_specs)} specified")
             try:
                 completed, collectives = self._reducer.reduce(phase_specs, values, phase)
             except DistributedError as e:
@@ -1175,7 +1190,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             total_collectives += len(collectives)
             offset = 0
             for i, update in enumerate(pending):
-                n = len(specs[i][k])
+                n = len(sent[i])
                 try:
                     sent[i] = update.send(completed[offset : offset + n])
                 except StopIteration:

@@ -34,7 +34,6 @@ import attrs
 import torch
 
 from runtime.buffers import Scratch
-from runtime.optim.adamw import _runs
 from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StateWhere, StepOptions, StepWork, Update
 from runtime.optim.errors import OptimizerError
 from runtime.optim.flat import as_flat, flat_or_copy, scatter_back
@@ -367,22 +366,17 @@ class CameRun:
         scatter_back(new, [work.new_params[i] for i in run])
 
 
-def _relays(run: CameRun) -> list[Update]:
-    """The run's math as the updates the base class drives, one per slot: the sums of a phase
-    travel in slot order, so the run's last update yields those of all its slots, and each
-    update is sent the completed sums of its own slot; the last, sent its own after all the
-    others, moves the run's math to the next phase."""
-    received: list[list[torch.Tensor]] = [[] for _ in run.run]
-
-    def relay(j: int) -> Update:
-        last = j == len(received) - 1
-        sums = run.advance(0, received) if last else []
-        for phase in range(len(PHASES)):
-            received[j] = yield [s for slot_sums in sums for s in slot_sums] if last else []
-            if last:
-                sums = run.advance(phase + 1, received)
-
-    return [relay(j) for j in range(len(received))]
+def _update(run: CameRun) -> Update:
+    """The run's math as the update the base class drives: per phase it yields the sums of all
+    its slots in slot order and is sent them completed, which it hands back to each slot."""
+    sums = run.advance(0, [])
+    for phase in range(len(PHASES)):
+        flat = yield [s for slot_sums in sums for s in slot_sums]
+        completed, at = [], 0
+        for slot_sums in sums:
+            completed.append(flat[at : at + len(slot_sums)])
+            at += len(slot_sums)
+        sums = run.advance(phase + 1, completed)
 
 
 class ShardedCAME(ShardedOptimizer):
@@ -466,7 +460,7 @@ class ShardedCAME(ShardedOptimizer):
 
     def _updates(self, work: StepWork) -> list[Update]:
         updates: list[Update] = []
-        for run in _runs(work):
+        for run in work.runs():
             group = work.slots[run[0]].group
             hyper = CameHyper(
                 lr=group["lr"],
@@ -475,5 +469,5 @@ class ShardedCAME(ShardedOptimizer):
                 betas=group["betas"],
                 weight_decay=group["weight_decay"],
             )
-            updates += _relays(CameRun(work, run, hyper, self._run_stats(work, run), self._scratch))
+            updates.append(_update(CameRun(work, run, hyper, self._run_stats(work, run), self._scratch)))
         return updates
