@@ -57,6 +57,7 @@ from planner.step import (
     Bucket,
     Hop,
     Leg,
+    LegsInBuckets,
     Member,
     StepTensor,
     bucket_from_json,
@@ -132,7 +133,7 @@ class MatrixStep:
 
 
 @attrs.frozen
-class MatrixPlan:
+class MatrixPlan(LegsInBuckets):
     """The matrices' iterations of one step as ``rank`` runs them: per matrix its placement
     and legs, the buckets of the legs' communicating steps (to the iteration, then back), the
     compute load of every rank, and the estimate (module docstring)."""
@@ -152,26 +153,9 @@ class MatrixPlan:
         return tuple(self.legs[i] for i in self.of(name).legs)
 
     @property
-    def total_bytes(self) -> int:
-        return sum(b.bytes for b in self.buckets)
-
-    @property
     def comm_seconds(self) -> float:
         """Modeled time of the moves, bucketed."""
         return sum(b.seconds for b in self.buckets)
-
-    @property
-    def unbucketed_seconds(self) -> float:
-        return sum(leg.total_seconds for leg in self.legs)
-
-    @property
-    def collectives(self) -> int:
-        """Collectives and exchanges of the moves (one per bucket)."""
-        return len(self.buckets)
-
-    @property
-    def unbucketed_collectives(self) -> int:
-        return sum(len(leg.communicating) for leg in self.legs)
 
     @property
     def compute_seconds(self) -> float:

@@ -242,8 +242,36 @@ class Bucket:
         }
 
 
+class LegsInBuckets:
+    """The totals of a plan whose ``legs`` move in ``buckets`` (a step plan, and its matrices'
+    part in ``planner.matrices``): bytes and collectives as bucketed, and the time and
+    collectives were every step its own."""
+
+    __slots__ = ()
+    legs: tuple[Leg, ...]
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.bytes for b in self.buckets)
+
+    @property
+    def unbucketed_seconds(self) -> float:
+        """Modeled time were every step its own collective (the legs' plans summed)."""
+        return sum(leg.total_seconds for leg in self.legs)
+
+    @property
+    def collectives(self) -> int:
+        """Collectives (and exchanges) run: one per bucket."""
+        return len(self.buckets)
+
+    @property
+    def unbucketed_collectives(self) -> int:
+        return sum(len(leg.communicating) for leg in self.legs)
+
+
 @attrs.frozen
-class StepPlan:
+class StepPlan(LegsInBuckets):
     """One optimizer step of every tensor a rank holds: the legs (``legs_of`` per tensor) and
     the buckets, in the order every rank runs them."""
 
@@ -263,26 +291,9 @@ class StepPlan:
         return tuple(b for b in self.buckets if b.stage == stage)
 
     @property
-    def total_bytes(self) -> int:
-        return sum(b.bytes for b in self.buckets)
-
-    @property
     def total_seconds(self) -> float:
         """Modeled time of the step's communication, bucketed."""
         return sum(b.seconds for b in self.buckets)
-
-    @property
-    def unbucketed_seconds(self) -> float:
-        """Modeled time were every step its own collective (the legs' plans summed)."""
-        return sum(leg.total_seconds for leg in self.legs)
-
-    @property
-    def collectives(self) -> int:
-        return len(self.buckets)
-
-    @property
-    def unbucketed_collectives(self) -> int:
-        return sum(len(leg.communicating) for leg in self.legs)
 
     @property
     def max_buffer_bytes(self) -> int:
