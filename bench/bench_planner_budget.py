@@ -24,9 +24,10 @@ import contextlib
 import io
 import os
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
+
+from bench_planner_speed import best_of  # (first run, best run), shared
 
 import planner
 from cli.main import main as shardlang
@@ -109,16 +110,6 @@ def looked_up(mesh: Mesh) -> Callable[[], None]:
     return run
 
 
-def timed(run: Callable[[], None], repeat: int) -> tuple[float, float]:
-    """(first run, best run) in seconds."""
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return times[0], min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
@@ -188,7 +179,7 @@ def main() -> None:
         width = max(len(name) for name, _, _ in cases)
         print(f"{'request':<{width}}  {'first':>9}  {'best':>9}  goal")
         for name, run, goal in cases:
-            first, best = timed(run, args.repeat)
+            first, best = best_of(args.repeat, run)
             verdict = "met" if first <= goal else "NOT met"
             print(f"{name:<{width}}  {first * 1e3:7.1f}ms  {best * 1e3:7.1f}ms  <= {goal:g} s: {verdict}")
 
