@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import KeysView, Mapping, Sequence
+from collections.abc import Callable, KeysView, Mapping, Sequence
 
 import attrs
 import torch
@@ -34,7 +34,7 @@ from planner.step import AFTER, BEFORE, IN_STEP, Bucket, Leg, StepPlan
 from runtime import stats
 from runtime.buffers import Scratch
 from runtime.comm import PendingCollective, start_collective
-from runtime.dtypes import dtype_name
+from runtime.dtypes import dtype_name, torch_dtype
 from runtime.errors import DistributedError, ReshardError
 from runtime.exchange import RankExchange
 from runtime.groups import group_for
@@ -45,11 +45,18 @@ from shardlang.errors import ShardlangError
 
 @attrs.frozen(eq=False)
 class _LegProgram:
-    """A leg as one rank runs it: its moves per hop, and the shape of the piece it starts from."""
+    """A leg as one rank runs it: its moves per hop, and the shape and dtype of the piece it
+    starts from. ``schedule`` is the leg's walk in order (:class:`_Walk`): per step the view its
+    hop starts with (on the hop's first step), its move and whether that is local; a hop of no
+    steps is an entry of its view alone (no move, local). ``positions`` maps (hop, step) to the
+    step's entry."""
 
     leg: Leg
     moves: tuple[tuple[CollectiveMove | RankExchange | None, ...], ...]
     source_shape: tuple[int, ...]
+    dtype: torch.dtype  # the leg's, as torch names it
+    schedule: tuple[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool], ...]
+    positions: Mapping[tuple[int, int], int]
 
 
 @attrs.frozen(eq=False)
@@ -63,6 +70,7 @@ class _BucketProgram:
     total: int
     per_peer: bool  # the send buffer has one row per peer (reduce_scatter, all_to_all)
     final: tuple[bool, ...]  # per member: its step is the last of its leg
+    positions: tuple[int, ...]  # per member: its step's entry in its leg's schedule
     # Where its result (and gloo's reduce_scatter workspace) lie in the kept buffer of its
     # dtype: (offset, elements); see :func:`_lay_out`.
     result: tuple[int, int] = (0, 0)
@@ -87,6 +95,8 @@ class StepProgram:
     # Per wire dtype: elements of the shared send buffer and of the kept buffer.
     send_numel: Mapping[str, int] = attrs.field(factory=dict)
     kept_numel: Mapping[str, int] = attrs.field(factory=dict)
+    # Views of the kept buffers that every step makes alike (:meth:`StageRun._memo`).
+    views: dict[tuple[str, int], tuple[tuple[object, ...], list]] = attrs.field(factory=dict, repr=False)
 
 
 def compile_step(plan: StepPlan, rank: int) -> StepProgram:
@@ -94,16 +104,20 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
     legs = []
     for leg in plan.legs:
         source = leg.hops[0].plan
+        moves = tuple(compile_plan(hop.plan, rank) for hop in leg.hops)
         legs.append(
             _LegProgram(
-                leg=leg,
-                moves=tuple(compile_plan(hop.plan, rank) for hop in leg.hops),
-                source_shape=source.src.rank_piece(source.shape, rank).shape,
+                leg,
+                moves,
+                source.src.rank_piece(source.shape, rank).shape,
+                torch_dtype(leg.dtype),
+                *_schedule(leg, moves),
             )
         )
     buckets = []
     for index, bucket in enumerate(plan.buckets):
         members, final, offset = [], [], 0
+        positions = tuple(legs[m.leg].positions[(m.hop, m.step)] for m in bucket.members)
         for m in bucket.members:
             hops = plan.legs[m.leg].hops
             final.append(m.hop == len(hops) - 1 and m.step == len(hops[-1].plan.steps) - 1)
@@ -117,9 +131,25 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
             members.append((m.leg, move, move.chunk, offset))
             offset += move.chunk
         per_peer = bucket.op in ("reduce_scatter", "all_to_all")
-        buckets.append(_BucketProgram(index, bucket, tuple(members), offset, per_peer, tuple(final)))
+        buckets.append(_BucketProgram(index, bucket, tuple(members), offset, per_peer, tuple(final), positions))
     laid, send_numel, kept_numel = _lay_out(buckets)
     return StepProgram(plan, rank, tuple(legs), tuple(laid), send_numel, kept_numel)
+
+
+def _schedule(
+    leg: Leg, moves: Sequence[Sequence[CollectiveMove | RankExchange | None]]
+) -> tuple[tuple[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool], ...], dict]:
+    """A leg's ``schedule`` and ``positions`` (:class:`_LegProgram`)."""
+    entries: list[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool]] = []
+    positions: dict[tuple[int, int], int] = {}
+    for h, (hop, hop_moves) in enumerate(zip(leg.hops, moves, strict=True)):
+        if not hop_moves:
+            entries.append((hop.view, None, True))
+        for k, move in enumerate(hop_moves):
+            positions[(h, k)] = len(entries)
+            local = isinstance(move, CollectiveMove) and move.is_local
+            entries.append((hop.view if k == 0 else None, move, local))
+    return tuple(entries), positions
 
 
 def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], dict[str, int], dict[str, int]]:
@@ -180,17 +210,22 @@ def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], d
 
 
 class _Walk:
-    """Where one leg is: its current piece, and the next step (hop ``h``, step ``k``).
-    ``unpacking``: the leg's last step, a gather whose result ``x`` still holds as the blocks
-    it received (a leg delivered by :meth:`StageRun.write`)."""
+    """Where one leg is: its current piece ``x``, and ``i``, the entry of its schedule
+    (:class:`_LegProgram`) it runs next; ``viewed``: that entry's view is applied already (the
+    walk waits there for its bucket). ``unpacking``: the leg's last step, a gather whose result
+    ``x`` still holds as the blocks it received (a leg delivered by :meth:`StageRun.write`).
 
-    __slots__ = ("h", "k", "leg", "moves", "unpacking", "viewed", "x")
+    E.g. a ZeRO-2 gradient leg ``R,R | P(dp) -> S(dp),R`` has one entry, its reduce_scatter:
+    the walk starts at ``i = 0``, its bucket packs ``x``, and the bucket's result makes ``x`` the
+    reduced piece and ``i = 1``, the end."""
+
+    __slots__ = ("i", "program", "unpacking", "viewed", "x")
 
     def __init__(self, program: _LegProgram, x: torch.Tensor, rank: int) -> None:
-        leg = self.leg = program.leg
-        self.x, self.h, self.k, self.viewed, self.moves = x, 0, 0, False, program.moves
+        self.program, self.x, self.i, self.viewed = program, x, 0, False
         self.unpacking: CollectiveMove | None = None
-        if tuple(x.shape) != program.source_shape or dtype_name(x.dtype) != leg.dtype:
+        if x.shape != program.source_shape or x.dtype != program.dtype:
+            leg = program.leg
             source = leg.hops[0].plan
             raise ReshardError(
                 f"{leg.what} of tensor '{leg.tensor}': rank {rank} holds a piece of {dtype_name(x.dtype)} "
@@ -198,26 +233,32 @@ class _Walk:
                 f"of {list(source.shape)}"
             )
 
-    def advance(self, until: tuple[int, int] | None = None) -> None:
-        """Run the local steps up to the communicating step ``until`` (to the end when ``None``)."""
-        while self.h < len(self.leg.hops):
-            hop = self.leg.hops[self.h]
-            if not self.viewed:
-                if hop.view is not None:
-                    self.x = self.x.reshape(hop.view)
-                self.viewed = True
-            if self.k == len(hop.plan.steps):
-                self.h, self.k, self.viewed = self.h + 1, 0, False
-                continue
-            if (self.h, self.k) == until:
-                return
-            move = self.moves[self.h][self.k]
-            if not isinstance(move, CollectiveMove) or not move.is_local:
-                raise ReshardError(f"{self.leg.what} of tensor '{self.leg.tensor}' reached a collective out of order")
-            self.x = move.local(self.x)
-            self.k += 1
+    def advance(self, until: int | None = None) -> None:
+        """Run the local steps up to the schedule's entry ``until``, a communicating step, and
+        apply its view (to the end when ``None``)."""
+        schedule = self.program.schedule
+        stop = len(schedule) if until is None else until
+        while self.i < stop:
+            view, move, local = schedule[self.i]
+            if view is not None and not self.viewed:
+                self.x = self.x.reshape(view)
+            if not local:
+                leg = self.program.leg
+                raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' reached a collective out of order")
+            if move is not None:
+                self.x = move.local(self.x)  # type: ignore[union-attr]  # local: a CollectiveMove
+            self.i, self.viewed = self.i + 1, False
         if until is not None:
-            raise ReshardError(f"{self.leg.what} of tensor '{self.leg.tensor}' has no step {until}")
+            if self.i != until:
+                leg = self.program.leg
+                raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' has no step at entry {until}")
+            view = schedule[until][0]
+            if view is not None and not self.viewed:
+                self.x, self.viewed = self.x.reshape(view), True
+
+    def passed(self) -> None:
+        """The communicating step the walk waited at has run: go on to the next entry."""
+        self.i, self.viewed = self.i + 1, False
 
 
 def run_stage(
@@ -331,13 +372,21 @@ class StageRun:
         """Wait as :meth:`wait_for` does for the legs of ``outs`` (legs in ``deliver``) and
         write each one's result into its tensor."""
         self._wait(list(outs))
+        targets, sources = [], []
         for leg, out in outs.items():
             walk = self._walks[leg]
             walk.advance()
-            if walk.unpacking is not None:
-                walk.unpacking.finish_into(walk.x, out)
-            else:
-                out.copy_(walk.x)
+            unpacking, x = walk.unpacking, walk.x
+            copies = (
+                [(out, x)]
+                if unpacking is None
+                else self._memo(("write", leg), (x, out.data_ptr(), out.shape), unpacking.finish_copies, x, out)
+            )
+            for target, source in copies:
+                targets.append(target)
+                sources.append(source)
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def _wait(self, legs: Sequence[int]) -> None:
         deadline = time.monotonic() + self.timeout.total_seconds()
@@ -386,15 +435,15 @@ class StageRun:
                 workspace = kept[bucket.workspace[0] : bucket.workspace[0] + bucket.workspace[1]]
         # Members that need no padding are written with one copy call for the whole bucket.
         targets, sources = [], []
-        for m, (leg, move, chunk, offset) in zip(bucket.bucket.members, bucket.members, strict=True):
+        parts = self._memo(("send", bucket.index), (send.data_ptr(), send.shape), _send_parts, bucket, send)
+        for position, (leg, move, _, _), part in zip(bucket.positions, bucket.members, parts, strict=True):
             walk = self._walks[leg]
-            walk.advance((m.hop, m.step))
-            part = send[:, offset : offset + chunk] if bucket.per_peer else send[offset : offset + chunk]
+            walk.advance(position)
             blocks = move.send_blocks(walk.x)
             if blocks is None:
                 move.send_into(walk.x, part)
             else:
-                targets.append(part.view(blocks.shape))
+                targets.append(part.view(blocks.shape) if move.step.op == "all_reduce" else part)
                 sources.append(blocks)
             walk.x = None  # type: ignore[assignment]  # the piece is in the buffer now
         if targets:
@@ -424,7 +473,7 @@ class StageRun:
         finally:
             self.waited += time.perf_counter() - blocked
         first = bucket.members[0][1]
-        n, op, total = first.n, bucket.bucket.op, bucket.total
+        op = bucket.bucket.op
         if stats.is_recording():
             itemsize = ITEMSIZE[bucket.bucket.dtype]
             stats.record(
@@ -440,19 +489,63 @@ class StageRun:
                 )
             )
         rows = op in ("all_gather", "all_to_all")
-        gathered = received.view(n, total) if rows else received
-        for (leg, move, chunk, offset), final in zip(bucket.members, bucket.final, strict=True):
+        mine = self._memo(
+            ("result", bucket.index), (received.data_ptr(), received.shape), _result_parts, bucket, received
+        )
+        for (leg, move, _, _), final, part in zip(bucket.members, bucket.final, mine, strict=True):
             walk = self._walks[leg]
-            mine = gathered[:, offset : offset + chunk] if rows else gathered[offset : offset + chunk]
-            if rows and final and leg in self._deliver:
-                walk.x, walk.unpacking = mine, move  # unpacked by write(), into where it is kept
+            if not rows:
+                walk.x = part  # already the piece after the step (a view)
+            elif final and leg in self._deliver:
+                walk.x, walk.unpacking = part, move  # unpacked by write(), into where it is kept
             else:
-                walk.x = move.finish(mine)
-            walk.k += 1
+                walk.x = move.finish(part)
+            walk.passed()
+
+    def _memo(self, key: tuple[str, int], held: tuple[object, ...], make: Callable[..., list], *args: object) -> list:
+        """Views that every step makes alike from the same buffers (a bucket's places in its
+        send buffer and its result, a final gather's copies into a parameter): made once and
+        kept on the program while ``held`` (what they view) is the same. Python's per-view cost
+        on a model of many small tensors is most of a step's time otherwise. Without kept
+        ``buffers`` every step has new ones, so nothing is kept."""
+        if self._buffers is None:
+            return make(*args)
+        kept = self.program.views.get(key)
+        if kept is not None and all(_same(a, b) for a, b in zip(kept[0], held, strict=True)):
+            return kept[1]
+        views = make(*args)
+        self.program.views[key] = (held, views)
+        return views
 
     def _where(self, bucket: _BucketProgram) -> str:
         names = [self.program.plan.legs[leg].tensor for leg, *_ in bucket.members]
         return f"bucket {bucket.index + 1} of {len(self.program.plan.buckets)} ({_describe(bucket.bucket, names)})"
+
+
+def _send_parts(bucket: _BucketProgram, send: torch.Tensor) -> list[torch.Tensor]:
+    """Per member its part of the bucket's send buffer (``[n, total]`` or ``[total]``): shaped
+    as its blocks (``CollectiveMove.blocks_shape``), an all_reduce member's flat."""
+    parts = []
+    for _, move, chunk, offset in bucket.members:
+        part = send[:, offset : offset + chunk] if bucket.per_peer else send[offset : offset + chunk]
+        parts.append(part if move.step.op == "all_reduce" else part.view(move.blocks_shape))
+    return parts
+
+
+def _result_parts(bucket: _BucketProgram, received: torch.Tensor) -> list[torch.Tensor]:
+    """Per member its part of the bucket's result: of an all_gather or all_to_all the
+    ``[n, chunk]`` columns, otherwise the piece after the step (``CollectiveMove.finish``, a
+    view)."""
+    first = bucket.members[0][1]
+    if bucket.bucket.op in ("all_gather", "all_to_all"):
+        gathered = received.view(first.n, bucket.total)
+        return [gathered[:, offset : offset + chunk] for _, _, chunk, offset in bucket.members]
+    return [move.finish(received[offset : offset + chunk]) for _, move, chunk, offset in bucket.members]
+
+
+def _same(a: object, b: object) -> bool:
+    """Whether ``a`` and ``b`` are the same memo key part: the same tensor object, or equal."""
+    return a is b if isinstance(a, torch.Tensor) else a == b
 
 
 def _describe(bucket: Bucket, names: Sequence[str]) -> str:

@@ -59,11 +59,17 @@ def pack(x: torch.Tensor, dim: int, n: int, block: Sequence[int], out: torch.Ten
 def as_blocks(x: torch.Tensor, dim: int, n: int, block: Sequence[int]) -> torch.Tensor | None:
     """``x`` viewed as the ``[n, *block]`` blocks :func:`pack` makes, when they need no padding
     and are runs of its memory (so packing them is one copy); else ``None``."""
-    if x.shape[dim] != n * block[dim] or any(x.shape[k] != block[k] for k in range(x.dim()) if k != dim):
-        return None
-    if not x.is_contiguous() or (n != 1 and math.prod(block[:dim]) != 1):
+    if not blocks_fit(x.shape, dim, n, block) or not x.is_contiguous():
         return None
     return x.view(n, *block)
+
+
+def blocks_fit(shape: Sequence[int], dim: int, n: int, block: Sequence[int]) -> bool:
+    """Whether a contiguous tensor of ``shape`` is, as it lies in memory, the ``[n, *block]``
+    blocks :func:`pack` makes of it along ``dim``: no padding, and each block a run of memory."""
+    if shape[dim] != n * block[dim] or any(shape[k] != block[k] for k in range(len(shape)) if k != dim):
+        return False
+    return n == 1 or math.prod(block[:dim]) == 1
 
 
 def unpack(blocks: torch.Tensor, dim: int, shape: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,20 +78,32 @@ def unpack(blocks: torch.Tensor, dim: int, shape: Sequence[int], out: torch.Tens
     ``out`` (of ``shape``, e.g. the parameter a gathered piece belongs to) when given, so that
     the result is copied once, from the blocks to where it is kept."""
     n, *block = blocks.shape
-    b = block[dim]
     if out is None and math.prod(block[:dim]) == 1 and blocks.is_contiguous():
-        return crop(blocks.view(*block[:dim], n * b, *block[dim + 1 :]), shape)
+        return crop(blocks.view(*block[:dim], n * block[dim], *block[dim + 1 :]), shape)
     if out is None:
         out = blocks.new_empty(tuple(shape))
+    for target, source in unpack_copies(blocks, dim, out):
+        target.copy_(source)
+    return out
+
+
+def unpack_copies(blocks: torch.Tensor, dim: int, out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The copies (target view of ``out``, source view of ``blocks``) that :func:`unpack`
+    makes into ``out``: at most two, the whole blocks and the partial last one; none when
+    ``out`` is empty. Views only, so that a caller can make the copies of many tensors in one
+    call (``torch._foreach_copy_``)."""
+    n, *block = blocks.shape
+    shape, b = out.shape, block[dim]
     if out.numel() == 0:
-        return out
+        return []
     spread = crop(blocks.movedim(0, dim), [*shape[:dim], n, b, *shape[dim + 1 :]])
     whole, rest = divmod(shape[dim], b)
+    copies = []
     if whole:
-        out.narrow(dim, 0, whole * b).unflatten(dim, (whole, b)).copy_(spread.narrow(dim, 0, whole))
+        copies.append((out.narrow(dim, 0, whole * b).unflatten(dim, (whole, b)), spread.narrow(dim, 0, whole)))
     if rest:
-        out.narrow(dim, whole * b, rest).copy_(spread.select(dim, whole).narrow(dim, 0, rest))
-    return out
+        copies.append((out.narrow(dim, whole * b, rest), spread.select(dim, whole).narrow(dim, 0, rest)))
+    return copies
 
 
 def region(x: torch.Tensor, box: Sequence[tuple[int, int]]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError
 from runtime.exchange import RankExchange, compile_exchange
 from runtime.groups import axis_ranks
-from runtime.packing import as_blocks, crop, pack, unpack
+from runtime.packing import blocks_fit, crop, pack, unpack, unpack_copies
 from shardlang.layout import padded_length
 
 
@@ -108,17 +108,33 @@ class CollectiveMove:
         else:
             out.view(self.before).copy_(x)
 
+    @property
+    def blocks_shape(self) -> tuple[int, ...]:
+        """The shape :meth:`send_blocks` gives this rank's contribution in."""
+        if self.step.op == "all_gather":
+            return (1, *self.block)
+        if self.step.op in ("reduce_scatter", "all_to_all"):
+            return (self.n, *self.block)
+        return self.before
+
+    @functools.cached_property
+    def _unpadded(self) -> bool:
+        """Whether a contiguous piece of shape ``before`` is its blocks as they lie in memory
+        (:func:`~runtime.packing.blocks_fit`), so that sending it is one copy."""
+        if self.step.op == "all_reduce":
+            return True
+        dim = self.step.to_dim if self.step.op == "all_to_all" else self.step.dim
+        return blocks_fit(self.before, dim, 1 if self.step.op == "all_gather" else self.n, self.block)
+
     def send_blocks(self, x: torch.Tensor) -> torch.Tensor | None:
-        """This rank's contribution as a view of ``x``, shaped as :meth:`send_into` writes it,
-        when writing it is one copy (no padding; all_reduce: always); else ``None``."""
-        op, dim = self.step.op, self.step.dim
-        if op == "all_gather":
-            return as_blocks(x, dim, 1, self.block)
-        if op == "reduce_scatter":
-            return as_blocks(x, dim, self.n, self.block)
-        if op == "all_to_all":
-            return as_blocks(x, self.step.to_dim, self.n, self.block)
-        return x
+        """This rank's contribution as a view of ``x`` (of shape ``before``), shaped as
+        :meth:`send_into` writes it, when writing it is one copy (no padding, ``x`` contiguous;
+        all_reduce: always); else ``None``."""
+        if self.step.op == "all_reduce":
+            return x
+        if not self._unpadded or not x.is_contiguous():
+            return None
+        return x.view(self.blocks_shape)
 
     def finish(self, received: torch.Tensor) -> torch.Tensor:
         """The rank's piece after the step, from the collective's result: flat, or for
@@ -130,13 +146,14 @@ class CollectiveMove:
             return crop(received.view(self.block), self.after)
         return unpack(received.view(self.n, *self.block), self.step.dim, self.after)
 
-    def finish_into(self, received: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the rank's piece after the step into ``out`` (of shape ``after``) straight
-        from the collective's result, as :meth:`finish` gives it but without a copy between."""
+    def finish_copies(self, received: torch.Tensor, out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The copies (target view of ``out``, of shape ``after``; source view of ``received``)
+        that write the rank's piece after the step into ``out`` straight from the collective's
+        result, as :meth:`finish` gives it but without a copy between: views only, so that a
+        bucket's copies can be made in one call."""
         if self.step.op in ("all_gather", "all_to_all"):
-            unpack(received.view(self.n, *self.block), self.step.dim, self.after, out=out)
-        else:
-            out.copy_(self.finish(received))
+            return unpack_copies(received.view(self.n, *self.block), self.step.dim, out)
+        return [(out, self.finish(received))]
 
 
 def _block(step: Step, before: tuple[int, ...], after: tuple[int, ...], n: int) -> tuple[int, ...]:
