@@ -12,7 +12,21 @@ rank, plans interleaved run by run). Per model: the Spearman rank correlation an
 absolute relative error of its predicted time against the measured time of the plan it
 chose; the calibrated model's error by kind of plan (sends nothing, one step, more steps), which
 says where prediction and measurement part; and, for the pairs where the two models choose
-different plans, the measured time of each choice.
+different plans, the measured time of each choice. Those two plans are then timed again, by
+themselves, with three times the repetitions (``runtime.calibrate.timed_runs``, interleaved run
+by run), and a difference counts as measurable only if the Wilcoxon signed-rank test on the
+runs' paired times (run ``k`` of both plans met the same load) gives p < 0.05: the verdict is
+then faster or slower (by the ratio of the medians), else level. ``R,R | P01 -> R,R`` on
+[2,2], at each of its three sizes, times both candidates whatever the models choose (the
+hierarchical reduce_scatter, all_reduce, all_gather and the two all_reduces, and the calibrated
+choice if it is neither) the same way, and says which is measured faster and whether the
+calibrated model picked it (or a plan level with it).
+
+Every rank runs one intra-op thread (``torch.set_num_threads(1)``), as ``torchrun`` starts
+``shardlang calibrate``'s processes (``OMP_NUM_THREADS=1``): with two threads in each of 4
+processes on 2 cores, a local copy or sum of more than 128 KiB (torch's parallel grain) took
+4-15 ms here instead of 0.1-0.5, which made the sweep's 256 KiB samples and every plan's local
+work a matter of scheduling.
 """
 
 from __future__ import annotations
@@ -27,26 +41,65 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch
+from scipy.stats import wilcoxon
+
 import planner
 from planner.fit import fit_model, median_relative_error, spearman
-from runtime.calibrate import sample_pairs, sweep, time_plans
+from runtime.calibrate import sample_pairs, sweep, time_plans, timed_runs
 from runtime.testing import run_ranks
 from shardlang import Mesh, parse_layout
 
 MESHES = ((4,), (2, 2))
 CHUNK = 12  # plans timed together (their pieces are held at once)
+RETIME = 3  # times the repetitions of a re-timed pair
+LEVEL = 0.05  # the signed-rank test's p-value below which a difference is measurable
+ALL_REDUCE = ("R,R | P01 over mesh[2,2]", "R,R over mesh[2,2]")
+ALL_REDUCE_ROWS = (64, 1024, 4096)  # of 1024 f32 columns: 256 KiB, 4 MiB, 16 MiB
 
 
 def _pairs(mesh: Mesh, count: int, seed: int) -> list[tuple]:
     pairs = sample_pairs(mesh, count, random.Random(seed), 16 * 2**10, 16 * 2**20)
     if mesh.shape == (2, 2):
-        src, dst = parse_layout("R,R | P01 over mesh[2,2]"), parse_layout("R,R over mesh[2,2]")
-        pairs += [(src, dst, (rows, 1024)) for rows in (64, 1024, 4096)]  # 256 KiB, 4 MiB, 16 MiB
+        src, dst = map(parse_layout, ALL_REDUCE)
+        pairs += [(src, dst, (rows, 1024)) for rows in ALL_REDUCE_ROWS]
     return pairs
 
 
-def _rank(rank: int, world: int, count: int, reps: int, budget: float) -> list[dict]:
-    rows = []
+def _candidates(shape: tuple[int, ...], calibrated: planner.CostModel) -> tuple[list[planner.Plan], int]:
+    """``R,R | P01 -> R,R`` of ``shape``: the hierarchical plan (the default model's), the two
+    all-reduces (a model whose per-step overhead outweighs the bytes the third step saves), and
+    the calibrated model's choice if it is neither; and which of them that choice is."""
+    src, dst = map(parse_layout, ALL_REDUCE)
+    hierarchical = planner.plan(src, dst, shape, "f32")
+    two = planner.plan(src, dst, shape, "f32", planner.CostModel(overhead=1.0))
+    ops = [[s.op for s in p.steps] for p in (hierarchical, two)]
+    if ops != [["reduce_scatter", "all_reduce", "all_gather"], ["all_reduce", "all_reduce"]]:
+        raise AssertionError(f"unexpected candidates {ops}")
+    tuned = planner.plan(src, dst, shape, "f32", calibrated)
+    steps = [_steps(hierarchical), _steps(two)]
+    if _steps(tuned) in steps:
+        return [hierarchical, two], steps.index(_steps(tuned))
+    return [hierarchical, two, tuned], 2
+
+
+def _steps(plan: planner.Plan) -> tuple[str, ...]:
+    """What a plan does (two models' plans of the same steps differ only in their predictions)."""
+    return tuple(s.describe() for s in plan.steps)
+
+
+def _compare(tuned: list[float], other: list[float]) -> tuple[float, float, str]:
+    """The ratio of the medians of two plans' paired runs, the two-sided Wilcoxon signed-rank
+    test's p-value, and the verdict on the first: faster or slower where p < :data:`LEVEL`, else
+    level."""
+    ratio = statistics.median(tuned) / statistics.median(other)
+    p = float(wilcoxon(tuned, other).pvalue)
+    return ratio, p, "level" if p >= LEVEL else "faster" if ratio < 1 else "slower"
+
+
+def _rank(rank: int, world: int, count: int, reps: int, budget: float) -> dict[str, list[dict]]:
+    torch.set_num_threads(1)  # as torchrun starts each process (module docstring)
+    rows, candidates = [], []
     for seed, shape in enumerate(MESHES):
         mesh = Mesh(shape)
         started = time.perf_counter()
@@ -65,7 +118,10 @@ def _rank(rank: int, world: int, count: int, reps: int, budget: float) -> list[d
             measured.update(zip(part, time_plans(part, reps=reps), strict=True))
             if rank == 0:
                 print(f"  timed {len(measured)}/{len(distinct)} plans", file=sys.stderr, flush=True)
+        differ = dict.fromkeys(pair for pair in chosen if _steps(pair[0]) != _steps(pair[1]))
+        retimed = {pair: timed_runs(pair, RETIME * reps) for pair in differ}
         for default, tuned in chosen:
+            again = retimed.get((default, tuned), [[], []])
             rows.append(
                 {
                     "mesh": list(shape),
@@ -77,10 +133,20 @@ def _rank(rank: int, world: int, count: int, reps: int, budget: float) -> list[d
                     "default_measured": measured[default],
                     "calibrated_predicted": tuned.total_seconds,
                     "calibrated_measured": measured[tuned],
+                    "default_runs": again[0],
+                    "calibrated_runs": again[1],
                     "model": calibrated.to_json(),
                 }
             )
-    return rows
+        if shape == (2, 2):
+            for length in ALL_REDUCE_ROWS:
+                plans, picked = _candidates((length, 1024), calibrated)
+                runs = timed_runs(plans, RETIME * reps)
+                steps = [[s.describe() for s in p.steps] for p in plans]
+                candidates.append({"shape": [length, 1024], "plans": steps, "runs": runs, "calibrated": picked})
+            if rank == 0:
+                print("  timed the R,R | P01 -> R,R candidates", file=sys.stderr, flush=True)
+    return {"pairs": rows, "all_reduce": candidates}
 
 
 def _scores(rows: list[dict], which: str) -> tuple[float, float]:
@@ -116,10 +182,11 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=40.0, help="seconds of calibration sweep per mesh")
     parser.add_argument("--json", help="also write every row here")
     args = parser.parse_args()
-    rows = run_ranks(_rank, 4, (args.pairs, args.reps, args.budget), timeout=3600, collective_timeout=600)[0]
+    result = run_ranks(_rank, 4, (args.pairs, args.reps, args.budget), timeout=3600, collective_timeout=600)[0]
+    rows = result["pairs"]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"4 gloo ranks, {len(rows)} pairs, median of {args.reps} runs of the slowest rank")
     print("| mesh | pairs | model | Spearman | median abs rel error |")
     print("|---|---|---|---|---|")
@@ -132,15 +199,44 @@ def main() -> None:
     print()
     print("\n".join(_by_kind(rows)))
     differ = [r for r in rows if r["default_steps"] != r["calibrated_steps"]]
-    print(f"\n{len(differ)} pairs where the models choose different plans (measured ms):")
-    print("| mesh | pair | shape | default plan | ms | calibrated plan | ms | calibrated/default |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        f"\n{len(differ)} pairs where the models choose different plans: median ms over {args.reps} runs, "
+        f"then the two re-timed over {RETIME * args.reps} paired runs (Wilcoxon signed-rank, p < {LEVEL})"
+    )
+    print("| mesh | pair | shape | default plan | calibrated plan | ms | re-timed ms | ratio | p | verdict |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    verdicts = []
     for r in differ:
+        ratio, p, verdict = _compare(r["calibrated_runs"], r["default_runs"])
+        verdicts.append(verdict)
+        again = [statistics.median(r[f"{w}_runs"]) * 1e3 for w in ("default", "calibrated")]
         print(
             f"| {r['mesh']} | {r['pair']} | {'x'.join(map(str, r['shape']))} | {'; '.join(r['default_steps'])} | "
-            f"{r['default_measured'] * 1e3:.2f} | {'; '.join(r['calibrated_steps'])} | "
-            f"{r['calibrated_measured'] * 1e3:.2f} | {r['calibrated_measured'] / r['default_measured']:.2f} |"
+            f"{'; '.join(r['calibrated_steps'])} | {r['default_measured'] * 1e3:.2f} / "
+            f"{r['calibrated_measured'] * 1e3:.2f} | {again[0]:.2f} / {again[1]:.2f} | {ratio:.2f} | {p:.3g} | "
+            f"{verdict} |"
         )
+    print("calibrated choice: " + ", ".join(f"{verdicts.count(v)} {v}" for v in ("faster", "level", "slower")))
+    print(f"\n{ALL_REDUCE[0]} -> {ALL_REDUCE[1]}: every candidate, {RETIME * args.reps} paired runs (median ms)")
+    print("| shape | hierarchical | two all_reduces | calibrated's own | faster | calibrated picks | p | verdict |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in result["all_reduce"]:
+        medians = [statistics.median(r) * 1e3 for r in c["runs"]]
+        fastest = min(range(len(medians)), key=medians.__getitem__)
+        picked = c["calibrated"]
+        test, verdict = "-", "the faster"
+        if picked != fastest:
+            _, p, verdict = _compare(c["runs"][picked], c["runs"][fastest])
+            test = f"{p:.3g}"
+        own = f"{medians[2]:.2f} ({'; '.join(c['plans'][2])})" if len(medians) > 2 else "-"
+        print(
+            f"| {'x'.join(map(str, c['shape']))} | {medians[0]:.2f} | {medians[1]:.2f} | {own} | "
+            f"{_name(fastest)} | {_name(picked)} | {test} | {verdict} |"
+        )
+
+
+def _name(candidate: int) -> str:
+    return ("hierarchical", "two all_reduces", "calibrated's own")[candidate]
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ def fit_table(fitted: CostModel, lines: dict, mesh: Mesh) -> str:
             if (op, axis) in lines:
                 line = lines[op, axis]
                 row = [op, mesh.axis_label(axis), format_seconds(alphas[axis]), f"{bandwidths[axis] / 1e9:.3g} GB/s"]
-                rows.append([*row, f"{line.kept}/{line.total}"])
+                pooled = f" ({'+'.join(mesh.axis_label(a) for a in line.axes)} pooled)" if line.axes else ""
+                rows.append([*row, f"{line.kept}/{line.total}{pooled}"])
     if (LOCAL, -1) in lines:
         line, copy = lines[LOCAL, -1], fitted.copy_bandwidth
         rows.append(

@@ -22,6 +22,25 @@ intercept refits through zero; a slope of zero or less (time flat in bytes) give
 :data:`MAX_BANDWIDTH`. Figures are rounded to three significant digits, which keeps the
 planner's exact integer scale small (``planner.cost.integer_rates``).
 
+Axes that cannot be told apart share one line. Two axes of one size (the same rounds) whose
+lines for a kind differ by no more than their samples' own scatter explains (a symmetric machine:
+[2,2] on one host, or the axes of one node) get one line, fitted over both axes' kept samples,
+and so identical figures: then the planner's deterministic tie-break picks between them as under
+the default model, instead of a coin flip on the noise. Axes that differ clearly (a node's own
+links against the network) keep their own. The criterion is the F test of one line against one
+per group (Chow's test) on the relative residuals the fit minimises: with ``N`` kept samples,
+``RSS`` the squared residuals off the shared line and ``RSS_apart`` off each group's own, its
+p-value is ``(RSS_apart / RSS) ** ((N - 4) / 2)`` (:func:`pooling_p_value`), and axes stay
+apart where it is below :data:`POOL_LEVEL` (1%: pooling is the default unless the difference
+is clear; with 7 sizes on each of two axes, ``N = 14``, they stay apart when ``RSS`` is over
+2.5 times ``RSS_apart``). It weighs the lines' difference against the scatter about them, the
+backend's departure from a line included, which axes alike share; so axes set apart are ones
+whose timings differ by clearly more than either's from its line. The test takes the noise as
+independent from sample to sample, which is why the sweep (``runtime.calibrate``) times every
+axis at one size together: load that comes and goes, met by one axis's sizes and not the
+other's, would otherwise read as a difference between them. Sets of axes are merged a pair at
+a time, the pair with the largest p-value first, while one is at least the level.
+
 The executor terms (``planner.cost``; docs/calibration.md). Samples of kind ``slice`` time a
 plan of one slice step, which sends nothing: the executor's fixed cost of a step and its copy of
 the target piece (their ``bytes`` are that piece's). One line over them on every axis gives
@@ -47,6 +66,7 @@ MAX_BANDWIDTH = 1e13  # bytes/s: what a kind whose time does not grow with bytes
 LOCAL = "slice"  # the kind of the samples that price the executor terms (module docstring)
 _OUTLIER_FACTOR = 3.0
 _OUTLIER_FLOOR = 0.10
+POOL_LEVEL = 0.01  # axes' lines are told apart below this p-value of the pooling test (module docstring)
 
 
 @attrs.frozen
@@ -64,12 +84,14 @@ class Sample:
 
 @attrs.frozen
 class Line:
-    """``seconds = intercept + slope * bytes``, and how many samples it kept of how many."""
+    """``seconds = intercept + slope * bytes``, and how many samples it kept of how many; a
+    line pooled over several axes (module docstring) names them in ``axes``."""
 
     intercept: float
     slope: float
     kept: int
     total: int
+    axes: tuple[int, ...] = ()
 
     def at(self, nbytes: float) -> float:
         return self.intercept + self.slope * nbytes
@@ -78,6 +100,12 @@ class Line:
 def fit_line(xs: Sequence[float], ts: Sequence[float]) -> Line:
     """The robust relative least-squares line through ``(xs, ts)`` (module docstring); at
     least two samples, times positive."""
+    line, keep = _robust_line(xs, ts)
+    return Line(line[0], line[1], len(keep), len(xs))
+
+
+def _robust_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[tuple[float, float], list[int]]:
+    """:func:`fit_line`'s coefficients and the indices of the samples it kept."""
     if len(xs) != len(ts) or len(xs) < 2 or min(ts) <= 0:
         raise ValueError("fit_line needs two or more samples of positive time")
     keep = list(range(len(xs)))
@@ -90,7 +118,64 @@ def fit_line(xs: Sequence[float], ts: Sequence[float]) -> Line:
             break
         keep = kept
         line = _weighted_line([xs[i] for i in keep], [ts[i] for i in keep])
-    return Line(line[0], line[1], len(keep), len(xs))
+    return line, keep
+
+
+def _squared_residuals(line: tuple[float, float], points: Sequence[tuple[float, float]]) -> float:
+    """The sum of the squared relative residuals of ``(bytes, seconds)`` points off ``line``."""
+    return math.fsum(((line[0] + line[1] * x - t) / t) ** 2 for x, t in points)
+
+
+def pooling_p_value(rss_apart: float, rss_pooled: float, count: int) -> float:
+    """The p-value of the F test (Chow's) that two groups of ``count`` points in all share one
+    line: ``rss_apart`` is the sum of squared residuals off each group's own line, ``rss_pooled``
+    off the line of both. With 2 parameters fewer under the shared line the statistic is
+    ``F = ((rss_pooled - rss_apart) / 2) / (rss_apart / (count - 4))``, whose survival function
+    on ``F(2, count - 4)`` has the closed form ``(1 + 2F / (count - 4)) ** (-(count - 4) / 2)``,
+    that is ``(rss_apart / rss_pooled) ** ((count - 4) / 2)``. 0 where it cannot be told
+    (fewer than 5 points, or lines through every point that the shared one misses)."""
+    if count < 5:
+        return 0.0
+    if rss_pooled <= 0:
+        return 1.0
+    return min(rss_apart / rss_pooled, 1.0) ** ((count - 4) / 2)
+
+
+def _pooled_lines(groups: dict[int, list[Sample]], level: float) -> dict[int, Line]:
+    """Per axis, the line of one kind's samples on it (:func:`fit_line`), axes merged while two
+    of them (or of the merged sets), of the same rounds, cannot be told apart at ``level``
+    (:func:`pooling_p_value`; the pair with the largest p-value first); a merged set's line is
+    the least-squares one over its axes' kept samples (module docstring)."""
+    # One entry per set of axes: its line, its kept (bytes, seconds) points, its sample count.
+    sets: list[tuple[tuple[int, ...], tuple[float, float], list[tuple[float, float]], int]] = []
+    for axis, group in sorted(groups.items()):
+        xs, ts = [s.bytes for s in group], [s.seconds for s in group]
+        line, keep = _robust_line(xs, ts)
+        sets.append(((axis,), line, [(xs[i], ts[i]) for i in keep], len(group)))
+    rounds = {axis: group[0].rounds for axis, group in groups.items()}
+    while True:
+        best: tuple[float, int, int, tuple[float, float]] | None = None
+        for i, (axes_i, line_i, points_i, _) in enumerate(sets):
+            for j in range(i + 1, len(sets)):
+                axes_j, line_j, points_j, _ = sets[j]
+                if rounds[axes_i[0]] != rounds[axes_j[0]]:
+                    continue
+                union = points_i + points_j
+                shared = _weighted_line([x for x, _ in union], [t for _, t in union])
+                apart = _squared_residuals(line_i, points_i) + _squared_residuals(line_j, points_j)
+                p = pooling_p_value(apart, _squared_residuals(shared, union), len(union))
+                if p >= level and (best is None or p > best[0]):
+                    best = (p, i, j, shared)
+        if best is None:
+            break
+        _, i, j, shared = best
+        merged = (tuple(sorted(sets[i][0] + sets[j][0])), shared, sets[i][2] + sets[j][2], sets[i][3] + sets[j][3])
+        sets = [e for k, e in enumerate(sets) if k not in (i, j)] + [merged]
+    return {
+        axis: Line(line[0], line[1], len(points), total, axes if len(axes) > 1 else ())
+        for axes, line, points, total in sets
+        for axis in axes
+    }
 
 
 def _weighted_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
@@ -143,9 +228,13 @@ def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int
     ops = [op for op in PRICED_OPS if any(op == o for o, _ in by_key)]
     if not axes or axes != list(range(len(axes))) or any((op, a) not in by_key for op in ops for a in axes):
         raise ValueError("fit_model needs samples of every kind on every axis 0..k-1")
-    lines = {key: fit_line([s.bytes for s in group], [s.seconds for s in group]) for key, group in by_key.items()}
     if any(len({s.rounds for s in group}) > 1 for group in by_key.values()):
         raise ValueError("fit_model needs the samples of one kind on one axis to have the same rounds")
+    lines = {
+        (op, axis): line
+        for op in ops
+        for axis, line in _pooled_lines({a: by_key[op, a] for a in axes}, POOL_LEVEL).items()
+    }
     overhead, copy_bandwidth = 0.0, None
     if local:
         line = lines[LOCAL, -1] = fit_line([s.bytes for s in local], [s.seconds for s in local])

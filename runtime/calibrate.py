@@ -6,15 +6,19 @@ is an all_to_all plus a local sum), all groups of an axis at once as in a plan's
 plan of one slice step, which sends nothing (the executor's fixed cost of a step and its copy
 of the result: ``planner.fit``'s executor terms). Each repetition starts after a barrier of
 the whole mesh; a repetition's time is the slowest rank's (one all-reduce of every rank's
-times per size), and a sample is the median over repetitions, the kinds interleaved
-repetition by repetition so that noise hits them alike. The sizes are swept twice (``passes``),
-a sample's median taken over both passes' repetitions, so that a burst of load on the machine
+times per size), and a sample is the median over repetitions. At each size the plans of every
+kind on every axis are timed together, interleaved repetition by repetition, so that noise hits
+them alike: load that comes and goes in time would otherwise show up as a difference between
+kinds or between axes (a sweep of one axis after the other measured physically identical axes
+here up to 2.7x apart at small sizes, consistently over several sizes), and ``planner.fit``
+pools axes whose lines it cannot tell apart. The sizes are swept twice (``passes``), a
+sample's median taken over both passes' repetitions, so that a burst of load on the machine
 during one pass moves it less. A sample's bytes are what the cost table counts for the step
 (``planner.cost``; a slice's: the target piece it copies), so that ``planner.fit`` fits the
-table's own formula. A time budget bounds the sweep: once an axis has used its share of a
-pass, its larger sizes are skipped in that pass (every rank agrees, from the all-reduced
-clocks); a size is sampled if either pass timed it. :func:`time_plans` runs whole plans the
-same way (``--check`` and the benchmark).
+table's own formula. A time budget bounds the sweep: once a pass has used its share of the
+budget, its larger sizes are skipped (every rank agrees, from the all-reduced clocks); a size
+is sampled if either pass timed it, on every axis alike. :func:`time_plans` runs whole plans
+the same way (``--check`` and the benchmark).
 
 Every rank of the mesh calls both, in the same order; the default process group must be up.
 """
@@ -105,33 +109,33 @@ def sweep(
 ) -> list[Sample]:
     """The samples of every kind on every axis of ``mesh`` (of two or more ranks), the same
     list on every rank (module docstring)."""
-    runs: dict[tuple[int, int], list[list[float]]] = {}  # (axis, size) -> per plan, every run
-    share = budget / mesh.ndim / passes
+    runs: dict[int, list[list[float]]] = {}  # size -> per plan of every axis, every run
     for _ in range(passes):
-        for axis in range(mesh.ndim):
-            started = time.perf_counter()
-            for size in sizes:
-                plans = list(step_plans(mesh, axis, size).values())
-                measured = _runs(plans, reps, started)
-                for timed, new in zip(runs.setdefault((axis, size), [[] for _ in plans]), measured, strict=False):
-                    timed.extend(new)
-                if measured[-1][-1] > share:
-                    break
+        started = time.perf_counter()
+        for size in sizes:
+            plans = [p for axis in range(mesh.ndim) for p in step_plans(mesh, axis, size).values()]
+            measured = timed_runs(plans, reps, started)
+            for timed, new in zip(runs.setdefault(size, [[] for _ in plans]), measured, strict=False):
+                timed.extend(new)
+            if measured[-1][-1] > budget / passes:
+                break
     samples = []
-    for (axis, size), timed in sorted(runs.items()):
-        for (op, planned), times in zip(step_plans(mesh, axis, size).items(), timed, strict=True):
+    for size, timed in sorted(runs.items()):
+        named = [(axis, op, p) for axis in range(mesh.ndim) for op, p in step_plans(mesh, axis, size).items()]
+        for (axis, op, planned), times in zip(named, timed, strict=True):
             samples.append(Sample(op, axis, step_rounds(planned), sample_bytes(op, planned), statistics.median(times)))
-    return samples
+    return sorted(samples, key=lambda s: s.axis)  # by axis, then size, then kind
 
 
 def time_plans(plans: Sequence[Plan], reps: int = 5) -> list[float]:
     """Per plan (all on one mesh, which every rank is in), the median over ``reps`` runs of
     the slowest rank's time to ``reshard`` by it, the plans interleaved run by run."""
-    return [statistics.median(times) for times in _runs(plans, reps)]
+    return [statistics.median(times) for times in timed_runs(plans, reps)]
 
 
-def _runs(plans: Sequence[Plan], reps: int, clock: float | None = None) -> list[list[float]]:
-    """Per plan, the slowest rank's time of each of ``reps`` runs (:func:`time_plans`). With
+def timed_runs(plans: Sequence[Plan], reps: int, clock: float | None = None) -> list[list[float]]:
+    """Per plan, the slowest rank's time of each of ``reps`` runs, the plans interleaved run by
+    run (so run ``k`` of every plan met the same load: a paired sample). With
     ``clock`` (a ``perf_counter`` reading), one more entry: the most seconds since then on any
     rank, after each run."""
     rank = dist.get_rank()

@@ -16,7 +16,7 @@ from cli.calibrate import fit_table
 from cli.main import main
 from cli.plan_report import describe_plan_cost
 from planner.cost import collective_rounds
-from planner.fit import Sample, fit_line, fit_model, median_relative_error, spearman
+from planner.fit import Sample, fit_line, fit_model, median_relative_error, pooling_p_value, spearman
 from planner.model import plan_spec
 from shardlang import Layout, Mesh, parse_layout, parse_spec
 from tests.test_planner_optimal import Reference, calibrated_looking, random_case, reference_for
@@ -24,13 +24,16 @@ from tests.test_planner_optimal import Reference, calibrated_looking, random_cas
 SIZES = [4096 * 4**k for k in range(7)]  # 4 KiB .. 16 MiB
 
 
-def synthetic(truth: dict[str, tuple[tuple[float, float], ...]], rng: random.Random, noise: float) -> list[Sample]:
-    """Times ``rounds * alpha + bytes / bandwidth`` per kind and axis of a [2, 4] mesh, each
-    with relative noise, and one wild outlier per series (a repetition series the machine hit)."""
+def synthetic(
+    truth: dict[str, tuple[tuple[float, float], ...]], rng: random.Random, noise: float, shape: tuple[int, ...] = (2, 4)
+) -> list[Sample]:
+    """Times ``rounds * alpha + bytes / bandwidth`` per kind and axis of a mesh (default
+    [2, 4]), each with relative noise, and one wild outlier per series (a repetition series the
+    machine hit)."""
     samples = []
     for op, per_axis in truth.items():
         for axis, (alpha, bandwidth) in enumerate(per_axis):
-            n = (2, 4)[axis]
+            n = shape[axis]
             rounds = 1 if op == "point_to_point" else collective_rounds(op, n)
             for k, nbytes in enumerate(SIZES):
                 seconds = (rounds * alpha + nbytes / bandwidth) * (1 + rng.uniform(-noise, noise))
@@ -51,6 +54,77 @@ def test_the_fit_recovers_known_figures():
             assert alphas[axis] == pytest.approx(alpha, rel=0.15), (op, axis)
             assert bandwidths[axis] == pytest.approx(bandwidth, rel=0.08), (op, axis)
             assert lines[op, axis].kept == len(SIZES) - 1  # the outlier, and only it, dropped
+
+
+def test_axes_that_cannot_be_told_apart_share_one_line():
+    """Two axes of one size with the same true figures, timed with 10% noise (and an outlier a
+    series): each kind gets one line over both axes' samples, so the figures are equal and
+    close to the truth."""
+    pooled = 0
+    for seed in range(20):
+        rng = random.Random(100 + seed)
+        figures = {op: (rng.uniform(1e-4, 1e-3), rng.uniform(2e8, 2e9)) for op in planner.PRICED_OPS}
+        model, lines = fit_model(synthetic({op: (f, f) for op, f in figures.items()}, rng, 0.10, (2, 2)))
+        for op, (alpha, bandwidth) in figures.items():
+            alphas, bandwidths = model.for_op(op, Mesh((2, 2)))
+            if lines[op, 0].axes == (0, 1):
+                pooled += 1
+                assert lines[op, 1] == lines[op, 0] and alphas[0] == alphas[1] and bandwidths[0] == bandwidths[1]
+                assert lines[op, 0].total == 2 * len(SIZES)
+                assert alphas[0] == pytest.approx(alpha, rel=0.3) and bandwidths[0] == pytest.approx(bandwidth, rel=0.2)
+            else:  # told apart: each axis keeps its own line
+                assert lines[op, 0].axes == lines[op, 1].axes == () and alphas[0] != alphas[1]
+    # At the test's 1% level about one kind in a hundred would be told apart by chance.
+    assert pooled >= 97, pooled
+
+
+def test_a_symmetric_machine_gets_the_default_models_tie_break():
+    """``R,R | P01 -> R,R`` of 16 MiB on [2,2] whose two axes are alike, all_reduce 1.2x the
+    bandwidth of the other kinds: by the table the hierarchical plan (reduce_scatter,
+    all_reduce, all_gather) is the cheapest, over either axis alike (four steps without the
+    all_reduce send 1.2x its bytes, two all_reduces 1.6x at its rate). The default model breaks
+    the tie to reduce-scatter over axis 0, and a model fitted to noisy timings of such a
+    machine must too (with a line per axis, the noise would pick the axis)."""
+    src, dst = parse_layout("R,R | P01 over mesh[2,2]"), parse_layout("R,R over mesh[2,2]")
+    default = [s.describe() for s in planner.plan(src, dst, (4096, 1024), "f32").steps]
+    assert default == [
+        "reduce_scatter(axis=0, dim=0, op=sum)",
+        "all_reduce(axis=1, op=sum)",
+        "all_gather(axis=0, dim=0)",
+    ]
+    truth = {op: ((2e-4, 6e8 if op == "all_reduce" else 5e8),) * 2 for op in planner.PRICED_OPS}
+    for seed in range(6):
+        model, _ = fit_model(synthetic(truth, random.Random(300 + seed), 0.10, (2, 2)))
+        assert [s.describe() for s in planner.plan(src, dst, (4096, 1024), "f32", model).steps] == default, seed
+
+
+def test_axes_that_differ_keep_their_own_lines():
+    """Axes of one size whose figures are 3x apart (a node's own links against the network's),
+    with the same 10% noise: never pooled, each axis's figures recovered."""
+    for seed in range(20):
+        rng = random.Random(200 + seed)
+        truth = {}
+        for op in planner.PRICED_OPS:
+            alpha, bandwidth = rng.uniform(1e-4, 1e-3), rng.uniform(2e8, 2e9)
+            truth[op] = ((alpha, 3 * bandwidth), (3 * alpha, bandwidth))
+        model, lines = fit_model(synthetic(truth, rng, 0.10, (2, 2)))
+        for op, per_axis in truth.items():
+            alphas, bandwidths = model.for_op(op, Mesh((2, 2)))
+            for axis, (alpha, bandwidth) in enumerate(per_axis):
+                assert lines[op, axis].axes == () and lines[op, axis].total == len(SIZES)
+                assert alphas[axis] == pytest.approx(alpha, rel=0.3), (seed, op, axis)
+                assert bandwidths[axis] == pytest.approx(bandwidth, rel=0.2), (seed, op, axis)
+
+
+def test_the_pooling_test_is_the_f_test():
+    """The closed form of the pooling p-value against scipy's F distribution."""
+    from scipy.stats import f
+
+    for apart, pooled, count in [(0.5, 0.6, 14), (0.2, 0.9, 14), (1.0, 1.3, 9), (0.1, 0.4, 30)]:
+        statistic = ((pooled - apart) / 2) / (apart / (count - 4))
+        assert pooling_p_value(apart, pooled, count) == pytest.approx(f.sf(statistic, 2, count - 4), rel=1e-9)
+    assert pooling_p_value(0.0, 0.1, 14) == 0 and pooling_p_value(0.0, 0.0, 14) == 1
+    assert pooling_p_value(0.1, 0.1, 4) == 0  # two lines through four points: nothing to compare
 
 
 def test_the_fit_is_exact_without_noise_and_refits_through_zero():
@@ -284,4 +358,31 @@ def test_the_calibrate_table_shows_every_kind_and_the_executor_terms():
         "all_to_all                 0     250 us         0.8 GB/s   5/5",
         "point_to_point             0     400 us         1.2 GB/s   5/5",
         "executor (per step, copy)  any   100 us         4 GB/s     5/5",
+    ]
+
+
+def test_the_calibrate_table_names_pooled_axes():
+    """[dp=2, tp=2] timed alike on both axes, without noise, except all_to_all, whose tp axis
+    is twice as fast: every other kind's line is pooled over dp and tp, all_to_all's are not."""
+    samples = []
+    for axis in (0, 1):
+        for k in range(5):
+            nbytes = 4096 * 4**k
+            for op in planner.PRICED_OPS:
+                rounds = 1 if op == "point_to_point" else collective_rounds(op, 2)
+                bandwidth = 2e9 if op == "all_to_all" and axis == 1 else 1e9
+                samples.append(Sample(op, axis, rounds, nbytes, rounds * 2e-4 + nbytes / bandwidth))
+    model, lines = fit_model(samples)
+    assert fit_table(model, lines, Mesh((2, 2), axis_names=("dp", "tp"))).splitlines() == [
+        "collective      axis  latency/round  bandwidth  sizes kept",
+        "all_gather      dp    200 us         1 GB/s     10/10 (dp+tp pooled)",
+        "all_gather      tp    200 us         1 GB/s     10/10 (dp+tp pooled)",
+        "reduce_scatter  dp    200 us         1 GB/s     10/10 (dp+tp pooled)",
+        "reduce_scatter  tp    200 us         1 GB/s     10/10 (dp+tp pooled)",
+        "all_reduce      dp    200 us         1 GB/s     10/10 (dp+tp pooled)",
+        "all_reduce      tp    200 us         1 GB/s     10/10 (dp+tp pooled)",
+        "all_to_all      dp    200 us         1 GB/s     5/5",
+        "all_to_all      tp    200 us         2 GB/s     5/5",
+        "point_to_point  dp    200 us         1 GB/s     10/10 (dp+tp pooled)",
+        "point_to_point  tp    200 us         1 GB/s     10/10 (dp+tp pooled)",
     ]
