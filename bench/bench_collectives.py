@@ -1,4 +1,5 @@
-"""Raw collectives on gloo: why the runtime's reduce_scatter is an all_to_all plus a local sum.
+"""Raw collectives on gloo: why the runtime's reduce_scatter is an all_to_all plus a local sum,
+and its all_gather point-to-point messages.
 
     .venv/bin/python bench/bench_collectives.py                   # 4 ranks, 256 KiB .. 16 MiB, f32
     .venv/bin/python bench/bench_collectives.py --ranks 2 --reps 30
@@ -10,7 +11,9 @@ rank 0's time (ranks aligned by a barrier before each) for:
 * gloo's own ``reduce_scatter_tensor`` of ``B`` into ``B/n``;
 * ``all_to_all_single`` of ``B`` followed by the sum of the ``n`` received blocks (what
   ``runtime.comm.collective`` runs for a reduce_scatter on gloo);
-* ``all_gather_into_tensor`` of ``B/n`` into ``B``.
+* gloo's own ``all_gather_into_tensor`` of ``B/n`` into ``B``;
+* the same all_gather as ``runtime.comm.collective`` runs it on gloo: every rank's block sent to
+  every peer at once, and received straight into its row of the result.
 
 All ways are interleaved repetition by repetition, so that noise hits them alike.
 """
@@ -18,6 +21,7 @@ All ways are interleaved repetition by repetition, so that noise hits them alike
 from __future__ import annotations
 
 import argparse
+import datetime
 import statistics
 import sys
 import time
@@ -28,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.distributed as dist
 
-from runtime.comm import all_gather_single, reduce_scatter_single
+from runtime.comm import all_gather_single, collective, reduce_scatter_single
 from runtime.testing import run_ranks
 
-WAYS = ("all_reduce", "reduce_scatter (gloo)", "all_to_all + sum", "all_gather")
+WAYS = ("all_reduce", "reduce_scatter (gloo)", "all_to_all + sum", "all_gather (gloo)", "all_gather as messages")
+TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def _one(way: str, x: torch.Tensor, part: torch.Tensor, full: torch.Tensor, n: int) -> None:
@@ -42,8 +47,10 @@ def _one(way: str, x: torch.Tensor, part: torch.Tensor, full: torch.Tensor, n: i
     elif way == "all_to_all + sum":
         dist.all_to_all_single(full, x)
         torch.sum(full.view(n, -1), 0, out=part)
-    else:
+    elif way == "all_gather (gloo)":
         all_gather_single(full, part)
+    else:
+        collective("all_gather", part, n, None, dist.group.WORLD, TIMEOUT, out=full)
 
 
 def _rank(rank: int, world: int, sizes: list[int], reps: int) -> dict[int, dict[str, float]]:
@@ -73,12 +80,13 @@ def main() -> None:
     sizes = [int(s[:-3]) * units[s[-3:]] for s in args.sizes.split(",")]
     results = run_ranks(_rank, args.ranks, args=(sizes, args.reps), timeout=600)[0]
     print(f"gloo, {args.ranks} ranks, median ms of rank 0 over {args.reps - 2} repetitions")
-    print("| buffer | " + " | ".join(WAYS) + " | reduce_scatter / (all_to_all + sum) |")
-    print("|---|" + "---|" * (len(WAYS) + 1))
+    print("| buffer | " + " | ".join(WAYS) + " | reduce_scatter / (all_to_all + sum) | all_gather / messages |")
+    print("|---|" + "---|" * (len(WAYS) + 2))
     for size, row in results.items():
-        ratio = row["reduce_scatter (gloo)"] / row["all_to_all + sum"]
+        scatter = row["reduce_scatter (gloo)"] / row["all_to_all + sum"]
+        gather = row["all_gather (gloo)"] / row["all_gather as messages"]
         cells = " | ".join(f"{row[w] * 1e3:.2f}" for w in WAYS)
-        print(f"| {size // 1024} KiB | {cells} | {ratio:.2f}x |")
+        print(f"| {size // 1024} KiB | {cells} | {scatter:.2f}x | {gather:.2f}x |")
 
 
 if __name__ == "__main__":
