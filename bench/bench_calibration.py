@@ -25,7 +25,7 @@ calibrated model picked it (or a plan level with it).
 Every rank runs one intra-op thread (``torch.set_num_threads(1)``), as ``torchrun`` starts
 ``shardlang calibrate``'s processes (``OMP_NUM_THREADS=1``): with two threads in each of 4
 processes on 2 cores, a local copy or sum of more than 128 KiB (torch's parallel grain) took
-4-15 ms here instead of 0.1-0.5, which made the sweep's 256 KiB samples and every plan's local
+4-27 ms here instead of 0.1-0.5, which made the sweep's 256 KiB samples and every plan's local
 work a matter of scheduling.
 """
 
