@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import io
-import os
 import queue
 import time
 import traceback
@@ -59,7 +58,9 @@ def _worker(
     results: Any,
     wait_for_peers: bool,
 ) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # One intra-op thread per rank, as torchrun starts each process (OMP_NUM_THREADS=1): the
+    # variable is read when torch is imported, before this runs, so the count is set directly.
+    torch.set_num_threads(1)
     try:
         timeout = datetime.timedelta(seconds=collective_timeout)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)

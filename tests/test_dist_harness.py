@@ -9,10 +9,10 @@ import torch.distributed as dist
 from runtime.testing import RankFailed, run_ranks
 
 
-def _sum_of_ranks(rank: int, world_size: int) -> int:
+def _sum_of_ranks(rank: int, world_size: int) -> tuple[int, int]:
     t = torch.tensor([rank])
     dist.all_reduce(t)
-    return int(t.item())
+    return int(t.item()), torch.get_num_threads()
 
 
 def _rank_one_raises(rank: int, world_size: int) -> None:
@@ -20,8 +20,8 @@ def _rank_one_raises(rank: int, world_size: int) -> None:
         raise ValueError("boom on rank 1")
 
 
-def test_all_ranks_report_results() -> None:
-    assert run_ranks(_sum_of_ranks, 3, timeout=60) == [3, 3, 3]
+def test_all_ranks_report_results_each_on_one_thread_as_under_torchrun() -> None:
+    assert run_ranks(_sum_of_ranks, 3, timeout=60) == [(3, 1)] * 3
 
 
 def test_an_exception_on_one_rank_fails_the_run() -> None:
