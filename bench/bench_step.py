@@ -45,8 +45,10 @@ What is counted:
   ``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``, ...; barriers excluded) that
   ``torch.profiler`` saw on rank 0 during step 3, inside ``optimizer.step()`` and inside the
   whole training step (DDP's reducer, FSDP2 and ``torch.distributed`` functions all go
-  through these operators; nothing is patched). For the sharded optimizers, "recorded" is
-  ``len(log.records)`` of ``runtime.recording()`` around the same ``step()`` call.
+  through these operators; nothing is patched); point-to-point messages posted one after
+  another (``c10d::send``, ``c10d::recv_``: the runtime's all_gather on gloo) count as one. For
+  the sharded optimizers, "recorded" is ``len(log.records)`` of ``runtime.recording()`` around
+  the same ``step()`` call.
 * held memory per rank after a step (the largest over ranks): parameters and gradients as
   tensors (FSDP2: the local shards), optimizer states (``optimizer.state`` tensors; ZeRO: its
   local optimizer's; ours: ``state_bytes()``), bucket buffers (DDP: its reducer's buckets from
@@ -388,6 +390,9 @@ def walk(nodes: Iterable[Any]) -> Iterator[Any]:
         stack.extend(node.children)
 
 
+MESSAGES = ("c10d::send", "c10d::recv_")  # the profiler's names of point-to-point messages
+
+
 def profile_counts(prof: profile, keys: Iterable[str]) -> dict[str, dict[str, int]]:
     """Per variant, from the profiled steps: c10d collectives (barriers excluded) inside its
     last training step and its last ``optimizer.step()``, and the allocator's peak above the
@@ -395,7 +400,7 @@ def profile_counts(prof: profile, keys: Iterable[str]) -> dict[str, dict[str, in
     from torch._C._profiler import _EventType
 
     windows: dict[str, list[tuple[int, int]]] = {}
-    collectives: list[int] = []
+    events: list[tuple[int, bool]] = []  # (start, whether a point-to-point message)
     allocations: list[tuple[int, int]] = []
     for e in walk(prof.profiler.kineto_results.experimental_event_tree()):
         if e.typed[0] == _EventType.Allocation:
@@ -404,8 +409,10 @@ def profile_counts(prof: profile, keys: Iterable[str]) -> dict[str, dict[str, in
         elif e.name.startswith("bench|"):
             windows.setdefault(e.name, []).append((e.start_time_ns, e.end_time_ns))
         elif e.name.startswith("c10d::") and "barrier" not in e.name:
-            collectives.append(e.start_time_ns)
-    collectives.sort()
+            events.append((e.start_time_ns, e.name in MESSAGES))
+    events.sort()
+    # Messages posted one after another are one collective (runtime.comm: gloo's all_gather).
+    collectives = [t for k, (t, message) in enumerate(events) if not (message and k and events[k - 1][1])]
     allocations.sort()
     times = [t for t, _ in allocations]
     held = list(itertools.accumulate(size for _, size in allocations))

@@ -456,7 +456,14 @@ class StageRun:
         try:
             group = group_for(bucket.bucket.mesh, (first.step.axis,), first.members, device_mesh, timeout=self.timeout)
             pending = start_collective(
-                op, send.view(-1), n, bucket.bucket.reduce_op, group, out=out, workspace=workspace
+                op,
+                send.view(-1),
+                n,
+                bucket.bucket.reduce_op,
+                group,
+                out=out,
+                workspace=workspace,
+                waited_at_once=bucket.bucket.launch == IN_STEP,  # runtime.comm: waited within step()
             )
         except (DistributedError, ReshardError) as e:
             raise type(e)(f"{self._where(bucket)} failed: {e.message}") from e

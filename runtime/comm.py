@@ -17,13 +17,20 @@ received blocks: gloo's own reduce_scatter costs as much as an all-reduce of the
 with ``bench/bench_collectives.py``), while the all_to_all sends exactly the ring
 reduce_scatter's ``(n-1)`` blocks.
 
-On gloo an all_gather of a result of :data:`GATHER_MESSAGES_BYTES` or more runs as point-to-point
-messages: each rank sends its block to every peer at once and receives theirs straight into
-their rows of the result. gloo's own all_gather is a ring of ``n - 1`` rounds, one after another,
-and took 1.5-2.4x as long for results of 2-32 MiB on 4 CPU ranks (``bench/bench_collectives.py``);
-below 1 MiB the two were level or the ring faster, depending on the run. The messages carry a
-tag of their own (:data:`GATHER_TAG`), so that they never match a plan's point-to-point
-messages.
+On gloo an all_gather of a result of :data:`GATHER_MESSAGES_BYTES` or more that its caller
+waits on before returning (``waited_at_once``) runs as point-to-point messages: each rank sends
+its block to every peer at once and receives theirs straight into their rows of the result.
+gloo's own all_gather is a ring of ``n - 1`` rounds, one after another, and took 1.5-2.4x as
+long for results of 2-32 MiB on 4 CPU ranks (``bench/bench_collectives.py``); below 1 MiB the
+two were level or the ring faster, depending on the run. The messages carry a tag of their own
+(:data:`GATHER_TAG`), so that they never match a plan's point-to-point messages. Unlike a
+collective's work, which gloo's worker thread holds and finishes, a message's work is its
+caller's: one started while ``torch.profiler`` ran and waited on after it stopped crashes the
+process (torch 2.13), hence messages only for a gather waited on at once, never for one left in
+flight across its caller's return (buckets started during backward, gathers prefetched after a
+step). And one dropped before it completes cancels its message, so that later messages between
+the same ranks no longer match: the works of a gather's messages are kept here
+(:data:`_MESSAGES_IN_FLIGHT`) until they complete, whatever its caller does.
 
 ``avg`` is computed as a sum followed by a division by the group size on every backend:
 gloo lacks ``ReduceOp.AVG`` on some builds and for some collectives, and the sum-then-divide
@@ -51,6 +58,8 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 GATHER_TAG = 7  # the tag of an all_gather's messages on gloo (module docstring)
 GATHER_MESSAGES_BYTES = 2**20  # gloo all_gathers of results this large run as messages
+# The works of gathers' messages not known to be complete (module docstring), oldest first.
+_MESSAGES_IN_FLIGHT: list[dist.Work] = []
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -93,13 +102,16 @@ def start_collective(
     *,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    waited_at_once: bool = False,
 ) -> PendingCollective:
     """Start ``op`` (all_gather, reduce_scatter, all_reduce, all_to_all) on the flat buffer
     ``send`` over ``group`` of ``n`` ranks (all_reduce works in place on ``send``; the others
     write ``out`` when given). ``workspace`` (of ``send``'s size) is where gloo's
     reduce_scatter receives its blocks. ``send``, ``out`` and ``workspace`` must not be touched
     until the collective has been waited on. Ranks of one group always pass buffers of equal
-    size; empty buffers skip the collective on all of them alike."""
+    size; empty buffers skip the collective on all of them alike. ``waited_at_once``: the caller
+    waits on it before it returns, which lets a gloo all_gather run as messages (module
+    docstring)."""
     sizes = {"all_gather": n * send.numel(), "reduce_scatter": send.numel() // n, "all_to_all": send.numel()}
     if op == "all_reduce":
         received = send
@@ -112,7 +124,8 @@ def start_collective(
     blocks = None
     gloo = dist.get_backend(group) == "gloo"
     try:
-        if op == "all_gather" and gloo and received.numel() * received.element_size() >= GATHER_MESSAGES_BYTES:
+        big = received.numel() * received.element_size() >= GATHER_MESSAGES_BYTES
+        if op == "all_gather" and gloo and waited_at_once and big:
             works = _all_gather_messages(received, send, group)
         elif op == "all_gather":
             works = [all_gather_single(received, send, group=group, async_op=True)]
@@ -133,6 +146,7 @@ def start_collective(
 def _all_gather_messages(received: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> list[dist.Work]:
     """gloo's all_gather as messages (module docstring): this rank's block into its own row
     of ``received`` and to every peer, every peer's block into its row, all posted at once."""
+    _MESSAGES_IN_FLIGHT[:] = [work for work in _MESSAGES_IN_FLIGHT if not work.is_completed()]
     me, n = dist.get_rank(group), dist.get_world_size(group)
     rows = received.view(n, -1)
     rows[me].copy_(send)
@@ -141,7 +155,9 @@ def _all_gather_messages(received: torch.Tensor, send: torch.Tensor, group: dist
         if peer != me:
             ops.append(dist.P2POp(dist.isend, send, group=group, tag=GATHER_TAG, group_peer=peer))
             ops.append(dist.P2POp(dist.irecv, rows[peer], group=group, tag=GATHER_TAG, group_peer=peer))
-    return dist.batch_isend_irecv(ops) if ops else []
+    works = dist.batch_isend_irecv(ops) if ops else []
+    _MESSAGES_IN_FLIGHT.extend(works)
+    return works
 
 
 def collective(
@@ -156,7 +172,8 @@ def collective(
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`start_collective`, waited on at most ``timeout``: the flat result."""
-    return start_collective(op, send, n, reduce_op, group, out=out, workspace=workspace).wait(timeout)
+    pending = start_collective(op, send, n, reduce_op, group, out=out, workspace=workspace, waited_at_once=True)
+    return pending.wait(timeout)
 
 
 def _reduce_blocks(blocks: torch.Tensor, reduce_op: str | None, out: torch.Tensor) -> None:

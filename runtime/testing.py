@@ -44,6 +44,16 @@ def attempt(call: Callable[[], object]) -> tuple[str, str, float]:
     return "ok", "", time.monotonic() - started
 
 
+def _drain(results: Any, got: dict[int, tuple[str, Any]]) -> None:
+    """Read every result still in the queue into ``got``."""
+    while True:
+        try:
+            rank, status, value = results.get(timeout=1.0)
+        except queue.Empty:
+            return
+        got[rank] = (status, value)
+
+
 class RankFailed(AssertionError):
     """One or more ranks raised; the message holds their tracebacks."""
 
@@ -110,10 +120,16 @@ def run_ranks(
                 rank, status, value = results.get(timeout=min(remaining, 0.5))
                 got[rank] = (status, value)
             except queue.Empty:
-                # Ranks allowed to vanish that are gone: stop waiting for them.
+                # Ranks allowed to vanish that are gone: stop waiting for them. A rank that died
+                # without reporting (a crash: its result would have arrived before its exit)
+                # fails the run now rather than at the deadline.
                 alive = {r for r, p in enumerate(procs) if p.is_alive()}
                 if all(r in got or (r in allow_missing and r not in alive) for r in range(world_size)):
                     break
+                if any(r not in got and r not in alive and r not in allow_missing for r in range(world_size)):
+                    _drain(results, got)  # what a rank put just before it exited
+                    if len(got) < world_size:
+                        break
     finally:
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
@@ -124,6 +140,10 @@ def run_ranks(
         del store  # the rendezvous lives exactly as long as the run
     errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(got.items()) if s == "error"]
     missing = [r for r in range(world_size) if r not in got and r not in allow_missing]
+    died = [r for r in missing if procs[r].exitcode not in (None, -9)]  # -9: killed here at the deadline
+    if died:  # the cause, before what it made the others raise
+        codes = ", ".join(f"rank {r}: {procs[r].exitcode}" for r in died)
+        errors.insert(0, f"ranks {died} exited without reporting a result (exit codes {codes})")
     if errors:
         raise RankFailed("\n".join(errors))
     if missing:

@@ -1,12 +1,14 @@
 """The collective layer on real gloo process groups: an all_gather as gloo's ring and as
 point-to-point messages (results of ``GATHER_MESSAGES_BYTES`` or more) gives every rank the
 blocks of every rank in order, on the whole world and on subgroups, also with two gathers and a
-plan's own point-to-point messages in flight at once."""
+plan's own point-to-point messages in flight at once, and after gathers started and dropped
+without a wait."""
 
 from __future__ import annotations
 
 import datetime
 import functools
+import gc
 
 import torch
 import torch.distributed as dist
@@ -36,16 +38,27 @@ def _run(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
     for name, group, n in (("world", dist.group.WORLD, 4), ("pair", pair, 2)):
         for numel in (SMALL, BIG):
             me = dist.get_rank(group)
-            got = start_collective("all_gather", block(me, numel, numel), n, None, group).wait(TIMEOUT)
+            got = start_collective("all_gather", block(me, numel, numel), n, None, group, waited_at_once=True).wait(
+                TIMEOUT
+            )
             out[f"{name} {numel}"] = [got]
     # Two gathers on one group and a point-to-point exchange in between, all in flight at once.
     peer = rank ^ 1
-    first = start_collective("all_gather", block(rank, BIG, 1), 4, None, dist.group.WORLD)
+    first = start_collective("all_gather", block(rank, BIG, 1), 4, None, dist.group.WORLD, waited_at_once=True)
     received = torch.empty(SMALL)
     messages = post_point_to_point([(peer, block(rank, SMALL, 2))], [(peer, received)])
-    second = start_collective("all_gather", block(rank, BIG, 3), 4, None, dist.group.WORLD)
+    second = start_collective("all_gather", block(rank, BIG, 3), 4, None, dist.group.WORLD, waited_at_once=True)
     wait_point_to_point(messages, TIMEOUT)
     out["in flight"] = [first.wait(TIMEOUT), second.wait(TIMEOUT), received]
+    # Gathers never waited on (as the prefetch after a run's last step), then one that is.
+    for salt in (4, 5):
+        start_collective("all_gather", block(rank, BIG, salt), 4, None, dist.group.WORLD, waited_at_once=True)
+    gc.collect()
+    out["after dropped"] = [
+        start_collective("all_gather", block(rank, BIG, 6), 4, None, dist.group.WORLD, waited_at_once=True).wait(
+            TIMEOUT
+        )
+    ]
     return out
 
 
@@ -70,3 +83,9 @@ def test_gathers_in_flight_with_point_to_point_messages_match_their_own() -> Non
         assert torch.equal(first, torch.cat([block(r, BIG, 1) for r in range(4)])), f"rank {rank}: first gather"
         assert torch.equal(second, torch.cat([block(r, BIG, 3) for r in range(4)])), f"rank {rank}: second gather"
         assert torch.equal(received, block(rank ^ 1, SMALL, 2)), f"rank {rank}: point-to-point message"
+
+
+def test_a_gather_after_gathers_dropped_unwaited_gets_its_own_blocks() -> None:
+    for rank, result in enumerate(_results()):
+        (got,) = result["after dropped"]
+        assert torch.equal(got, torch.cat([block(r, BIG, 6) for r in range(4)])), f"rank {rank}"

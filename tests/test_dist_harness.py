@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,11 @@ def _rank_one_raises(rank: int, world_size: int) -> None:
         raise ValueError("boom on rank 1")
 
 
+def _rank_one_dies(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os._exit(3)  # as a crash would: no result, no traceback
+
+
 def test_all_ranks_report_results_each_on_one_thread_as_under_torchrun() -> None:
     assert run_ranks(_sum_of_ranks, 3, timeout=60) == [(3, 1)] * 3
 
@@ -27,3 +34,8 @@ def test_all_ranks_report_results_each_on_one_thread_as_under_torchrun() -> None
 def test_an_exception_on_one_rank_fails_the_run() -> None:
     with pytest.raises(RankFailed, match="boom on rank 1"):
         run_ranks(_rank_one_raises, 2, timeout=60)
+
+
+def test_a_rank_that_dies_without_reporting_fails_the_run_naming_it() -> None:
+    with pytest.raises(RankFailed, match=r"ranks \[1\] exited without reporting a result \(exit codes rank 1: 3\)"):
+        run_ranks(_rank_one_dies, 2, timeout=60)
