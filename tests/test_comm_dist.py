@@ -1,8 +1,8 @@
 """The collective layer on real gloo process groups: an all_gather as gloo's ring and as
 point-to-point messages (results of ``GATHER_MESSAGES_BYTES`` or more) gives every rank the
 blocks of every rank in order, on the whole world and on subgroups, also with two gathers and a
-plan's own point-to-point messages in flight at once, and after gathers started and dropped
-without a wait."""
+plan's own point-to-point messages in flight at once, after gathers started and dropped
+without a wait, and for a gather left in flight while ``torch.profiler`` stops."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import gc
 
 import torch
 import torch.distributed as dist
+from torch.profiler import profile
 
 from runtime.comm import (
     GATHER_MESSAGES_BYTES,
@@ -59,6 +60,10 @@ def _run(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
             TIMEOUT
         )
     ]
+    # A gather started under the profiler and waited on after it stopped (the prefetch).
+    with profile():
+        pending = start_collective("all_gather", block(rank, BIG, 7), 4, None, dist.group.WORLD)
+    out["across the profiler"] = [pending.wait(TIMEOUT)]
     return out
 
 
@@ -89,3 +94,9 @@ def test_a_gather_after_gathers_dropped_unwaited_gets_its_own_blocks() -> None:
     for rank, result in enumerate(_results()):
         (got,) = result["after dropped"]
         assert torch.equal(got, torch.cat([block(r, BIG, 6) for r in range(4)])), f"rank {rank}"
+
+
+def test_a_gather_left_in_flight_across_the_profiler_stopping_completes() -> None:
+    for rank, result in enumerate(_results()):
+        (got,) = result["across the profiler"]
+        assert torch.equal(got, torch.cat([block(r, BIG, 7) for r in range(4)])), f"rank {rank}"
