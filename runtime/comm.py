@@ -20,9 +20,9 @@ reduce_scatter's ``(n-1)`` blocks.
 On gloo an all_gather of a result of :data:`GATHER_MESSAGES_BYTES` or more that its caller
 waits on before returning (``waited_at_once``) runs as point-to-point messages: each rank sends
 its block to every peer at once and receives theirs straight into their rows of the result.
-gloo's own all_gather is a ring of ``n - 1`` rounds, one after another, and took 1.5-2.4x as
-long for results of 2-32 MiB on 4 CPU ranks (``bench/bench_collectives.py``); below 1 MiB the
-two were level or the ring faster, depending on the run. The messages carry a tag of their own
+gloo's own all_gather is a ring of ``n - 1`` rounds, one after another, and took 1.35-1.9x as
+long for results of 1-16 MiB on 4 CPU ranks (``bench/bench_collectives.py``, README); below
+1 MiB the two were level or the ring faster, depending on the run. The messages carry a tag of their own
 (:data:`GATHER_TAG`), so that they never match a plan's point-to-point messages. Unlike a
 collective's work, which gloo's worker thread holds and finishes, a message's work is its
 caller's: one started while ``torch.profiler`` ran and waited on after it stopped crashes the
