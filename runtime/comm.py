@@ -22,15 +22,17 @@ waits on before returning (``waited_at_once``) runs as point-to-point messages: 
 its block to every peer at once and receives theirs straight into their rows of the result.
 gloo's own all_gather is a ring of ``n - 1`` rounds, one after another, and took 1.35-1.9x as
 long for results of 1-16 MiB on 4 CPU ranks (``bench/bench_collectives.py``, README); below
-1 MiB the two were level or the ring faster, depending on the run. The messages carry a tag of their own
-(:data:`GATHER_TAG`), so that they never match a plan's point-to-point messages. Unlike a
-collective's work, which gloo's worker thread holds and finishes, a message's work is its
-caller's: one started while ``torch.profiler`` ran and waited on after it stopped crashes the
-process (torch 2.13), hence messages only for a gather waited on at once, never for one left in
-flight across its caller's return (buckets started during backward, gathers prefetched after a
-step). And one dropped before it completes cancels its message, so that later messages between
-the same ranks no longer match: the works of a gather's messages are kept here
-(:data:`_MESSAGES_IN_FLIGHT`) until they complete, whatever its caller does.
+1 MiB the two were level or the ring faster, depending on the run. The messages carry a tag of
+their own (:data:`GATHER_TAG`), so that they never match a plan's point-to-point messages.
+Unlike a collective's work, which gloo's worker thread holds and finishes, a message's work is
+its caller's: one started while ``torch.profiler`` ran and waited on after it stopped crashed
+the process every time here (torch 2.13; gloo's ring did so once in about 20 rounds of 4 ranks,
+a hazard of any work left in flight across the profiler's stop), hence messages only for a
+gather waited on at once, never for one left in flight across its caller's return (buckets
+started during backward, gathers prefetched after a step). And one dropped before it completes
+cancels its message, so that later messages between the same ranks no longer match: the works
+of a gather's messages are kept here (:data:`_MESSAGES_IN_FLIGHT`) until they complete,
+whatever its caller does.
 
 ``avg`` is computed as a sum followed by a division by the group size on every backend:
 gloo lacks ``ReduceOp.AVG`` on some builds and for some collectives, and the sum-then-divide
