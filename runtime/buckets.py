@@ -443,7 +443,7 @@ class StageRun:
             if blocks is None:
                 move.send_into(walk.x, part)
             else:
-                targets.append(part.view(blocks.shape) if move.step.op == "all_reduce" else part)
+                targets.append(part)
                 sources.append(blocks)
             walk.x = None  # type: ignore[assignment]  # the piece is in the buffer now
         if targets:
@@ -530,12 +530,12 @@ class StageRun:
 
 
 def _send_parts(bucket: _BucketProgram, send: torch.Tensor) -> list[torch.Tensor]:
-    """Per member its part of the bucket's send buffer (``[n, total]`` or ``[total]``): shaped
-    as its blocks (``CollectiveMove.blocks_shape``), an all_reduce member's flat."""
+    """Per member its part of the bucket's send buffer (``[n, total]`` or ``[total]``), shaped
+    as its blocks (``CollectiveMove.blocks_shape``)."""
     parts = []
     for _, move, chunk, offset in bucket.members:
         part = send[:, offset : offset + chunk] if bucket.per_peer else send[offset : offset + chunk]
-        parts.append(part if move.step.op == "all_reduce" else part.view(move.blocks_shape))
+        parts.append(part.view(move.blocks_shape))
     return parts
 
 
