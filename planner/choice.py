@@ -46,7 +46,7 @@ import itertools
 
 import attrs
 
-from planner.cost import DEFAULT_COST, STEP, CostModel, OpUnits, collective_rounds
+from planner.cost import COPY, DEFAULT_COST, STEP, CostModel, OpUnits, collective_rounds
 from planner.errors import PlanBudgetError, PlanError
 from planner.p2p import Links, PlannedExchange, message_count, time_lower_bound
 from planner.records import Plan
@@ -194,14 +194,17 @@ def _leg(
 
 
 def _units(leg: Plan, rates: OpUnits) -> int:
+    """The leg's time in the search's units: its steps' rounds, bytes, overheads and local copies."""
     per_round, per_byte = rates
     shape = leg.src.mesh.shape
+    copied = sum(leg.copied_bytes()) * per_byte[COPY][0] if COPY in per_byte else 0
     return (
         sum(
             collective_rounds(s.op, shape[s.axis]) * per_round[s.op][s.axis] + s.bytes * per_byte[s.op][s.axis]
             for s in leg.steps
         )
         + len(leg.steps) * per_round[STEP][0]
+        + copied
     )
 
 

@@ -13,15 +13,52 @@ all_to_all      (n-1) * (b with dim j's local length cut to ceil(Lj/n))   n-1
 slice, partial  0                                                         0
 =============== ========================================================= ==========
 
-Step time = rounds * alpha[a] + bytes / bandwidth[a] + overhead; plan time = sum of step times.
+Step time = rounds * alpha[a] + bytes / bandwidth[a] + overhead + copied / copy_bandwidth; plan
+time = sum of step times.
+
+Local copies (``copied``, :func:`copy_elements` times the itemsize). A collective's blocks must
+lie in one contiguous buffer, one block per peer; the executor (``runtime/program.py``,
+``CollectiveMove.send`` and ``finish``) makes that buffer a view of the piece where it can and
+copies otherwise. With ``P`` the padded local shape before the step and ``Q`` after it, ``d``
+the step's dim, ``j`` an all_to_all's ``to_dim``, and "``k`` leads ``S``" meaning
+``prod(S[:k]) == 1`` (every dim before ``k`` has length 1, so ``S``'s blocks along ``k`` are runs
+of memory), the elements copied are (0 on an axis of size 1, which sends nothing):
+
+=============== ========================================================= ======================
+op              pack, before the collective                               unpack, after it
+=============== ========================================================= ======================
+all_gather      prod(P) if Q[d] != n * P[d] (a short piece is padded)     prod(Q) unless d leads P
+reduce_scatter  n * prod(Q) unless P[d] == n * Q[d] and d leads P         0 (a view of the result)
+all_to_all      n * prod(B), B = P with B[j] = Q[j], unless P[j] == n*Q[j],  prod(Q) unless d leads B
+                Q[d] == n * P[d] and j leads P
+all_reduce      0 (reduced in place)                                      0
+=============== ========================================================= ======================
+
+Example: ``R,R | P0 -> R,R`` of 765x1024 f32 on [4]. One all_reduce copies nothing by the table.
+A reduce_scatter of dim 1 (1024 columns split evenly, but 765 rows before them) packs
+``4 * 765 * 256`` elements (3,133,440 bytes: every row's four column blocks apart), and the
+all_gather of dim 1 back unpacks as many; the same two of dim 0 pack 786,432 elements (765 rows
+pad to 768) and 196,608 (the short last piece), and unpack nothing (dim 0 leads). At a copy
+bandwidth of 2 GB/s that is 3.13 ms for the pair of dim 1 and 1.97 ms for the pair of dim 0.
+
+What the rule leaves out, and why. It is the copies of the rank at coordinate 0's group, whose
+pieces are the padded shapes the table counts (a group of another coordinate, with a shorter
+piece, may pad where this one does not). It takes the step's input to be contiguous, as the
+caller's piece and every collective's result are; a slice of a dim that does not lead, or a
+reduce_scatter or all_to_all whose short last piece is cut from a dim that does not lead, leaves
+a strided view, which whatever reads it next copies (the next pack, or the executor's copy of
+its result), unpriced. The all_reduce of the caller's own piece (no collective before it) copies
+it first, because the caller's tensor is never written: that copy is in the fitted all_reduce
+line, since the calibration's all_reduce is such a step (docs/calibration.md).
 
 Executor terms (both measured by ``shardlang calibrate``, both free in the default model;
 docs/calibration.md says what they stand for and how they are fitted). ``overhead`` is the
 fixed cost of one step of any kind, local steps included (the executor's own work per step:
 dispatch, views, the buffer it allocates); a collective's measured fixed cost beyond it is its
-``alpha``. ``copy_bandwidth`` prices the copy of the target piece that a plan which sends
-nothing makes (the executor returns fresh memory: a plan of slice and partial steps only ends
-in a copy of its result), added to that plan's last step; ``None`` means free.
+``alpha``. ``copy_bandwidth`` prices local copies: each collective step's ``copied`` bytes
+(above), and the copy of the target piece that a plan which sends nothing makes (the executor
+returns fresh memory: a plan of slice and partial steps only ends in a copy of its result),
+added to that plan's last step; ``None`` means free, so the default model prices neither.
 
 Per-collective figures. A model may give any of the priced kinds (:data:`PRICED_OPS`) its own
 per-axis alpha and bandwidth (``CostModel.ops``, e.g. measured by ``shardlang calibrate``, README
@@ -37,10 +74,12 @@ every step time is an integer, so equal-time plans compare equal whatever the or
 steps, and the fewer-steps rule decides between them. The overhead is on the same scale (the
 pseudo-kind :data:`STEP` of :meth:`CostModel.figures`): every move of the search pays it, so
 the lower bound (which leaves it out) stays admissible, and the pruning rules of
-``planner.space``, which never trade a plan for one with more steps, stay exact. The copy is
-not part of the search's comparison: it applies only to a plan that sends nothing, which
-exists only when slices alone reach the target, and then every other plan communicates and
-writes a buffer at least as large as the target piece (docs/calibration.md).
+``planner.space``, which never trade a plan for one with more steps, stay exact. A step's
+``copied`` bytes are on that scale too (the per-byte figure of the pseudo-kind :data:`COPY`),
+and the bound leaves them out as well (they are never negative); ``planner.space`` says which
+pruning rule they touch. The copy of a plan that sends nothing is not part of the search's
+comparison: it exists only when slices alone reach the target, and then every other plan
+communicates and writes a buffer at least as large as the target piece (docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -48,7 +87,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -80,6 +119,8 @@ HINTS_FIELDS = (
 )  # fmt: skip
 # The pseudo-kind of :meth:`CostModel.figures` whose per-round figure is the per-step overhead.
 STEP = "step"
+# The pseudo-kind whose bandwidth is the copy bandwidth (only in a model that prices copies).
+COPY = "copy"
 LOCAL_OPS = ("slice", "partial")
 
 
@@ -225,10 +266,13 @@ class CostModel:
         scale of :func:`integer_op_rates` covers it and changes nothing else)."""
         out = {op: self.for_op(op, mesh) for op in (*PRICED_OPS, *LOCAL_OPS)}
         out[STEP] = ((self.overhead,) * mesh.ndim, _axis_values("bandwidth", self.bandwidth, mesh))
+        if self.copy_bandwidth is not None:
+            out[COPY] = ((0.0,) * mesh.ndim, (self.copy_bandwidth,) * mesh.ndim)
         return out
 
     def copy_seconds(self, nbytes: int) -> float:
-        """The copy of ``nbytes`` of a target piece by a plan that sends nothing."""
+        """A local copy of ``nbytes``: a step's ``copied`` bytes, or the target piece of a plan
+        that sends nothing."""
         return 0.0 if self.copy_bandwidth is None else nbytes / self.copy_bandwidth
 
     @classmethod
@@ -322,6 +366,33 @@ def collective_rounds(op: str, n: int) -> int:
     if op in LOCAL_OPS:
         return 0
     return 2 * (n - 1) if op == "all_reduce" else n - 1
+
+
+def copy_elements(
+    op: str, n: int, dim: int | None, to_dim: int | None, before: Sequence[int], after: Sequence[int]
+) -> int:
+    """The elements a collective step copies locally to pack its blocks and unpack its result
+    (module docstring): ``op`` on an axis of size ``n``, of ``dim`` (and ``to_dim``), between
+    the padded local shapes ``before`` and ``after``; 0 for other steps."""
+    if n == 1 or op not in ("all_gather", "reduce_scatter", "all_to_all"):
+        return 0
+    assert dim is not None
+    if op == "all_gather":
+        pack = math.prod(before) if after[dim] != n * before[dim] else 0
+        return pack + (0 if _leads(dim, before) else math.prod(after))
+    if op == "reduce_scatter":
+        even = before[dim] == n * after[dim] and _leads(dim, before)
+        return 0 if even else n * math.prod(after)
+    assert to_dim is not None
+    block = [*before]
+    block[to_dim] = after[to_dim]
+    fit = before[to_dim] == n * after[to_dim] and after[dim] == n * before[dim] and _leads(to_dim, before)
+    return (0 if fit else n * math.prod(block)) + (0 if _leads(dim, block) else math.prod(after))
+
+
+def _leads(dim: int, shape: Sequence[int]) -> bool:
+    """Whether blocks of ``shape`` along ``dim`` are runs of its memory: no dim before it is longer than 1."""
+    return math.prod(shape[:dim]) == 1
 
 
 @functools.lru_cache(maxsize=256)

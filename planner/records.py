@@ -7,10 +7,11 @@ from typing import Any, Literal, get_args
 
 import attrs
 
-from planner.cost import CostModel
+from planner.cost import CostModel, copy_elements
 from planner.errors import PlanError
 from planner.holdings import receive_lower_bound
 from shardlang.box import Box
+from shardlang.dtypes import itemsize
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout, ReduceOp
 from shardlang.mesh import Mesh
@@ -129,6 +130,19 @@ class Plan:
     def layouts(self) -> tuple[Layout, ...]:
         """Every state the tensor passes through, ``src`` first and ``dst`` last."""
         return (self.src, *(s.layout for s in self.steps))
+
+    def copied_bytes(self) -> tuple[int, ...]:
+        """Per step, the bytes it copies locally to pack its blocks and unpack its result
+        (``planner.cost.copy_elements``; 0 for local and point-to-point steps)."""
+        copied = []
+        for before, step in zip(self.layouts(), self.steps, strict=False):
+            if step.axis is None:  # point_to_point
+                copied.append(0)
+                continue
+            n = step.layout.mesh.shape[step.axis]
+            old, new = before.local_shape(self.shape), step.layout.local_shape(self.shape)
+            copied.append(copy_elements(step.op, n, step.dim, step.to_dim, old, new) * itemsize(self.dtype))
+        return tuple(copied)
 
     def to_json(self) -> dict[str, Any]:
         meshes = {lay.mesh.name: lay.mesh.text() for lay in (self.src, self.dst) if lay.mesh.name is not None}

@@ -27,7 +27,7 @@ import math
 import attrs
 
 from planner.bound import LowerBound, Terms, cheapest_rates
-from planner.cost import DEFAULT_COST, LOCAL_OPS, STEP, CostModel, integer_op_rates
+from planner.cost import COPY, DEFAULT_COST, LOCAL_OPS, STEP, CostModel, integer_op_rates
 from planner.errors import PlanBudgetError, PlanError
 from planner.records import Plan, Step
 from planner.space import Fields, PackedMove, Space, pruning, roles_of
@@ -181,7 +181,7 @@ def _plan_cached(
         limit = f" within max_local_bytes={max_local_bytes}" if max_local_bytes is not None else ""
         return PlanError(f"no plan takes {src} to {dst}{limit}"), counter[0]
     steps = []
-    for op, axis, dim, to_dim, reduce_op, state, nbytes, rounds, *_ in path:
+    for op, axis, dim, to_dim, reduce_op, state, nbytes, rounds, *_, copied in path:
         full_axis = kept[axis]
         if state == problem.space.goal:
             layout = dst
@@ -191,7 +191,7 @@ def _plan_cached(
                 tuple(tuple(kept[a] for a in axes) for axes in dims), mesh, tuple((kept[a], o) for a, o in partial)
             )
         alpha, bandwidth = figures[op]
-        seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis] + cost.overhead
+        seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis] + cost.overhead + cost.copy_seconds(copied)
         steps.append(Step(op, full_axis, dim, to_dim, reduce_op, layout, nbytes, seconds))
     if all(s.op in LOCAL_OPS for s in steps):  # the executor's copy of the result (planner.cost)
         last = steps[-1]
@@ -233,7 +233,13 @@ class _Problem:
             for a, n in enumerate(mesh_shape)
         )
         self.space = Space(
-            mesh_shape, shape, itemsize, (goal_dims, goal_partial), twin_key, pruning(self.per_round, self.per_byte)
+            mesh_shape,
+            shape,
+            itemsize,
+            (goal_dims, goal_partial),
+            twin_key,
+            pruning(self.per_round, self.per_byte),
+            copies=COPY in self.per_byte,
         )
         least_round, least_byte = cheapest_rates(self.per_round, self.per_byte)
         self.bound = LowerBound(
@@ -286,6 +292,7 @@ def _astar(
     max_states, counter = budget
     generated = 0
     per_step = per_round[STEP][0]  # the overhead every step pays (planner.cost), left out of the bound
+    per_copied = per_byte[COPY][0] if COPY in per_byte else 0  # a byte copied locally, also left out
     while heap:
         f, f_steps, _, _, g, g_steps, state, elements, terms, full = heapq.heappop(heap)
         known = best[state]
@@ -308,10 +315,10 @@ def _astar(
             return path
         n_steps = g_steps + 1
         for move in space.moves(state, elements, known[3]):
-            op, axis, _, _, _, nxt, nbytes, rounds, before, after, next_elements = move
+            op, axis, _, _, _, nxt, nbytes, rounds, before, after, next_elements, copied = move
             if next_elements > limit:
                 continue
-            n_g = g + rounds * per_round[op][axis] + nbytes * per_byte[op][axis] + per_step
+            n_g = g + rounds * per_round[op][axis] + nbytes * per_byte[op][axis] + per_step + copied * per_copied
             seen = best.get(nxt)
             if seen is not None and (seen[0] < n_g or (seen[0] == n_g and seen[1] <= n_steps)):
                 continue

@@ -42,6 +42,19 @@ what the gather would). With one latency and bandwidth per axis these always hol
 per-collective figures (``planner.cost``) each holds on an axis only where the kinds' rates say
 so (:func:`pruning`), and the search does not apply it elsewhere.
 
+Local copies. A model with a copy bandwidth prices the bytes each collective copies to pack
+its blocks and unpack its result (``planner.cost``, :func:`~planner.cost.copy_elements`),
+which depend on the move's op, dims and the local lengths around it, all fixed by the state
+and the move. Rules 1-3 and three cases of rule 4 still hold: the plans they map to pass
+through states of the same local lengths (partial steps and no-op splits change none), so
+their other steps copy the same; they drop steps (which copy nothing or more) or trade a
+reduce_scatter then an all_gather for an all_reduce (which copies nothing), a slice for an
+all_to_all or all_gather (slices copy nothing), or a no-op all_to_all for an all_gather of the
+same dim (the same result shape, so the same unpack; its pack copies a padded piece at most
+where the all_to_all's copies ``n`` blocks of it). Rule 4's all_to_all for an all_gather then
+a slice does not: an all_to_all may pack where the gather does neither, so :func:`pruning`
+turns that case off.
+
 Roles: each move also gives the role of its axis before and after it as a small integer
 (:func:`role_code`): replicated, partial with an op, or split on a dim, in place or not (in
 place: the axis and every axis outside it on that dim are as in the target). The lower
@@ -54,14 +67,15 @@ import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from planner.cost import COPY, copy_elements
 from shardlang.layout import REDUCE_OPS, padded_length, reduce_ops_commute
 
 Dims = tuple[tuple[int, ...], ...]
 Partial = tuple[tuple[int, str], ...]
 Fields = tuple[Dims, Partial]  # a layout's raw fields
 # op, axis, dim, to_dim, reduce_op, next state, bytes sent per rank, rounds, role before, role
-# after, local elements of the next state
-PackedMove = tuple[str, int, "int | None", "int | None", "str | None", int, int, int, int, int, int]
+# after, local elements of the next state, bytes copied locally (``planner.cost``; 0 unless priced)
+PackedMove = tuple[str, int, "int | None", "int | None", "str | None", int, int, int, int, int, int, int]
 
 
 class MoveFields(NamedTuple):
@@ -70,10 +84,11 @@ class MoveFields(NamedTuple):
     that reads one outside the hot loop names its fields through this view.
 
     Example: ``S0,R over mesh[4]`` to ``R,R``, shape 8x8, f32. The one move of the plan is
-    ``("all_gather", 0, 0, None, None, 0, 192, 3, 5, 0, 64)``: an all_gather on axis 0 that
+    ``("all_gather", 0, 0, None, None, 0, 192, 3, 5, 0, 64, 0)``: an all_gather on axis 0 that
     takes dim 0 out of the split, to state 0 (every axis replicated: the goal); each rank sends
     its 2x8 piece (64 bytes) to the 3 others, 192 bytes in 3 rounds; axis 0's role goes from
-    ``role_code("S", 0)`` = 5 to ``REPLICATED`` = 0; the new state holds 64 elements per rank.
+    ``role_code("S", 0)`` = 5 to ``REPLICATED`` = 0; the new state holds 64 elements per rank;
+    it copies nothing locally (dim 0's blocks are runs of memory, and the pieces are even).
     """
 
     op: str
@@ -87,6 +102,7 @@ class MoveFields(NamedTuple):
     role_before: int  # the axis' role code before and after the move
     role_after: int
     elements: int  # local elements of the state reached
+    copied: int  # bytes copied locally to pack and unpack (planner.cost), 0 when copies are free
 
 
 # Role codes (shared with the state codes for replicated and partial axes).
@@ -123,7 +139,9 @@ def pruning(
     """Per axis, whether (an all_reduce is no dearer than a reduce_scatter and an all_gather
     together, an all_to_all no dearer than an all_gather, an all_gather no dearer than an
     all_to_all), per round and per byte: where rules 4 and 3 hold (module docstring). Equal
-    bytes are the worst case: the preferred kind never sends more."""
+    bytes are the worst case: the preferred kind never sends more. Where the model prices
+    local copies (rates of :data:`~planner.cost.COPY`), the second is never taken: an
+    all_to_all may copy what an all_gather and a slice do not."""
 
     def no_dearer(a: int, cheap: tuple[str, ...], dear: tuple[str, ...]) -> bool:
         return all(
@@ -134,7 +152,7 @@ def pruning(
     return tuple(
         (
             no_dearer(a, ("all_reduce",), ("reduce_scatter", "all_gather")),
-            no_dearer(a, ("all_to_all",), ("all_gather",)),
+            COPY not in per_byte and no_dearer(a, ("all_to_all",), ("all_gather",)),
             no_dearer(a, ("all_gather",), ("all_to_all",)),
         )
         for a in range(len(per_round["all_gather"]))
@@ -156,8 +174,11 @@ class Space:
         goal: Fields,
         twin_key: tuple[object, ...],
         rules: tuple[tuple[bool, bool, bool], ...] | None = None,
+        copies: bool = False,
     ) -> None:
         self.mesh_shape = mesh_shape
+        # Whether moves count the bytes they copy locally (a model that prices them; else 0).
+        self.copies = copies
         # Per axis: rule 4 after reduce_scatter, rule 4 after all_gather, rule 3 for all_to_all.
         self.rules = rules or ((True, True, True),) * len(mesh_shape)
         self.shape = shape
@@ -252,13 +273,15 @@ class Space:
                     continue  # only the innermost split of a dim can move; rule 4
                 before = _SPLIT + 2 * d + (position < in_place[d])
                 length = lengths[d]
-                gathered_elements = elements // length * -(-shape[d] // (product[d] // n)) if length else 0
+                whole = -(-shape[d] // (product[d] // n))  # d's local length once gathered
+                gathered_elements = elements // length * whole if length else 0
                 gathered = state - (code << shift)
                 nbytes = (n - 1) * elements * itemsize
                 rules = self.rules[axis]
                 if not (again and last_op == "reduce_scatter" and rules[0]):  # rule 4
+                    copied = self._copied("all_gather", n, d, None, lengths, ((d, whole),))
                     yield ("all_gather", axis, d, None, None, gathered, nbytes, n - 1, before, REPLICATED,
-                           gathered_elements)  # fmt: skip
+                           gathered_elements, copied)  # fmt: skip
                 for j in range(ndim):
                     if j == d or (again and j == last_dim):  # rule 4 (last_dim: where a2a took it from)
                         continue
@@ -270,8 +293,9 @@ class Space:
                     nbytes = (n - 1) * (elements // length * cut if length else 0) * itemsize
                     moved = gathered + ((_SPLIT + j * naxes + count[j]) << shift)
                     moved_elements = gathered_elements // length * cut if length else 0
+                    copied = self._copied("all_to_all", n, d, j, lengths, ((d, whole), (j, cut)))
                     yield ("all_to_all", axis, d, j, None, moved, nbytes, n - 1, before, _SPLIT + 2 * j + placed,
-                           moved_elements)  # fmt: skip
+                           moved_elements, copied)  # fmt: skip
             elif code:
                 op = REDUCE_OPS[code - 1]
                 # Reductions apply in ascending axis order; an axis may go first only if its
@@ -280,15 +304,17 @@ class Space:
                     continue
                 reduced = state - (code << shift)
                 nbytes = 2 * (n - 1) * -(-elements // n) * itemsize
-                yield ("all_reduce", axis, None, None, op, reduced, nbytes, 2 * (n - 1), code, REPLICATED, elements)
+                yield ("all_reduce", axis, None, None, op, reduced, nbytes, 2 * (n - 1), code, REPLICATED, elements,
+                       0)  # fmt: skip
                 for j in range(ndim):
                     length = lengths[j]
                     scattered_elements = elements // length * -(-length // n) if length else 0
                     nbytes = (n - 1) * scattered_elements * itemsize
                     scattered = reduced + ((_SPLIT + j * naxes + count[j]) << shift)
                     after = _SPLIT + 2 * j + (arriving[j] == axis)
+                    copied = self._copied("reduce_scatter", n, j, None, lengths, ((j, -(-length // n)),))
                     yield ("reduce_scatter", axis, j, None, op, scattered, nbytes, n - 1, code, after,
-                           scattered_elements)  # fmt: skip
+                           scattered_elements, copied)  # fmt: skip
             else:
                 twins = self.idle_twins_below[axis]
                 if twins and any(not codes[c] for c in twins):
@@ -306,7 +332,7 @@ class Space:
                     sliced = state + ((_SPLIT + j * naxes + count[j]) << shift)
                     sliced_elements = elements // length * -(-length // n) if length else 0
                     yield ("slice", axis, j, None, None, sliced, 0, 0, REPLICATED, _SPLIT + 2 * j + placed,
-                           sliced_elements)  # fmt: skip
+                           sliced_elements, 0)  # fmt: skip
         # Rule 1: partial steps last, once nothing else is left to do.
         goal_ops = self.goal_ops
         if all(count[d] == in_place[d] == len(goal_dims[d]) for d in range(ndim)) and all(
@@ -315,5 +341,17 @@ class Space:
             for axis, op in sorted(goal_ops.items()):
                 if not codes[axis]:
                     made_partial = state + (_PARTIAL[op] << (bits * axis))
-                    yield ("partial", axis, None, None, op, made_partial, 0, 0, REPLICATED, _PARTIAL[op], elements)
+                    yield ("partial", axis, None, None, op, made_partial, 0, 0, REPLICATED, _PARTIAL[op], elements, 0)
                     return
+
+    def _copied(
+        self, op: str, n: int, dim: int, to_dim: int | None, lengths: list[int], changed: tuple[tuple[int, int], ...]
+    ) -> int:
+        """The bytes a move copies locally (``planner.cost.copy_elements``) from the local
+        ``lengths``, whose dims ``changed`` take new lengths; 0 when copies are free."""
+        if not self.copies:
+            return 0
+        after = [*lengths]
+        for d, length in changed:
+            after[d] = length
+        return copy_elements(op, n, dim, to_dim, lengths, after) * self.itemsize

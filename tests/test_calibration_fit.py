@@ -295,9 +295,10 @@ class _ReferenceWithOverhead(Reference):
             op: tuple([u * (scale // base.scale) for u in v] for v in f) for op, f in base.op_units.items()
         }
         self.scale, self.overhead_units = scale, int(extra * scale)
+        self.copy_units = base.copy_units * (scale // base.scale)
 
-    def units(self, axis, nbytes, rounds, op="all_gather"):
-        return super().units(axis, nbytes, rounds, op) + self.overhead_units
+    def units(self, axis, nbytes, rounds, op="all_gather", copied=0):
+        return super().units(axis, nbytes, rounds, op, copied) + self.overhead_units
 
 
 @pytest.mark.parametrize("seed", range(2))

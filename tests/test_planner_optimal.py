@@ -5,9 +5,10 @@
 dim at a nesting depth), its own move rules (the full baseline move set, no pruning), its own
 sizes and costs, and exact times (integers on a common scale of the model's rationals).
 ``Reference.solve`` enumerates every step sequence up to a length bound, deduplicated by
-(length, state), and returns the least (time, steps). The planner's plan is replayed step by
-step in the reference (each step must be a legal move with the bytes the table gives) and its
-exact time and length must equal the optimum.
+(length, state), and returns the least (time, steps). With a copy bandwidth it also prices the
+bytes each collective copies locally, by its own reading of the copy table (``planner.cost``).
+The planner's plan is replayed step by step in the reference (each step must be a legal move
+with the bytes the table gives) and its exact time and length must equal the optimum.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ ROUNDS_OF = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")
 class Reference:
     """The move graph of one problem: mesh, tensor shape, element size, costs, target."""
 
-    def __init__(self, mesh_shape, shape, itemsize, alpha, bandwidth, target_partial, ops=None):
-        """``ops``: collective kind -> its own per-axis (alpha, bandwidth); others use ``alpha``, ``bandwidth``."""
+    def __init__(self, mesh_shape, shape, itemsize, alpha, bandwidth, target_partial, ops=None, copy_bandwidth=None):
+        """``ops``: collective kind -> its own per-axis (alpha, bandwidth); others use ``alpha``,
+        ``bandwidth``; ``copy_bandwidth``: bytes/s of local copies (``None``: free)."""
         self.mesh_shape = tuple(mesh_shape)
         self.shape = tuple(shape)
         self.itemsize = itemsize
@@ -43,10 +45,12 @@ class Reference:
         figures = {op: (alpha, bandwidth) for op in ROUNDS_OF} | dict(ops or {})
         per_round = {op: [Fraction(a) for a in f[0]] for op, f in figures.items()}
         per_byte = {op: [1 / Fraction(b) for b in f[1]] for op, f in figures.items()}
-        scale = 1
+        per_copied = 0 if copy_bandwidth is None else 1 / Fraction(copy_bandwidth)
+        scale = Fraction(per_copied).denominator
         for f in [x for v in (*per_round.values(), *per_byte.values()) for x in v]:
             scale = scale * f.denominator // math.gcd(scale, f.denominator)
         self.scale = scale
+        self.copy_units = int(per_copied * scale)
         self.op_units = {
             op: ([int(f * scale) for f in per_round[op]], [int(f * scale) for f in per_byte[op]]) for op in figures
         }
@@ -77,10 +81,37 @@ class Reference:
         return length
 
     def local_elements(self, state):
-        return math.prod(self.local_length(d, axes) for d, axes in enumerate(self.split_lists(state)))
+        return math.prod(self.local_shape(state))
+
+    def local_shape(self, state):
+        return [self.local_length(d, axes) for d, axes in enumerate(self.split_lists(state))]
+
+    def copied(self, op, a, d, j, state, nxt):
+        """Bytes the move copies locally, by the copy table: pack the blocks unless they are
+        unpadded runs of the piece's memory, unpack unless the result's blocks are."""
+        n = self.mesh_shape[a]
+        if n == 1 or op not in ("all_gather", "reduce_scatter", "all_to_all"):
+            return 0
+        old, new = self.local_shape(state), self.local_shape(nxt)
+
+        def runs(k, shape):  # blocks along k lie in memory one after another
+            return all(x == 1 for x in shape[:k])
+
+        if op == "all_gather":
+            pack = 0 if new[d] == n * old[d] else math.prod(old)
+            unpack = 0 if runs(d, old) else math.prod(new)
+        elif op == "reduce_scatter":
+            pack = 0 if old[d] == n * new[d] and runs(d, old) else n * math.prod(new)
+            unpack = 0
+        else:
+            block = [new[j] if k == j else x for k, x in enumerate(old)]
+            fits = old[j] == n * new[j] and new[d] == n * old[d] and runs(j, old)
+            pack = 0 if fits else n * math.prod(block)
+            unpack = 0 if runs(d, block) else math.prod(new)
+        return (pack + unpack) * self.itemsize
 
     def moves(self, state):
-        """(op, axis, dim, to_dim, reduce_op, next state, bytes, rounds) for every legal move."""
+        """(op, axis, dim, to_dim, reduce_op, next state, bytes, rounds, copied) for every legal move."""
         lists = self.split_lists(state)
         elements = self.local_elements(state)
         out = []
@@ -117,13 +148,15 @@ class Reference:
                     nxt = put(("S", d, len(lists[d])))
                     rs_bytes = (n - 1) * self.local_elements(nxt) * self.itemsize
                     out.append(("reduce_scatter", a, d, None, op, nxt, rs_bytes, n - 1))
-        return out
+        if self.copy_units:
+            return [(*m, self.copied(m[0], m[1], m[2], m[3], state, m[5])) for m in out]
+        return [(*m, 0) for m in out]
 
-    def units(self, axis, nbytes, rounds, op="all_gather"):
+    def units(self, axis, nbytes, rounds, op="all_gather", copied=0):
         if op in ("slice", "partial"):
             return 0
         round_units, byte_units = self.op_units[op]
-        return rounds * round_units[axis] + nbytes * byte_units[axis]
+        return rounds * round_units[axis] + nbytes * byte_units[axis] + copied * self.copy_units
 
     def solve(self, start, goal, max_steps, max_local_bytes=None):
         """(least time units, fewest steps at that time) over all sequences of at most
@@ -141,10 +174,10 @@ class Reference:
             for state, t in layer.items():
                 if best is not None and t >= best[0]:
                     continue  # costs are never negative: nothing longer from here can win
-                for op, a, _d, _j, _r, nxt, nbytes, rounds in self.moves(state):
+                for op, a, _d, _j, _r, nxt, nbytes, rounds, copied in self.moves(state):
                     if not fits(nxt):
                         continue
-                    nt = t + self.units(a, nbytes, rounds, op)
+                    nt = t + self.units(a, nbytes, rounds, op, copied)
                     if nt < following.get(nxt, nt + 1):
                         following[nxt] = nt
             if goal in following and (best is None or following[goal] < best[0]):
@@ -166,9 +199,9 @@ class Reference:
                 and m[5] == self.state_of(step.layout)
             ]
             assert len(matches) == 1, f"step {step.describe()} is not a legal move from {state}"
-            op, a, _, _, _, state, nbytes, rounds = matches[0]
+            op, a, _, _, _, state, nbytes, rounds, copied = matches[0]
             assert step.bytes == nbytes, f"{step.describe()}: {step.bytes} bytes, the table gives {nbytes}"
-            units = self.units(a, nbytes, rounds, op)
+            units = self.units(a, nbytes, rounds, op, copied)
             assert step.seconds == pytest.approx(float(Fraction(units, self.scale)), rel=1e-12)
             total += units
         assert state == self.state_of(plan_.dst)
@@ -222,6 +255,7 @@ def reference_for(src, dst, shape, dtype, cost):
         per_axis(cost.bandwidth, naxes),
         dst.partial,
         {c.op: (per_axis(c.alpha, naxes), per_axis(c.bandwidth, naxes)) for c in cost.ops} or None,
+        cost.copy_bandwidth,
     )
 
 

@@ -37,5 +37,6 @@ def test_the_docstring_move_is_what_the_search_takes(monkeypatch: pytest.MonkeyP
         role_before=role_code("S", 0),
         role_after=REPLICATED,
         elements=8 * 8,
+        copied=0,  # the default model prices no copies (and dim 0's even blocks need none)
     )
-    assert move == ("all_gather", 0, 0, None, None, 0, 192, 3, 5, 0, 64)  # as the docstring writes it
+    assert move == ("all_gather", 0, 0, None, None, 0, 192, 3, 5, 0, 64, 0)  # as the docstring writes it

@@ -1,0 +1,139 @@
+"""Local copies in the cost model (``planner.cost``'s copy table): the table is what the
+runtime's moves copy, the planner is optimal when they are priced (against the brute force of
+tests/test_planner_optimal.py, which reads the table its own way), and a priced copy turns the
+planner away from a collective of a dimension that is not the first."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import attrs
+import pytest
+import torch
+
+import planner
+from planner.cost import LOCAL_OPS
+from runtime.program import CollectiveMove, compile_plan
+from shardlang import Mesh, parse_layout
+from tests.test_calibration_fit import _ReferenceWithOverhead
+from tests.test_planner_optimal import OPS, calibrated_looking, random_case, random_layout, reference_for
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def runtime_copied(plan: planner.Plan, index: int) -> int:
+    """The most bytes a rank of step ``index``'s group at coordinate 0 (of the other axes)
+    copies in ``CollectiveMove.send`` and ``finish``, from a contiguous piece: every element of
+    a send buffer that is not a view of the piece, and of a result that is not a view of what
+    the collective received."""
+    step = plan.steps[index]
+    mesh = step.layout.mesh
+    most = 0
+    for rank in mesh.ranks:
+        if any(c for a, c in enumerate(mesh.coordinate(rank)) if a != step.axis):
+            continue
+        move = compile_plan(plan, rank)[index]
+        assert isinstance(move, CollectiveMove)
+        if move.is_local:
+            continue
+        piece = torch.zeros(move.before)
+        sent = move.send(piece, writable=True)
+        received = torch.zeros(move.n * move.chunk if step.op in ("all_gather", "all_to_all") else move.chunk)
+        result = move.finish(received)
+        assert tuple(result.shape) == move.after
+        copied = (0 if _shares(sent, piece) else sent.numel()) + (0 if _shares(result, received) else result.numel())
+        most = max(most, copied * 4)
+    return most
+
+
+def test_the_copy_table_is_what_the_runtime_copies():
+    """Every collective step of random plans (uneven pieces, dims that lead and dims that do
+    not, axes of 2-4 ranks nested on one dim): the bytes ``Plan.copied_bytes`` gives are what
+    the executor's moves copy, from a contiguous piece."""
+    rng = random.Random(5)
+    seen: set[tuple[str, bool]] = set()
+    for _ in range(300):
+        mesh = Mesh(rng.choice(((2,), (3,), (4,), (2, 2), (2, 3), (4, 2))))
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.choice((0, 1, 2, 3, 5, 8, 12, 37)) for _ in range(ndim))
+        src = random_layout(rng, mesh, ndim, OPS if rng.random() < 0.5 else ())
+        dst = random_layout(rng, mesh, ndim, ())
+        cost = planner.CostModel(ops={"all_to_all": {"alpha": 1e-6, "bandwidth": 1e12}}) if rng.random() < 0.3 else None
+        plan = planner.plan(src, dst, shape, "f32", cost)
+        for index, (step, copied) in enumerate(zip(plan.steps, plan.copied_bytes(), strict=True)):
+            if step.op in LOCAL_OPS:
+                assert copied == 0
+                continue
+            assert copied == runtime_copied(plan, index), f"{src} -> {dst} {shape}: step {index + 1} {step.describe()}"
+            seen.add((step.op, copied > 0))
+    kinds = ("all_gather", "reduce_scatter", "all_to_all")
+    assert {(op, c) for op in kinds for c in (False, True)} <= seen, seen
+    assert ("all_reduce", False) in seen
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_plans_are_optimal_with_priced_copies(seed):
+    """The brute force, every collective also paying its copies at a copy bandwidth as slow as
+    the collectives' (so that copies decide between plans), and every step an overhead: the
+    planner (its bound, its pruning rules with copies priced) finds its optimum. Some plans
+    differ from those of the same model with free copies, so the prices matter."""
+    rng = random.Random(900 + seed)
+    differ = 0
+    for _ in range(200):
+        src, dst, shape, dtype, _ = random_case(rng, naxes=rng.choice((1, 2, 2, 3)))
+        free = attrs.evolve(calibrated_looking(rng, src.mesh.ndim), overhead=rng.choice((0.0, 1e-6, 3e-5)))
+        cost = attrs.evolve(free, copy_bandwidth=float(f"{math.exp(rng.uniform(math.log(1e8), math.log(1e10))):.2e}"))
+        ref = _ReferenceWithOverhead(reference_for(src, dst, shape, dtype, cost), cost.overhead)
+        got = planner.plan(src, dst, shape, dtype, cost)
+        if all(s.op in LOCAL_OPS for s in got.steps):
+            continue  # the copy of a plan that sends nothing is priced outside the search (planner.cost)
+        want = ref.solve(ref.state_of(src), ref.state_of(dst), len(got.steps) + 3)
+        assert (ref.replay(got), len(got.steps)) == want, f"{src} -> {dst}, {shape}, {dtype}, {cost}"
+        differ += got.steps != planner.plan(src, dst, shape, dtype, free).steps
+    assert differ >= 5
+
+
+def test_a_priced_copy_keeps_the_all_reduce_of_rows_that_do_not_split():
+    """``R,R | P0 -> R,R`` of 765x1024 f32 on [4], where the calibrated model once chose a
+    reduce_scatter and an all_gather of dim 1, measured 1.61x slower than one all_reduce. By
+    hand, with 10 us per round, 1.25 GB/s for the reduce_scatter and all_gather, 1 GB/s for the
+    all_reduce, 100 us per step:
+
+    - all_reduce: 6 rounds, 2 * 3 * (765 * 1024 / 4) * 4 = 4,700,160 bytes: 4.86016 ms;
+    - reduce_scatter + all_gather of dim 1: 3 + 3 rounds, 2 * 3 * 765 * 256 * 4 = 4,700,160
+      bytes: 4.020128 ms, and they copy 4 * 765 * 256 * 4 = 3,133,440 bytes each (every row's
+      column blocks are apart);
+    - of dim 0 (765 rows pad to 768): 2 * 3 * 192 * 1024 * 4 = 4,718,592 bytes: 4.0348736 ms,
+      copying 768 * 1024 * 4 = 3,145,728 bytes to pack the padded blocks and 192 * 1024 * 4 =
+      786,432 for the short last piece.
+
+    Free copies: the pair of dim 1 is cheapest. At 2 GB/s they add 3.13344 ms to it, 1.96608
+    ms to the pair of dim 0, nothing to the all_reduce, which is then cheapest."""
+    src, dst = parse_layout("R,R | P0 over mesh[4]"), parse_layout("R,R over mesh[4]")
+    free = planner.CostModel(
+        alpha=1e-5, bandwidth=1.25e9, ops={"all_reduce": {"alpha": 1e-5, "bandwidth": 1e9}}, overhead=1e-4
+    )
+    chosen = planner.plan(src, dst, (765, 1024), "f32", free)
+    assert [(s.op, s.dim) for s in chosen.steps] == [("reduce_scatter", 1), ("all_gather", 1)]
+    assert chosen.total_seconds == pytest.approx(4.020128e-3, rel=1e-12)
+    assert chosen.copied_bytes() == (3_133_440, 3_133_440)
+    priced = attrs.evolve(free, copy_bandwidth=2e9)
+    chosen = planner.plan(src, dst, (765, 1024), "f32", priced)
+    assert [s.op for s in chosen.steps] == ["all_reduce"]
+    assert chosen.total_seconds == pytest.approx(4.86016e-3, rel=1e-12)
+    # The others' steps, priced, include their copies: 130 us of rounds and overhead, the
+    # bytes at 1.25 GB/s, the copies at 2 GB/s.
+    legs = {
+        ("R,R | P0", "R,S0"): 1.3e-4 + 2_350_080 / 1.25e9 + 3_133_440 / 2e9,
+        ("R,S0", "R,R"): 1.3e-4 + 2_350_080 / 1.25e9 + 3_133_440 / 2e9,
+        ("R,R | P0", "S0,R"): 1.3e-4 + 2_359_296 / 1.25e9 + 3_145_728 / 2e9,
+        ("S0,R", "R,R"): 1.3e-4 + 2_359_296 / 1.25e9 + 786_432 / 2e9,
+    }
+    for (a, b), seconds in legs.items():
+        (step,) = planner.plan(
+            parse_layout(f"{a} over mesh[4]"), parse_layout(f"{b} over mesh[4]"), (765, 1024), "f32", priced
+        ).steps
+        assert step.seconds == pytest.approx(seconds, rel=1e-12), (a, b)
