@@ -108,7 +108,7 @@ class CollectiveMove:
         else:
             out.view(self.before).copy_(x)
 
-    @property
+    @functools.cached_property
     def blocks_shape(self) -> tuple[int, ...]:
         """The shape :meth:`send_blocks` gives this rank's contribution in."""
         if self.step.op == "all_gather":

@@ -1,6 +1,6 @@
 """The collective layer on real gloo process groups: an all_gather as gloo's ring and as
 point-to-point messages (results of ``GATHER_MESSAGES_BYTES`` or more) gives every rank the
-blocks of every rank in order, on the whole world and on subgroups, also with two gathers and a
+blocks of every rank in order, on the whole world and on subgroups, complex values too, also with two gathers and a
 plan's own point-to-point messages in flight at once, and after gathers started and dropped
 without a wait."""
 
@@ -31,6 +31,11 @@ def block(rank: int, numel: int, salt: int) -> torch.Tensor:
     return torch.arange(numel, dtype=torch.float32) * 8 + rank + 1000 * salt
 
 
+def complex_block(rank: int, numel: int) -> torch.Tensor:
+    """A complex block whose real and imaginary parts differ per rank and element."""
+    return torch.complex(block(rank, numel, 7), -block(rank, numel, 8))
+
+
 def _run(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in order
     pair = pairs[rank // 2]
@@ -42,6 +47,11 @@ def _run(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
                 TIMEOUT
             )
             out[f"{name} {numel}"] = [got]
+    # Complex values, which the process group moves as pairs of reals.
+    got = start_collective(
+        "all_gather", complex_block(rank, BIG // 2), 4, None, dist.group.WORLD, waited_at_once=True
+    ).wait(TIMEOUT)
+    out["complex"] = [got]
     # Two gathers on one group and a point-to-point exchange in between, all in flight at once.
     peer = rank ^ 1
     first = start_collective("all_gather", block(rank, BIG, 1), 4, None, dist.group.WORLD, waited_at_once=True)
@@ -75,6 +85,14 @@ def test_all_gather_both_ways_gives_every_block_in_rank_order() -> None:
                 (got,) = result[f"{name} {numel}"]
                 want = torch.cat([block(r, numel, numel) for r in range(n)])
                 assert torch.equal(got, want), f"rank {rank}: {name} all_gather of {numel} elements"
+
+
+def test_a_complex_all_gather_as_messages_keeps_both_parts() -> None:
+    assert 4 * (BIG // 2) * 8 >= GATHER_MESSAGES_BYTES  # it runs as messages
+    want = torch.cat([complex_block(r, BIG // 2) for r in range(4)])
+    for rank, result in enumerate(_results()):
+        (got,) = result["complex"]
+        assert got.dtype == torch.complex64 and torch.equal(got, want), f"rank {rank}"
 
 
 def test_gathers_in_flight_with_point_to_point_messages_match_their_own() -> None:

@@ -384,6 +384,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._fresh_views: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], list[tuple[Any, int, int]]]] = {}
         self._bucket_buffers = Scratch()  # the buckets' buffers (``runtime.buckets``)
         self._plans: dict[tuple, _Compiled] = {}
+        self._last_plan: tuple[tuple, _Compiled] | None = None  # the one the last step ran
+        self._members_of: dict[tuple[int, ...], tuple[int, ...]] = {}  # per set of slots stepped
         self.last_traffic = StepTraffic()
         # Overlap (README, "Overlap"): buckets started during backward, gathers after the step.
         self.overlap = bool(overlap)
@@ -565,6 +567,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             (slot.index, layout, self._wire_dtype(dtype), slot.needs_master and slot.step > 0)
             for slot, (layout, dtype) in zip(slots, grads, strict=True)
         )
+        # Most steps run the plan of the last one: an equality test of the key, whose layouts
+        # are then the same objects, costs less than hashing it.
+        if self._last_plan is not None and self._last_plan[0] == key:
+            return self._last_plan[1]
         compiled = self._plans.get(key)
         if compiled is None:
             tensors = [
@@ -598,6 +604,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.verify:
                 self._verify(plan)
             compiled = self._plans[key] = _Compiled(plan, program, legs)
+        self._last_plan = (key, compiled)
         return compiled
 
     def step_plan(self) -> StepPlan:
@@ -672,10 +679,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         commit()
         return loss
 
-    @staticmethod
-    def _members(slots: Sequence[Slot]) -> tuple[int, ...]:
+    def _members(self, slots: Sequence[Slot]) -> tuple[int, ...]:
         """The ranks that must agree on a step of ``slots``: those of their state meshes."""
-        return tuple(sorted({r for slot in slots for r in slot.state_layout.mesh.ranks}))
+        key = tuple(slot.index for slot in slots)
+        members = self._members_of.get(key)
+        if members is None:
+            members = self._members_of[key] = tuple(sorted({r for s in slots for r in s.state_layout.mesh.ranks}))
+        return members
 
     def _flag_traffic(self, slots: Sequence[Slot]) -> tuple[int, int]:
         """Bytes and collectives of the commit flag's all-reduce (the cost model's all_reduce
@@ -1041,6 +1051,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.wait_params()
         self._prefetch = True
         self._plans.clear()  # the buckets after the update now start after the step
+        self._last_plan = None
 
     def _gather_for(self, slots: Sequence[Slot]) -> None:
         """Wait for the gathers of ``slots``' parameters (and those started before them) and
