@@ -49,6 +49,13 @@ the overhead too, so a collective's ``alpha`` is what its intercept adds to it:
 ``(intercept - overhead) / rounds`` (zero if less), and a one-step plan's predicted time is still
 its fitted line. Without slice samples the terms stay free (0 and ``None``).
 
+A collective's local copies (``planner.cost``'s copy table: packing blocks that are not runs of
+the piece's memory, unpacking a result whose blocks are not) are priced at the copy bandwidth
+apart from its line, so a sample whose step copies (``Sample.copied``: the calibration's
+all_to_all, which packs dim 1 of its pieces) is fitted less their time at the fitted copy
+bandwidth (never below half the sample, should that line overstate a copy), and the step's
+predicted time, its line plus its copy, is still what the sample measured.
+
 Pure: no torch, no communication, so the fit is tested on synthetic timings.
 """
 
@@ -80,6 +87,9 @@ class Sample:
     rounds: int
     bytes: int
     seconds: float
+    # Bytes the sampled step copies locally by the copy table (``planner.cost``), which the
+    # model prices apart at the copy bandwidth (module docstring).
+    copied: int = 0
 
 
 @attrs.frozen
@@ -230,21 +240,31 @@ def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int
         raise ValueError("fit_model needs samples of every kind on every axis 0..k-1")
     if any(len({s.rounds for s in group}) > 1 for group in by_key.values()):
         raise ValueError("fit_model needs the samples of one kind on one axis to have the same rounds")
+    overhead, copy_bandwidth, executor = 0.0, None, None
+    if local:
+        executor = fit_line([s.bytes for s in local], [s.seconds for s in local])
+        overhead, copy_bandwidth = three_digits(executor.intercept), _bandwidth_of(executor)
+        by_key = {key: [_less_copy(s, copy_bandwidth) for s in group] for key, group in by_key.items()}
     lines = {
         (op, axis): line
         for op in ops
         for axis, line in _pooled_lines({a: by_key[op, a] for a in axes}, POOL_LEVEL).items()
     }
-    overhead, copy_bandwidth = 0.0, None
-    if local:
-        line = lines[LOCAL, -1] = fit_line([s.bytes for s in local], [s.seconds for s in local])
-        overhead, copy_bandwidth = three_digits(line.intercept), _bandwidth_of(line)
+    if executor is not None:
+        lines[LOCAL, -1] = executor
     figures = {op: [figures_of(lines[op, a], by_key[op, a][0].rounds, overhead) for a in axes] for op in ops}
     base, *costs = [OpCost(op, tuple(f[0] for f in fs), tuple(f[1] for f in fs)) for op, fs in figures.items()]
     model = CostModel(
         alpha=base.alpha, bandwidth=base.bandwidth, ops=costs, overhead=overhead, copy_bandwidth=copy_bandwidth
     )
     return model, lines
+
+
+def _less_copy(sample: Sample, copy_bandwidth: float) -> Sample:
+    """The sample less its step's local copies at ``copy_bandwidth`` (module docstring)."""
+    if not sample.copied:
+        return sample
+    return attrs.evolve(sample, seconds=max(sample.seconds - sample.copied / copy_bandwidth, sample.seconds / 2))
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:

@@ -123,7 +123,9 @@ def sweep(
     for size, timed in sorted(runs.items()):
         named = [(axis, op, p) for axis in range(mesh.ndim) for op, p in step_plans(mesh, axis, size).items()]
         for (axis, op, planned), times in zip(named, timed, strict=True):
-            samples.append(Sample(op, axis, step_rounds(planned), sample_bytes(op, planned), statistics.median(times)))
+            seconds = statistics.median(times)
+            copied = planned.copied_bytes()[0]  # what the model prices apart (planner.fit)
+            samples.append(Sample(op, axis, step_rounds(planned), sample_bytes(op, planned), seconds, copied))
     return sorted(samples, key=lambda s: s.axis)  # by axis, then size, then kind
 
 

@@ -14,6 +14,8 @@ import torch
 
 import planner
 from planner.cost import LOCAL_OPS
+from planner.fit import LOCAL, Sample, fit_model
+from runtime.calibrate import SWEEP_BYTES, sample_bytes, step_plans
 from runtime.program import CollectiveMove, compile_plan
 from shardlang import Mesh, parse_layout
 from tests.test_calibration_fit import _ReferenceWithOverhead
@@ -137,3 +139,35 @@ def test_a_priced_copy_keeps_the_all_reduce_of_rows_that_do_not_split():
             parse_layout(f"{a} over mesh[4]"), parse_layout(f"{b} over mesh[4]"), (765, 1024), "f32", priced
         ).steps
         assert step.seconds == pytest.approx(seconds, rel=1e-12), (a, b)
+
+
+def test_the_fit_takes_a_steps_copies_out_of_its_line():
+    """The calibration's all_to_all (``S0,R -> R,S0``) packs dim 1 of its piece, a copy the
+    model prices apart: synthetic timings that include it at the slices' copy bandwidth give
+    back the all_to_all's own bandwidth, and its one-step plan's prediction (line plus copy) is
+    the sample; fitted with the copy in its line, the bandwidth would read 30% low."""
+    mesh = Mesh((4,))
+    overhead, copy_bandwidth = 1e-4, 2.5e9
+    truth = {"all_gather": (2e-5, 1e9), "all_to_all": (3e-5, 8e8)}
+    samples, plans = [], []
+    for size in SWEEP_BYTES:
+        step = step_plans(mesh, 0, size)
+        target = sample_bytes(LOCAL, step[LOCAL])
+        samples.append(Sample(LOCAL, 0, 0, target, overhead + target / copy_bandwidth))
+        for op, (alpha, bandwidth) in truth.items():
+            (moved,) = step[op].steps
+            copied = step[op].copied_bytes()[0]
+            # the whole piece: an all_to_all sends (n-1)/n of it
+            assert copied == (moved.bytes * 4 // 3 if op == "all_to_all" else 0)
+            seconds = overhead + 3 * alpha + moved.bytes / bandwidth + copied / copy_bandwidth
+            samples.append(Sample(op, 0, 3, moved.bytes, seconds, copied))
+        plans.append((step["all_to_all"], samples[-1].seconds))
+    model, _ = fit_model(samples)
+    assert model.copy_bandwidth == pytest.approx(copy_bandwidth, rel=1e-3)
+    alphas, bandwidths = model.for_op("all_to_all", mesh)
+    assert (alphas[0], bandwidths[0]) == (pytest.approx(3e-5, rel=1e-2), pytest.approx(8e8, rel=1e-2))
+    for plan, measured in plans:
+        (step,) = planner.plan(plan.src, plan.dst, plan.shape, plan.dtype, model).steps
+        assert step.seconds == pytest.approx(measured, rel=1e-2)
+    unpriced, _ = fit_model([attrs.evolve(s, copied=0) for s in samples])
+    assert unpriced.for_op("all_to_all", mesh)[1][0] < 0.75 * 8e8
