@@ -166,6 +166,13 @@ def _step_cost(
 
     alphas, betas = cost.for_mesh(state.mesh)
     ops = [OpCost(c.op, *(v[axis] for v in cost.for_op(c.op, state.mesh))) for c in cost.ops]
-    line_cost = CostModel(alpha=alphas[axis], bandwidth=betas[axis], ops=ops)
+    # The executor terms too, so the step pays its overhead and local copies as the planner's do.
+    line_cost = CostModel(
+        alpha=alphas[axis],
+        bandwidth=betas[axis],
+        ops=ops,
+        overhead=cost.overhead,
+        copy_bandwidth=cost.copy_bandwidth,
+    )
     alone = plan_exact(on_line(state), on_line(after), block, dtype, line_cost)
     return alone.total_bytes, alone.total_seconds

@@ -128,7 +128,19 @@ def steps_table(plan: Plan, style: Style, indent: str = "  ") -> str:
     )
     headers = ["#", "op", "axis", "dim", "reduce", "layout after the step", "bytes/rank", "time"]
     table = format_table(headers, rows, "><<<<<>>", indent)
-    return "\n".join([table, *message_lines(plan, indent)])
+    return "\n".join([table, *copy_lines(plan, indent), *message_lines(plan, indent)])
+
+
+def copy_lines(plan: Plan, indent: str = "  ") -> list[str]:
+    """Under the table, where the model prices local copies: the bytes each step copies to
+    pack its blocks and unpack its result (``planner.cost``'s copy table), which its time
+    includes; nothing where copies are free or no step copies."""
+    bandwidth = plan.cost.copy_bandwidth
+    copied = [(i, b) for i, b in enumerate(plan.copied_bytes(), 1) if b]
+    if bandwidth is None or not copied:
+        return []
+    each = ", ".join(f"step {i} {format_bytes(b)} ({format_seconds(b / bandwidth)})" for i, b in copied)
+    return [f"{indent}local copies at {bandwidth / 1e9:.3g} GB/s, in the steps' times: {each}"]
 
 
 def message_lines(plan: Plan, indent: str = "  ", most_pairs: int = 12) -> list[str]:
