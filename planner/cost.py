@@ -24,15 +24,15 @@ the step's dim, ``j`` an all_to_all's ``to_dim``, and "``k`` leads ``S``" meanin
 ``prod(S[:k]) == 1`` (every dim before ``k`` has length 1, so ``S``'s blocks along ``k`` are runs
 of memory), the elements copied are (0 on an axis of size 1, which sends nothing):
 
-=============== ========================================================= ======================
-op              pack, before the collective                               unpack, after it
-=============== ========================================================= ======================
-all_gather      prod(P) if Q[d] != n * P[d] (a short piece is padded)     prod(Q) unless d leads P
-reduce_scatter  n * prod(Q) unless P[d] == n * Q[d] and d leads P         0 (a view of the result)
-all_to_all      n * prod(B), B = P with B[j] = Q[j], unless P[j] == n*Q[j],  prod(Q) unless d leads B
-                Q[d] == n * P[d] and j leads P
-all_reduce      0 (reduced in place)                                      0
-=============== ========================================================= ======================
+=============== ============================================================ ========================
+op              pack, before the collective                                  unpack, after it
+=============== ============================================================ ========================
+all_gather      prod(P) if Q[d] != n * P[d] (a short piece is padded)        prod(Q) unless d leads P
+reduce_scatter  n * prod(Q) unless P[d] == n * Q[d] and d leads P            0 (a view of the result)
+all_to_all      n * prod(B), B = P with B[j] = Q[j], unless P[j] == n * Q[j] prod(Q) unless d leads B
+                and Q[d] == n * P[d] and j leads P
+all_reduce      0 (reduced in place)                                         0
+=============== ============================================================ ========================
 
 Example: ``R,R | P0 -> R,R`` of 765x1024 f32 on [4]. One all_reduce copies nothing by the table.
 A reduce_scatter of dim 1 (1024 columns split evenly, but 765 rows before them) packs
