@@ -366,18 +366,23 @@ def collectives_alone(numel: int, world: int) -> dict[str, list[float]]:
     parameter (``numel`` elements, padded to a multiple of ``world``), through the runtime's own
     ``collective`` (gloo's reduce_scatter as an all_to_all and a local sum, as the step runs it):
     DDP's one all_reduce, against ZeRO's reduce_scatter and all_gather. Interleaved, a barrier
-    before each."""
+    before each. Every result and workspace is allocated (and touched) once, before the timed
+    runs, as the step keeps its bucket buffers: a fresh buffer of megabytes faults in every page
+    on first touch, which would time the allocator, not the collective."""
     group, timeout = dist.group.WORLD, datetime.timedelta(seconds=600)
     padded = -(-numel // world) * world
     grads = torch.randn(padded, generator=torch.Generator().manual_seed(dist.get_rank()))
     shard = grads[: padded // world].clone()
-    times: dict[str, list[float]] = {"all_reduce": [], "reduce_scatter": [], "all_gather": []}
+    outs = {"all_reduce": None, "reduce_scatter": torch.zeros(padded // world), "all_gather": torch.zeros(padded)}
+    workspace = torch.zeros(padded)
+    times: dict[str, list[float]] = {op: [] for op in outs}
     for _ in range(COLLECTIVE_REPS):
-        for op in times:
+        for op, out in outs.items():
             send = shard if op == "all_gather" else grads.clone()
             dist.barrier()
             started = time.perf_counter()
-            collective(op, send, world, None if op == "all_gather" else "sum", group, timeout)
+            reduce_op = None if op == "all_gather" else "sum"
+            collective(op, send, world, reduce_op, group, timeout, out=out, workspace=workspace)
             times[op].append(time.perf_counter() - started)
     return times
 

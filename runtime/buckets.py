@@ -69,7 +69,7 @@ class _BucketProgram:
     members: tuple[tuple[int, CollectiveMove, int, int], ...]  # (leg, move, chunk, offset)
     total: int
     per_peer: bool  # the send buffer has one row per peer (reduce_scatter, all_to_all)
-    final: tuple[bool, ...]  # per member: its step is the last of its leg
+    final: tuple[bool, ...]  # per member: its step is the last move of its leg (views may follow)
     positions: tuple[int, ...]  # per member: its step's entry in its leg's schedule
     # Where its result (and gloo's reduce_scatter workspace) lie in the kept buffer of its
     # dtype: (offset, elements); see :func:`_lay_out`.
@@ -118,9 +118,8 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
     for index, bucket in enumerate(plan.buckets):
         members, final, offset = [], [], 0
         positions = tuple(legs[m.leg].positions[(m.hop, m.step)] for m in bucket.members)
-        for m in bucket.members:
-            hops = plan.legs[m.leg].hops
-            final.append(m.hop == len(hops) - 1 and m.step == len(hops[-1].plan.steps) - 1)
+        for m, position in zip(bucket.members, positions, strict=True):
+            final.append(all(later is None for _, later, _ in legs[m.leg].schedule[position + 1 :]))
             move = legs[m.leg].moves[m.hop][m.step]
             if not isinstance(move, CollectiveMove):
                 what = (
@@ -212,8 +211,10 @@ def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], d
 class _Walk:
     """Where one leg is: its current piece ``x``, and ``i``, the entry of its schedule
     (:class:`_LegProgram`) it runs next; ``viewed``: that entry's view is applied already (the
-    walk waits there for its bucket). ``unpacking``: the leg's last step, a gather whose result
-    ``x`` still holds as the blocks it received (a leg delivered by :meth:`StageRun.write`).
+    walk waits there for its bucket). ``unpacking``: the leg's last move, a gather whose result
+    ``x`` still holds as the blocks it received (a leg delivered by :meth:`StageRun.write`); the
+    walk is then at its end, any views after the gather left to :meth:`StageRun.write`, which
+    unpacks into its target viewed as the gather's result.
 
     E.g. a ZeRO-2 gradient leg ``R,R | P(dp) -> S(dp),R`` has one entry, its reduce_scatter:
     the walk starts at ``i = 0``, its bucket packs ``x``, and the bucket's result makes ``x`` the
@@ -259,6 +260,12 @@ class _Walk:
     def passed(self) -> None:
         """The communicating step the walk waited at has run: go on to the next entry."""
         self.i, self.viewed = self.i + 1, False
+
+    def unpack_later(self, received: torch.Tensor, move: CollectiveMove) -> None:
+        """The leg's last move, a gather, has run: keep its blocks (``received``) for
+        :meth:`StageRun.write` and go to the end, past any views after it."""
+        self.x, self.unpacking = received, move
+        self.i, self.viewed = len(self.program.schedule), False
 
 
 def run_stage(
@@ -377,11 +384,13 @@ class StageRun:
             walk = self._walks[leg]
             walk.advance()
             unpacking, x = walk.unpacking, walk.x
-            copies = (
-                [(out, x)]
-                if unpacking is None
-                else self._memo(("write", leg), (x, out.data_ptr(), out.shape), unpacking.finish_copies, x, out)
-            )
+            if unpacking is None:
+                copies = [(out, x)]
+            elif out.shape == unpacking.after or out.is_contiguous():  # viewed as the gather's result
+                held = (x, out.data_ptr(), out.shape)
+                copies = self._memo(("write", leg), held, unpacking.finish_copies, x, out)
+            else:
+                copies = [(out, unpacking.finish(x).reshape(out.shape))]
             for target, source in copies:
                 targets.append(target)
                 sources.append(source)
@@ -504,7 +513,8 @@ class StageRun:
             if not rows:
                 walk.x = part  # already the piece after the step (a view)
             elif final and leg in self._deliver:
-                walk.x, walk.unpacking = part, move  # unpacked by write(), into where it is kept
+                walk.unpack_later(part, move)  # unpacked by write(), into where it is kept
+                continue
             else:
                 walk.x = move.finish(part)
             walk.passed()

@@ -147,10 +147,13 @@ class CollectiveMove:
         return unpack(received.view(self.n, *self.block), self.step.dim, self.after)
 
     def finish_copies(self, received: torch.Tensor, out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The copies (target view of ``out``, of shape ``after``; source view of ``received``)
-        that write the rank's piece after the step into ``out`` straight from the collective's
-        result, as :meth:`finish` gives it but without a copy between: views only, so that a
-        bucket's copies can be made in one call."""
+        """The copies (target view of ``out``; source view of ``received``) that write the
+        rank's piece after the step into ``out`` straight from the collective's result, as
+        :meth:`finish` gives it but without a copy between: views only, so that a bucket's copies
+        can be made in one call. ``out`` has the shape ``after``, or is contiguous with as many
+        elements (a parameter whose leg views the piece after the step in its own shape)."""
+        if tuple(out.shape) != self.after:
+            out = out.view(self.after)
         if self.step.op in ("all_gather", "all_to_all"):
             return unpack_copies(received.view(self.n, *self.block), self.step.dim, out)
         return [(out, self.finish(received))]

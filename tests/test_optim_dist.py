@@ -200,9 +200,9 @@ def _run_config(rank: int, config: str, kind: str, dtype: torch.dtype, seed: int
     optimizer = _optimizer(kind, list(params.items()), spec, flat_axis=flat_axis)
     traffic = []
     for step in range(STEPS):
-        if step == STEPS // 2:  # new memory for every parameter: the steps after must write there
-            for p in params.values():
-                p.data = p.data.clone()
+        if step == STEPS // 2:  # new memory for every parameter, matrices column-major: the steps
+            for p in params.values():  # after must write there, in its order
+                p.data = p.data.t().contiguous().t() if p.dim() == 2 else p.data.clone()
         for name, (grad, addends) in step_grads(dtype, seed, step).items():
             params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
         planned = optimizer.planned_traffic()
