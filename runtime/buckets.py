@@ -359,7 +359,8 @@ class StageRun:
             self._wait_oldest(deadline)
         out = {}
         for i, walk in self._walks.items():
-            walk.advance()
+            if walk.i < len(walk.program.schedule):  # most legs are at their end already
+                walk.advance()
             if i not in self._deliver:
                 out[i] = walk.x
         return out
@@ -457,8 +458,7 @@ class StageRun:
             walk.x = None  # type: ignore[assignment]  # the piece is in the buffer now
         if targets:
             torch._foreach_copy_(targets, sources)
-        names = [plan.legs[leg].tensor for leg, *_ in bucket.members]
-        device_mesh = self._device_meshes.get(names[0])
+        device_mesh = self._device_meshes.get(plan.legs[first_leg].tensor)
         if device_mesh is not None and tuple(device_mesh.shape) != bucket.bucket.mesh.shape:
             device_mesh = None  # a flat group's mesh (planner.step.flat_group): a group of its own
         started = time.perf_counter()

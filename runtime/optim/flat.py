@@ -44,6 +44,9 @@ class FlatStates:
             key: torch.zeros(size, dtype=key[1], device=key[2]) for key, size in sizes.items()
         }
         self._spare: dict[Key, torch.Tensor] | None = None
+        # run(): per (tensors, state), the range of its buffer they lie in one after another
+        # (key, start, end), or None; their places never change, and steps ask alike.
+        self._runs: dict[tuple[tuple[int, ...], str], tuple[Key, int, int] | None] = {}
 
     def has(self, tensor: int, state: str) -> bool:
         return (tensor, state) in self._where
@@ -53,6 +56,17 @@ class FlatStates:
     ) -> torch.Tensor | None:
         """The states ``state`` of ``tensors`` as one range of their buffer (of ``buffers``
         when given) when they lie there one after another, else ``None``."""
+        ask = (tuple(tensors), state)
+        if ask not in self._runs:
+            self._runs[ask] = self._range(ask[0], state)
+        where = self._runs[ask]
+        if where is None:
+            return None
+        key, start, end = where
+        source = self.buffers if buffers is None else buffers
+        return source[key][start:end]
+
+    def _range(self, tensors: tuple[int, ...], state: str) -> tuple[Key, int, int] | None:
         if not tensors or not all((t, state) in self._where for t in tensors):
             return None
         key, start, _ = self._where[(tensors[0], state)]
@@ -62,8 +76,7 @@ class FlatStates:
             if other != key or offset != end:
                 return None
             end += math.prod(shape)
-        source = self.buffers if buffers is None else buffers
-        return source[key][start:end]
+        return key, start, end
 
     def view(self, tensor: int, state: str, buffers: Mapping[Key, torch.Tensor] | None = None) -> torch.Tensor:
         """The tensor's state, a view of its buffer (of ``buffers`` when given)."""
