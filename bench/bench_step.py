@@ -1,6 +1,6 @@
 """A whole training step on 4 gloo ranks: DDP, ZeRO, FSDP2 and the sharded optimizers.
 
-    .venv/bin/python bench/bench_step.py                       # small (10 steps) and medium (6 steps)
+    .venv/bin/python bench/bench_step.py                       # small (30 steps) and medium (12 steps)
     .venv/bin/python bench/bench_step.py --models small --steps 5
     .venv/bin/python bench/bench_step.py --variants ddp,fsdp2,sharded --json out/bench_step.json
 
@@ -66,7 +66,8 @@ A third section times the collectives alone: one flat buffer of every parameter,
 
 The machine this was written on is a shared 2-core VM: 4 ranks share 2 cores, so absolute
 times are noisy and only ratios measured in the same run mean much. The default steps per
-model (10 small, 6 medium) keep the default run near 3 minutes there; ``--steps`` sets one
+model (30 small, 12 medium: medians of 27 and 9 timed steps, since one step's time there varies
+by 10% from step to step) keep the default run near 3 minutes there; ``--steps`` sets one
 count for all models (at least 4).
 """
 
@@ -110,7 +111,7 @@ from shardlang.spec import Layouts
 
 VOCAB, BATCH, SEQ, HEADS = 512, 4, 64, 4
 MODELS = {"small": (128, 4, 512), "medium": (256, 8, 1024)}  # width, layers, feed-forward
-DEFAULT_STEPS = {"small": 10, "medium": 6}
+DEFAULT_STEPS = {"small": 30, "medium": 12}
 FIRST_TIMED = 4  # steps are numbered from 1; steps 2 and 3 are profiled
 PROFILED = (2, 3)
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
