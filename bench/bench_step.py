@@ -28,7 +28,10 @@ in the same processes and are interleaved step by step (variant A step k, varian
 
 lr 1e-3, weight decay 0.01, betas (0.9, 0.999), eps 1e-8 everywhere. Times are the median over
 steps 4..N of rank 0's wall time (the "step()" column is the ``optimizer.step()`` part of
-it); the ratio is to ``ddp``. Losses (rank 0's batch) are printed per step beside the times and
+it); the ratio is to ``ddp``. "CPU ms, all ranks" sums over the ranks each one's median CPU time
+of a training step (``time.process_time``: the process's threads, gloo's included): where it is
+about twice the wall time, the 2 cores were busy throughout, so that only less work, not less
+waiting, makes a step shorter. Losses (rank 0's batch) are printed per step beside the times and
 must agree across variants within 1e-3 relative; a ``MISMATCH`` line says where they do not.
 
 A second section times ``optimizer.step()`` alone on the same processes and the same
@@ -225,6 +228,7 @@ class Variant:
     sharded: bool = False
     seconds: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)  # the process's CPU time (gloo's threads too)
     wait_seconds: list[float] = field(default_factory=list)  # ours: blocked on collectives in step()
     losses: list[float] = field(default_factory=list)
     recorded: dict[str, int] = field(default_factory=dict)
@@ -456,12 +460,13 @@ def interleaved(variants: list[Variant], steps: int) -> dict[str, dict[str, int]
                 variant.prepare(step)
             dist.barrier()
             with record_function(f"bench|{variant.key}|train"):
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 if variant.run is not None:
                     variant.losses.append(variant.run(step))
                 else:
                     variant.timed_step(step)
                 variant.seconds.append(time.perf_counter() - started)
+                variant.cpu_seconds.append(time.process_time() - cpu)
         if step == PROFILED[-1]:
             assert prof is not None
             for variant in variants:  # no gloo work in flight across the profiler's stop (runtime/comm.py)
@@ -484,6 +489,7 @@ def results_of(variants: list[Variant], counts: dict[str, dict[str, int]]) -> di
         v.key: {
             "seconds": v.seconds,
             "step_seconds": v.step_seconds,
+            "cpu_seconds": v.cpu_seconds,
             "wait_seconds": v.wait_seconds,
             "losses": v.losses,
             "recorded": v.recorded,
@@ -569,14 +575,15 @@ def report_model(name: str, steps: int, ranks: list[dict[str, Any]], keys: list[
         f"{FIRST_TIMED}..{steps} on rank 0; memory per rank, the largest over ranks):\n"
     )
     print(
-        "| variant | train step ms | x DDP | step() ms | of it waiting ms | collectives in step() "
+        "| variant | train step ms | x DDP | CPU ms, all ranks | step() ms | of it waiting ms | collectives in step() "
         "| collectives per train step "
         "| params+grads MiB | optimizer state MiB | bucket / step buffers MiB | held MiB "
         "| peak above start: train step / step() MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for k in keys:
         ms, step_ms = median_ms(first[k]["seconds"]), median_ms(first[k]["step_seconds"])
+        cpu_ms = sum(median_ms(r[k]["cpu_seconds"]) for r in train)
         memory = {part: max((r[k]["memory"][part] or 0) for r in train) for part in ("params", "grads", "state")}
         bucket_values = [r[k]["memory"]["buckets"] for r in train]
         buckets = None if all(b is None for b in bucket_values) else max(b or 0 for b in bucket_values)
@@ -589,7 +596,8 @@ def report_model(name: str, steps: int, ranks: list[dict[str, Any]], keys: list[
         waits = first[k]["wait_seconds"][FIRST_TIMED - 1 :]
         wait_ms = statistics.median(waits) * 1e3 if waits else None
         print(
-            f"| {VARIANTS[k]} | {ms:.1f} | {ratio} | {step_ms:.1f} | {'-' if wait_ms is None else f'{wait_ms:.1f}'} "
+            f"| {VARIANTS[k]} | {ms:.1f} | {ratio} | {cpu_ms:.1f} | {step_ms:.1f} "
+            f"| {'-' if wait_ms is None else f'{wait_ms:.1f}'} "
             f"| {colls} | {first[k]['collectives_train']} "
             f"| {mib(memory['params'] + memory['grads'])} | {mib(memory['state'])} | {mib(buckets)} | {mib(held)} "
             f"| {mib(peak_train)} / {mib(peak_step)} |"
@@ -597,6 +605,7 @@ def report_model(name: str, steps: int, ranks: list[dict[str, Any]], keys: list[
         rows[k] = {
             "median_ms": ms,
             "step_median_ms": step_ms,
+            "cpu_median_ms_all_ranks": cpu_ms,
             "wait_median_ms": wait_ms,
             "ratio_to_ddp": None if ddp_ms is None else ms / ddp_ms,
             "collectives_step": first[k]["collectives_step"],
