@@ -45,7 +45,9 @@ rely on consistency (a state reached again more cheaply is expanded again).
 Per-collective figures (``planner.cost``): ``R[a]`` and ``B[a]`` are then the least of the
 axis's rates over the collective kinds (:func:`cheapest_rates`). Every step on axis ``a``
 costs at least ``rounds * R[a] + bytes * B[a]`` in that model, and the bound above is a lower
-bound of the sum of those over the steps still to take, so it stays admissible.
+bound of the sum of those over the steps still to take, so it stays admissible. So it does with
+the executor terms (``planner.cost``): the overhead of every step and the bytes a collective
+copies locally add to a step's cost and are never negative, and the bound leaves them out.
 """
 
 from __future__ import annotations
