@@ -50,7 +50,6 @@ def timed(fn, *args, **kwargs) -> tuple[float, int]:  # type: ignore[no-untyped-
 
 
 def one_rank(rank: int, world_size: int, n: int, reps: int, root: Path) -> list[tuple[float, ...]]:
-    torch.set_num_threads(1)
     full = torch.arange(n * n, dtype=torch.float32).reshape(n, n)
     rows, cols = parse_layout(f"S0,R over mesh[{WORLD}]"), parse_layout(f"R,S0 over mesh[{WORLD}]")
     mesh = init_device_mesh("cpu", (WORLD,))

@@ -54,7 +54,6 @@ def _one(way: str, x: torch.Tensor, part: torch.Tensor, full: torch.Tensor, n: i
 
 
 def _rank(rank: int, world: int, sizes: list[int], reps: int) -> dict[int, dict[str, float]]:
-    torch.set_num_threads(1)
     out = {}
     for size in sizes:
         numel = size // 4 // world * world

@@ -114,7 +114,6 @@ def _piece(full: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
 
 
 def sharded(rank: int, world: int, shapes: dict[str, tuple[int, ...]], steps: int, bucket_bytes: int | None) -> bytes:
-    torch.set_num_threads(1)
     runs = {}
     for layout in LAYOUTS:
         spec = _spec(layout, shapes)

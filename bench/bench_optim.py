@@ -156,7 +156,6 @@ def hand_written(rank: int, world: int, shapes: dict[str, tuple[int, ...]], zero
 
 def sharded(rank: int, world: int, shapes: dict[str, tuple[int, ...]], steps: int) -> bytes:
     """Every way on this rank, interleaved step by step so that machine noise hits all alike."""
-    torch.set_num_threads(1)
     peers = {("hand", "ddp"): hand_written(rank, world, shapes, zero=False)}
     peers[("hand", "zero2")] = hand_written(rank, world, shapes, zero=True)
     optimizers, params = {}, {}

@@ -504,7 +504,6 @@ def rank_main(
     rank: int, world: int, models: list[str], steps: dict[str, int], keys: list[str], overlap_bucket_bytes: int | None
 ) -> dict[str, Any]:
     """Both sections for every model, on this rank."""
-    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
     out: dict[str, Any] = {}
     for name in models:

@@ -148,7 +148,6 @@ def _run_failed_step(rank: int) -> dict[str, Any]:
 
 
 def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
-    torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for config in LAYOUT_CONFIGS:
         for dtype in DTYPES:

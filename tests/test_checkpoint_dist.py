@@ -194,7 +194,6 @@ def _disk_full() -> None:
 def _save_run(rank: int, world_size: int, root: Path) -> dict[str, Any]:
     from runtime import checkpoint
 
-    torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for kind in KINDS:
         for config, (mesh, layouts_of, flat_axis) in SAVES.items():
@@ -241,7 +240,6 @@ def _failed_saves(rank: int, directory: Path) -> dict[str, Any]:
 def _load_run(rank: int, world_size: int, root: Path) -> dict[str, Any]:
     from runtime import checkpoint
 
-    torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for world, kind, saved, config in CASES:
         if world != world_size:

@@ -83,7 +83,6 @@ def _train(rank: int, kind: str, dtype: torch.dtype, *, fsdp: bool) -> dict[str,
 
 
 def all_cases(rank: int, world_size: int) -> dict[Any, Any]:
-    torch.set_num_threads(1)
     out: dict[Any, Any] = {}
     for kind, dtype in CASES:
         out[("fsdp_tp", kind, dtype)] = _train(rank, kind, dtype, fsdp=True)

@@ -55,7 +55,6 @@ def torch_run(kind: str, params: dict[str, torch.Tensor], steps: range, state: d
 def _ranks(rank: int, world_size: int, torch_states: dict) -> dict[Any, Any]:
     from runtime.optim import ShardedAdamW, ShardedCAME
 
-    torch.set_num_threads(1)
     spec = _spec(DP4, _zero)
     out: dict[Any, Any] = {}
     for kind, flat_axis in KINDS:

@@ -194,7 +194,6 @@ def _dtensor_optimizer(named: list, spec: Any) -> Any:
 
 
 def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
-    torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for config in LAYOUT_CONFIGS:
         for dtype in _dtypes(config):

@@ -516,7 +516,6 @@ def _run_nonfinite(rank: int, seed: int) -> dict[str, Any]:
 
 def all_cases(rank: int, world_size: int) -> dict[str, Any]:
     """Every case on this rank."""
-    torch.set_num_threads(1)
     out: dict[str, Any] = {"timing": {}}
     for config in CONFIGS:
         for kind, dtype in KINDS:

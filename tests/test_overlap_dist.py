@@ -158,7 +158,6 @@ def _peer_dies_in_backward(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def all_cases(rank: int, world_size: int) -> dict[Any, Any]:
-    torch.set_num_threads(1)
     out: dict[Any, Any] = {}
     for config in LAYOUTS:
         for kind, dtype in KINDS:
