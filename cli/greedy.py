@@ -19,7 +19,10 @@ its graph planner.
 
 Each step is costed under the planner's cost model: the planner plans the same placement
 change alone, on a one-axis mesh over the block of the tensor that the step's collective
-works on, so the cost is that of the collective and nothing else.
+works on, so the cost is that of the collective and nothing else. On that mesh every other
+collective kind is priced out of reach (:data:`OUT_OF_REACH`): with per-collective figures the
+planner's cheapest way through one change can be two collectives (a reduce_scatter and an
+all_gather for an all_reduce), and DTensor runs the one.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from shardlang.layout import reduce_ops_commute
 
 # A mesh axis' placement: ("S", dim), ("R",) or ("P", reduce_op).
 Placement = tuple
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+OUT_OF_REACH = 1e6  # seconds per round of the kinds a step does not run (module docstring)
 
 
 class NoGreedyOrder(Exception):
@@ -132,7 +137,7 @@ def _take(
         ("R", "S"): "slice",
         ("R", "P"): "partial",
     }[(have[0], want[0])]
-    nbytes, seconds = _step_cost(state, after, axis, shape, dtype, cost)
+    nbytes, seconds = _step_cost(state, after, axis, op, shape, dtype, cost)
     steps.append(
         Step(
             op=op,
@@ -149,10 +154,11 @@ def _take(
 
 
 def _step_cost(
-    state: Layout, after: Layout, axis: int, shape: tuple[int, ...], dtype: str, cost: CostModel
+    state: Layout, after: Layout, axis: int, op: str, shape: tuple[int, ...], dtype: str, cost: CostModel
 ) -> tuple[int, float]:
-    """Bytes and seconds of changing only ``axis``: the planner's plan for that change on a
-    one-axis mesh, over the rank's block of the tensor with ``axis`` taken out."""
+    """Bytes and seconds of changing only ``axis`` with ``op``: the planner's plan for that
+    change on a one-axis mesh, over the rank's block of the tensor with ``axis`` taken out, where
+    the other collective kinds are out of reach."""
     block = Layout(dims=[[a for a in axes if a != axis] for axes in state.dims], mesh=state.mesh).local_shape(shape)
     line = Mesh(shape=(state.mesh.shape[axis],))
 
@@ -165,7 +171,12 @@ def _step_cost(
         )
 
     alphas, betas = cost.for_mesh(state.mesh)
-    ops = [OpCost(c.op, *(v[axis] for v in cost.for_op(c.op, state.mesh))) for c in cost.ops]
+    ops = [
+        OpCost(kind, *(v[axis] for v in cost.for_op(kind, state.mesh)))
+        if kind == op
+        else OpCost(kind, OUT_OF_REACH, betas[axis])
+        for kind in COLLECTIVES
+    ]
     # The executor terms too, so the step pays its overhead and local copies as the planner's do.
     line_cost = CostModel(
         alpha=alphas[axis],
@@ -175,4 +186,6 @@ def _step_cost(
         copy_bandwidth=cost.copy_bandwidth,
     )
     alone = plan_exact(on_line(state), on_line(after), block, dtype, line_cost)
+    if [s.op for s in alone.steps if s.op in COLLECTIVES] not in ([], [op]):
+        raise NoGreedyOrder(f"the greedy order's {op} of {state} -> {after} is no one collective here ({alone})")
     return alone.total_bytes, alone.total_seconds

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from cli.greedy import NoGreedyOrder, greedy_order, greedy_plan
-from planner import CostModel, plan
+from planner import CostModel, OpCost, plan
 from shardlang import Layout, Mesh
 from shardlang.dtypes import itemsize
 
@@ -141,6 +141,37 @@ def test_greedy_order_is_torchs_and_costs_the_table(torch_planner: Callable[...,
         cheaper += exact.total_seconds < greedy.total_seconds * (1 - 1e-9)
     assert compared == 600
     assert cheaper > 0  # the baseline does lose somewhere, or explain would have nothing to show
+
+
+def test_each_greedy_step_costs_its_own_collective_under_per_collective_figures() -> None:
+    """With a figure of its own per collective kind, the cheapest way through one placement
+    change can be two collectives (a reduce_scatter and an all_gather for an all_reduce); the
+    baseline's step is the one collective DTensor runs, and costs that kind's figures."""
+    rng = random.Random(20261201)
+    kinds = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+    dear = 0
+    for _ in range(200):
+        mesh = Mesh(shape=rng.choice(MESHES))
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.randint(1, 9) for _ in range(ndim))
+        src_p = _random_placements(rng, mesh.ndim, ndim, rng.choice([None, "sum"]))
+        dst_p = _random_placements(rng, mesh.ndim, ndim, rng.choice([None, "sum"]))
+        src, dst = _layout(src_p, mesh, ndim), _layout(dst_p, mesh, ndim)
+        figures = {k: (rng.choice([1e-6, 1e-3]), rng.choice([1e8, 1e11])) for k in kinds}
+        cost = CostModel(alpha=1e-6, bandwidth=1e11, ops=[OpCost(k, *figures[k]) for k in kinds])
+        try:
+            greedy = greedy_plan(src, dst, shape, "f32", cost)
+        except NoGreedyOrder:
+            continue
+        for before, step in zip(greedy.layouts(), greedy.steps, strict=False):
+            alpha, beta = figures.get(step.op, (0.0, 1.0))
+            nbytes, seconds = _table_cost(
+                step.op, step.axis, step.to_dim, before, step.layout, shape, "f32", alpha, beta
+            )
+            assert step.bytes == nbytes, (src, dst, step)
+            assert math.isclose(step.seconds, seconds, rel_tol=1e-9, abs_tol=1e-15), (src, dst, step)
+            dear += step.op == "all_reduce" and alpha > figures["reduce_scatter"][0] + figures["all_gather"][0]
+    assert dear > 0  # some all_reduce was dearer than the reduce_scatter and all_gather it stands for
 
 
 def test_no_greedy_order_for_nestings_dtensor_cannot_express() -> None:
