@@ -31,12 +31,12 @@ import math
 
 from planner import CostModel, OpCost, Plan, Step
 from planner import plan as plan_exact
+from planner.cost import LOCAL_OPS, PRICED_OPS
 from shardlang import Layout, Mesh
 from shardlang.layout import reduce_ops_commute
 
 # A mesh axis' placement: ("S", dim), ("R",) or ("P", reduce_op).
 Placement = tuple
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 OUT_OF_REACH = 1e6  # seconds per round of the kinds a step does not run (module docstring)
 
 
@@ -175,7 +175,7 @@ def _step_cost(
         OpCost(kind, *(v[axis] for v in cost.for_op(kind, state.mesh)))
         if kind == op
         else OpCost(kind, OUT_OF_REACH, betas[axis])
-        for kind in COLLECTIVES
+        for kind in PRICED_OPS
     ]
     # The executor terms too, so the step pays its overhead and local copies as the planner's do.
     line_cost = CostModel(
@@ -186,6 +186,6 @@ def _step_cost(
         copy_bandwidth=cost.copy_bandwidth,
     )
     alone = plan_exact(on_line(state), on_line(after), block, dtype, line_cost)
-    if [s.op for s in alone.steps if s.op in COLLECTIVES] not in ([], [op]):
+    if [s.op for s in alone.steps if s.op not in LOCAL_OPS] not in ([], [op]):
         raise NoGreedyOrder(f"the greedy order's {op} of {state} -> {after} is no one collective here ({alone})")
     return alone.total_bytes, alone.total_seconds
