@@ -25,6 +25,7 @@ import contextlib
 import datetime
 import time
 from collections.abc import Callable, KeysView, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -32,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from planner.step import AFTER, BEFORE, IN_STEP, Bucket, Leg, StepPlan
 from runtime import stats
-from runtime.buffers import Scratch
+from runtime.buffers import KeptViews, Scratch
 from runtime.comm import PendingCollective, start_collective
 from runtime.dtypes import dtype_name, torch_dtype
 from runtime.errors import DistributedError, ReshardError
@@ -96,7 +97,7 @@ class StepProgram:
     send_numel: Mapping[str, int] = attrs.field(factory=dict)
     kept_numel: Mapping[str, int] = attrs.field(factory=dict)
     # Views of the kept buffers that every step makes alike (:meth:`StageRun._memo`).
-    views: dict[tuple[str, int], tuple[tuple[object, ...], list]] = attrs.field(factory=dict, repr=False)
+    views: KeptViews = attrs.field(factory=KeptViews, repr=False)
 
 
 def compile_step(plan: StepPlan, rank: int) -> StepProgram:
@@ -257,6 +258,17 @@ class _Walk:
             if view is not None and not self.viewed:
                 self.x, self.viewed = self.x.reshape(view), True
 
+    def skip_to(self, until: int | None, x: torch.Tensor) -> None:
+        """Where :meth:`advance` from the walk's start would leave it, given the piece ``x``
+        that it reached (from an earlier step of the same input: :meth:`StageRun.feed`'s
+        ``stable`` legs)."""
+        schedule = self.program.schedule
+        self.x = x
+        if until is None:
+            self.i, self.viewed = len(schedule), False
+        else:
+            self.i, self.viewed = until, schedule[until][0] is not None
+
     def passed(self) -> None:
         """The communicating step the walk waited at has run: go on to the next entry."""
         self.i, self.viewed = self.i + 1, False
@@ -300,7 +312,9 @@ class StageRun:
 
     Legs in ``deliver`` are not among the results of :meth:`finish` and :meth:`wait_for`:
     :meth:`write` puts them where they are kept, unpacking a final gather straight from the
-    bucket's result (one copy instead of two, and no new tensor per step).
+    bucket's result (one copy instead of two, and no new tensor per step). Legs in ``stable``
+    get the same tensor as input every step (a parameter, a kept buffer): their local steps'
+    views and their blocks are made once and kept (with kept ``buffers``).
 
     Raises :class:`DistributedError` naming the bucket when its collective fails, and
     :class:`ReshardError` for an input of the wrong shape or dtype."""
@@ -314,9 +328,11 @@ class StageRun:
         timeout: datetime.timedelta,
         buffers: Scratch | None = None,
         deliver: frozenset[int] = frozenset(),
+        stable: frozenset[int] = frozenset(),
     ) -> None:
         self.program, self.stage, self.timeout = program, stage, timeout
         self._device_meshes, self._buffers, self._deliver = device_meshes, buffers, deliver
+        self._stable = stable if buffers is not None else frozenset()
         self._buckets = [b for b in program.buckets if b.bucket.stage == stage]
         self._next = 0  # the next bucket to start
         self._walks: dict[int, _Walk] = {}
@@ -360,7 +376,7 @@ class StageRun:
         out = {}
         for i, walk in self._walks.items():
             if walk.i < len(walk.program.schedule):  # most legs are at their end already
-                walk.advance()
+                self._advance(i, walk, None)
             if i not in self._deliver:
                 out[i] = walk.x
         return out
@@ -388,7 +404,7 @@ class StageRun:
             if unpacking is None:
                 copies = [(out, x)]
             elif out.shape == unpacking.after or out.is_contiguous():  # viewed as the gather's result
-                held = (x, out.data_ptr(), out.shape)
+                held = (x, out.data_ptr(), out.shape, out.stride())
                 copies = self._memo(("write", leg), held, unpacking.finish_copies, x, out)
             else:
                 copies = [(out, unpacking.finish(x).reshape(out.shape))]
@@ -448,8 +464,11 @@ class StageRun:
         parts = self._memo(("send", bucket.index), (send.data_ptr(), send.shape), _send_parts, bucket, send)
         for position, (leg, move, _, _), part in zip(bucket.positions, bucket.members, parts, strict=True):
             walk = self._walks[leg]
-            walk.advance(position)
-            blocks = move.send_blocks(walk.x)
+            self._advance(leg, walk, position)
+            if leg in self._stable:
+                blocks = self._memo(("blocks", leg), (walk.x,), _blocks, move, walk.x)[0]
+            else:
+                blocks = move.send_blocks(walk.x)
             if blocks is None:
                 move.send_into(walk.x, part)
             else:
@@ -519,7 +538,19 @@ class StageRun:
                 walk.x = move.finish(part)
             walk.passed()
 
-    def _memo(self, key: tuple[str, int], held: tuple[object, ...], make: Callable[..., list], *args: object) -> list:
+    def _advance(self, leg: int, walk: _Walk, until: int | None) -> None:
+        """``walk.advance(until)``; for a stable leg at its start, from the pieces an earlier
+        step's advance of the same input made."""
+        if leg in self._stable and walk.i == 0:
+            kept = self._memo(("advance", leg), (walk.x, until), _advanced_view, walk, until)
+            if kept is not None:  # else the walk advanced, and what it reached is not a view
+                walk.skip_to(until, kept[0])
+        else:
+            walk.advance(until)
+
+    def _memo(
+        self, key: tuple[str, int], held: tuple[object, ...], make: Callable[..., list | None], *args: object
+    ) -> Any:  # what ``make`` returns: a list, or None where it is allowed to (KeptViews)
         """Views that every step makes alike from the same buffers (a bucket's places in its
         send buffer and its result, a final gather's copies into a parameter): made once and
         kept on the program while ``held`` (what they view) is the same. Python's per-view cost
@@ -527,16 +558,23 @@ class StageRun:
         ``buffers`` every step has new ones, so nothing is kept."""
         if self._buffers is None:
             return make(*args)
-        kept = self.program.views.get(key)
-        if kept is not None and all(_same(a, b) for a, b in zip(kept[0], held, strict=True)):
-            return kept[1]
-        views = make(*args)
-        self.program.views[key] = (held, views)
-        return views
+        return self.program.views.get(key, held, make, *args)
 
     def _where(self, bucket: _BucketProgram) -> str:
         names = [self.program.plan.legs[leg].tensor for leg, *_ in bucket.members]
         return f"bucket {bucket.index + 1} of {len(self.program.plan.buckets)} ({_describe(bucket.bucket, names)})"
+
+
+def _advanced_view(walk: _Walk, until: int | None) -> list[torch.Tensor] | None:
+    """``walk.advance(until)``'s piece when it is a view of the walk's input (a reshape of a
+    strided input copies), else ``None``."""
+    x = walk.x
+    walk.advance(until)
+    return [walk.x] if walk.x.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else None
+
+
+def _blocks(move: CollectiveMove, x: torch.Tensor) -> list[torch.Tensor | None]:
+    return [move.send_blocks(x)]
 
 
 def _send_parts(bucket: _BucketProgram, send: torch.Tensor) -> list[torch.Tensor]:
@@ -558,11 +596,6 @@ def _result_parts(bucket: _BucketProgram, received: torch.Tensor) -> list[torch.
         gathered = received.view(first.n, bucket.total)
         return [gathered[:, offset : offset + chunk] for _, _, chunk, offset in bucket.members]
     return [move.finish(received[offset : offset + chunk]) for _, move, chunk, offset in bucket.members]
-
-
-def _same(a: object, b: object) -> bool:
-    """Whether ``a`` and ``b`` are the same memo key part: the same tensor object, or equal."""
-    return a is b if isinstance(a, torch.Tensor) else a == b
 
 
 def _describe(bucket: Bucket, names: Sequence[str]) -> str:

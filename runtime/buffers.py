@@ -9,6 +9,8 @@ sharded optimizers and the buckets they run therefore keep their buffers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -29,3 +31,29 @@ class Scratch:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class KeptViews:
+    """Views that every step makes alike from the same tensors (a bucket's places in its send
+    buffer, a parameter's piece, a flat range's pieces): made once per key and kept while
+    ``held``, what they view, is the same (tensors: the same objects; anything else: equal).
+    Python's per-view cost (microseconds each) on a model of many small tensors is a large part
+    of a step's time otherwise. What is kept keeps its tensors alive, so keys must be bounded
+    (one per leg or bucket of a plan) and ``held`` must name only tensors kept anyway. ``make``
+    may return ``None``: nothing to keep (what it made is not a view), nothing kept."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, tuple[tuple[object, ...], list]] = {}
+
+    def get(self, key: tuple, held: tuple[object, ...], make: Callable[..., list | None], *args: object) -> list | None:
+        kept = self._kept.get(key)
+        if kept is not None:
+            for a, b in zip(kept[0], held, strict=True):  # a loop, not all(): it runs per leg and step
+                if a is not b and (isinstance(a, torch.Tensor) or a != b):
+                    break
+            else:
+                return kept[1]
+        views = make(*args)
+        if views is not None:
+            self._kept[key] = (held, views)
+        return views

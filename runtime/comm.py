@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import weakref
 from collections.abc import Callable
 
 import attrs
@@ -62,6 +63,7 @@ GATHER_TAG = 7  # the tag of an all_gather's messages on gloo (module docstring)
 GATHER_MESSAGES_BYTES = 2**20  # gloo all_gathers of results this large run as messages
 # The works of gathers' messages not known to be complete (module docstring), oldest first.
 _MESSAGES_IN_FLIGHT: list[dist.Work] = []
+_GLOO: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()  # see _is_gloo
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -124,7 +126,7 @@ def start_collective(
     if send.numel() == 0:
         return PendingCollective(op, received, n, reduce_op, ())
     blocks = None
-    gloo = dist.get_backend(group) == "gloo"
+    gloo = _is_gloo(group)
     try:
         big = received.numel() * received.element_size() >= GATHER_MESSAGES_BYTES
         if op == "all_gather" and gloo and waited_at_once and big:
@@ -143,6 +145,15 @@ def start_collective(
     except RuntimeError as e:
         raise DistributedError(_reason(e, None)) from e
     return PendingCollective(op, received, n, reduce_op, tuple(works), blocks)
+
+
+def _is_gloo(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` runs on gloo, asked of torch once per group (``dist.get_backend``
+    checks its arguments on every call, and every collective of every step asks)."""
+    gloo = _GLOO.get(group)
+    if gloo is None:
+        gloo = _GLOO[group] = dist.get_backend(group) == "gloo"
+    return gloo
 
 
 def _all_gather_messages(received: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> list[dist.Work]:

@@ -26,3 +26,9 @@ def torch_dtype(name: str) -> torch.dtype:
         return TORCH_DTYPES[name]
     except KeyError:
         raise ReshardError(f"unknown dtype '{name}' (expected one of {', '.join(TORCH_DTYPES)})") from None
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``: ``x`` itself when it already is (``Tensor.to`` costs microseconds
+    even then, and a step calls it for every tensor), else a converted copy."""
+    return x if x.dtype == dtype else x.to(dtype)

@@ -18,7 +18,7 @@ import torch
 
 from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StepOptions, StepWork, Update, done
 from runtime.optim.errors import OptimizerError
-from runtime.optim.flat import as_flat, flat_or_copy, scatter_back
+from runtime.optim.flat import as_flat, flat_or_copy, pieces_of, scatter_back
 
 ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 
@@ -124,7 +124,8 @@ class ShardedAdamW(ShardedOptimizer):
             slot = work.slots[run[0]]
             group, dtype = slot.group, slot.dtype
             scratch = self._scratch
-            outputs = [flat_or_copy([work.new_params[i] for i in run], dtype, scratch, "params out")]
+            new_params = [work.new_params[i] for i in run]
+            outputs = [flat_or_copy(new_params, dtype, scratch, "params out")]
             for name in ADAMW_STATES:
                 target = work.states_of(run, name, new=True)
                 outputs.append(
@@ -136,12 +137,11 @@ class ShardedAdamW(ShardedOptimizer):
             if params is None or params.dtype != dtype:
                 # Pieces of other tensors (a slice of each parameter): copied into the new
                 # parameters in one call and decayed there as one range (the same product).
-                targets, offset = [], 0
-                for i in run:
-                    piece = work.params[i]
-                    targets.append(outputs[0][offset : offset + piece.numel()].view(piece.shape))
-                    offset += piece.numel()
-                torch._foreach_copy_(targets, [work.params[i] for i in run])
+                pieces = [work.params[i] for i in run]
+                shapes = tuple(piece.shape for piece in pieces)
+                held = (outputs[0].data_ptr(), outputs[0].numel(), shapes)
+                key = ("pieces", tuple(work.slots[i].index for i in run))
+                torch._foreach_copy_(self._views.get(key, held, pieces_of, outputs[0], shapes), pieces)
                 decay(outputs[0], outputs[0], lr=group["lr"], weight_decay=group["weight_decay"])
                 params = None
             adamw_update(
@@ -159,7 +159,7 @@ class ShardedAdamW(ShardedOptimizer):
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
             )
-            scatter_back(outputs[0], [work.new_params[i] for i in run])
+            scatter_back(outputs[0], new_params)
             for output, name in zip(outputs[1:], ADAMW_STATES, strict=True):
                 if work.states_of(run, name, new=True) is None:
                     scatter_back(output, [work.new_state(i, name) for i in run])

@@ -54,9 +54,9 @@ from planner.step import (
 )
 from runtime import stats
 from runtime.buckets import StageRun, StepProgram, compile_step
-from runtime.buffers import Scratch
+from runtime.buffers import KeptViews, Scratch
 from runtime.comm import collective, default_device, timeout_of
-from runtime.dtypes import dtype_name
+from runtime.dtypes import as_dtype, dtype_name
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
 from runtime.executor import fingerprint
 from runtime.groups import axis_ranks, group_for, ranks_group
@@ -121,13 +121,27 @@ class Slot:
     step: int = 0
     # A DTensor's gradient layout and dtype at its last step: what overlap plans the next for.
     seen_grad: tuple[Layout, torch.dtype] | None = None
+    # local_param's alias, and the address, dtype, shape and strides it was made for.
+    _local: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
+    _local_of: tuple[object, ...] = attrs.field(default=(), init=False, repr=False)
 
     @property
     def needs_master(self) -> bool:
         return self.param.dtype != self.dtype
 
     def local_param(self) -> torch.Tensor:
-        return self.param.to_local() if isinstance(self.param, DTensor) else self.param.detach()
+        """The rank's piece of the parameter: a DTensor's local tensor, else the parameter
+        detached, the same tensor from call to call while the parameter keeps its memory, so
+        that a step's views of it are made once (``runtime.buckets``, stable legs)."""
+        param = self.param
+        if isinstance(param, DTensor):
+            return param.to_local()
+        # While the alias lives its memory cannot be reused, so an equal address is the same
+        # memory; ``param.data = ...`` gives the parameter new memory or a new geometry.
+        now = (param.data_ptr(), param.dtype, param.shape, param.stride())
+        if self._local is None or now != self._local_of:
+            self._local, self._local_of = param.detach(), now
+        return self._local
 
     def local_grad(self) -> tuple[torch.Tensor, Layout]:
         grad = self.param.grad
@@ -256,11 +270,14 @@ class StepWork:
 
 @attrs.frozen(eq=False)
 class _Compiled:
-    """A step plan, this rank's program of it and, per (tensor, leg), the leg's index in it."""
+    """A step plan, this rank's program of it, per (tensor, leg) the leg's index in it, and
+    the legs whose input is the same tensor every step (a parameter's piece, a new parameter's
+    place in a kept buffer: ``StageRun``'s ``stable``)."""
 
     plan: StepPlan
     program: StepProgram
     legs: Mapping[tuple[str, str], int]
+    stable: frozenset[int]
 
 
 @attrs.define(eq=False)
@@ -380,12 +397,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._slots += self._place_group(group)
         self._flat: FlatStates | None = None  # allocated at the first step
         self._scratch = Scratch()  # the step's working buffers, kept between steps
+        self._views = KeptViews()  # the math's views of kept buffers (runtime.buffers)
         # _fresh_params' views per set of slots stepped, with the buffers they are views of.
         self._fresh_views: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], list[tuple[Any, int, int]]]] = {}
         self._bucket_buffers = Scratch()  # the buckets' buffers (``runtime.buckets``)
         self._plans: dict[tuple, _Compiled] = {}
         self._last_plan: tuple[tuple, _Compiled] | None = None  # the one the last step ran
         self._members_of: dict[tuple[int, ...], tuple[int, ...]] = {}  # per set of slots stepped
+        self._flag: torch.Tensor | None = None  # the commit flag, reduced in place
         self.last_traffic = StepTraffic()
         # Overlap (README, "Overlap"): buckets started during backward, gathers after the step.
         self.overlap = bool(overlap)
@@ -603,7 +622,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise OptimizerError(e.message) from None
             if self.verify:
                 self._verify(plan)
-            compiled = self._plans[key] = _Compiled(plan, program, legs)
+            stable = frozenset(
+                legs[(slot.name, what)]
+                for slot in slots
+                for what in ("param -> state", "state -> param")
+                if (slot.name, what) in legs and not (what == "state -> param" and slot.needs_master)
+            )
+            compiled = self._plans[key] = _Compiled(plan, program, legs, stable)
         self._last_plan = (key, compiled)
         return compiled
 
@@ -703,7 +728,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reaches them or not, none of them commits, since success needs every rank's flag."""
         if not self.all_ranks_commit or len(members) < 2 or not dist.is_initialized():
             return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=default_device())
+        if self._flag is None:
+            self._flag = torch.empty(1, dtype=torch.int32, device=default_device())
+        flag = self._flag.fill_(1 if ok else 0)
         wait = self.timeout if ok else min(self.timeout, FAILURE_NOTICE)
         started = time.perf_counter()
         try:
@@ -810,7 +837,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         legs = compiled.legs
         inputs: dict[int, torch.Tensor] = {}
         for slot, (grad, _) in zip(slots, grads, strict=True):
-            inputs[legs[(slot.name, "grad -> state")]] = grad.to(self._wire_dtype(grad.dtype))
+            inputs[legs[(slot.name, "grad -> state")]] = as_dtype(grad, self._wire_dtype(grad.dtype))
             inputs |= self._before_inputs(compiled, slot, grad.device)
         if before is None:
             before = self._stage_run(compiled, BEFORE, slots)
@@ -833,6 +860,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             timeout=self.timeout,
             buffers=self._bucket_buffers,
             deliver=deliver,
+            stable=compiled.stable,
         )
 
     def _before_inputs(self, compiled: _Compiled, slot: Slot, device: torch.device) -> dict[int, torch.Tensor]:
@@ -889,7 +917,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params, new_params, own = [], [], {}
         for i, slot in enumerate(slots):
             fetch = legs.get((slot.name, "param -> state"))
-            params.append(arrived[fetch].to(slot.dtype) if fetch is not None else flat.view(slot.index, "master"))
+            params.append(
+                as_dtype(arrived[fetch], slot.dtype) if fetch is not None else flat.view(slot.index, "master")
+            )
             new_params.append(
                 flat.view(slot.index, "master", new_buffers) if slot.needs_master else fresh_params[slot.index]
             )
@@ -909,7 +939,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # 3. After the update; with prefetch_params the parameters' gathers are waited on later.
         inputs = {}
         for i, (slot, param) in enumerate(zip(slots, new_params, strict=True)):
-            inputs[legs[(slot.name, "state -> param")]] = param.to(slot.param.dtype)
+            inputs[legs[(slot.name, "state -> param")]] = as_dtype(param, slot.param.dtype)
             for state in slot.own_layouts:
                 inputs[legs[(slot.name, f"state -> state.{state}")]] = work.own_new[(i, state)]
         param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
@@ -992,7 +1022,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if leg in backward.run.legs or (backward.error is not None and not isinstance(backward.error, ReshardError)):
             return
         try:
-            backward.run.feed({leg: grad.to(self._wire_dtype(grad.dtype))})
+            backward.run.feed({leg: as_dtype(grad, self._wire_dtype(grad.dtype))})
         except ReshardError as e:  # a piece of the wrong shape: sent as zeros, raised in step()
             backward.error = backward.error or e
             if leg not in backward.run.legs:

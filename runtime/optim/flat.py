@@ -142,11 +142,19 @@ def flat_or_copy(
     out = (
         torch.empty(numel, dtype=dtype, device=device) if scratch is None else scratch.take(name, numel, dtype, device)
     )
-    offset = 0
-    for t in tensors:
-        out[offset : offset + t.numel()].view(t.shape).copy_(t)
-        offset += t.numel()
+    for view, t in zip(pieces_of(out, [t.shape for t in tensors]), tensors, strict=True):
+        view.copy_(t)
     return out
+
+
+def pieces_of(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of ``flat``, one after another, of ``shapes``."""
+    views, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        views.append(flat[offset : offset + n].view(shape))
+        offset += n
+    return views
 
 
 def scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -154,7 +162,5 @@ def scatter_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     same = as_flat(tensors)
     if same is not None and same.data_ptr() == flat.data_ptr():
         return
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
+    for t, view in zip(tensors, pieces_of(flat, [t.shape for t in tensors]), strict=True):
+        t.copy_(view)
