@@ -17,7 +17,7 @@ from pathlib import Path
 import attrs
 
 from cli.inputs import UsageError
-from cli.tables import format_seconds, format_table
+from cli.tables import format_bytes, format_seconds, format_table
 from planner import CostModel, Plan, plan
 from planner.cost import PRICED_OPS
 from planner.fit import LOCAL, fit_model, median_relative_error, spearman
@@ -130,6 +130,17 @@ def fit_table(fitted: CostModel, lines: dict, mesh: Mesh) -> str:
                 row = [op, mesh.axis_label(axis), format_seconds(alphas[axis]), f"{bandwidths[axis] / 1e9:.3g} GB/s"]
                 pooled = f" ({'+'.join(mesh.axis_label(a) for a in line.axes)} pooled)" if line.axes else ""
                 rows.append([*row, f"{line.kept}/{line.total}{pooled}"])
+                large = fitted.on_axis(op, mesh, axis).large
+                if line.large is not None and large is not None:  # its second regime (planner.fit)
+                    rows.append(
+                        [
+                            f"  from {format_bytes(large.from_bytes)}",  # type: ignore[arg-type]
+                            mesh.axis_label(axis),
+                            format_seconds(large.alpha),  # type: ignore[arg-type]
+                            f"{large.bandwidth / 1e9:.3g} GB/s",  # type: ignore[operator]
+                            f"{line.large.kept}/{line.large.total}{pooled}",
+                        ]
+                    )
     if (LOCAL, -1) in lines:
         line, copy = lines[LOCAL, -1], fitted.copy_bandwidth
         rows.append(

@@ -172,9 +172,7 @@ def _step_cost(
 
     alphas, betas = cost.for_mesh(state.mesh)
     ops = [
-        OpCost(kind, *(v[axis] for v in cost.for_op(kind, state.mesh)))
-        if kind == op
-        else OpCost(kind, OUT_OF_REACH, betas[axis])
+        cost.on_axis(kind, state.mesh, axis) if kind == op else OpCost(kind, OUT_OF_REACH, betas[axis])
         for kind in PRICED_OPS
     ]
     # The executor terms too, so the step pays its overhead and local copies as the planner's do.

@@ -54,7 +54,22 @@ def describe_cost(cost: CostModel, mesh: Mesh) -> str:
     text = _describe_figures(*cost.for_mesh(mesh), mesh)
     for c in cost.ops:
         text += f"; {c.op}: {_describe_figures(*cost.for_op(c.op, mesh), mesh, ', ')}"
+        if c.large is not None:
+            text += f"; {c.op}, large messages: {_describe_large(cost, c.op, mesh)}"
     return text
+
+
+def _describe_large(cost: CostModel, op: str, mesh: Mesh) -> str:
+    """``every axis: from 4 MiB, 0.5 GB/s, 1 ms per round``, or one clause per axis."""
+    per_axis = []
+    for axis in range(mesh.ndim):
+        large = cost.on_axis(op, mesh, axis).large
+        assert large is not None and isinstance(large.alpha, float) and isinstance(large.bandwidth, float)
+        rate = f"{large.bandwidth / 1e9:g} GB/s, {format_seconds(large.alpha)} per round"
+        per_axis.append(f"from {format_bytes(large.from_bytes)}, {rate}")  # type: ignore[arg-type]
+    if len(set(per_axis)) == 1:
+        return f"every axis: {per_axis[0]}"
+    return ", ".join(f"axis {mesh.axis_label(i)}: {text}" for i, text in enumerate(per_axis))
 
 
 def _describe_figures(alphas: tuple[float, ...], betas: tuple[float, ...], mesh: Mesh, between: str = "; ") -> str:

@@ -5,7 +5,7 @@ It knows the language (``shardlang``) and nothing of torch.distributed.
 """
 
 from planner.choice import plan
-from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, PRICED_OPS, CostModel, OpCost
+from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, PRICED_OPS, CostModel, OpCost, Regime
 from planner.errors import PlanBudgetError, PlanError
 from planner.holdings import receive_lower_bound
 from planner.p2p import point_to_point_plan
@@ -25,6 +25,7 @@ __all__ = [
     "Plan",
     "PlanBudgetError",
     "PlanError",
+    "Regime",
     "Step",
     "Transfer",
     "collective_plan",

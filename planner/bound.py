@@ -43,8 +43,9 @@ cheap, and computes (B) when a state comes first. Both are admissible; the searc
 rely on consistency (a state reached again more cheaply is expanded again).
 
 Per-collective figures (``planner.cost``): ``R[a]`` and ``B[a]`` are then the least of the
-axis's rates over the collective kinds (:func:`cheapest_rates`). Every step on axis ``a``
-costs at least ``rounds * R[a] + bytes * B[a]`` in that model, and the bound above is a lower
+axis's rates over the collective kinds and their large-message regimes (:func:`cheapest_rates`;
+a step is priced by one regime, whose rates are at least those least ones, whatever its bytes).
+Every step on axis ``a`` costs at least ``rounds * R[a] + bytes * B[a]`` in that model, and the bound above is a lower
 bound of the sum of those over the steps still to take, so it stays admissible. So it does with
 the executor terms (``planner.cost``): the overhead of every step and the bytes a collective
 copies locally add to a step's cost and are never negative, and the bound leaves them out.
@@ -55,11 +56,12 @@ from __future__ import annotations
 import functools
 import math
 
-from planner.cost import PRICED_OPS
+from planner.cost import PRICED_OPS, large_key
 from planner.space import REPLICATED, role_code
 from shardlang.layout import REDUCE_OPS
 
 Terms = tuple[int, int, int, int]
+LARGE_KEYS = frozenset(large_key(op) for op in PRICED_OPS)
 
 
 class LowerBound:
@@ -163,8 +165,9 @@ def _mesh_rates(
 def cheapest_rates(
     per_round: dict[str, tuple[int, ...]], per_byte: dict[str, tuple[int, ...]]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per axis, the least units per round and per byte over the collective kinds (module docstring)."""
-    ops = [op for op in per_round if op in PRICED_OPS]
+    """Per axis, the least units per round and per byte over the collective kinds and their
+    large-message regimes (module docstring)."""
+    ops = [op for op in per_round if op in PRICED_OPS or op in LARGE_KEYS]
     return (
         tuple(min(per_round[op][a] for op in ops) for a in range(len(per_round[ops[0]]))),
         tuple(min(per_byte[op][a] for op in ops) for a in range(len(per_byte[ops[0]]))),

@@ -46,7 +46,7 @@ import itertools
 
 import attrs
 
-from planner.cost import COPY, DEFAULT_COST, STEP, CostModel, OpUnits, collective_rounds
+from planner.cost import COPY, DEFAULT_COST, STEP, CostModel, OpUnits, collective_rounds, priced_as
 from planner.errors import PlanBudgetError, PlanError
 from planner.p2p import Links, PlannedExchange, message_count, time_lower_bound
 from planner.records import Plan
@@ -197,11 +197,13 @@ def _units(leg: Plan, rates: OpUnits) -> int:
     """The leg's time in the search's units: its steps' rounds, bytes, overheads and local copies."""
     per_round, per_byte = rates
     shape = leg.src.mesh.shape
+    large_from = leg.cost.large_from(leg.src.mesh)
     copied = sum(leg.copied_bytes()) * per_byte[COPY][0] if COPY in per_byte else 0
+    kinds = [priced_as(s.op, s.axis, s.bytes, large_from) for s in leg.steps]
     return (
         sum(
-            collective_rounds(s.op, shape[s.axis]) * per_round[s.op][s.axis] + s.bytes * per_byte[s.op][s.axis]
-            for s in leg.steps
+            collective_rounds(s.op, shape[s.axis]) * per_round[kind][s.axis] + s.bytes * per_byte[kind][s.axis]
+            for s, kind in zip(leg.steps, kinds, strict=True)
         )
         + len(leg.steps) * per_round[STEP][0]
         + copied

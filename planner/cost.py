@@ -69,6 +69,15 @@ true for that kind on that axis. ``CostModel.from_file`` reads such a model from
 Point-to-point steps (``planner.p2p``) are priced per rank from their messages and links; that
 model is documented there.
 
+Large messages (:class:`Regime`). A collective kind may also give figures of its own for steps
+of at least ``from_bytes`` (the table's bytes, per axis): a step is priced by the one regime its
+bytes fall in, so the kind's time is a line in the bytes up to the break and another line from
+it, as ``shardlang calibrate`` fits where a backend's time per byte changes with the message
+(docs/calibration.md). The search keeps its exact comparison (the large regime is one more
+pseudo-kind on the integer scale, :func:`large_key`), its lower bound (``planner.bound``: the
+least rates of every regime) and its pruning rules (``planner.space``: a rule holds on an axis
+only if it holds for every pair of regimes). Point-to-point steps have one regime.
+
 The search compares times exactly: :func:`integer_rates` scales the model so that
 every step time is an integer, so equal-time plans compare equal whatever the order of their
 steps, and the fewer-steps rule decides between them. The overhead is on the same scale (the
@@ -133,19 +142,68 @@ def _check_figures(alpha: float | tuple[float, ...], bandwidth: float | tuple[fl
         raise PlanError(f"{of}bandwidth must be finite and positive, got {bandwidth}")
 
 
+def _byte_counts(value: object) -> int | tuple[int, ...]:
+    try:
+        if isinstance(value, (int, float)):
+            return int(value)
+        return tuple(int(v) for v in value)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise PlanError(f"from_bytes is a byte count or one per mesh axis, not {value!r}") from None
+
+
 @attrs.frozen
+class Regime:
+    """A collective kind's figures for steps of at least ``from_bytes`` bytes (the table's,
+    per rank; module docstring): ``from_bytes``, ``alpha`` and ``bandwidth`` each one number
+    for every mesh axis or one per axis."""
+
+    from_bytes: int | tuple[int, ...] = attrs.field(converter=_byte_counts)
+    alpha: float | tuple[float, ...] = attrs.field(converter=_per_axis)
+    bandwidth: float | tuple[float, ...] = attrs.field(converter=_per_axis)
+
+    def __attrs_post_init__(self) -> None:
+        counts = self.from_bytes if isinstance(self.from_bytes, tuple) else (self.from_bytes,)
+        if not counts or min(counts) < 1:
+            raise PlanError(f"a large-message regime starts at 1 byte or more, got from_bytes={self.from_bytes}")
+        _check_figures(self.alpha, self.bandwidth, "large messages: ")
+
+
+def _regime(value: object) -> Regime | None:
+    if value is None or isinstance(value, Regime):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return Regime(**value)
+        except TypeError:
+            pass
+    raise PlanError(f"large messages are a Regime or {{from_bytes, alpha, bandwidth}}, not {value!r}")
+
+
+def _op_cost_repr(cost: OpCost) -> str:
+    """An OpCost's repr, ``large`` only where it has one (so older reprs read the same)."""
+    large = "" if cost.large is None else f", large={cost.large!r}"
+    return f"OpCost(op={cost.op!r}, alpha={cost.alpha!r}, bandwidth={cost.bandwidth!r}{large})"
+
+
+@attrs.frozen(repr=False)
 class OpCost:
     """One collective kind's own latency ``alpha`` (seconds per round) and ``bandwidth``
-    (bytes/s), each one number for every mesh axis or one per axis."""
+    (bytes/s), each one number for every mesh axis or one per axis; ``large``: its figures for
+    large messages (:class:`Regime`), if they differ."""
 
     op: str
     alpha: float | tuple[float, ...] = attrs.field(converter=_per_axis)
     bandwidth: float | tuple[float, ...] = attrs.field(converter=_per_axis)
+    large: Regime | None = attrs.field(default=None, converter=lambda v: _regime(v))
 
     def __attrs_post_init__(self) -> None:
         if self.op not in PRICED_OPS:
             raise PlanError(f"no collective kind '{self.op}' to price (kinds: {', '.join(PRICED_OPS)})")
         _check_figures(self.alpha, self.bandwidth, f"{self.op}: ")
+        if self.large is not None and self.op == "point_to_point":
+            raise PlanError("point_to_point steps have one regime (planner.p2p prices them message by message)")
+
+    __repr__ = _op_cost_repr
 
 
 def _op_costs(value: object) -> tuple[OpCost, ...]:
@@ -168,6 +226,28 @@ def _axis_values(what: str, value: float | tuple[float, ...], mesh: Mesh) -> tup
     if len(value) != mesh.ndim:
         raise PlanError(f"{what} gives {len(value)} values for the {mesh.ndim}-axis {mesh.describe()}")
     return value
+
+
+def _regime_values(op: str, large: Regime, mesh: Mesh) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
+    """Per axis (from_bytes, alpha, bandwidth) of ``op``'s large-message regime on ``mesh``."""
+    counts = large.from_bytes if isinstance(large.from_bytes, tuple) else (large.from_bytes,) * mesh.ndim
+    if len(counts) != mesh.ndim:
+        raise PlanError(f"{op} from_bytes gives {len(counts)} values for the {mesh.ndim}-axis {mesh.describe()}")
+    alphas = _axis_values(f"{op} large-message latency", large.alpha, mesh)
+    return counts, alphas, _axis_values(f"{op} large-message bandwidth", large.bandwidth, mesh)
+
+
+def large_key(op: str) -> str:
+    """The pseudo-kind of :meth:`CostModel.figures` that prices ``op``'s large messages."""
+    return f"{op} large"
+
+
+def priced_as(op: str, axis: int, nbytes: int, large_from: Mapping[str, tuple[int, ...]]) -> str:
+    """The kind of :meth:`CostModel.figures` that prices a step of ``op`` sending ``nbytes`` on
+    ``axis``: ``op``, or :func:`large_key` where ``large_from`` (:meth:`CostModel.large_from`)
+    says its bytes are large."""
+    starts = large_from.get(op)
+    return op if starts is None or nbytes < starts[axis] else large_key(op)
 
 
 def _hint_figure(value: object, field: str, where: str, latency: bool) -> float | tuple[float, ...]:
@@ -250,6 +330,8 @@ class CostModel:
         for c in self.ops:
             _axis_values(f"{c.op} latency", c.alpha, mesh)
             _axis_values(f"{c.op} bandwidth", c.bandwidth, mesh)
+            if c.large is not None:
+                _regime_values(c.op, c.large, mesh)
         return _axis_values("latency", self.alpha, mesh), _axis_values("bandwidth", self.bandwidth, mesh)
 
     def for_op(self, op: str, mesh: Mesh) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -260,11 +342,41 @@ class CostModel:
                 return _axis_values(f"{op} latency", c.alpha, mesh), _axis_values(f"{op} bandwidth", c.bandwidth, mesh)
         return _axis_values("latency", self.alpha, mesh), _axis_values("bandwidth", self.bandwidth, mesh)
 
+    def large_from(self, mesh: Mesh) -> dict[str, tuple[int, ...]]:
+        """Per collective kind with a large-message regime, the bytes per axis where it starts."""
+        return {c.op: _regime_values(c.op, c.large, mesh)[0] for c in self.ops if c.large is not None}
+
+    def on_axis(self, op: str, mesh: Mesh, axis: int) -> OpCost:
+        """The figures of the kind ``op`` on mesh ``axis`` alone (for a one-axis mesh), its
+        large-message regime included."""
+        alphas, bandwidths = self.for_op(op, mesh)
+        large = None
+        for c in self.ops:
+            if c.op == op and c.large is not None:
+                starts, large_alphas, large_bandwidths = _regime_values(op, c.large, mesh)
+                large = Regime(starts[axis], large_alphas[axis], large_bandwidths[axis])
+        return OpCost(op, alphas[axis], bandwidths[axis], large)
+
+    def figures_at(self, op: str, mesh: Mesh, axis: int, nbytes: int) -> tuple[float, float]:
+        """(alpha, bandwidth) of a step of ``op`` sending ``nbytes`` on ``axis``: of the regime
+        its bytes fall in (module docstring)."""
+        for c in self.ops:
+            if c.op == op and c.large is not None:
+                starts, alphas, bandwidths = _regime_values(op, c.large, mesh)
+                if nbytes >= starts[axis]:
+                    return alphas[axis], bandwidths[axis]
+        alphas, bandwidths = self.for_op(op, mesh)
+        return alphas[axis], bandwidths[axis]
+
     def figures(self, mesh: Mesh) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
-        """:meth:`for_op` of every op a plan step can have, and under :data:`STEP` the overhead
-        per axis as its per-round figure (with the model's bandwidths, so that the integer
-        scale of :func:`integer_op_rates` covers it and changes nothing else)."""
+        """:meth:`for_op` of every op a plan step can have, under :func:`large_key` the figures
+        of each large-message regime, and under :data:`STEP` the overhead per axis as its
+        per-round figure (with the model's bandwidths, so that the integer scale of
+        :func:`integer_op_rates` covers it and changes nothing else)."""
         out = {op: self.for_op(op, mesh) for op in (*PRICED_OPS, *LOCAL_OPS)}
+        for c in self.ops:
+            if c.large is not None:
+                out[large_key(c.op)] = _regime_values(c.op, c.large, mesh)[1:]
         out[STEP] = ((self.overhead,) * mesh.ndim, _axis_values("bandwidth", self.bandwidth, mesh))
         if self.copy_bandwidth is not None:
             out[COPY] = ((0.0,) * mesh.ndim, (self.copy_bandwidth,) * mesh.ndim)
@@ -309,10 +421,14 @@ class CostModel:
             if op not in PRICED_OPS:
                 raise PlanError(f"{where}: field 'ops.{op}': no such collective kind (kinds: {', '.join(PRICED_OPS)})")
             figures = _hint_object(figures, f"ops.{op}", where)
-            extra = sorted(set(figures) - {"alpha", "bandwidth"})
+            extra = sorted(set(figures) - {"alpha", "bandwidth", "large"})
             if extra:
-                raise PlanError(f"{where}: field 'ops.{op}.{extra[0]}': unknown (fields: alpha, bandwidth)")
+                raise PlanError(f"{where}: field 'ops.{op}.{extra[0]}': unknown (fields: alpha, bandwidth, large)")
             ops[op] = _hint_figures(figures, f"ops.{op}.", where)
+            if "large" in figures and op == "point_to_point":
+                raise PlanError(f"{where}: field 'ops.{op}.large': point-to-point steps have one regime")
+            if "large" in figures:
+                ops[op]["large"] = _hint_regime(figures["large"], f"ops.{op}.large", where)  # type: ignore[assignment]
         top: dict[str, object] = dict(_hint_figures(data, "", where))
         for key in ("overhead", "copy_bandwidth"):
             if key in data:
@@ -321,7 +437,10 @@ class CostModel:
                 top[key] = _hint_figure(data[key], key, where, latency=key == "overhead")
         model = cls(**top, flops_per_second=_hint_rate(data.get("flops_per_second"), where))  # type: ignore[arg-type]
         ops_costs = [OpCost(op, **{"alpha": model.alpha, "bandwidth": model.bandwidth, **f}) for op, f in ops.items()]
-        lengths = {len(v) for c in (model, *ops_costs) for v in (c.alpha, c.bandwidth) if isinstance(v, tuple)}
+        regimes = [c.large for c in ops_costs if c.large is not None]
+        values = [v for c in (model, *ops_costs) for v in (c.alpha, c.bandwidth)]
+        values += [v for r in regimes for v in (r.from_bytes, r.alpha, r.bandwidth)]
+        lengths = {len(v) for v in values if isinstance(v, tuple)}
         if len(lengths) > 1:
             raise PlanError(f"{where}: per-axis lists of different lengths {sorted(lengths)}: give one per mesh axis")
         return attrs.evolve(model, ops=ops_costs)
@@ -331,7 +450,7 @@ class CostModel:
         when they are not their defaults), as a hints file holds it."""
         out: dict[str, object] = _figures_json(self.alpha, self.bandwidth)
         if self.ops:
-            out["ops"] = {c.op: _figures_json(c.alpha, c.bandwidth) for c in self.ops}
+            out["ops"] = {c.op: _op_json(c) for c in self.ops}
         if self.flops_per_second is not None:
             out["flops_per_second"] = self.flops_per_second
         if self.overhead:
@@ -348,6 +467,38 @@ def _hint_rate(value: object, where: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise PlanError(f"{where}: field 'flops_per_second': expected a positive number of flops per second")
     return float(value)
+
+
+def _op_json(cost: OpCost) -> dict[str, object]:
+    out = _figures_json(cost.alpha, cost.bandwidth)
+    if cost.large is not None:
+        starts = cost.large.from_bytes
+        out["large"] = {
+            "from_bytes": list(starts) if isinstance(starts, tuple) else starts,
+            **_figures_json(cost.large.alpha, cost.large.bandwidth),
+        }
+    return out
+
+
+def _hint_regime(value: object, field: str, where: str) -> Regime:
+    """A hints file's ``ops.<kind>.large`` (``from_bytes``, ``alpha``, ``bandwidth``, all
+    required), checked, or a PlanError naming the field."""
+    data = _hint_object(value, field, where)
+    fields = ("from_bytes", "alpha", "bandwidth")
+    extra = sorted(set(data) - set(fields))
+    if extra:
+        raise PlanError(f"{where}: field '{field}.{extra[0]}': unknown (fields: {', '.join(fields)})")
+    missing = [f for f in fields if f not in data]
+    if missing:
+        raise PlanError(f"{where}: field '{field}.{missing[0]}': missing (a regime gives {', '.join(fields)})")
+    raw = data["from_bytes"]
+    for i, v in enumerate(raw if isinstance(raw, list) else [raw]):
+        name = f"{field}.from_bytes[{i}]" if isinstance(raw, list) else f"{field}.from_bytes"
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"{where}: field '{name}': expected a positive whole number of bytes, got {json.dumps(v)}")
+    if raw == []:
+        raise PlanError(f"{where}: field '{field}.from_bytes': give one number or one per mesh axis, not an empty list")
+    return Regime(raw, **_hint_figures(data, f"{field}.", where))  # type: ignore[arg-type]
 
 
 def _figures_json(alpha: float | tuple[float, ...], bandwidth: float | tuple[float, ...]) -> dict[str, object]:

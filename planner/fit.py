@@ -41,6 +41,20 @@ axis at one size together: load that comes and goes, met by one axis's sizes and
 other's, would otherwise read as a difference between them. Sets of axes are merged a pair at
 a time, the pair with the largest p-value first, while one is at least the level.
 
+Two regimes where the line is not one. A backend's time per byte may change with the
+message (gloo's algorithms by size, caches, the transport's buffers), so a kind's samples on a
+set of axes get two lines, one below a break in the bytes and one from it (``planner.cost``'s
+large-message :class:`~planner.cost.Regime`), where that fits clearly better than one
+(:func:`fit_regimes`): the F test of one line against two is the pooling test's, on the samples
+kept by the one line or by their side's; it must pass at :data:`SPLIT_LEVEL` (1%) times the
+breaks tried (a break leaves :data:`MIN_REGIME` sizes or more each side) and with the samples of
+any one size left out, so that a burst of load met at one size (on every axis alike, the sweep
+interleaves them) is not taken for a regime. On synthetic straight timings with 10% noise and an
+outlier it splits about 1 kind in 1000. The break lies between two swept sizes; it is put where
+the two lines cross if they cross there (a bend), else at the sizes' geometric mean (a jump,
+whose place between them is not measured). Point-to-point steps keep one line
+(:data:`ONE_REGIME`: ``planner.p2p`` prices them message by message).
+
 The executor terms (``planner.cost``; docs/calibration.md). Samples of kind ``slice`` time a
 plan of one slice step, which sends nothing: the executor's fixed cost of a step and its copy of
 the target piece (their ``bytes`` are that piece's). One line over them on every axis gives
@@ -67,13 +81,17 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from planner.cost import PRICED_OPS, CostModel, OpCost
+from planner.cost import PRICED_OPS, CostModel, OpCost, Regime
 
 MAX_BANDWIDTH = 1e13  # bytes/s: what a kind whose time does not grow with bytes is given
 LOCAL = "slice"  # the kind of the samples that price the executor terms (module docstring)
 _OUTLIER_FACTOR = 3.0
 _OUTLIER_FLOOR = 0.10
+_EXACT = 1e-20  # squared relative residual per point of a line that passes through every point
 POOL_LEVEL = 0.01  # axes' lines are told apart below this p-value of the pooling test (module docstring)
+SPLIT_LEVEL = 0.01  # a kind gets two regimes below this p-value of the break test, corrected (module docstring)
+MIN_REGIME = 3  # distinct sizes in each regime, at least
+ONE_REGIME = frozenset({"point_to_point"})  # kinds the model prices by one line (planner.cost)
 
 
 @attrs.frozen
@@ -95,15 +113,21 @@ class Sample:
 @attrs.frozen
 class Line:
     """``seconds = intercept + slope * bytes``, and how many samples it kept of how many; a
-    line pooled over several axes (module docstring) names them in ``axes``."""
+    line pooled over several axes (module docstring) names them in ``axes``. With ``large``,
+    that line holds from ``from_bytes`` on, this one below (a kind with two regimes, module
+    docstring), and ``kept`` and ``total`` count this regime's samples."""
 
     intercept: float
     slope: float
     kept: int
     total: int
     axes: tuple[int, ...] = ()
+    large: Line | None = None
+    from_bytes: int = 0
 
     def at(self, nbytes: float) -> float:
+        if self.large is not None and nbytes >= self.from_bytes:
+            return self.large.at(nbytes)
         return self.intercept + self.slope * nbytes
 
 
@@ -131,6 +155,67 @@ def _robust_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[tuple[float,
     return line, keep
 
 
+def fit_regimes(xs: Sequence[float], ts: Sequence[float]) -> Line:
+    """:func:`fit_line`, or two such lines, :func:`fit_line`'s of the samples below a break in
+    the bytes and of those from it, where they fit clearly better (module docstring): of every
+    break leaving :data:`MIN_REGIME` sizes or more on each side, the one whose F test of one
+    line against two (:func:`_break_p_value`) has the least p-value, if that p-value times the
+    number of breaks tried is below :data:`SPLIT_LEVEL`, and stays so with the samples of any
+    one size left out (a burst of load met at one size, on every axis alike, is no regime)."""
+    sizes = sorted(set(xs))
+    starts = sizes[MIN_REGIME : len(sizes) - MIN_REGIME + 1]  # a large regime's first size
+    tried = [(_break_p_value(xs, ts, start), start) for start in starts]
+    if tried and min(tried)[0] * len(starts) < SPLIT_LEVEL:
+        start = min(tried)[1]
+        without = ([k for k, x in enumerate(xs) if x != size] for size in sizes)
+        if all(
+            _break_p_value([xs[k] for k in w], [ts[k] for k in w], start) * len(starts) < SPLIT_LEVEL for w in without
+        ):
+            small, large = (
+                fit_line(
+                    [x for x in xs if (x < start) == below],
+                    [t for x, t in zip(xs, ts, strict=True) if (x < start) == below],
+                )
+                for below in (True, False)
+            )
+            below = max(x for x in xs if x < start)
+            return attrs.evolve(small, large=large, from_bytes=_break(small, large, below, start))
+    return fit_line(xs, ts)
+
+
+def _break_p_value(xs: Sequence[float], ts: Sequence[float], start: float) -> float:
+    """The p-value of the F test of one line against one below ``start`` and one from it
+    (:func:`pooling_p_value`), all fitted to the same samples: those :func:`fit_line` keeps of
+    all, or of their side (a wild sample that both drop decides nothing). 1 where it cannot
+    be told (too few samples, or one line through every one to rounding)."""
+    kept = set(_robust_line(xs, ts)[1])
+    for below in (True, False):
+        side = [i for i, x in enumerate(xs) if (x < start) == below]
+        if len(side) < 2:
+            return 1.0
+        kept |= {side[k] for k in _robust_line([xs[i] for i in side], [ts[i] for i in side])[1]}
+    points = [(xs[i], ts[i]) for i in sorted(kept)]
+    pooled = _squared_residuals(_weighted_line([x for x, _ in points], [t for _, t in points]), points)
+    if len(points) < 6 or pooled <= _EXACT * len(points):
+        return 1.0
+    sides = ([(x, t) for x, t in points if (x < start) == below] for below in (True, False))
+    apart = math.fsum(
+        _squared_residuals(_weighted_line([x for x, _ in side], [t for _, t in side]), side) for side in sides
+    )
+    return pooling_p_value(apart, pooled, len(points))
+
+
+def _break(small: Line, large: Line, below: float, start: float) -> int:
+    """Where the large regime starts, between the sizes ``below`` and ``start``: where the two
+    lines cross, if they cross there (a bend), else their geometric mean (a jump, whose place
+    between two measured sizes is not measured)."""
+    if small.slope != large.slope:
+        cross = (large.intercept - small.intercept) / (small.slope - large.slope)
+        if below < cross < start:
+            return math.ceil(cross)
+    return math.ceil(math.sqrt(below * start))
+
+
 def _squared_residuals(line: tuple[float, float], points: Sequence[tuple[float, float]]) -> float:
     """The sum of the squared relative residuals of ``(bytes, seconds)`` points off ``line``."""
     return math.fsum(((line[0] + line[1] * x - t) / t) ** 2 for x, t in points)
@@ -151,11 +236,12 @@ def pooling_p_value(rss_apart: float, rss_pooled: float, count: int) -> float:
     return min(rss_apart / rss_pooled, 1.0) ** ((count - 4) / 2)
 
 
-def _pooled_lines(groups: dict[int, list[Sample]], level: float) -> dict[int, Line]:
+def _pooled_lines(groups: dict[int, list[Sample]], level: float, regimes: bool) -> dict[int, Line]:
     """Per axis, the line of one kind's samples on it (:func:`fit_line`), axes merged while two
     of them (or of the merged sets), of the same rounds, cannot be told apart at ``level``
     (:func:`pooling_p_value`; the pair with the largest p-value first); a merged set's line is
-    the least-squares one over its axes' kept samples (module docstring)."""
+    the least-squares one over its axes' kept samples (module docstring). With ``regimes``, a
+    set's samples get two lines instead where :func:`fit_regimes` finds a break."""
     # One entry per set of axes: its line, its kept (bytes, seconds) points, its sample count.
     sets: list[tuple[tuple[int, ...], tuple[float, float], list[tuple[float, float]], int]] = []
     for axis, group in sorted(groups.items()):
@@ -181,11 +267,15 @@ def _pooled_lines(groups: dict[int, list[Sample]], level: float) -> dict[int, Li
         _, i, j, shared = best
         merged = (tuple(sorted(sets[i][0] + sets[j][0])), shared, sets[i][2] + sets[j][2], sets[i][3] + sets[j][3])
         sets = [e for k, e in enumerate(sets) if k not in (i, j)] + [merged]
-    return {
-        axis: Line(line[0], line[1], len(points), total, axes if len(axes) > 1 else ())
-        for axes, line, points, total in sets
-        for axis in axes
-    }
+    out = {}
+    for axes, line, points, total in sets:
+        fitted = Line(line[0], line[1], len(points), total)
+        if regimes:
+            samples = [s for a in axes for s in groups[a]]
+            split = fit_regimes([s.bytes for s in samples], [s.seconds for s in samples])
+            fitted = split if split.large is not None else fitted
+        out.update({axis: attrs.evolve(fitted, axes=axes if len(axes) > 1 else ()) for axis in axes})
+    return out
 
 
 def _weighted_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
@@ -248,16 +338,35 @@ def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int
     lines = {
         (op, axis): line
         for op in ops
-        for axis, line in _pooled_lines({a: by_key[op, a] for a in axes}, POOL_LEVEL).items()
+        for axis, line in _pooled_lines({a: by_key[op, a] for a in axes}, POOL_LEVEL, op not in ONE_REGIME).items()
     }
     if executor is not None:
         lines[LOCAL, -1] = executor
-    figures = {op: [figures_of(lines[op, a], by_key[op, a][0].rounds, overhead) for a in axes] for op in ops}
-    base, *costs = [OpCost(op, tuple(f[0] for f in fs), tuple(f[1] for f in fs)) for op, fs in figures.items()]
+    costs = [_op_cost(op, [(lines[op, a], by_key[op, a][0].rounds) for a in axes], overhead) for op in ops]
+    # The first kind's figures are the model's own; it is one of its ops too if it has two regimes.
+    base = costs[0]
     model = CostModel(
-        alpha=base.alpha, bandwidth=base.bandwidth, ops=costs, overhead=overhead, copy_bandwidth=copy_bandwidth
+        alpha=base.alpha,
+        bandwidth=base.bandwidth,
+        ops=costs if base.large is not None else costs[1:],
+        overhead=overhead,
+        copy_bandwidth=copy_bandwidth,
     )
     return model, lines
+
+
+def _op_cost(op: str, lines: Sequence[tuple[Line, int]], overhead: float) -> OpCost:
+    """The figures of a kind's lines, one per axis, with the rounds of its samples there; its
+    large-message regime where one axis or more has two lines (an axis with one gives it its
+    own figures, from the largest break of the others)."""
+    small = [figures_of(line, rounds, overhead) for line, rounds in lines]
+    alpha, bandwidth = tuple(f[0] for f in small), tuple(f[1] for f in small)
+    breaks = [line.from_bytes for line, _ in lines if line.large is not None]
+    if not breaks:
+        return OpCost(op, alpha, bandwidth)
+    large = [(line.from_bytes, *figures_of(line.large, rounds, overhead)) if line.large is not None
+             else (max(breaks), *f) for (line, rounds), f in zip(lines, small, strict=True)]  # fmt: skip
+    return OpCost(op, alpha, bandwidth, Regime(*(tuple(column) for column in zip(*large, strict=True))))
 
 
 def _less_copy(sample: Sample, copy_bandwidth: float) -> Sample:

@@ -27,7 +27,7 @@ import math
 import attrs
 
 from planner.bound import LowerBound, Terms, cheapest_rates
-from planner.cost import COPY, DEFAULT_COST, LOCAL_OPS, STEP, CostModel, integer_op_rates
+from planner.cost import COPY, DEFAULT_COST, LOCAL_OPS, STEP, CostModel, integer_op_rates, large_key, priced_as
 from planner.errors import PlanBudgetError, PlanError
 from planner.records import Plan, Step
 from planner.space import Fields, PackedMove, Space, pruning, roles_of
@@ -161,7 +161,8 @@ def _plan_cached(
     mesh = dst.mesh
     figures = cost.figures(mesh)  # check_request made sure it fits
     kept = _kept_axes(src, dst)
-    problem = _Problem(src, dst, shape, dtype_itemsize(dtype), kept, figures)
+    large_from = cost.large_from(mesh)
+    problem = _Problem(src, dst, shape, dtype_itemsize(dtype), kept, figures, large_from)
     counter = [0]
     try:
         path = _astar(
@@ -169,6 +170,7 @@ def _plan_cached(
             problem.bound,
             problem.per_round,
             problem.per_byte,
+            problem.large_from,
             problem.start,
             problem.space.local_elements(problem.src_dims),
             problem.start_terms,
@@ -190,7 +192,7 @@ def _plan_cached(
             layout = Layout.trusted(
                 tuple(tuple(kept[a] for a in axes) for axes in dims), mesh, tuple((kept[a], o) for a, o in partial)
             )
-        alpha, bandwidth = figures[op]
+        alpha, bandwidth = figures[priced_as(op, full_axis, nbytes, large_from)]
         seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis] + cost.overhead + cost.copy_seconds(copied)
         steps.append(Step(op, full_axis, dim, to_dim, reduce_op, layout, nbytes, seconds))
     if all(s.op in LOCAL_OPS for s in steps):  # the executor's copy of the result (planner.cost)
@@ -221,15 +223,22 @@ class _Problem:
         itemsize: int,
         kept: tuple[int, ...],
         figures: dict[str, tuple[tuple[float, ...], tuple[float, ...]]],
+        large_from: dict[str, tuple[int, ...]],
     ) -> None:
         index = {a: i for i, a in enumerate(kept)}
         mesh_shape = tuple(dst.mesh.shape[a] for a in kept)
         kept_figures = {op: (tuple(al[a] for a in kept), tuple(b[a] for a in kept)) for op, (al, b) in figures.items()}
         ((self.per_round, self.per_byte),) = integer_op_rates(kept_figures)
+        # Per kind with a large-message regime: its pseudo-kind and where it starts, per kept axis.
+        self.large_from = {op: (large_key(op), tuple(starts[a] for a in kept)) for op, starts in large_from.items()}
         self.src_dims, src_partial = _renumbered(src, index)
         goal_dims, goal_partial = _renumbered(dst, index)
         twin_key = tuple(
-            (n, *((self.per_round[op][a], self.per_byte[op][a]) for op in sorted(self.per_round)))
+            (
+                n,
+                *((self.per_round[op][a], self.per_byte[op][a]) for op in sorted(self.per_round)),
+                *((op, starts[a]) for op, (_, starts) in sorted(self.large_from.items())),
+            )
             for a, n in enumerate(mesh_shape)
         )
         self.space = Space(
@@ -266,6 +275,7 @@ def _astar(
     bound: LowerBound,
     per_round: dict[str, tuple[int, ...]],
     per_byte: dict[str, tuple[int, ...]],
+    large_from: dict[str, tuple[str, tuple[int, ...]]],
     start: int,
     elements: int,
     terms: Terms,
@@ -274,8 +284,10 @@ def _astar(
 ) -> list[PackedMove] | None:
     """The moves of a cheapest plan by (time units, steps) from ``start`` (which holds
     ``elements`` per rank and whose bound terms are ``terms``) to ``space.goal``, or ``None``
-    if none exists. ``budget`` is (most states to generate, a one-item counter of those
-    generated); :class:`_OverBudget` when the search would generate more."""
+    if none exists. ``large_from`` maps a kind with a large-message regime to its pseudo-kind
+    and the bytes per axis where it starts (``planner.cost``). ``budget`` is (most states to
+    generate, a one-item counter of those generated); :class:`_OverBudget` when the search
+    would generate more."""
     goal = space.goal
     # state -> (time units, steps, previous state, move) of the cheapest way there known
     best: dict[int, tuple[int, int, int | None, PackedMove | None]] = {start: (0, 0, None, None)}
@@ -318,7 +330,8 @@ def _astar(
             op, axis, _, _, _, nxt, nbytes, rounds, before, after, next_elements, copied = move
             if next_elements > limit:
                 continue
-            n_g = g + rounds * per_round[op][axis] + nbytes * per_byte[op][axis] + per_step + copied * per_copied
+            kind = large_from[op][0] if op in large_from and nbytes >= large_from[op][1][axis] else op
+            n_g = g + rounds * per_round[kind][axis] + nbytes * per_byte[kind][axis] + per_step + copied * per_copied
             seen = best.get(nxt)
             if seen is not None and (seen[0] < n_g or (seen[0] == n_g and seen[1] <= n_steps)):
                 continue

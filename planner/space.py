@@ -67,7 +67,7 @@ import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from planner.cost import COPY, copy_elements
+from planner.cost import COPY, copy_elements, large_key
 from shardlang.layout import REDUCE_OPS, padded_length, reduce_ops_commute
 
 Dims = tuple[tuple[int, ...], ...]
@@ -141,11 +141,17 @@ def pruning(
     all_to_all), per round and per byte: where rules 4 and 3 hold (module docstring). Equal
     bytes are the worst case: the preferred kind never sends more. Where the model prices
     local copies (rates of :data:`~planner.cost.COPY`), the second is never taken: an
-    all_to_all may copy what an all_gather and a slice do not."""
+    all_to_all may copy what an all_gather and a slice do not. A kind with a large-message
+    regime (``planner.cost``) is priced by one regime or the other by its own bytes, so the
+    preferred kinds are taken at their dearest regime and the others at their cheapest."""
+
+    def regimes(rate: dict[str, tuple[int, ...]], op: str, a: int) -> list[int]:
+        return [rate[k][a] for k in (op, large_key(op)) if k in rate]
 
     def no_dearer(a: int, cheap: tuple[str, ...], dear: tuple[str, ...]) -> bool:
         return all(
-            len(dear) * sum(rate[op][a] for op in cheap) <= len(cheap) * sum(rate[op][a] for op in dear)
+            len(dear) * sum(max(regimes(rate, op, a)) for op in cheap)
+            <= len(cheap) * sum(min(regimes(rate, op, a)) for op in dear)
             for rate in (per_round, per_byte)
         )
 

@@ -567,10 +567,11 @@ def _bucket(legs: Sequence[Leg], stage: str, group: list[tuple[Member, Any]], co
         seconds = first.seconds
     else:
         cost = costs[leg.tensor]
-        alphas, bandwidths = cost.for_op(first.op, first.layout.mesh)
+        # The regime of the bucket's bytes: it is one collective of them (planner.cost).
+        alpha, bandwidth = cost.figures_at(first.op, first.layout.mesh, first.axis, total)
         rounds = collective_rounds(first.op, first.layout.mesh.shape[first.axis])
         # One collective: one executor overhead per bucket, as a plan pays one per step.
-        seconds = rounds * alphas[first.axis] + total / bandwidths[first.axis] + cost.overhead
+        seconds = rounds * alpha + total / bandwidth + cost.overhead
     return Bucket(
         stage=stage,
         op=first.op,

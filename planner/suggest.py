@@ -289,8 +289,8 @@ def _price(
                 seconds += s.seconds
                 continue
             mesh = s.layout.mesh
-            alphas, _ = cost.for_op(s.op, mesh)
-            latency = collective_rounds(s.op, mesh.shape[s.axis]) * alphas[s.axis]
+            alpha, _ = cost.figures_at(s.op, mesh, s.axis, s.bytes)
+            latency = collective_rounds(s.op, mesh.shape[s.axis]) * alpha
             kind = (leg.stage, s.op, mesh.shape, tuple(mesh.ranks), s.axis, s.reduce_op or "", leg.dtype, cost)
             kinds[kind] = latency
             seconds += s.seconds - latency

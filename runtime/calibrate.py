@@ -1,10 +1,11 @@
 """Measuring the machine for the cost model: ``shardlang calibrate`` (README "Calibration").
 
 :func:`sweep` times every collective kind on every mesh axis at message sizes from 4 KiB to
-16 MiB, through the same calls the executor makes (``runtime.comm``: on gloo a reduce_scatter
-is an all_to_all plus a local sum), all groups of an axis at once as in a plan's step, and a
-plan of one slice step, which sends nothing (the executor's fixed cost of a step and its copy
-of the result: ``planner.fit``'s executor terms). Each repetition starts after a barrier of
+16 MiB (finer from 1 MiB, :data:`SWEEP_BYTES`), through the same calls the executor makes
+(``runtime.comm``: on gloo a reduce_scatter is an all_to_all plus a local sum), all groups of
+an axis at once as in a plan's step, and a plan of one slice step, which sends nothing (the
+executor's fixed cost of a step and its copy of the result: ``planner.fit``'s executor
+terms). Each repetition starts after a barrier of
 the whole mesh; a repetition's time is the slowest rank's (one all-reduce of every rank's
 times per size), and a sample is the median over repetitions. At each size the plans of every
 kind on every axis are timed together, interleaved repetition by repetition, so that noise hits
@@ -42,7 +43,9 @@ from runtime.executor import reshard
 from runtime.pieces import shard
 from shardlang import Layout, Mesh
 
-SWEEP_BYTES = tuple(4096 * 4**k for k in range(7))  # the larger buffer of a call: 4 KiB .. 16 MiB
+# The larger buffer of a call: 4 KiB .. 1 MiB by factors of 4, then to 16 MiB by factors of
+# sqrt(2), where a backend's time per byte changes (``planner.fit`` fits two regimes where it does).
+SWEEP_BYTES = (*(4096 * 4**k for k in range(5)), *(round(2**20 * 2 ** (k / 2)) for k in range(1, 9)))
 DEFAULT_REPS = 7  # per pass
 DEFAULT_PASSES = 2
 DEFAULT_BUDGET = 45.0  # seconds for the whole sweep

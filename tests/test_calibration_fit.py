@@ -16,8 +16,9 @@ from cli.calibrate import fit_table
 from cli.main import main
 from cli.plan_report import describe_plan_cost
 from planner.cost import collective_rounds
-from planner.fit import Sample, fit_line, fit_model, median_relative_error, pooling_p_value, spearman
+from planner.fit import Sample, fit_line, fit_model, fit_regimes, median_relative_error, pooling_p_value, spearman
 from planner.model import plan_spec
+from runtime.calibrate import SWEEP_BYTES
 from shardlang import Layout, Mesh, parse_layout, parse_spec
 from tests.test_planner_optimal import Reference, calibrated_looking, random_case, reference_for
 
@@ -387,3 +388,186 @@ def test_the_calibrate_table_names_pooled_axes():
         "point_to_point  dp    200 us         1 GB/s     10/10 (dp+tp pooled)",
         "point_to_point  tp    200 us         1 GB/s     10/10 (dp+tp pooled)",
     ]
+
+
+def _two_regimes(small, large, from_bytes, rounds, rng, noise):
+    """Times of a kind whose figures are ``small`` (alpha, bandwidth) below ``from_bytes`` and
+    ``large`` from it, at the sweep's sizes, with relative noise and one wild outlier."""
+    times = []
+    for k, nbytes in enumerate(SWEEP_BYTES):
+        alpha, bandwidth = small if nbytes < from_bytes else large
+        seconds = (rounds * alpha + nbytes / bandwidth) * (1 + rng.uniform(-noise, noise))
+        times.append(seconds * (4 if k == 6 else 1))
+    return times
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_fit_recovers_two_regimes_and_their_break(seed):
+    """A kind whose time per byte changes at a size (a jump: the backend switches algorithm)
+    gets two regimes, each one's figures recovered and the break placed between the two sweep
+    sizes around it; a straight kind timed alike keeps one line."""
+    rng = random.Random(40 + seed)
+    cut = rng.randrange(5, len(SWEEP_BYTES) - 3)  # the first size of the large regime
+    true_break = round(math.sqrt(SWEEP_BYTES[cut - 1] * SWEEP_BYTES[cut]))
+    small, large = (rng.uniform(2e-4, 1e-3), rng.uniform(2e8, 5e8)), (rng.uniform(1e-3, 3e-3), rng.uniform(8e8, 2e9))
+    straight = (rng.uniform(2e-4, 1e-3), rng.uniform(2e8, 2e9))
+    samples = []
+    for op, (below, above) in (("all_reduce", (small, large)), ("all_gather", (straight, straight))):
+        rounds = collective_rounds(op, 4)
+        times = _two_regimes(below, above, true_break, rounds, rng, 0.03)
+        samples += [Sample(op, 0, rounds, b, t) for b, t in zip(SWEEP_BYTES, times, strict=True)]
+    model, lines = fit_model(samples)
+    mesh = Mesh((4,))
+    assert lines["all_gather", 0].large is None and set(model.large_from(mesh)) == {"all_reduce"}
+    (start,) = model.large_from(mesh)["all_reduce"]
+    assert SWEEP_BYTES[cut - 1] < start <= SWEEP_BYTES[cut]
+    for nbytes, (alpha, bandwidth) in ((SWEEP_BYTES[0], small), (SWEEP_BYTES[-1], large)):
+        got_alpha, got_bandwidth = model.figures_at("all_reduce", mesh, 0, nbytes)
+        assert got_alpha == pytest.approx(alpha, rel=0.2) and got_bandwidth == pytest.approx(bandwidth, rel=0.1)
+    # Of both regimes' samples, the outlier and only it dropped.
+    fitted = lines["all_reduce", 0]
+    kept, total = fitted.kept + fitted.large.kept, fitted.total + fitted.large.total
+    assert (kept, total) == (len(SWEEP_BYTES) - 1, len(SWEEP_BYTES))
+
+
+def test_a_bend_breaks_where_the_lines_cross_and_the_table_shows_both_regimes():
+    """Noise-free all_reduce on mesh[2]: 200 us a round and 1 GB/s, then from where the lines
+    cross (2,133,334 bytes: 0.4 ms + b / 1 GB/s = 2 ms + b / 4 GB/s) 1 ms a round and 4 GB/s."""
+    samples = []
+    for nbytes in SWEEP_BYTES:
+        for op in planner.PRICED_OPS:
+            rounds = 1 if op == "point_to_point" else collective_rounds(op, 2)
+            alpha, bandwidth = (1e-3, 4e9) if op == "all_reduce" and nbytes > 2133334 else (2e-4, 1e9)
+            samples.append(Sample(op, 0, rounds, nbytes, rounds * alpha + nbytes / bandwidth))
+    model, lines = fit_model(samples)
+    assert model.large_from(Mesh((2,))) == {"all_reduce": (2133334,)}
+    assert fit_table(model, lines, Mesh((2,))).splitlines() == [
+        "collective       axis  latency/round  bandwidth  sizes kept",
+        "all_gather       0     200 us         1 GB/s     13/13",
+        "reduce_scatter   0     200 us         1 GB/s     13/13",
+        "all_reduce       0     200 us         1 GB/s     7/7",
+        "  from 2.03 MiB  0     1 ms           4 GB/s     6/6",
+        "all_to_all       0     200 us         1 GB/s     13/13",
+        "point_to_point   0     200 us         1 GB/s     13/13",
+    ]
+
+
+def test_straight_timings_keep_one_line():
+    """Of 300 straight kinds timed with 10% noise and an outlier each, none gets two regimes."""
+    rng = random.Random(9)
+    for _ in range(300):
+        figures = (rng.uniform(1e-4, 1e-3), rng.uniform(2e8, 2e9))
+        times = _two_regimes(figures, figures, 0, 2, rng, 0.10)
+        assert fit_regimes(list(SWEEP_BYTES), times).large is None
+
+
+def test_each_step_is_priced_by_the_regime_of_its_bytes(tmp_path):
+    """``R,R | P01 -> R,R`` on [2,2], all kinds at 100 us a round and 1 GB/s, all_reduce 4 GB/s
+    from 4 MiB. By hand, of 2 MiB f32 (a 2 MiB all_reduce per axis, or 1 MiB steps): the two
+    all_reduces cost 2 * (0.2 + 2.097) ms, the reduce_scatter, all_reduce and all_gather
+    (0.1 + 1.049) * 2 + (0.2 + 1.049) ms, less. Of 8 MiB: the two all_reduces are large,
+    2 * (0.2 + 2.097) ms, and the three 4.294 + 1.249 + 4.294 ms."""
+    large = {"from_bytes": 4 * 2**20, "alpha": 1e-4, "bandwidth": 4e9}
+    model = planner.CostModel(
+        alpha=1e-4, bandwidth=1e9, ops={"all_reduce": {"alpha": 1e-4, "bandwidth": 1e9, "large": large}}
+    )
+    src, dst = parse_layout("R,R | P01 over mesh[2,2]"), parse_layout("R,R over mesh[2,2]")
+    small = planner.plan(src, dst, (512, 1024), "f32", model)
+    assert [s.op for s in small.steps] == ["reduce_scatter", "all_reduce", "all_gather"]
+    assert small.total_seconds == pytest.approx(2 * (1e-4 + 2**20 / 1e9) + 2e-4 + 2**20 / 1e9)
+    big = planner.plan(src, dst, (2048, 1024), "f32", model)
+    assert [s.op for s in big.steps] == ["all_reduce", "all_reduce"]
+    assert [s.seconds for s in big.steps] == pytest.approx([2e-4 + 8 * 2**20 / 4e9] * 2)
+    # Without the regime the three steps are the cheaper at 8 MiB too.
+    line = attrs.evolve(model, ops=[planner.OpCost("all_reduce", 1e-4, 1e9)])
+    assert len(planner.plan(src, dst, (2048, 1024), "f32", line).steps) == 3
+    # The regime travels with the model: the hints file, the plan's JSON and the repr read back equal.
+    path = tmp_path / "hints.json"
+    path.write_text(json.dumps(model.to_json()))
+    assert planner.CostModel.from_file(path) == model
+    assert planner.Plan.from_json(json.loads(json.dumps(big.to_json()))) == big
+    assert eval(repr(model), vars(planner)) == model
+    assert "all_reduce, large messages: every axis: from 4 MiB, 4 GB/s, 100 us per round" in describe_plan_cost(big)
+
+
+class _ReferenceWithRegimes(Reference):
+    """The brute force of tests/test_planner_optimal.py, each kind with a large-message regime
+    priced by its own figures where a move's bytes reach its start, on one exact scale."""
+
+    def __init__(self, base: Reference, regimes: dict[str, tuple[int, float, float]]) -> None:
+        self.__dict__.update(base.__dict__)
+        fractions = {op: (Fraction(alpha), 1 / Fraction(bandwidth)) for op, (_, alpha, bandwidth) in regimes.items()}
+        scale = math.lcm(base.scale, *(f.denominator for pair in fractions.values() for f in pair))
+        grow = scale // base.scale
+        self.op_units = {op: tuple([u * grow for u in v] for v in f) for op, f in base.op_units.items()}
+        self.copy_units, self.scale = base.copy_units * grow, scale
+        self.large = {op: (regimes[op][0], int(r * scale), int(b * scale)) for op, (r, b) in fractions.items()}
+
+    def units(self, axis, nbytes, rounds, op="all_gather", copied=0):
+        if op in self.large and nbytes >= self.large[op][0]:
+            _, per_round, per_byte = self.large[op]
+            return rounds * per_round + nbytes * per_byte + copied * self.copy_units
+        return super().units(axis, nbytes, rounds, op, copied)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_plans_are_optimal_with_large_message_regimes(seed):
+    """The planner (its bound, its pruning rules, exact comparison) finds the brute force's
+    optimum when kinds change figures at a size, cheaper or dearer."""
+    rng = random.Random(900 + seed)
+    for _ in range(200):
+        src, dst, shape, dtype, _ = random_case(rng, naxes=rng.choice((1, 2, 2, 3)))
+        base = calibrated_looking(rng, src.mesh.ndim)
+        regimes = {
+            op: (
+                rng.choice((8, 100, 4096, 65536, 10**6)),
+                float(f"{math.exp(rng.uniform(math.log(1e-7), math.log(3e-4))):.2e}"),
+                float(f"{math.exp(rng.uniform(math.log(1e8), math.log(1e12))):.2e}"),
+            )
+            for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+            if rng.random() < 0.6
+        }
+        own = {c.op: c for c in base.ops}
+        ops = [
+            planner.OpCost(
+                op,
+                *(own[op].alpha, own[op].bandwidth) if op in own else (base.alpha, base.bandwidth),
+                planner.Regime(*regimes[op]) if op in regimes else None,
+            )
+            for op in planner.PRICED_OPS
+            if op in own or op in regimes
+        ]
+        cost = attrs.evolve(base, ops=ops)
+        plain = attrs.evolve(base, ops=[attrs.evolve(c, large=None) for c in ops])
+        ref = _ReferenceWithRegimes(reference_for(src, dst, shape, dtype, plain), regimes)
+        got = planner.plan(src, dst, shape, dtype, cost)
+        want = ref.solve(ref.state_of(src), ref.state_of(dst), len(got.steps) + 3)
+        assert (ref.replay(got), len(got.steps)) == want, f"{src} -> {dst}, {shape}, {dtype}, {cost}"
+
+
+@pytest.mark.parametrize(
+    ("content", "field"),
+    [
+        ('{"ops": {"all_reduce": {"large": 5}}}', "field 'ops.all_reduce.large': expected an object"),
+        ('{"ops": {"all_reduce": {"large": {"from_bytes": 8, "alpha": 1e-5}}}}',
+         "field 'ops.all_reduce.large.bandwidth': missing"),
+        ('{"ops": {"all_reduce": {"large": {"from_bytes": 0, "alpha": 0, "bandwidth": 1e9}}}}',
+         "field 'ops.all_reduce.large.from_bytes': expected a positive whole number of bytes, got 0"),
+        ('{"ops": {"all_reduce": {"large": {"from_bytes": [8, 1.5], "alpha": 0, "bandwidth": 1e9}}}}',
+         "field 'ops.all_reduce.large.from_bytes[1]': expected a positive whole number of bytes, got 1.5"),
+        ('{"ops": {"all_reduce": {"large": {"from_bytes": 8, "alpha": 0, "bandwidth": -1}}}}',
+         "field 'ops.all_reduce.large.bandwidth': expected a positive number of bytes per second, got -1"),
+        ('{"ops": {"all_reduce": {"large": {"from_bytes": 8, "alpha": 0, "bandwidth": 1, "beta": 1}}}}',
+         "field 'ops.all_reduce.large.beta': unknown"),
+        ('{"ops": {"point_to_point": {"large": {"from_bytes": 8, "alpha": 0, "bandwidth": 1}}}}',
+         "field 'ops.point_to_point.large': point-to-point steps have one regime"),
+        ('{"alpha": [0, 0], "ops": {"all_reduce": {"large": {"from_bytes": [8, 9, 10], "alpha": 0, "bandwidth": 1}}}}',
+         "per-axis lists of different lengths"),
+    ],
+)  # fmt: skip
+def test_bad_large_message_regimes_name_the_file_and_field(tmp_path, capsys, content, field):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    assert main(["plan", "S0 over mesh[2]", "R over mesh[2]", "--shape", "8", "--costs", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}" in err and field in err and "Traceback" not in err
