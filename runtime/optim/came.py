@@ -33,10 +33,10 @@ from typing import Any, Unpack
 import attrs
 import torch
 
-from runtime.buffers import Scratch
+from runtime.buffers import KeptViews, Scratch
 from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StateWhere, StepOptions, StepWork, Update
 from runtime.optim.errors import OptimizerError
-from runtime.optim.flat import as_flat, flat_or_copy, scatter_back
+from runtime.optim.flat import as_flat, flat_or_copy, pieces_of, scatter_back
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumSpec
 
@@ -165,8 +165,11 @@ class CameRun:
     its row and column sums. :meth:`advance` moves it phase by phase; nothing passed in is
     modified, results go to the work's new parameters and states."""
 
-    def __init__(self, work: StepWork, run: Sequence[int], hyper: CameHyper, stats: RunStats, scratch: Scratch) -> None:
+    def __init__(
+        self, work: StepWork, run: Sequence[int], hyper: CameHyper, stats: RunStats, scratch: Scratch, views: KeptViews
+    ) -> None:
         self.work, self.run, self.hyper, self.stats, self.scratch = work, list(run), hyper, stats, scratch
+        self.views, self.key = views, tuple(work.slots[i].index for i in run)
         self.shards = [work.slots[i].shard for i in run]
         dtype = work.slots[run[0]].dtype
         self.grads = flat_or_copy([work.grads[i] for i in run], dtype, scratch, "grads")
@@ -175,7 +178,7 @@ class CameRun:
         second = scratch.take("came second", numel, dtype, device)
         update = scratch.take("came update", numel, dtype, device)
         self.second, self.update = second, update
-        self.s, self.u = self._pieces(second), self._pieces(update)
+        self.s, self.u = self._pieces(second, "second"), self._pieces(update, "update")
         self.matrices = [j for j, s in enumerate(self.shards) if s.factored]
         self.vectors = [j for j, s in enumerate(self.shards) if not s.factored]
         self.spans = [s.factored and rows_span_ranks(s) for s in self.shards]
@@ -190,9 +193,11 @@ class CameRun:
         if self.new_exp_avg is None:
             self.new_exp_avg = torch.empty(numel, dtype=dtype, device=device)
 
-    def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per slot, its view of a flat buffer of the run."""
-        return [p.view(s.local_shape) for p, s in zip(flat.split(self.numels), self.shards, strict=True)]
+    def _pieces(self, flat: torch.Tensor, name: str) -> list[torch.Tensor]:
+        """Per slot, its view of a flat buffer ``name`` of the run (kept while it is the same)."""
+        shapes = tuple(s.local_shape for s in self.shards)
+        held = (flat.data_ptr(), flat.numel(), shapes)
+        return self.views.get(("came pieces", name, self.key), held, pieces_of, flat, shapes)
 
     def _flat_state(self, name: str, scratch: Scratch) -> torch.Tensor:
         flat = self.work.states_of(self.run, name)
@@ -221,9 +226,9 @@ class CameRun:
     def _stat_views(self, buffer: torch.Tensor, which: int) -> list[torch.Tensor]:
         """Per matrix of the run, its row (``which`` 0), column (1) or per-matrix (2)
         statistics in a buffer laid out as :class:`RunStats` says."""
-        shapes = self.stat_shapes[which]
-        pieces = buffer[: self.stats.sizes[which]].split([math.prod(s) for s in shapes])
-        return [p.view(s) for p, s in zip(pieces, shapes, strict=True)]
+        shapes = tuple(self.stat_shapes[which])
+        held = (buffer.data_ptr(), shapes)
+        return self.views.get(("came stats", buffer.data_ptr(), self.key), held, pieces_of, buffer, shapes)
 
     def _stat_sums(self, row_state: str) -> list[list[torch.Tensor]]:
         """Per slot, the partial sums of ``self.second`` that the row and column EMAs of
@@ -232,7 +237,7 @@ class CameRun:
         out: list[list[torch.Tensor]] = [[] for _ in self.run]
         if not self.matrices:
             return out
-        sums = [x.new_zeros(size + 1) for size in self.stats.sizes[:2]]
+        sums = [self._zeros(f"{row_state} sums {k}", size + 1) for k, size in enumerate(self.stats.sizes[:2])]
         if self.stats.index is not None:  # flat chunks: one index_add_ each for the whole run
             for total, index in zip(sums, self.stats.index, strict=False):
                 total.index_add_(0, index, x)
@@ -244,14 +249,19 @@ class CameRun:
                 torch.sum(self.s[j], -2, out=col)
         if any(self.spans):  # per matrix: its sum (of its row sums) and the sum of its old rows
             row_matrix = self.stats.row_matrix
-            totals = x.new_zeros(self.stats.sizes[2] + 1).index_add_(0, row_matrix, sums[0])
-            old = x.new_zeros(self.stats.sizes[2] + 1).index_add_(0, row_matrix[:-1], self._row_stats(row_state))
+            per_matrix = self.stats.sizes[2] + 1
+            totals = self._zeros(f"{row_state} totals", per_matrix).index_add_(0, row_matrix, sums[0])
+            old = self._zeros(f"{row_state} old", per_matrix).index_add_(0, row_matrix[:-1], self._row_stats(row_state))
             for j, total, old_sum in zip(
                 self.matrices, self._stat_views(totals, 2), self._stat_views(old, 2), strict=True
             ):
                 if self.spans[j]:
                     out[j] += [total, old_sum]
         return out
+
+    def _zeros(self, name: str, numel: int) -> torch.Tensor:
+        """A kept buffer of ``numel`` zeros (the views of a kept buffer are made once)."""
+        return self.scratch.take(f"came {name}", numel, self.grads.dtype, self.grads.device).zero_()
 
     def _row_stats(self, name: str) -> torch.Tensor:
         """Row statistics ``name`` of the run's matrices, one after another (a range of their
@@ -285,7 +295,7 @@ class CameRun:
             buffers.append(buffer)
         row_buffer, col_buffer = buffers
         row_matrix = self.stats.row_matrix
-        norms = row_buffer.new_zeros(self.stats.sizes[2] + 1).index_add_(0, row_matrix, row_buffer)
+        norms = self._zeros("came norms", self.stats.sizes[2] + 1).index_add_(0, row_matrix, row_buffer)
         norms.div_(self.stats.heights)  # mean_H of the new rows, where the rows are whole here
         spans = [k for k, j in enumerate(js) if self.spans[j]]
         if spans:  # the rows are split: sum_H of the new rows from the sums (see the module doc)
@@ -356,7 +366,7 @@ class CameRun:
         if params is None or params.dtype != new.dtype:
             # Pieces of other tensors (a slice of each parameter): copied into the new
             # parameters in one call and decayed there as one range (the same product).
-            torch._foreach_copy_(self._pieces(new), [work.params[i] for i in run])
+            torch._foreach_copy_(self._pieces(new, "params"), [work.params[i] for i in run])
             params = new
         if self.hyper.weight_decay != 0:
             torch.add(params, params, alpha=-self.hyper.weight_decay * lr, out=new)
@@ -469,5 +479,6 @@ class ShardedCAME(ShardedOptimizer):
                 betas=group["betas"],
                 weight_decay=group["weight_decay"],
             )
-            updates.append(_update(CameRun(work, run, hyper, self._run_stats(work, run), self._scratch)))
+            run_stats = self._run_stats(work, run)
+            updates.append(_update(CameRun(work, run, hyper, run_stats, self._scratch, self._views)))
         return updates

@@ -47,6 +47,7 @@ class FlatStates:
         # run(): per (tensors, state), the range of its buffer they lie in one after another
         # (key, start, end), or None; their places never change, and steps ask alike.
         self._runs: dict[tuple[tuple[int, ...], str], tuple[Key, int, int] | None] = {}
+        self._views: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # view()'s
 
     def has(self, tensor: int, state: str) -> bool:
         return (tensor, state) in self._where
@@ -79,10 +80,16 @@ class FlatStates:
         return key, start, end
 
     def view(self, tensor: int, state: str, buffers: Mapping[Key, torch.Tensor] | None = None) -> torch.Tensor:
-        """The tensor's state, a view of its buffer (of ``buffers`` when given)."""
+        """The tensor's state, a view of its buffer (of ``buffers`` when given): made once per
+        buffer, since the two sets of buffers live as long as this (a view costs microseconds,
+        and a step asks for one per tensor and state)."""
         key, offset, shape = self._where[(tensor, state)]
-        source = self.buffers if buffers is None else buffers
-        return source[key][offset : offset + math.prod(shape)].view(shape)
+        buffer = (self.buffers if buffers is None else buffers)[key]
+        ask = (tensor, state, id(buffer))
+        kept = self._views.get(ask)
+        if kept is None or kept[0] is not buffer:  # kept[0] holds the buffer: its id stays its own
+            kept = self._views[ask] = (buffer, buffer[offset : offset + math.prod(shape)].view(shape))
+        return kept[1]
 
     def fresh(self, stepped: Iterable[int]) -> dict[Key, torch.Tensor]:
         """The buffers a step of the tensors ``stepped`` writes (the second set)."""

@@ -19,9 +19,11 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from runtime.buffers import KeptViews, Scratch
 from runtime.comm import collective
 from runtime.errors import DistributedError
 from runtime.groups import axis_ranks, ranks_group
+from runtime.optim.flat import pieces_of
 from runtime.optim.shards import Axes
 from runtime.stats import CommRecord, is_recording, record
 from shardlang.mesh import Mesh
@@ -117,19 +119,42 @@ class SumReducer:
     def __init__(self, rank: int, timeout: datetime.timedelta) -> None:
         self.rank = rank
         self.timeout = timeout
+        # Per phase, the last sums planned and their all-reduces, each with its ranks and the
+        # tensors it serves: every step asks alike (the specs are the same objects).
+        self._plans: dict[str, tuple[tuple[SumSpec, ...], tuple[Collective, ...], list]] = {}
+        # Per phase and all-reduce, its buffer and the sums' views of it, kept between steps.
+        self._buffers = Scratch()
+        self._views = KeptViews()
+
+    def _planned(self, sums: Sequence[SumSpec], phase: str) -> tuple[tuple[Collective, ...], list]:
+        key = tuple(sums)
+        kept = self._plans.get(phase)
+        if kept is None or kept[0] != key:
+            collectives = plan_collectives(key, self.rank)
+            routes = [
+                (axis_ranks(c.mesh, c.axes, self.rank), sorted({key[i].owner for i, _ in c.members}))
+                for c in collectives
+            ]
+            kept = self._plans[phase] = (key, collectives, routes)
+        return kept[1], kept[2]
 
     def reduce(
         self, sums: Sequence[SumSpec], values: Sequence[torch.Tensor], phase: str
     ) -> tuple[list[torch.Tensor], tuple[Collective, ...]]:
-        """``values`` completed (sums that need no communication come back as they are),
-        and the all-reduces that did it."""
+        """``values`` completed (sums that need no communication come back as they are; the
+        others as views of a buffer kept for the next step, valid until then), and the
+        all-reduces that did it."""
         out = list(values)
-        collectives = plan_collectives(sums, self.rank)
-        for c in collectives:
-            parts = [torch.zeros_like(values[i]) if masked else values[i] for i, masked in c.members]
-            buffer = torch.cat([p.reshape(-1) for p in parts])
-            owners = sorted({sums[i].owner for i, _ in c.members})
-            ranks = axis_ranks(c.mesh, c.axes, self.rank)
+        collectives, routes = self._planned(sums, phase)
+        for k, (c, (ranks, owners)) in enumerate(zip(collectives, routes, strict=True)):
+            shapes = tuple(values[i].shape for i, _ in c.members)
+            first = values[c.members[0][0]]
+            buffer = self._buffers.take(f"{phase} {k}", sum(math.prod(s) for s in shapes), c.dtype, first.device)
+            views = self._views.get((phase, k), (buffer.data_ptr(), shapes), pieces_of, buffer, shapes)
+            if any(masked for _, masked in c.members):
+                buffer.zero_()
+            sent = [(view, values[i]) for (i, masked), view in zip(c.members, views, strict=True) if not masked]
+            torch._foreach_copy_([view for view, _ in sent], [value for _, value in sent])
             started = time.perf_counter()
             try:
                 group = ranks_group(ranks, timeout=self.timeout)
@@ -153,9 +178,6 @@ class SumReducer:
                         seconds=time.perf_counter() - started,
                     )
                 )
-            offset = 0
-            for i, _ in c.members:
-                n = values[i].numel()
-                out[i] = buffer[offset : offset + n].reshape(values[i].shape)
-                offset += n
+            for (i, _), view in zip(c.members, views, strict=True):
+                out[i] = view
         return out, collectives
