@@ -20,7 +20,7 @@ from cli.inputs import UsageError
 from cli.tables import format_bytes, format_seconds, format_table
 from planner import CostModel, Plan, plan
 from planner.cost import PRICED_OPS
-from planner.fit import LOCAL, fit_model, median_relative_error, spearman
+from planner.fit import LOCAL, Line, fit_model, median_relative_error, spearman
 from shardlang import Mesh, parse_mesh
 
 DEFAULT_CHECK_PLANS = 8
@@ -128,7 +128,7 @@ def fit_table(fitted: CostModel, lines: dict, mesh: Mesh) -> str:
             if (op, axis) in lines:
                 line = lines[op, axis]
                 row = [op, mesh.axis_label(axis), format_seconds(alphas[axis]), f"{bandwidths[axis] / 1e9:.3g} GB/s"]
-                pooled = f" ({'+'.join(mesh.axis_label(a) for a in line.axes)} pooled)" if line.axes else ""
+                pooled = _pooling(line, mesh)
                 rows.append([*row, f"{line.kept}/{line.total}{pooled}"])
                 large = fitted.on_axis(op, mesh, axis).large
                 if line.large is not None and large is not None:  # its second regime (planner.fit)
@@ -153,6 +153,13 @@ def fit_table(fitted: CostModel, lines: dict, mesh: Mesh) -> str:
             ]
         )
     return format_table(["collective", "axis", "latency/round", "bandwidth", "sizes kept"], rows)
+
+
+def _pooling(line: Line, mesh: Mesh) -> str:
+    """What a fitted line shares with other axes (``planner.fit``): all of it, its slope, or nothing."""
+    parts = ((line.axes, "pooled"), (line.shared_slope, "bandwidth pooled"))
+    shared = [f"{'+'.join(map(mesh.axis_label, axes))} {what}" for axes, what in parts if axes]
+    return f" ({', '.join(shared)})" if shared else ""
 
 
 def _report_fit(fitted: CostModel, lines: dict, mesh: Mesh, samples: list, output: str | None) -> None:

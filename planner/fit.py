@@ -41,6 +41,16 @@ axis at one size together: load that comes and goes, met by one axis's sizes and
 other's, would otherwise read as a difference between them. Sets of axes are merged a pair at
 a time, the pair with the largest p-value first, while one is at least the level.
 
+Axes told apart may still share a slope. An intercept and a slope fitted together trade off
+against each other, so axes that differ only in their fixed cost (as [2,2]'s did here, axis 1's
+0.4-1.1 ms dearer) got slopes apart by the noise too, and at large sizes those decided between
+mirror-image plans. So sets told apart (of the same rounds, one regime) share one slope, each its
+own intercept (:func:`_weighted_lines`), unless the nested F test of one slope against one per
+set, the intercepts free in both, tells them apart at the same level (:func:`shared_slope_p_value`:
+one parameter fewer, ``F(1, N - sets - 2)`` for ``N`` kept points); merged a pair at a time as
+the sets are. So the bandwidths are equal and the latencies say the difference; axes 3x apart in
+bandwidth keep their own slopes.
+
 Two regimes where the line is not one. A backend's time per byte may change with the
 message (gloo's algorithms by size, caches, the transport's buffers), so a kind's samples on a
 set of axes get two lines, one below a break in the bytes and one from it (``planner.cost``'s
@@ -75,9 +85,10 @@ Pure: no torch, no communication, so the fit is tested on synthetic timings.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -124,6 +135,9 @@ class Line:
     axes: tuple[int, ...] = ()
     large: Line | None = None
     from_bytes: int = 0
+    # The axes whose lines share this one's slope, each set of them its own intercept (module
+    # docstring); empty where the slope is this line's own.
+    shared_slope: tuple[int, ...] = ()
 
     def at(self, nbytes: float) -> float:
         if self.large is not None and nbytes >= self.from_bytes:
@@ -236,62 +250,151 @@ def pooling_p_value(rss_apart: float, rss_pooled: float, count: int) -> float:
     return min(rss_apart / rss_pooled, 1.0) ** ((count - 4) / 2)
 
 
+def shared_slope_p_value(rss_apart: float, rss_shared: float, dof: int) -> float:
+    """The p-value of the F test that groups of points share one slope, each its own intercept:
+    ``rss_apart`` is the sum of squared residuals with a slope per group (``dof`` points more than
+    parameters), ``rss_shared`` with one. With 1 parameter fewer, ``F = (rss_shared - rss_apart) /
+    (rss_apart / dof)`` on ``F(1, dof)``, so ``sqrt(F)`` is Student's t of ``dof`` degrees, two-sided;
+    its closed form for whole ``dof`` (Abramowitz and Stegun 26.7.3-4) is a series in
+    ``cos(theta) ** 2 = rss_apart / rss_shared``. 0 where it cannot be told (``dof`` below 1)."""
+    if dof < 1:
+        return 0.0
+    if rss_shared <= 0:
+        return 1.0
+    x = min(rss_apart / rss_shared, 1.0)  # cos(theta) ** 2
+    term = total = 1.0
+    if dof % 2 == 0:  # A = sin(theta) (1 + 1/2 cos^2 + 1.3/(2.4) cos^4 + ... up to cos^(dof-2))
+        for k in range(1, dof // 2):
+            term *= x * (2 * k - 1) / (2 * k)
+            total += term
+        inside = math.sqrt(1 - x) * total
+    else:  # A = 2/pi (theta + sin cos (1 + 2/3 cos^2 + ... up to cos^(dof-3)))
+        for k in range(1, (dof - 1) // 2):
+            term *= x * (2 * k) / (2 * k + 1)
+            total += term
+        inside = 2 / math.pi * (math.acos(math.sqrt(x)) + (math.sqrt(x * (1 - x)) * total if dof > 1 else 0.0))
+    return min(max(1 - inside, 0.0), 1.0)
+
+
+Group = tuple[tuple[int, ...], list[tuple[float, float]], int]  # axes, kept (bytes, seconds) points, samples
+
+
 def _pooled_lines(groups: dict[int, list[Sample]], level: float, regimes: bool) -> dict[int, Line]:
     """Per axis, the line of one kind's samples on it (:func:`fit_line`), axes merged while two
     of them (or of the merged sets), of the same rounds, cannot be told apart at ``level``
     (:func:`pooling_p_value`; the pair with the largest p-value first); a merged set's line is
     the least-squares one over its axes' kept samples (module docstring). With ``regimes``, a
-    set's samples get two lines instead where :func:`fit_regimes` finds a break."""
-    # One entry per set of axes: its line, its kept (bytes, seconds) points, its sample count.
-    sets: list[tuple[tuple[int, ...], tuple[float, float], list[tuple[float, float]], int]] = []
+    set's samples get two lines instead where :func:`fit_regimes` finds a break. Sets told apart
+    (of one regime, the same rounds) then share one slope, each its own intercept, while their
+    slopes cannot be told apart at ``level`` (:func:`shared_slope_p_value`, merged likewise)."""
+    sets: list[list[Group]] = []
     for axis, group in sorted(groups.items()):
         xs, ts = [s.bytes for s in group], [s.seconds for s in group]
-        line, keep = _robust_line(xs, ts)
-        sets.append(((axis,), line, [(xs[i], ts[i]) for i in keep], len(group)))
+        keep = _robust_line(xs, ts)[1]
+        sets.append([((axis,), [(xs[i], ts[i]) for i in keep], len(group))])
     rounds = {axis: group[0].rounds for axis, group in groups.items()}
-    while True:
-        best: tuple[float, int, int, tuple[float, float]] | None = None
-        for i, (axes_i, line_i, points_i, _) in enumerate(sets):
-            for j in range(i + 1, len(sets)):
-                axes_j, line_j, points_j, _ = sets[j]
-                if rounds[axes_i[0]] != rounds[axes_j[0]]:
-                    continue
-                union = points_i + points_j
-                shared = _weighted_line([x for x, _ in union], [t for _, t in union])
-                apart = _squared_residuals(line_i, points_i) + _squared_residuals(line_j, points_j)
-                p = pooling_p_value(apart, _squared_residuals(shared, union), len(union))
-                if p >= level and (best is None or p > best[0]):
-                    best = (p, i, j, shared)
-        if best is None:
-            break
-        _, i, j, shared = best
-        merged = (tuple(sorted(sets[i][0] + sets[j][0])), shared, sets[i][2] + sets[j][2], sets[i][3] + sets[j][3])
-        sets = [e for k, e in enumerate(sets) if k not in (i, j)] + [merged]
-    out = {}
-    for axes, line, points, total in sets:
-        fitted = Line(line[0], line[1], len(points), total)
-        if regimes:
-            samples = [s for a in axes for s in groups[a]]
-            split = fit_regimes([s.bytes for s in samples], [s.seconds for s in samples])
-            fitted = split if split.large is not None else fitted
-        out.update({axis: attrs.evolve(fitted, axes=axes if len(axes) > 1 else ()) for axis in axes})
+
+    def alike(a: list[Group], b: list[Group]) -> bool:
+        return rounds[a[0][0][0]] == rounds[b[0][0][0]]
+
+    def one_line(a: list[Group], b: list[Group]) -> float:
+        points_a, points_b = ([p for g in c for p in g[1]] for c in (a, b))
+        pooled = _rss([points_a + points_b])
+        if pooled <= _EXACT * (len(points_a) + len(points_b)):  # one line through every point, to rounding
+            return 1.0
+        return pooling_p_value(_rss([points_a]) + _rss([points_b]), pooled, len(points_a) + len(points_b))
+
+    def one_slope(a: list[Group], b: list[Group]) -> float:
+        both = [g[1] for g in a + b]
+        count = sum(map(len, both))
+        shared = _rss(both)
+        if shared <= _EXACT * count:
+            return 1.0
+        apart = _rss(both[: len(a)]) + _rss(both[len(a) :])
+        return shared_slope_p_value(apart, shared, count - len(both) - 2)  # an intercept a set, a slope a family
+
+    merged = [
+        (tuple(sorted(a for g in c for a in g[0])), [p for g in c for p in g[1]], sum(g[2] for g in c))
+        for c in _merge_while_alike(sets, alike, one_line, level)
+    ]
+    out, straight = {}, []
+    for axes, points, total in merged:
+        samples = [s for a in axes for s in groups[a]]
+        split = fit_regimes([s.bytes for s in samples], [s.seconds for s in samples]) if regimes else None
+        if split is not None and split.large is not None:
+            out.update({axis: attrs.evolve(split, axes=axes if len(axes) > 1 else ()) for axis in axes})
+        else:
+            straight.append([(axes, points, total)])
+    for family in _merge_while_alike(straight, alike, one_slope, level):
+        intercepts, slope = _weighted_lines([points for _, points, _ in family])
+        shared = tuple(sorted(a for g in family for a in g[0])) if len(family) > 1 else ()
+        for (axes, points, total), intercept in zip(family, intercepts, strict=True):
+            line = Line(intercept, slope, len(points), total, axes if len(axes) > 1 else (), shared_slope=shared)
+            out.update(dict.fromkeys(axes, line))
     return out
+
+
+def _merge_while_alike(
+    clusters: list[list[Group]],
+    alike: Callable[[list[Group], list[Group]], bool],
+    p_value: Callable[[list[Group], list[Group]], float],
+    level: float,
+) -> list[list[Group]]:
+    """``clusters`` merged a pair at a time, of the ``alike`` pairs the one with the largest
+    ``p_value`` first, while that is at least ``level``."""
+    while True:
+        best: tuple[float, int, int] | None = None
+        for i, j in itertools.combinations(range(len(clusters)), 2):
+            if alike(clusters[i], clusters[j]):
+                p = p_value(clusters[i], clusters[j])
+                if p >= level and (best is None or p > best[0]):
+                    best = (p, i, j)
+        if best is None:
+            return clusters
+        _, i, j = best
+        clusters = [c for k, c in enumerate(clusters) if k not in (i, j)] + [clusters[i] + clusters[j]]
+
+
+def _rss(sets: Sequence[Sequence[tuple[float, float]]]) -> float:
+    """The squared relative residuals of the sets' points off their :func:`_weighted_lines`."""
+    intercepts, slope = _weighted_lines(sets)
+    return math.fsum(_squared_residuals((c, slope), points) for c, points in zip(intercepts, sets, strict=True))
 
 
 def _weighted_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
     """Least squares of ``(c0 + c1 x - t) / t``; through zero if ``c0`` would be negative."""
-    w = [1 / t**2 for t in ts]
-    sw = math.fsum(w)
-    sx = math.fsum(wi * x for wi, x in zip(w, xs, strict=True))
-    st = math.fsum(wi * t for wi, t in zip(w, ts, strict=True))
-    sxx = math.fsum(wi * x * x for wi, x in zip(w, xs, strict=True))
-    sxt = math.fsum(wi * x * t for wi, x, t in zip(w, xs, ts, strict=True))
-    det = sw * sxx - sx * sx
-    if det > 0:
-        c0, c1 = (sxx * st - sx * sxt) / det, (sw * sxt - sx * st) / det
-        if c0 >= 0:
-            return c0, c1
-    return 0.0, (sxt / sxx if sxx > 0 else 0.0)
+    (c0,), c1 = _weighted_lines([list(zip(xs, ts, strict=True))])
+    return c0, c1
+
+
+def _weighted_lines(sets: Sequence[Sequence[tuple[float, float]]]) -> tuple[list[float], float]:
+    """Least squares of ``(c_k + s x - t) / t`` over the ``(x, t)`` points of every set ``k``:
+    an intercept per set, one slope. The slope is the weighted covariance of bytes and time about
+    each set's own weighted means over the variance likewise; a set whose intercept would be
+    negative passes through zero instead (its terms about zero), and the rest are fitted again."""
+    through_zero: set[int] = set()
+    while True:
+        num = den = 0.0
+        means = []
+        for k, points in enumerate(sets):
+            w = [1 / t**2 for _, t in points]
+            if k in through_zero:
+                mx = mt = 0.0
+            else:
+                mx = math.fsum(wi * x for wi, (x, _) in zip(w, points, strict=True)) / math.fsum(w)
+                mt = math.fsum(wi * t for wi, (_, t) in zip(w, points, strict=True)) / math.fsum(w)
+            means.append((mx, mt))
+            num += math.fsum(wi * (x - mx) * (t - mt) for wi, (x, t) in zip(w, points, strict=True))
+            den += math.fsum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points, strict=True))
+        if den <= 0 and len(through_zero) < len(sets):  # one size only: no slope but through zero
+            through_zero = set(range(len(sets)))
+            continue
+        slope = num / den if den > 0 else 0.0
+        intercepts = [mt - slope * mx for mx, mt in means]
+        negative = {k for k, c in enumerate(intercepts) if c < 0 and k not in through_zero}
+        if not negative:
+            return intercepts, slope
+        through_zero |= negative
 
 
 def three_digits(value: float) -> float:
