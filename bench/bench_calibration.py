@@ -46,7 +46,7 @@ from scipy.stats import wilcoxon
 
 import planner
 from planner.fit import fit_model, median_relative_error, spearman
-from runtime.calibrate import sample_pairs, sweep, time_plans, timed_runs
+from runtime.calibrate import known_breaks, sample_pairs, sweep, time_plans, timed_runs
 from runtime.testing import run_ranks
 from shardlang import Mesh, parse_layout
 
@@ -103,7 +103,7 @@ def _rank(rank: int, world: int, count: int, reps: int, budget: float) -> dict[s
     for seed, shape in enumerate(MESHES):
         mesh = Mesh(shape)
         started = time.perf_counter()
-        calibrated, _ = fit_model(sweep(mesh, budget=budget))
+        calibrated, _ = fit_model(sweep(mesh, budget=budget), known_breaks(mesh))
         if rank == 0:
             print(f"mesh {list(shape)}: calibrated in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         pairs = _pairs(mesh, count, seed)

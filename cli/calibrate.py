@@ -66,12 +66,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise UsageError("--reps and --plans are positive counts and --budget a positive number of seconds")
     world = _start(mesh)
     import runtime  # after the checks: torch is slow to import
-    from runtime.calibrate import sample_pairs, sweep, time_plans
+    from runtime.calibrate import known_breaks, sample_pairs, sweep, time_plans
 
     try:
         if model is None:
             samples = sweep(mesh, reps=args.reps, budget=args.budget)
-            fitted, lines = fit_model(samples)
+            fitted, lines = fit_model(samples, known_breaks(mesh))  # the runtime's own switches (planner.fit)
             if world.rank == 0:
                 fitted = _with_flop_rate(fitted)
                 _report_fit(fitted, lines, mesh, samples, args.output)

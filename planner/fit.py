@@ -88,7 +88,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -169,15 +169,21 @@ def _robust_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[tuple[float,
     return line, keep
 
 
-def fit_regimes(xs: Sequence[float], ts: Sequence[float]) -> Line:
+def fit_regimes(xs: Sequence[float], ts: Sequence[float], known: int | None = None) -> Line:
     """:func:`fit_line`, or two such lines, :func:`fit_line`'s of the samples below a break in
     the bytes and of those from it, where they fit clearly better (module docstring): of every
     break leaving :data:`MIN_REGIME` sizes or more on each side, the one whose F test of one
     line against two (:func:`_break_p_value`) has the least p-value, if that p-value times the
     number of breaks tried is below :data:`SPLIT_LEVEL`, and stays so with the samples of any
-    one size left out (a burst of load met at one size, on every axis alike, is no regime)."""
+    one size left out (a burst of load met at one size, on every axis alike, is no regime).
+    With ``known`` (the bytes from which the backend runs another algorithm), that break is the
+    one candidate, tried alone (so uncorrected) if it leaves :data:`MIN_REGIME` sizes each side,
+    and the large regime starts there exactly."""
     sizes = sorted(set(xs))
-    starts = sizes[MIN_REGIME : len(sizes) - MIN_REGIME + 1]  # a large regime's first size
+    if known is not None:
+        starts = [known] if sum(x < known for x in sizes) >= MIN_REGIME <= sum(x >= known for x in sizes) else []
+    else:
+        starts = sizes[MIN_REGIME : len(sizes) - MIN_REGIME + 1]  # a large regime's first size
     tried = [(_break_p_value(xs, ts, start), start) for start in starts]
     if tried and min(tried)[0] * len(starts) < SPLIT_LEVEL:
         start = min(tried)[1]
@@ -193,7 +199,8 @@ def fit_regimes(xs: Sequence[float], ts: Sequence[float]) -> Line:
                 for below in (True, False)
             )
             below = max(x for x in xs if x < start)
-            return attrs.evolve(small, large=large, from_bytes=_break(small, large, below, start))
+            at = known if known is not None else _break(small, large, below, start)
+            return attrs.evolve(small, large=large, from_bytes=at)
     return fit_line(xs, ts)
 
 
@@ -279,12 +286,15 @@ def shared_slope_p_value(rss_apart: float, rss_shared: float, dof: int) -> float
 Group = tuple[tuple[int, ...], list[tuple[float, float]], int]  # axes, kept (bytes, seconds) points, samples
 
 
-def _pooled_lines(groups: dict[int, list[Sample]], level: float, regimes: bool) -> dict[int, Line]:
+def _pooled_lines(
+    groups: dict[int, list[Sample]], level: float, regimes: bool, known: Mapping[int, int]
+) -> dict[int, Line]:
     """Per axis, the line of one kind's samples on it (:func:`fit_line`), axes merged while two
     of them (or of the merged sets), of the same rounds, cannot be told apart at ``level``
     (:func:`pooling_p_value`; the pair with the largest p-value first); a merged set's line is
     the least-squares one over its axes' kept samples (module docstring). With ``regimes``, a
-    set's samples get two lines instead where :func:`fit_regimes` finds a break. Sets told apart
+    set's samples get two lines instead where :func:`fit_regimes` finds a break (at ``known[axis]``,
+    the axes' known break, where it has one). Sets told apart
     (of one regime, the same rounds) then share one slope, each its own intercept, while their
     slopes cannot be told apart at ``level`` (:func:`shared_slope_p_value`, merged likewise)."""
     sets: list[list[Group]] = []
@@ -320,7 +330,9 @@ def _pooled_lines(groups: dict[int, list[Sample]], level: float, regimes: bool) 
     out, straight = {}, []
     for axes, points, total in merged:
         samples = [s for a in axes for s in groups[a]]
-        split = fit_regimes([s.bytes for s in samples], [s.seconds for s in samples]) if regimes else None
+        breaks = {known.get(a) for a in axes}  # one: pooled axes are of one size
+        at = breaks.pop() if len(breaks) == 1 else None
+        split = fit_regimes([s.bytes for s in samples], [s.seconds for s in samples], at) if regimes else None
         if split is not None and split.large is not None:
             out.update({axis: attrs.evolve(split, axes=axes if len(axes) > 1 else ()) for axis in axes})
         else:
@@ -413,13 +425,17 @@ def _bandwidth_of(line: Line) -> float:
     return MAX_BANDWIDTH if line.slope <= 1 / MAX_BANDWIDTH else three_digits(1 / line.slope)
 
 
-def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int], Line]]:
+def fit_model(
+    samples: Iterable[Sample], breaks: Mapping[tuple[str, int], int] | None = None
+) -> tuple[CostModel, dict[tuple[str, int], Line]]:
     """The cost model of ``samples``: per kind, per axis figures (every kind and axis of the
     samples must have two or more). The first kind's figures (all_gather's, in
     :data:`PRICED_OPS` order) are the model's own, which every kind it does not name takes,
     and the others are its ``ops``; :data:`LOCAL` samples (two or more, any axes) give the
     executor terms (module docstring). Also the fitted lines, by (kind, axis), the executor
-    terms' under (:data:`LOCAL`, -1)."""
+    terms' under (:data:`LOCAL`, -1). ``breaks``: per (kind, axis), the table bytes from which
+    the backend runs that kind by another algorithm there (the runtime knows them:
+    ``runtime.calibrate.known_breaks``), each tested as the kind's one candidate break."""
     by_key: dict[tuple[str, int], list[Sample]] = {}
     local: list[Sample] = []
     for s in samples:
@@ -441,7 +457,12 @@ def fit_model(samples: Iterable[Sample]) -> tuple[CostModel, dict[tuple[str, int
     lines = {
         (op, axis): line
         for op in ops
-        for axis, line in _pooled_lines({a: by_key[op, a] for a in axes}, POOL_LEVEL, op not in ONE_REGIME).items()
+        for axis, line in _pooled_lines(
+            {a: by_key[op, a] for a in axes},
+            POOL_LEVEL,
+            op not in ONE_REGIME,
+            {a: b for (o, a), b in (breaks or {}).items() if o == op},
+        ).items()
     }
     if executor is not None:
         lines[LOCAL, -1] = executor

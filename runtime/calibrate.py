@@ -1,7 +1,7 @@
 """Measuring the machine for the cost model: ``shardlang calibrate`` (README "Calibration").
 
 :func:`sweep` times every collective kind on every mesh axis at message sizes from 4 KiB to
-16 MiB (finer from 1 MiB, :data:`SWEEP_BYTES`), through the same calls the executor makes
+16 MiB (finer from 724 KiB, :data:`SWEEP_BYTES`), through the same calls the executor makes
 (``runtime.comm``: on gloo a reduce_scatter is an all_to_all plus a local sum), all groups of
 an axis at once as in a plan's step, and a plan of one slice step, which sends nothing (the
 executor's fixed cost of a step and its copy of the result: ``planner.fit``'s executor
@@ -38,14 +38,15 @@ import torch.distributed as dist
 from planner import Plan, collective_plan, point_to_point_plan
 from planner.cost import collective_rounds
 from planner.fit import LOCAL, Sample
-from runtime.comm import default_device
+from runtime.comm import default_device, gather_messages_from
 from runtime.executor import reshard
 from runtime.pieces import shard
 from shardlang import Layout, Mesh
 
-# The larger buffer of a call: 4 KiB .. 1 MiB by factors of 4, then to 16 MiB by factors of
-# sqrt(2), where a backend's time per byte changes (``planner.fit`` fits two regimes where it does).
-SWEEP_BYTES = (*(4096 * 4**k for k in range(5)), *(round(2**20 * 2 ** (k / 2)) for k in range(1, 9)))
+# The larger buffer of a call: 4 KiB .. 256 KiB by factors of 4, then 724 KiB to 16 MiB by factors
+# of sqrt(2), where a backend's time per byte changes (``planner.fit`` fits two regimes where it
+# does); 724 KiB and 1 MiB lie either side of gloo's all_gather switch (:func:`known_breaks`).
+SWEEP_BYTES = (*(4096 * 4**k for k in range(4)), *(round(2**20 * 2 ** (k / 2)) for k in range(-1, 9)))
 DEFAULT_REPS = 7  # per pass
 DEFAULT_PASSES = 2
 DEFAULT_BUDGET = 45.0  # seconds for the whole sweep
@@ -100,6 +101,18 @@ def sample_bytes(op: str, plan: Plan) -> int:
     if op == LOCAL:
         return math.prod(plan.dst.local_shape(plan.shape)) * 4
     return plan.steps[0].bytes
+
+
+def known_breaks(mesh: Mesh) -> dict[tuple[str, int], int]:
+    """Per (kind, axis), the cost table's bytes from which ``runtime.comm`` runs that kind by
+    another algorithm on this backend, for ``planner.fit.fit_model``: on gloo an all_gather whose
+    result has ``G`` bytes or more (:func:`runtime.comm.gather_messages_from`). A result is ``n``
+    padded pieces of ``b`` bytes, and the table counts ``(n-1) * b``, so the result reaches ``G``
+    exactly when the table's bytes reach ``(n-1) * ceil(G / n)``. none on other backends (NCCL)."""
+    result = gather_messages_from()
+    if result is None:
+        return {}
+    return {("all_gather", axis): (n - 1) * -(-result // n) for axis, n in enumerate(mesh.shape)}
 
 
 def sweep(

@@ -147,6 +147,13 @@ def start_collective(
     return PendingCollective(op, received, n, reduce_op, tuple(works), blocks)
 
 
+def gather_messages_from(group: dist.ProcessGroup | None = None) -> int | None:
+    """The result bytes from which an all_gather over ``group`` (default: the default group)
+    waited on at once runs as messages, not the backend's own (module docstring); None where it
+    never does (not gloo). ``runtime.calibrate`` fits a regime from there (docs/calibration.md)."""
+    return GATHER_MESSAGES_BYTES if dist.get_backend(group) == "gloo" else None
+
+
 def _is_gloo(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` runs on gloo, asked of torch once per group (``dist.get_backend``
     checks its arguments on every call, and every collective of every step asks)."""

@@ -7,20 +7,23 @@ import planner
 from cli.calibrate import format_check
 from cli.main import main
 from planner.fit import fit_model
-from runtime.calibrate import sweep, time_plans
+from runtime.calibrate import known_breaks, sweep, time_plans
 from runtime.testing import run_ranks
 from shardlang import Mesh, parse_layout
 
 
-def _sweep_and_time(rank: int, world: int) -> tuple[list, list[float]]:
+def _sweep_and_time(rank: int, world: int) -> tuple[list, list[float], dict]:
     samples = sweep(Mesh((2,)), sizes=(4096, 16384), reps=2)
     plans = [planner.plan(parse_layout("S0,R over mesh[2]"), parse_layout("R,R over mesh[2]"), (64, 8))]
-    return samples, time_plans(plans, reps=2)
+    return samples, time_plans(plans, reps=2), known_breaks(Mesh((2, 3)))
 
 
 def test_the_sweep_measures_every_kind_at_the_tables_bytes_on_every_rank():
-    (samples, timed), other = run_ranks(_sweep_and_time, 2, timeout=120)
-    assert other == (samples, timed)  # one all-reduce of the times: every rank has the same figures
+    (samples, timed, breaks), other = run_ranks(_sweep_and_time, 2, timeout=120)
+    assert other == (samples, timed, breaks)  # one all-reduce of the times: every rank has the same figures
+    # gloo gathers a result of 1 MiB or more by messages: a piece of 2**19 bytes on an axis of 2
+    # (1 * 2**19 bytes by the table), of ceil(2**20 / 3) = 349,526 on an axis of 3 (twice that).
+    assert breaks == {("all_gather", 0): 524288, ("all_gather", 1): 699052}
     # A [16, 64] and a [64, 64] f32 tensor on 2 ranks, counted by hand from the cost table:
     # all_gather / reduce_scatter (n-1) * half, all_reduce 2 (n-1) * half, all_to_all and the
     # point-to-point exchange (one message each way) a quarter; and the slice of a tensor twice
