@@ -62,8 +62,11 @@ any one size left out, so that a burst of load met at one size (on every axis al
 interleaves them) is not taken for a regime. On synthetic straight timings with 10% noise and an
 outlier it splits about 1 kind in 1000. The break lies between two swept sizes; it is put where
 the two lines cross if they cross there (a bend), else at the sizes' geometric mean (a jump,
-whose place between them is not measured). Point-to-point steps keep one line
-(:data:`ONE_REGIME`: ``planner.p2p`` prices them message by message).
+whose place between them is not measured). Where the runtime says it switches algorithm at a
+size (``fit_model``'s ``breaks``: gloo's all_gather from a result of 1 MiB, ``runtime.comm``),
+that break is the kind's one candidate: tested alone, so uncorrected, at the same level and with
+the same leave-one-size-out condition, and the large regime starts exactly there. Point-to-point
+steps keep one line (:data:`ONE_REGIME`: ``planner.p2p`` prices them message by message).
 
 The executor terms (``planner.cost``; docs/calibration.md). Samples of kind ``slice`` time a
 plan of one slice step, which sends nothing: the executor's fixed cost of a step and its copy of
