@@ -390,6 +390,13 @@ class _ReferenceWithOverhead(Reference):
         return super().units(axis, nbytes, rounds, op, copied) + self.overhead_units
 
 
+def assert_brute_force_optimal(ref, got, cost) -> None:
+    """``got`` (the planner's plan under ``cost``) costs what the brute force ``ref``'s optimum
+    does, in as few steps."""
+    want = ref.solve(ref.state_of(got.src), ref.state_of(got.dst), len(got.steps) + 3)
+    assert (ref.replay(got), len(got.steps)) == want, f"{got.src} -> {got.dst}, {got.shape}, {got.dtype}, {cost}"
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_plans_are_optimal_with_a_step_overhead(seed):
     """The planner (its bound, its pruning rules, the fewer-steps tie rule) finds the optimum
@@ -400,9 +407,7 @@ def test_plans_are_optimal_with_a_step_overhead(seed):
         base = calibrated_looking(rng, src.mesh.ndim)
         cost = attrs.evolve(base, overhead=rng.choice((1e-6, 3e-5, 1e-4, 1e-3)))
         ref = _ReferenceWithOverhead(reference_for(src, dst, shape, dtype, base), cost.overhead)
-        got = planner.plan(src, dst, shape, dtype, cost)
-        want = ref.solve(ref.state_of(src), ref.state_of(dst), len(got.steps) + 3)
-        assert (ref.replay(got), len(got.steps)) == want, f"{src} -> {dst}, {shape}, {dtype}, {cost}"
+        assert_brute_force_optimal(ref, planner.plan(src, dst, shape, dtype, cost), cost)
 
 
 @pytest.mark.parametrize(
@@ -682,9 +687,7 @@ def test_plans_are_optimal_with_large_message_regimes(seed):
         cost = attrs.evolve(base, ops=ops)
         plain = attrs.evolve(base, ops=[attrs.evolve(c, large=None) for c in ops])
         ref = _ReferenceWithRegimes(reference_for(src, dst, shape, dtype, plain), regimes)
-        got = planner.plan(src, dst, shape, dtype, cost)
-        want = ref.solve(ref.state_of(src), ref.state_of(dst), len(got.steps) + 3)
-        assert (ref.replay(got), len(got.steps)) == want, f"{src} -> {dst}, {shape}, {dtype}, {cost}"
+        assert_brute_force_optimal(ref, planner.plan(src, dst, shape, dtype, cost), cost)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from planner.fit import LOCAL, Sample, fit_model
 from runtime.calibrate import SWEEP_BYTES, sample_bytes, step_plans
 from runtime.program import CollectiveMove, compile_plan
 from shardlang import Mesh, parse_layout
-from tests.test_calibration_fit import _ReferenceWithOverhead
+from tests.test_calibration_fit import _ReferenceWithOverhead, assert_brute_force_optimal
 from tests.test_planner_optimal import OPS, calibrated_looking, random_case, random_layout, reference_for
 
 
@@ -94,8 +94,7 @@ def test_plans_are_optimal_with_priced_copies(seed):
         got = planner.plan(src, dst, shape, dtype, cost)
         if all(s.op in LOCAL_OPS for s in got.steps):
             continue  # the copy of a plan that sends nothing is priced outside the search (planner.cost)
-        want = ref.solve(ref.state_of(src), ref.state_of(dst), len(got.steps) + 3)
-        assert (ref.replay(got), len(got.steps)) == want, f"{src} -> {dst}, {shape}, {dtype}, {cost}"
+        assert_brute_force_optimal(ref, got, cost)
         differ += got.steps != planner.plan(src, dst, shape, dtype, free).steps
     assert differ >= 5
 
