@@ -174,7 +174,6 @@ class CameRun:
         dtype = work.slots[run[0]].dtype
         self.grads = flat_or_copy([work.grads[i] for i in run], dtype, scratch, "grads")
         numel, device = self.grads.numel(), self.grads.device
-        self.numels = [math.prod(s.local_shape) for s in self.shards]
         second = scratch.take("came second", numel, dtype, device)
         update = scratch.take("came update", numel, dtype, device)
         self.second, self.update = second, update

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from runtime.buffers import Scratch
+from runtime.buffers import KeptViews, Scratch
 
 Key = tuple[str, torch.dtype, torch.device]
 
@@ -47,7 +47,7 @@ class FlatStates:
         # run(): per (tensors, state), the range of its buffer they lie in one after another
         # (key, start, end), or None; their places never change, and steps ask alike.
         self._runs: dict[tuple[tuple[int, ...], str], tuple[Key, int, int] | None] = {}
-        self._views: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # view()'s
+        self._views = KeptViews()  # view()'s, per buffer
 
     def has(self, tensor: int, state: str) -> bool:
         return (tensor, state) in self._where
@@ -85,11 +85,7 @@ class FlatStates:
         and a step asks for one per tensor and state)."""
         key, offset, shape = self._where[(tensor, state)]
         buffer = (self.buffers if buffers is None else buffers)[key]
-        ask = (tensor, state, id(buffer))
-        kept = self._views.get(ask)
-        if kept is None or kept[0] is not buffer:  # kept[0] holds the buffer: its id stays its own
-            kept = self._views[ask] = (buffer, buffer[offset : offset + math.prod(shape)].view(shape))
-        return kept[1]
+        return self._views.get((tensor, state, id(buffer)), (buffer,), _piece, buffer, offset, shape)[0]
 
     def fresh(self, stepped: Iterable[int]) -> dict[Key, torch.Tensor]:
         """The buffers a step of the tensors ``stepped`` writes (the second set)."""
@@ -152,6 +148,10 @@ def flat_or_copy(
     for view, t in zip(pieces_of(out, [t.shape for t in tensors]), tensors, strict=True):
         view.copy_(t)
     return out
+
+
+def _piece(buffer: torch.Tensor, offset: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    return [buffer[offset : offset + math.prod(shape)].view(shape)]
 
 
 def pieces_of(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
