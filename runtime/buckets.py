@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import time
 from collections.abc import Callable, KeysView, Mapping, Sequence
 from typing import Any
@@ -96,6 +97,8 @@ class StepProgram:
     # Per wire dtype: elements of the shared send buffer and of the kept buffer.
     send_numel: Mapping[str, int] = attrs.field(factory=dict)
     kept_numel: Mapping[str, int] = attrs.field(factory=dict)
+    # Per leg whose first entry is a bucket's step: (bucket, member) (:meth:`StageRun.places`).
+    opened_by: Mapping[int, tuple[int, int]] = attrs.field(factory=dict)
     # Views of the kept buffers that every step makes alike (:meth:`StageRun._memo`).
     views: KeptViews = attrs.field(factory=KeptViews, repr=False)
 
@@ -115,11 +118,13 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
                 *_schedule(leg, moves),
             )
         )
-    buckets = []
+    buckets, opened_by = [], {}
     for index, bucket in enumerate(plan.buckets):
         members, final, offset = [], [], 0
         positions = tuple(legs[m.leg].positions[(m.hop, m.step)] for m in bucket.members)
         for m, position in zip(bucket.members, positions, strict=True):
+            if position == 0:
+                opened_by[m.leg] = (index, len(members))
             final.append(all(later is None for _, later, _ in legs[m.leg].schedule[position + 1 :]))
             move = legs[m.leg].moves[m.hop][m.step]
             if not isinstance(move, CollectiveMove):
@@ -133,7 +138,7 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
         per_peer = bucket.op in ("reduce_scatter", "all_to_all")
         buckets.append(_BucketProgram(index, bucket, tuple(members), offset, per_peer, tuple(final), positions))
     laid, send_numel, kept_numel = _lay_out(buckets)
-    return StepProgram(plan, rank, tuple(legs), tuple(laid), send_numel, kept_numel)
+    return StepProgram(plan, rank, tuple(legs), tuple(laid), send_numel, kept_numel, opened_by)
 
 
 def _schedule(
@@ -158,15 +163,18 @@ def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], d
     it (read at the commit). A gloo reduce_scatter's all_to_all workspace is alive only while its
     collective runs, before the update, so it shares the space of the later results.
 
-    Buckets launched in ``step()`` run one at a time: they share one send buffer (the largest
-    bucket's) and one workspace. Buckets launched during backward or after the step are in
+    An all_gather sends from its own row of its result (in place: ``runtime.comm``), an
+    all_reduce reduces its result in place, so neither takes send space. Buckets launched in
+    ``step()`` run one at a time: they share one send buffer (the largest bucket's) and one
+    workspace. Buckets launched during backward or after the step are in
     flight together, so each gets its own send region and workspace; the two stages never are
     (the gathers after a step are waited on before the next backward), so their send regions
     share one buffer.
 
     E.g. ZeRO-2 on 4 ranks, buckets of ``T`` elements per rank run in ``step()``: the
     reduce_scatter's result takes ``[0, T)``, its workspace ``[T, 5T)``, the all_gather's
-    result ``[T, 5T)`` too; the kept buffer has ``5T`` elements and the send buffer ``4T``.
+    result ``[T, 5T)`` too, its send buffer its row ``[T + rT, T + (r+1)T)`` there on rank ``r``;
+    the kept buffer has ``5T`` elements and the send buffer ``4T``.
     Launched during backward, two such reduce_scatters take the send regions ``[0, 4T)`` and
     ``[4T, 8T)`` and the workspaces ``[2T, 6T)`` and ``[6T, 10T)`` of the kept buffer."""
     laid: list[_BucketProgram] = []
@@ -197,7 +205,7 @@ def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], d
                 if together:
                     workspace_at[stage] += b.send_numel
             sent = 0
-            if b.bucket.op != "all_reduce":
+            if b.bucket.op not in ("all_reduce", "all_gather"):
                 sent = send_at[stage]
                 send_numel = max(send_numel, sent + b.send_numel)
                 if together:
@@ -419,6 +427,43 @@ class StageRun:
         while self._in_flight and any(self._walks[leg].x is None for leg in legs):
             self._wait_oldest(deadline)
 
+    def places(self, legs: Sequence[int], device: torch.device) -> dict[int, torch.Tensor]:
+        """Where to write the inputs of ``legs`` so that the all_gather they start with sends
+        them from there: per leg whose first step is an all_gather of this stage with unpadded
+        blocks, the view of its part of the gather's own row of its result (its send buffer:
+        ``_lay_out``), in the shape the leg starts from. An input fed from its place is not
+        copied (one copy less per gathered byte: an optimizer writes its new parameters there).
+        Other legs are left out, and so are all without kept ``buffers`` (on ``device``); an
+        input fed from a place that has since moved is copied, as any other."""
+        if self._buffers is None:
+            return {}
+        held = (tuple(legs), device, self._buffers.allocations)
+        return self._memo(("places", 0), held, self._places, legs, device)[0]
+
+    def _places(self, legs: Sequence[int], device: torch.device) -> list[dict[int, torch.Tensor]]:
+        assert self._buffers is not None
+        program, places = self.program, {}
+        for leg in legs:
+            opened = program.opened_by.get(leg)
+            if opened is None:
+                continue
+            bucket = program.buckets[opened[0]]
+            _, move, chunk, offset = bucket.members[opened[1]]
+            leg_program = program.legs[leg]
+            if bucket.bucket.op != "all_gather" or bucket.bucket.stage != self.stage or chunk == 0:
+                continue
+            if chunk != math.prod(leg_program.source_shape):  # padded blocks: packed by a copy
+                continue
+            kept = self._buffers.take("kept", program.kept_numel[bucket.bucket.dtype], leg_program.dtype, device)
+            start, numel = bucket.result
+            part = kept[start : start + numel].view(move.n, bucket.total)[move.position, offset : offset + chunk]
+            place = part.view(leg_program.source_shape)
+            view = leg_program.schedule[0][0]
+            blocks = move.send_blocks(place.reshape(view) if view is not None else place)
+            if blocks is not None and blocks.data_ptr() == part.data_ptr():
+                places[leg] = place
+        return [places]
+
     def source_shape(self, leg: int) -> tuple[int, ...]:
         """The shape of the piece leg ``leg`` starts from on this rank."""
         return self.program.legs[leg].source_shape
@@ -446,7 +491,11 @@ class StageRun:
         shape = (n, total) if bucket.per_peer else (total,)
         out = workspace = None
         if buffers is None:
-            send = torch.empty(shape, dtype=sample.dtype, device=sample.device)
+            if op == "all_gather":
+                out = torch.empty(n * total, dtype=sample.dtype, device=sample.device)
+                send = out.view(n, total)[first.position]  # in place (_lay_out)
+            else:
+                send = torch.empty(shape, dtype=sample.dtype, device=sample.device)
         else:
             dtype = bucket.bucket.dtype
             kept = buffers.take("kept", program.kept_numel[dtype], sample.dtype, sample.device)
@@ -454,6 +503,8 @@ class StageRun:
             out = kept[start : start + numel]
             if op == "all_reduce":  # reduces in place: its send buffer is its result
                 send = out.view(shape)
+            elif op == "all_gather":  # sends from its own row of its result (_lay_out)
+                send = out.view(n, total)[first.position]
             else:
                 send = buffers.take("send", program.send_numel[dtype], sample.dtype, sample.device)
                 send = send[bucket.send : bucket.send + bucket.send_numel].view(shape)
@@ -471,9 +522,10 @@ class StageRun:
                 blocks = move.send_blocks(walk.x)
             if blocks is None:
                 move.send_into(walk.x, part)
-            else:
+            elif blocks.data_ptr() != part.data_ptr() or blocks.stride() != part.stride():
                 targets.append(part)
                 sources.append(blocks)
+            # else the input was written where it is sent from (:meth:`places`)
             walk.x = None  # type: ignore[assignment]  # the piece is in the buffer now
         if targets:
             torch._foreach_copy_(targets, sources)

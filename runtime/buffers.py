@@ -20,12 +20,14 @@ class Scratch:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self.allocations = 0  # buffers allocated so far: views taken since are of the buffers now
 
     def take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (name, dtype, device)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+            self.allocations += 1
         return buffer[:numel]
 
     @property

@@ -113,9 +113,10 @@ def start_collective(
     write ``out`` when given). ``workspace`` (of ``send``'s size) is where gloo's
     reduce_scatter receives its blocks. ``send``, ``out`` and ``workspace`` must not be touched
     until the collective has been waited on. Ranks of one group always pass buffers of equal
-    size; empty buffers skip the collective on all of them alike. ``waited_at_once``: the caller
-    waits on it before it returns, which lets a gloo all_gather run as messages (module
-    docstring)."""
+    size; empty buffers skip the collective on all of them alike. An all_gather may run in place:
+    ``send`` the rank's own row of ``out`` (as NCCL allows, and FSDP2 gathers), which saves
+    copying the block there. ``waited_at_once``: the caller waits on it before it returns, which
+    lets a gloo all_gather run as messages (module docstring)."""
     sizes = {"all_gather": n * send.numel(), "reduce_scatter": send.numel() // n, "all_to_all": send.numel()}
     if op == "all_reduce":
         received = send
@@ -169,7 +170,8 @@ def _all_gather_messages(received: torch.Tensor, send: torch.Tensor, group: dist
     _MESSAGES_IN_FLIGHT[:] = [work for work in _MESSAGES_IN_FLIGHT if not work.is_completed()]
     me, n = group.rank(), group.size()
     rows = received.view(n, -1)
-    rows[me].copy_(send)
+    if rows[me].data_ptr() != send.data_ptr():  # else in place: the block is in its row already
+        rows[me].copy_(send)
     # The process group's own calls, which dist.isend and dist.irecv make after checks that
     # these buffers pass by construction (the checks were a quarter of this function's time).
     works = []

@@ -911,9 +911,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             norm = None
 
-        # 2. The math, into new buffers.
+        # 2. The math, into new buffers; new parameters where their gathers send them from.
+        param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
+        after = self._stage_run(compiled, AFTER, slots, deliver=frozenset(param_legs.values()))
         new_buffers = flat.fresh(s.index for s in slots)
-        fresh_params = self._fresh_params(slots)
+        fresh_params = self._fresh_params(slots, after, param_legs)
         params, new_params, own = [], [], {}
         for i, slot in enumerate(slots):
             fetch = legs.get((slot.name, "param -> state"))
@@ -942,8 +944,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inputs[legs[(slot.name, "state -> param")]] = as_dtype(param, slot.param.dtype)
             for state in slot.own_layouts:
                 inputs[legs[(slot.name, f"state -> state.{state}")]] = work.own_new[(i, state)]
-        param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
-        after = self._stage_run(compiled, AFTER, slots, deliver=frozenset(param_legs.values()))
         own_legs = [legs[(s.name, f"state -> state.{state}")] for s in slots for state in s.own_layouts]
         try:
             after.feed(inputs)
@@ -1169,10 +1169,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         return commit
 
-    def _fresh_params(self, slots: Sequence[Slot]) -> dict[int, torch.Tensor]:
-        """Where the new state-layout shard of every parameter without a master goes: views of
-        one flat buffer per (dtype, device), in the slots' order, kept between steps (and so
-        are the views, while the buffers are the same)."""
+    def _fresh_params(self, slots: Sequence[Slot], after: StageRun, legs: Mapping[int, int]) -> dict[int, torch.Tensor]:
+        """Where the new state-layout shard of every parameter without a master goes (``legs``:
+        per slot its "state -> param" leg): where its gather sends it from when it has such a
+        place (``StageRun.places``: one copy less), else a view of one flat buffer per (dtype,
+        device), in the slots' order, kept between steps (and so are the views, while the
+        buffers are the same)."""
+        plain = [s for s in slots if not s.needs_master]
+        devices = {s.local_param().device for s in plain}
+        places = after.places([legs[s.index] for s in plain], devices.pop()) if len(devices) == 1 else {}
+        if len(places) == len(plain):
+            return {s.index: places[legs[s.index]] for s in plain}
+        rest = self._fresh_flat([s for s in plain if legs[s.index] not in places])
+        return rest | {s.index: places[legs[s.index]] for s in plain if legs[s.index] in places}
+
+    def _fresh_flat(self, slots: Sequence[Slot]) -> dict[int, torch.Tensor]:
+        """The flat buffers' views of :meth:`_fresh_params` for ``slots`` (none with a master)."""
         cached = self._fresh_views.get(tuple(s.index for s in slots))
         if cached is not None and all(
             self._scratch.take("new params", n, *key).data_ptr() == at for key, n, at in cached[1]
@@ -1180,19 +1192,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return cached[0]
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         for slot in slots:
-            if not slot.needs_master:
-                assert slot.shard is not None
-                key = (slot.dtype, slot.local_param().device)
-                sizes[key] = sizes.get(key, 0) + math.prod(slot.shard.local_shape)
+            assert slot.shard is not None
+            key = (slot.dtype, slot.local_param().device)
+            sizes[key] = sizes.get(key, 0) + math.prod(slot.shard.local_shape)
         buffers = {key: self._scratch.take("new params", n, *key) for key, n in sizes.items()}
         out, offsets = {}, dict.fromkeys(sizes, 0)
         for slot in slots:
-            if not slot.needs_master:
-                assert slot.shard is not None
-                key = (slot.dtype, slot.local_param().device)
-                n = math.prod(slot.shard.local_shape)
-                out[slot.index] = buffers[key][offsets[key] : offsets[key] + n].view(slot.shard.local_shape)
-                offsets[key] += n
+            assert slot.shard is not None
+            key = (slot.dtype, slot.local_param().device)
+            n = math.prod(slot.shard.local_shape)
+            out[slot.index] = buffers[key][offsets[key] : offsets[key] + n].view(slot.shard.local_shape)
+            offsets[key] += n
         held = [(key, n, buffers[key].data_ptr()) for key, n in sizes.items()]
         self._fresh_views[tuple(s.index for s in slots)] = (out, held)
         return out
