@@ -1,12 +1,16 @@
-"""Run a function on N gloo ranks in spawned processes, bounded in time.
+"""Run a function on N gloo ranks in separate processes, bounded in time.
 
     results = run_ranks(check_pairs, world_size=4, args=(cases,), timeout=120)
 
 Ranks meet through a TCPStore served by this process on a port the OS picks.
-``fn(rank, world_size, *args)`` must be a module-level function (spawn pickles it by name).
+``fn(rank, world_size, *args)`` must be a module-level function (it is pickled by name).
 Each rank's return value comes back in rank order; an exception on any rank is re-raised
 here with that rank's traceback; a run that outlives ``timeout`` is killed and fails.
-Spawning costs seconds per process (importing torch), so batch many cases into one run.
+Every run gets fresh processes, forked from one server process that imported torch and this
+project once (importing torch costs a spawned process seconds; a fork from the server, a
+tenth of one). The server starts at the first run and keeps the environment it saw then, so
+set environment variables for the ranks before the first run. A run still costs a group's
+rendezvous, so batch many cases into one run.
 ``attempt(call)`` records what a call raised on a rank (and how soon), for fault tests.
 """
 
@@ -23,6 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# What the fork server imports once for every rank it forks: torch and the project's runtime
+# (which imports planner and shardlang); what else a rank's function needs it imports itself.
+_PRELOAD = ["torch", "torch.distributed", "runtime"]
 
 
 def _rendezvous_store(timeout: float) -> dist.TCPStore:
@@ -101,7 +109,8 @@ def run_ranks(
 ) -> list[Any]:
     """``fn``'s return value per rank. Ranks in ``allow_missing`` may exit without reporting
     (fault tests); their entry is ``None``, and the others then skip the closing barrier."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read once, when the server starts
     results = ctx.Queue()
     store = _rendezvous_store(timeout)
     port = store.port
