@@ -91,7 +91,7 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"sizes": sizes, "runs": runs}, indent=1))
-    kinds = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point", "slice", "packed"]
+    kinds = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point", "slice"]
     for kind in [*kinds, RAW]:
         per_run = []
         for run in runs:

@@ -20,7 +20,7 @@ from cli.inputs import UsageError
 from cli.tables import format_bytes, format_seconds, format_table
 from planner import CostModel, Plan, plan
 from planner.cost import PRICED_OPS
-from planner.fit import LOCAL, PACKED, Line, fit_model, median_relative_error, spearman
+from planner.fit import LOCAL, Line, fit_model, median_relative_error, spearman
 from shardlang import Mesh, parse_mesh
 
 DEFAULT_CHECK_PLANS = 8
@@ -149,17 +149,6 @@ def fit_table(fitted: CostModel, lines: dict, mesh: Mesh) -> str:
                 "any",
                 format_seconds(fitted.overhead),
                 "" if copy is None else f"{copy / 1e9:.3g} GB/s",
-                f"{line.kept}/{line.total}",
-            ]
-        )
-    if (PACKED, -1) in lines and fitted.pack_bandwidth is not None:
-        line = lines[PACKED, -1]
-        rows.append(
-            [
-                "executor (collective copies)",
-                "any",
-                "",
-                f"{fitted.pack_bandwidth / 1e9:.3g} GB/s",
                 f"{line.kept}/{line.total}",
             ]
         )

@@ -182,7 +182,6 @@ def _step_cost(
         ops=ops,
         overhead=cost.overhead,
         copy_bandwidth=cost.copy_bandwidth,
-        pack_bandwidth=cost.pack_bandwidth,
     )
     alone = plan_exact(on_line(state), on_line(after), block, dtype, line_cost)
     if [s.op for s in alone.steps if s.op not in LOCAL_OPS] not in ([], [op]):

@@ -150,7 +150,7 @@ def copy_lines(plan: Plan, indent: str = "  ") -> list[str]:
     """Under the table, where the model prices local copies: the bytes each step copies to
     pack its blocks and unpack its result (``planner.cost``'s copy table), which its time
     includes; nothing where copies are free or no step copies."""
-    bandwidth = plan.cost.collective_copy_bandwidth
+    bandwidth = plan.cost.copy_bandwidth
     copied = [(i, b) for i, b in enumerate(plan.copied_bytes(), 1) if b]
     if bandwidth is None or not copied:
         return []

@@ -59,9 +59,6 @@ dispatch, views, the buffer it allocates); a collective's measured fixed cost be
 (above), and the copy of the target piece that a plan which sends nothing makes (the executor
 returns fresh memory: a plan of slice and partial steps only ends in a copy of its result),
 added to that plan's last step; ``None`` means free, so the default model prices neither.
-``pack_bandwidth``, where given, prices a collective step's ``copied`` bytes instead: measured
-on gloo here, a collective that packs or unpacks took 3-8x what its copies alone take at the
-slice's rate (docs/calibration.md, "Collectives that copy").
 
 Per-collective figures. A model may give any of the priced kinds (:data:`PRICED_OPS`) its own
 per-axis alpha and bandwidth (``CostModel.ops``, e.g. measured by ``shardlang calibrate``, README
@@ -127,8 +124,7 @@ PRICED_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point
 # Readers ignore nothing: a field that is not here is an error, so a new term is added here
 # (with its check in ``CostModel.from_json`` and its docs in docs/calibration.md).
 HINTS_FIELDS = (
-    "mesh", "alpha", "bandwidth", "ops", "overhead", "copy_bandwidth", "pack_bandwidth", "calibration",
-    "flops_per_second",
+    "mesh", "alpha", "bandwidth", "ops", "overhead", "copy_bandwidth", "calibration", "flops_per_second"
 )  # fmt: skip
 # The pseudo-kind of :meth:`CostModel.figures` whose per-round figure is the per-step overhead.
 STEP = "step"
@@ -299,9 +295,6 @@ class CostModel:
     # The executor terms (module docstring): seconds per step, and bytes/s of a local copy.
     overhead: float = attrs.field(default=0.0, converter=float)
     copy_bandwidth: float | None = attrs.field(default=None, converter=attrs.converters.optional(float))
-    # Bytes/s of a collective step's local copies (its packing and unpacking), where they are
-    # measured apart from the slice's copy (module docstring); ``None``: ``copy_bandwidth``.
-    pack_bandwidth: float | None = attrs.field(default=None, converter=attrs.converters.optional(float))
 
     def __attrs_post_init__(self) -> None:
         _check_figures(self.alpha, self.bandwidth, "")
@@ -309,8 +302,6 @@ class CostModel:
             raise PlanError(f"the step overhead must be finite and zero or positive, got {self.overhead}")
         if self.copy_bandwidth is not None and not (math.isfinite(self.copy_bandwidth) and self.copy_bandwidth > 0):
             raise PlanError(f"the copy bandwidth must be finite and positive, got {self.copy_bandwidth}")
-        if self.pack_bandwidth is not None and not (math.isfinite(self.pack_bandwidth) and self.pack_bandwidth > 0):
-            raise PlanError(f"the pack bandwidth must be finite and positive, got {self.pack_bandwidth}")
         if self.flops_per_second is not None and not (
             isinstance(self.flops_per_second, (int, float))
             and math.isfinite(self.flops_per_second)
@@ -387,32 +378,21 @@ class CostModel:
             if c.large is not None:
                 out[large_key(c.op)] = _regime_values(c.op, c.large, mesh)[1:]
         out[STEP] = ((self.overhead,) * mesh.ndim, _axis_values("bandwidth", self.bandwidth, mesh))
-        if self.collective_copy_bandwidth is not None:
-            out[COPY] = ((0.0,) * mesh.ndim, (self.collective_copy_bandwidth,) * mesh.ndim)
+        if self.copy_bandwidth is not None:
+            out[COPY] = ((0.0,) * mesh.ndim, (self.copy_bandwidth,) * mesh.ndim)
         return out
 
-    @property
-    def collective_copy_bandwidth(self) -> float | None:
-        """The rate of a collective step's ``copied`` bytes: ``pack_bandwidth``, else
-        ``copy_bandwidth`` (``None``: free)."""
-        return self.copy_bandwidth if self.pack_bandwidth is None else self.pack_bandwidth
-
     def copy_seconds(self, nbytes: int) -> float:
-        """A local copy of ``nbytes``: the target piece of a plan that sends nothing."""
+        """A local copy of ``nbytes``: a step's ``copied`` bytes, or the target piece of a plan
+        that sends nothing."""
         return 0.0 if self.copy_bandwidth is None else nbytes / self.copy_bandwidth
-
-    def pack_seconds(self, nbytes: int) -> float:
-        """A collective step's ``copied`` bytes (:attr:`collective_copy_bandwidth`)."""
-        rate = self.collective_copy_bandwidth
-        return 0.0 if rate is None else nbytes / rate
 
     @classmethod
     def from_file(cls, path: str | Path) -> CostModel:
         """The model of a hints file (JSON; README "Calibration"): optional ``alpha`` and
         ``bandwidth`` (one number or one per mesh axis; defaults where absent) and ``ops``, an
         object from collective kinds to their own ``alpha`` and ``bandwidth``; optional
-        ``overhead`` (seconds per step), ``copy_bandwidth`` and ``pack_bandwidth`` (bytes/s), one
-        number each. A
+        ``overhead`` (seconds per step) and ``copy_bandwidth`` (bytes/s), one number each. A
         :class:`PlanError` naming the file and the field when it is unreadable or a value is bad."""
         where = str(path)
         try:
@@ -450,7 +430,7 @@ class CostModel:
             if "large" in figures:
                 ops[op]["large"] = _hint_regime(figures["large"], f"ops.{op}.large", where)  # type: ignore[assignment]
         top: dict[str, object] = dict(_hint_figures(data, "", where))
-        for key in ("overhead", "copy_bandwidth", "pack_bandwidth"):
+        for key in ("overhead", "copy_bandwidth"):
             if key in data:
                 if isinstance(data[key], list):
                     raise PlanError(f"{where}: field '{key}': expected one number, got {json.dumps(data[key])[:60]}")
@@ -477,8 +457,6 @@ class CostModel:
             out["overhead"] = self.overhead
         if self.copy_bandwidth is not None:
             out["copy_bandwidth"] = self.copy_bandwidth
-        if self.pack_bandwidth is not None:
-            out["pack_bandwidth"] = self.pack_bandwidth
         return out
 
 

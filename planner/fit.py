@@ -77,23 +77,11 @@ the overhead too, so a collective's ``alpha`` is what its intercept adds to it:
 its fitted line. Without slice samples the terms stay free (0 and ``None``).
 
 A collective's local copies (``planner.cost``'s copy table: packing blocks that are not runs of
-the piece's memory, unpacking a result whose blocks are not) are priced apart from its line,
-at the pack bandwidth where it is measured (below), else the copy bandwidth, so a sample whose
-step copies (``Sample.copied``: the calibration's all_to_all, which packs dim 1 of its pieces)
-is fitted less their time at that rate (never below half the sample, should that rate
-overstate a copy), and the step's
+the piece's memory, unpacking a result whose blocks are not) are priced at the copy bandwidth
+apart from its line, so a sample whose step copies (``Sample.copied``: the calibration's
+all_to_all, which packs dim 1 of its pieces) is fitted less their time at the fitted copy
+bandwidth (never below half the sample, should that line overstate a copy), and the step's
 predicted time, its line plus its copy, is still what the sample measured.
-
-A collective's copies cost more than the slice's copy of as many bytes: on gloo here a
-reduce_scatter that packs took 3-7 ms more than one that does not, for 3 MB copied, which the
-slice's rate prices at 0.6 ms (docs/calibration.md, "Collectives that copy"). So where the
-sweep has them, samples of kind :data:`PACKED` (a reduce_scatter of the same bytes as the
-``reduce_scatter`` samples, which packs the whole piece) price them: at each size where the
-packed step copies :data:`PACK_FROM` or more, its time less the plain reduce_scatter's (the two
-are timed together, interleaved) over the bytes it copies is a time per byte copied, and the
-model's ``pack_bandwidth`` is one over their median (smaller sizes are left out: their copy is
-below the noise of two millisecond-scale times). None where no two sizes qualify or the median
-is not positive; the model then prices the copies at ``copy_bandwidth``, as before.
 
 Pure: no torch, no communication, so the fit is tested on synthetic timings.
 """
@@ -111,8 +99,6 @@ from planner.cost import PRICED_OPS, CostModel, OpCost, Regime
 
 MAX_BANDWIDTH = 1e13  # bytes/s: what a kind whose time does not grow with bytes is given
 LOCAL = "slice"  # the kind of the samples that price the executor terms (module docstring)
-PACKED = "packed"  # the kind of the samples of a reduce_scatter that packs (module docstring)
-PACK_FROM = 2**20  # bytes copied, at least, for a packed sample to price the copies (module docstring)
 _OUTLIER_FACTOR = 3.0
 _OUTLIER_FLOOR = 0.10
 _EXACT = 1e-20  # squared relative residual per point of a line that passes through every point
@@ -450,18 +436,14 @@ def fit_model(
     :data:`PRICED_OPS` order) are the model's own, which every kind it does not name takes,
     and the others are its ``ops``; :data:`LOCAL` samples (two or more, any axes) give the
     executor terms (module docstring). Also the fitted lines, by (kind, axis), the executor
-    terms' under (:data:`LOCAL`, -1), the collectives' copies' (through zero, its slope the
-    seconds per byte copied) under (:data:`PACKED`, -1). ``breaks``: per (kind, axis), the table bytes from which
+    terms' under (:data:`LOCAL`, -1). ``breaks``: per (kind, axis), the table bytes from which
     the backend runs that kind by another algorithm there (the runtime knows them:
     ``runtime.calibrate.known_breaks``), each tested as the kind's one candidate break."""
     by_key: dict[tuple[str, int], list[Sample]] = {}
     local: list[Sample] = []
-    packed: list[Sample] = []
     for s in samples:
         if s.op == LOCAL:
             local.append(s)
-        elif s.op == PACKED:
-            packed.append(s)
         else:
             by_key.setdefault((s.op, s.axis), []).append(s)
     axes = sorted({axis for _, axis in by_key})
@@ -474,11 +456,7 @@ def fit_model(
     if local:
         executor = fit_line([s.bytes for s in local], [s.seconds for s in local])
         overhead, copy_bandwidth = three_digits(executor.intercept), _bandwidth_of(executor)
-    pack_line = _pack_line(packed, by_key.get(("reduce_scatter", 0), []))
-    pack_bandwidth = None if pack_line is None else _bandwidth_of(pack_line)
-    if copy_bandwidth is not None or pack_bandwidth is not None:
-        rate = pack_bandwidth or copy_bandwidth
-        by_key = {key: [_less_copy(s, rate) for s in group] for key, group in by_key.items()}
+        by_key = {key: [_less_copy(s, copy_bandwidth) for s in group] for key, group in by_key.items()}
     lines = {
         (op, axis): line
         for op in ops
@@ -491,8 +469,6 @@ def fit_model(
     }
     if executor is not None:
         lines[LOCAL, -1] = executor
-    if pack_line is not None:
-        lines[PACKED, -1] = pack_line
     costs = [_op_cost(op, [(lines[op, a], by_key[op, a][0].rounds) for a in axes], overhead) for op in ops]
     # The first kind's figures are the model's own; it is one of its ops too if it has two regimes.
     base = costs[0]
@@ -502,7 +478,6 @@ def fit_model(
         ops=costs if base.large is not None else costs[1:],
         overhead=overhead,
         copy_bandwidth=copy_bandwidth,
-        pack_bandwidth=pack_bandwidth,
     )
     return model, lines
 
@@ -519,19 +494,6 @@ def _op_cost(op: str, lines: Sequence[tuple[Line, int]], overhead: float) -> OpC
     large = [(line.from_bytes, *figures_of(line.large, rounds, overhead)) if line.large is not None
              else (max(breaks), *f) for (line, rounds), f in zip(lines, small, strict=True)]  # fmt: skip
     return OpCost(op, alpha, bandwidth, Regime(*(tuple(column) for column in zip(*large, strict=True))))
-
-
-def _pack_line(packed: Sequence[Sample], plain: Sequence[Sample]) -> Line | None:
-    """The seconds per byte a collective's copies cost (module docstring): the median, over the
-    sizes where a :data:`PACKED` sample copies :data:`PACK_FROM` bytes or more, of its time less
-    the plain reduce_scatter's at its bytes (axis 0, timed with it) per byte copied, as a line
-    through zero of slope that median (``kept`` of ``total``: the sizes used of the packed
-    ones); None where fewer than two sizes qualify or the median is not positive."""
-    times = {s.bytes: s.seconds for s in plain}
-    per_byte = [(s.seconds - times[s.bytes]) / s.copied for s in packed if s.copied >= PACK_FROM and s.bytes in times]
-    if len(per_byte) < 2 or statistics.median(per_byte) <= 0:
-        return None
-    return Line(0.0, statistics.median(per_byte), len(per_byte), len(packed))
 
 
 def _less_copy(sample: Sample, copy_bandwidth: float) -> Sample:

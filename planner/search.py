@@ -193,7 +193,7 @@ def _plan_cached(
                 tuple(tuple(kept[a] for a in axes) for axes in dims), mesh, tuple((kept[a], o) for a, o in partial)
             )
         alpha, bandwidth = figures[priced_as(op, full_axis, nbytes, large_from)]
-        seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis] + cost.overhead + cost.pack_seconds(copied)
+        seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis] + cost.overhead + cost.copy_seconds(copied)
         steps.append(Step(op, full_axis, dim, to_dim, reduce_op, layout, nbytes, seconds))
     if all(s.op in LOCAL_OPS for s in steps):  # the executor's copy of the result (planner.cost)
         last = steps[-1]

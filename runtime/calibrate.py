@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from planner import Plan, collective_plan, point_to_point_plan
 from planner.cost import collective_rounds
-from planner.fit import LOCAL, PACKED, Sample
+from planner.fit import LOCAL, Sample
 from runtime.comm import default_device, gather_messages_from
 from runtime.executor import reshard
 from runtime.pieces import shard
@@ -51,17 +51,14 @@ DEFAULT_REPS = 7  # per pass
 DEFAULT_PASSES = 2
 DEFAULT_BUDGET = 45.0  # seconds for the whole sweep
 _COLUMNS = 64
-PACKED_AS = {PACKED: "reduce_scatter"}  # the sweep's packed step is a reduce_scatter (step_plans)
 
 
 def step_plans(mesh: Mesh, axis: int, size: int) -> dict[str, Plan]:
     """One plan of one step per kind on mesh ``axis``, of an f32 ``[rows, 64]`` tensor whose
     larger local buffer is about ``size`` bytes: ``S(a) -> R`` (all_gather), ``R | P(a) -> S(a)``
     (reduce_scatter), ``R | P(a) -> R`` (all_reduce), ``S(a),R -> R,S(a)`` (all_to_all, and by
-    one point-to-point step), under ``slice`` a ``R -> S(a)`` of a tensor whose target piece is
-    about ``size`` bytes, and on axis 0 alone under ``packed`` the reduce_scatter of dim 1,
-    ``R | P(a) -> R,S(a)``, which packs its blocks (the same bytes as the reduce_scatter's, and
-    the whole piece copied: ``planner.fit`` prices a collective's copies by the difference)."""
+    one point-to-point step), and under ``slice`` a ``R -> S(a)`` of a tensor whose target
+    piece is about ``size`` bytes."""
     n = mesh.shape[axis]
     shape = (max(size // 4 // _COLUMNS // n, 1) * n, _COLUMNS)
     split = Layout(dims=((axis,), ()), mesh=mesh)
@@ -76,10 +73,8 @@ def step_plans(mesh: Mesh, axis: int, size: int) -> dict[str, Plan]:
         "point_to_point": point_to_point_plan(split, moved, shape),
         LOCAL: collective_plan(whole, split, (shape[0] * n, _COLUMNS)),
     }
-    if axis == 0:  # a rank's local copies do not depend on the axis
-        plans[PACKED] = collective_plan(reduced, moved, shape)
     for op, planned in plans.items():
-        if [s.op for s in planned.steps] != [PACKED_AS.get(op, op)]:  # the default model's choice for these pairs
+        if [s.op for s in planned.steps] != [op]:  # the default model's choice for these pairs
             raise AssertionError(f"the calibration plan for {op} has steps {[s.op for s in planned.steps]}")
     return plans
 

@@ -26,18 +26,16 @@ def test_the_sweep_measures_every_kind_at_the_tables_bytes_on_every_rank():
     assert breaks == {("all_gather", 0): 524288, ("all_gather", 1): 699052}
     # A [16, 64] and a [64, 64] f32 tensor on 2 ranks, counted by hand from the cost table:
     # all_gather / reduce_scatter (n-1) * half, all_reduce 2 (n-1) * half, all_to_all and the
-    # point-to-point exchange (one message each way) a quarter; the slice of a tensor twice
-    # as long, whose target piece (what the executor copies) is the whole of the first; and the
-    # reduce_scatter of dim 1, the reduce_scatter's bytes, which packs (copies) the whole piece.
+    # point-to-point exchange (one message each way) a quarter; and the slice of a tensor twice
+    # as long, whose target piece (what the executor copies) is the whole of the first.
     got = [(s.op, s.axis, s.rounds, s.bytes) for s in samples]
     want = []
     for rows in (16, 64):
         half, quarter = rows * 64 * 4 // 2, rows * 64 * 4 // 4
         want += [("all_gather", 0, 1, half), ("reduce_scatter", 0, 1, half), ("all_reduce", 0, 2, 2 * half),
                  ("all_to_all", 0, 1, quarter), ("point_to_point", 0, 1, quarter),
-                 ("slice", 0, 0, 2 * half), ("packed", 0, 1, half)]  # fmt: skip
+                 ("slice", 0, 0, 2 * half)]  # fmt: skip
     assert got == want
-    assert [s.copied for s in samples if s.op == "packed"] == [16 * 64 * 4, 64 * 64 * 4]
     assert all(s.seconds > 0 for s in samples) and timed[0] > 0
     model, _ = fit_model(samples)
     assert [c.op for c in model.ops] == list(planner.PRICED_OPS[1:])  # all_gather's are the model's own

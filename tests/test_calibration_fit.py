@@ -332,49 +332,6 @@ def test_the_fit_recovers_the_executor_terms():
     assert (bare.overhead, bare.copy_bandwidth) == (0.0, None)
 
 
-def test_a_collectives_copies_are_priced_by_the_packed_reduce_scatter():
-    """[4], the sweep's sizes, 3% noise: collectives whose copies run at 1 GB/s while the slices
-    copy at 4 GB/s. The packed reduce_scatter's excess over the plain one gives the pack
-    bandwidth; the all_to_all, which packs its piece, is fitted less its copies at that rate;
-    and ``R,R | P0 -> R,R`` of 765x1024 (uneven rows: the reduce_scatter and all_gather copy
-    3.9 MB) then takes the all_reduce, which the pair undercuts with copies at the slice's rate."""
-    rng = random.Random(5)
-    overhead, copy_bandwidth, pack_bandwidth = 1e-4, 4e9, 1e9
-    truth = {"all_gather": (5e-4, 1e9), "reduce_scatter": (5e-4, 1e9), "all_reduce": (1e-3, 1e9),
-             "all_to_all": (4e-4, 8e8), "point_to_point": (1e-3, 8e8)}  # fmt: skip
-    table = {"all_gather": (3, 3 / 4), "reduce_scatter": (3, 3 / 4), "all_reduce": (6, 3 / 2),
-             "all_to_all": (3, 3 / 16), "point_to_point": (3, 3 / 16)}  # fmt: skip
-
-    def noisy(seconds: float) -> float:
-        return seconds * (1 + rng.uniform(-0.03, 0.03))
-
-    samples = []
-    for size in SWEEP_BYTES:
-        for op, (alpha, bandwidth) in truth.items():
-            rounds, share = table[op]
-            nbytes = round(share * size)
-            copied = size if op == "all_to_all" else 0
-            seconds = overhead + rounds * alpha + nbytes / bandwidth + copied / pack_bandwidth
-            samples.append(Sample(op, 0, rounds, nbytes, noisy(seconds), copied))
-            if op == "reduce_scatter":
-                samples.append(Sample("packed", 0, rounds, nbytes, noisy(seconds + size / pack_bandwidth), size))
-        samples.append(Sample("slice", 0, 0, size, noisy(overhead + size / copy_bandwidth)))
-    model, lines = fit_model(samples)
-    assert model.copy_bandwidth == pytest.approx(copy_bandwidth, rel=0.1)
-    assert model.pack_bandwidth == pytest.approx(pack_bandwidth, rel=0.1)
-    mesh = Mesh((4,))
-    assert model.for_op("all_to_all", mesh)[1][0] == pytest.approx(8e8, rel=0.1)
-    assert fit_table(model, lines, mesh).splitlines()[-1].split() == [
-        "executor", "(collective", "copies)", "any", f"{model.pack_bandwidth / 1e9:.3g}", "GB/s", "9/14"
-    ]  # fmt: skip
-    src, dst = parse_layout("R,R | P0 over mesh[4]"), parse_layout("R,R over mesh[4]")
-    steps = [[s.op for s in planner.plan(src, dst, (765, 1024), "f32", m).steps]
-             for m in (model, attrs.evolve(model, pack_bandwidth=None))]  # fmt: skip
-    assert steps == [["all_reduce"], ["reduce_scatter", "all_gather"]]
-    # The field round-trips through the hints file's JSON.
-    assert planner.CostModel.from_json(json.loads(json.dumps(model.to_json()))) == model
-
-
 def test_plans_are_priced_with_the_overhead_and_the_copy():
     """By hand: every step pays the overhead; only a plan that sends nothing pays the copy of
     its target piece; a cross-mesh point-to-point step pays the overhead once."""
@@ -460,7 +417,6 @@ def test_plans_are_optimal_with_a_step_overhead(seed):
         ('{"overhead": [1e-4, 1e-4]}', "field 'overhead': expected one number"),
         ('{"copy_bandwidth": 0}', "field 'copy_bandwidth': expected a positive number of bytes per second, got 0"),
         ('{"copy_bandwidth": "fast"}', "field 'copy_bandwidth': expected a number"),
-        ('{"pack_bandwidth": -2e9}', "field 'pack_bandwidth': expected a positive number of bytes per second"),
     ],
 )
 def test_bad_executor_terms_name_the_file_and_field(tmp_path, capsys, content, field):
