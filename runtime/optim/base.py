@@ -334,6 +334,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     the math and its phases of sums."""
 
     phases: tuple[str, ...] = ()
+    # Whether an update runs collectives besides its phases' sums (a failed one is not joined:
+    # :meth:`_join_after`).
+    updates_communicate = False
 
     def __init__(
         self,
@@ -936,7 +939,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             new_buffers,
             own,
         )
-        sum_bytes, sum_collectives = self._exchange(work, step_number)
+        try:
+            sum_bytes, sum_collectives = self._exchange(work, step_number)
+        except _UpdateFailed as failed:
+            self._join_after(after, compiled, slots)
+            where = "every rank" if self.all_ranks_commit else "this rank"
+            raise OptimizerStepError(
+                f"step {step_number} failed in the update on rank {self.rank}: {_first_line(failed.error)}; "
+                f"parameters and optimizer states are unchanged on {where}"
+            ) from failed.error
 
         # 3. After the update; with prefetch_params the parameters' gathers are waited on later.
         inputs = {}
@@ -976,6 +987,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.last_grad_norm, self.last_step_skipped = norm, False
 
         return commit
+
+    def _joinable(self, error: Exception) -> Exception:
+        """``error``, raised by this rank's math, if the rest of the step can be joined despite
+        it (:meth:`_join_after`); raises it otherwise: our own errors (raised where they are
+        meant to be, often on every rank alike) and any error of an update that communicates."""
+        if isinstance(error, ShardlangError) or self.updates_communicate:
+            raise error
+        return error
+
+    def _join_after(self, after: StageRun, compiled: _Compiled, slots: Sequence[Slot]) -> None:
+        """After this rank's update failed: the stage after the update runs anyway, on zeros,
+        so that the ranks it shares buckets with finish their step and learn of the failure
+        from the commit flag, instead of waiting out the timeout (and leaving their groups
+        broken) for collectives this rank never joins. Only where nobody commits without this
+        rank (``all_ranks_commit``; updates that run collectives of their own are never joined:
+        :meth:`_joinable`)."""
+        if not self.all_ranks_commit or len(self._members(slots)) < 2:
+            return
+        device, program = slots[0].local_param().device, compiled.program
+        inputs = {
+            i: torch.zeros(after.source_shape(i), dtype=program.legs[i].dtype, device=device)
+            for i, leg in enumerate(compiled.plan.legs)
+            if leg.stage == AFTER and i not in after.legs
+        }
+        try:
+            after.feed(inputs)
+            after.finish()
+        except ShardlangError:  # the step fails anyway; what it raised is the failure to report
+            after.drain()
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``dtype`` is reduced in: ``reduce_dtype`` when it is wider."""
@@ -1212,24 +1252,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         all-reduces the reductions took. An update (one per slot, or one per run of slots)
         yields, per phase, the partial sums of its slots in slot order (those of the slots'
         :meth:`_sum_specs`) and is sent back as many, completed."""
-        updates = self._updates(work)
         specs = [self._sum_specs(slot) for slot in work.slots]
         pending: list[Update] = []
         sent: list[list[torch.Tensor]] = []
-        for update in updates:
-            try:
-                sent.append(next(update))
-                pending.append(update)
-            except StopIteration:  # no phases: the math is local
-                pass
+        failure: Exception | None = None
+        try:
+            for update in self._updates(work):
+                try:
+                    sent.append(next(update))
+                    pending.append(update)
+                except StopIteration:  # no phases: the math is local
+                    pass
+        except Exception as e:  # this rank's math failed: its sums are still joined, below
+            failure = self._joinable(e)
         total_bytes = total_collectives = 0
-        if not pending:
+        if not pending and (failure is None or not any(spec for slot_specs in specs for spec in slot_specs)):
+            if failure is not None:
+                raise _UpdateFailed(failure)
             return 0, 0
         for k, phase in enumerate(self.phases):
             phase_specs = [spec for slot_specs in specs for spec in slot_specs[k]]
-            values = [v for slot_values in sent for v in slot_values]
-            if len(values) != len(phase_specs):
-                raise AssertionError(f"{len(values)} sums yielded for {phase}, {len(phase_specs)} specified")
+            if failure is None:
+                values = [v for slot_values in sent for v in slot_values]
+                if len(values) != len(phase_specs):
+                    raise AssertionError(f"{len(values)} sums yielded for {phase}, {len(phase_specs)} specified")
+            else:  # zeros, so that the peers' sums complete (the step commits nowhere)
+                device = work.grads[0].device
+                values = [torch.zeros(spec.numel, dtype=spec.dtype, device=device) for spec in phase_specs]
             try:
                 completed, collectives = self._reducer.reduce(phase_specs, values, phase)
             except DistributedError as e:
@@ -1240,13 +1289,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             total_bytes += sum(c.bytes for c in collectives)
             total_collectives += len(collectives)
             offset = 0
-            for i, update in enumerate(pending):
+            for i, update in enumerate(pending if failure is None else ()):
                 n = len(sent[i])
                 try:
                     sent[i] = update.send(completed[offset : offset + n])
                 except StopIteration:
                     sent[i] = []
+                except Exception as e:  # as above: the later phases are joined with zeros
+                    failure = self._joinable(e)
+                    break
                 offset += n
+        if failure is not None:
+            raise _UpdateFailed(failure)
         return total_bytes, total_collectives
 
     # --- what a step communicates ------------------------------------------------------
@@ -1406,6 +1460,20 @@ def _started(backward: _Backward | None, compiled: _Compiled, slots: Sequence[Sl
         backward.run.drain()
         return None
     return backward.run
+
+
+class _UpdateFailed(Exception):
+    """This rank's math failed (``error``), after joining the step's sums
+    (:meth:`ShardedOptimizer._exchange`)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _failed(step_number: int, stage: str, e: ShardlangError) -> OptimizerStepError:

@@ -66,6 +66,8 @@ class ShardedMuon(ShardedOptimizer):
     :meth:`step_plan` shows the choice, the moves and the estimate (``StepPlan.matrices``).
     """
 
+    updates_communicate = True  # the matrices' moves run inside the update
+
     def __init__(
         self,
         named_params: Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]],

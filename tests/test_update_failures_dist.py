@@ -1,0 +1,107 @@
+"""A rank whose update fails mid-step (its math raising, as an out-of-memory error would) on 4
+gloo ranks: every rank raises, nothing changes anywhere, and the ranks it shares buckets with
+are not left waiting for collectives it never joins: the next step runs on every rank and
+equals the reference optimizer's first step. AdamW fails after its math wrote its new buffers;
+CAME fails between its phases of sums; AdamW again with ``prefetch_params``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.testing import run_ranks
+from tests.test_optim_dist import (
+    ADAMW,
+    CAME,
+    DP4,
+    SHAPES,
+    _assert_close,
+    _optimizer,
+    _spec,
+    _zero_rows,
+    initial_params,
+    local_grad,
+    reference,
+    step_grads,
+)
+
+CASES = {"adamw": ("adamw", False), "came": ("came", False), "adamw_prefetch": ("adamw", True)}
+SEED = 23
+FAILING_RANK = 1
+
+
+def _fails_after_its_first_phase(update: Generator) -> Generator:
+    yield next(update)
+    raise RuntimeError("injected failure between the phases")
+
+
+def _run_case(rank: int, kind: str, prefetch: bool) -> dict[str, Any]:
+    from runtime.optim import OptimizerStepError
+
+    spec = _spec(DP4, _zero_rows)
+    params = torch.nn.ParameterDict({n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, SEED).items()})
+    optimizer = _optimizer(kind, list(params.items()), spec, timeout=20)
+    if prefetch:
+        optimizer.prefetch_params(params)
+    fail = [rank == FAILING_RANK]
+    updates = optimizer._updates
+
+    def failing_updates(work: Any) -> list:
+        made = updates(work)
+        if not fail[0]:
+            return made
+        fail[0] = False
+        if kind == "adamw":
+            raise RuntimeError("injected out of memory after the math")
+        return [_fails_after_its_first_phase(made[0]), *made[1:]]
+
+    optimizer._updates = failing_updates
+    for name, (grad, addends) in step_grads(torch.float32, SEED, 0).items():
+        params[name].grad = local_grad(grad, addends, spec[name].grad, (rank,))
+    before = {n: p.detach().clone() for n, p in params.items()}
+    try:
+        optimizer.step()
+        message = None
+    except OptimizerStepError as e:
+        message = str(e)
+    optimizer.wait_params()
+    unchanged = all(torch.equal(before[n], params[n]) for n in SHAPES) and not optimizer.state_dict()["tensors"]
+    optimizer.step()  # the same gradients again: every rank's groups still work
+    optimizer.wait_params()
+    return {"message": message, "unchanged": unchanged, "params": {n: p.detach().clone() for n, p in params.items()}}
+
+
+def _run(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    return {case: _run_case(rank, kind, prefetch) for case, (kind, prefetch) in CASES.items()}
+
+
+@functools.cache
+def _results() -> list[dict[str, dict[str, Any]]]:
+    return run_ranks(_run, 4, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_failed_update_fails_the_step_everywhere_and_the_next_one_runs(case: str) -> None:
+    kind, _ = CASES[case]
+    ref, optimizer = reference(kind, initial_params(torch.float32, SEED), ADAMW if kind == "adamw" else CAME)
+    for name, (grad, _) in step_grads(torch.float32, SEED, 0).items():
+        ref[name].grad = grad.clone()
+    optimizer.step()
+    for rank, result in enumerate(_results()):
+        got = result[case]
+        message = got["message"] or ""
+        if rank == FAILING_RANK:
+            assert "step 1 failed in the update on rank 1: RuntimeError: injected" in message, message
+        else:
+            assert "step 1 failed on another rank of [0, 1, 2, 3]" in message, message
+        assert "unchanged on every rank" in message, message
+        assert got["unchanged"], f"{case}: rank {rank} changed in the failed step"
+        for name, param in got["params"].items():
+            label = f"{case}: rank {rank} '{name}' after the retry"
+            _assert_close(kind, torch.float32, param, ref[name].detach(), label)
