@@ -408,6 +408,17 @@ def _run_fails_after_its_last_collective(rank: int, seed: int) -> dict[str, Any]
     spec = _spec(DP4, _zero_rows)
     params = {n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, seed).items()}
     optimizer = FailsOnRank1(list(params.items()), spec, **ADAMW, timeout=30)
+    message, unchanged = failed_step(optimizer, params, spec, rank, seed)
+    optimizer.step()  # the retry succeeds everywhere
+    moved = all(not torch.equal(t, params[n]) for n, t in initial_params(torch.float32, seed).items())
+    return {"message": message, "unchanged": unchanged, "moved": moved}
+
+
+def failed_step(optimizer: Any, params: Any, spec: dict, rank: int, seed: int) -> tuple[str | None, bool]:
+    """A step of ``seed``'s first gradients (ZeRO-2 over [dp=4]) meant to fail: what it raised
+    on this rank (``None``: nothing), and whether parameters and states are as before it."""
+    from runtime.optim import OptimizerStepError
+
     for name, (grad, addends) in step_grads(torch.float32, seed, 0).items():
         params[name].grad = local_grad(grad, addends, spec[name].grad, (rank,))
     before = {n: p.detach().clone() for n, p in params.items()}
@@ -416,10 +427,9 @@ def _run_fails_after_its_last_collective(rank: int, seed: int) -> dict[str, Any]
         message = None
     except OptimizerStepError as e:
         message = str(e)
+    optimizer.wait_params()
     unchanged = all(torch.equal(before[n], params[n]) for n in SHAPES) and not optimizer.state_dict()["tensors"]
-    optimizer.step()  # the retry succeeds everywhere
-    moved = all(not torch.equal(before[n], params[n]) for n in SHAPES)
-    return {"message": message, "unchanged": unchanged, "moved": moved}
+    return message, unchanged
 
 
 def _run_smaller_mesh(rank: int) -> tuple[str, str, float]:

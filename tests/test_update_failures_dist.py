@@ -19,13 +19,12 @@ from tests.test_optim_dist import (
     ADAMW,
     CAME,
     DP4,
-    SHAPES,
     _assert_close,
     _optimizer,
     _spec,
     _zero_rows,
+    failed_step,
     initial_params,
-    local_grad,
     reference,
     step_grads,
 )
@@ -41,8 +40,6 @@ def _fails_after_its_first_phase(update: Generator) -> Generator:
 
 
 def _run_case(rank: int, kind: str, prefetch: bool) -> dict[str, Any]:
-    from runtime.optim import OptimizerStepError
-
     spec = _spec(DP4, _zero_rows)
     params = torch.nn.ParameterDict({n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, SEED).items()})
     optimizer = _optimizer(kind, list(params.items()), spec, timeout=20)
@@ -61,16 +58,7 @@ def _run_case(rank: int, kind: str, prefetch: bool) -> dict[str, Any]:
         return [_fails_after_its_first_phase(made[0]), *made[1:]]
 
     optimizer._updates = failing_updates
-    for name, (grad, addends) in step_grads(torch.float32, SEED, 0).items():
-        params[name].grad = local_grad(grad, addends, spec[name].grad, (rank,))
-    before = {n: p.detach().clone() for n, p in params.items()}
-    try:
-        optimizer.step()
-        message = None
-    except OptimizerStepError as e:
-        message = str(e)
-    optimizer.wait_params()
-    unchanged = all(torch.equal(before[n], params[n]) for n in SHAPES) and not optimizer.state_dict()["tensors"]
+    message, unchanged = failed_step(optimizer, params, spec, rank, SEED)
     optimizer.step()  # the same gradients again: every rank's groups still work
     optimizer.wait_params()
     return {"message": message, "unchanged": unchanged, "params": {n: p.detach().clone() for n, p in params.items()}}
