@@ -1266,9 +1266,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except Exception as e:  # this rank's math failed: its sums are still joined, below
             failure = self._joinable(e)
         total_bytes = total_collectives = 0
-        if not pending and (failure is None or not any(spec for slot_specs in specs for spec in slot_specs)):
-            if failure is not None:
-                raise _UpdateFailed(failure)
+        if not pending and failure is None:
             return 0, 0
         for k, phase in enumerate(self.phases):
             phase_specs = [spec for slot_specs in specs for spec in slot_specs[k]]
