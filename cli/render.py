@@ -6,8 +6,6 @@ import sys
 from pathlib import Path
 from typing import BinaryIO
 
-import graphviz
-
 from cli.terminal import is_terminal
 from shardlang.errors import ShardlangError
 
@@ -37,6 +35,8 @@ def output_format(fmt: str | None, output: str | None) -> str:
 def draw(dot_text: str, fmt: str) -> bytes:
     if fmt == "dot":
         return dot_text.encode()
+    import graphviz  # here, not at the top: only drawing needs it, and every command imports this module
+
     try:
         return graphviz.pipe("dot", fmt, dot_text.encode(), quiet=True)
     except graphviz.ExecutableNotFound:

@@ -8,6 +8,10 @@ take ``c``, an integer), ``u[g,c]`` (binary: any does); per collective kind ``k`
 ``sum seconds[g,c] n[g,c] + sum latency[k] y[k]``. Every solution is checked against the
 budget in whole bytes (the solver works in floats), and the program is solved again with the
 budget lowered by any excess.
+
+numpy and scipy are imported when a program is solved, not with this module, which the
+``shardlang`` command imports for every command: scipy takes about half a second to import
+(README, "The `shardlang` command").
 """
 
 from __future__ import annotations
@@ -16,8 +20,6 @@ import time
 from collections.abc import Sequence
 
 import attrs
-import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from planner.suggest import Choice, Problem, SuggestError, Suggestion
 
@@ -26,6 +28,9 @@ _US = 1e6
 
 
 def _program(problem: Problem, objective: str, budget: int | None) -> tuple:
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint
+
     kinds: dict[tuple, float] = {}
     for g in problem.groups:
         for c in g.candidates:
@@ -74,6 +79,9 @@ def _program(problem: Problem, objective: str, budget: int | None) -> tuple:
 
 
 def _solve(problem: Problem, objective: str, budget: int | None, time_limit: float) -> tuple[Choice, float, bool]:
+    import numpy as np
+    from scipy.optimize import milp
+
     cells, cost, constraints, bounds, integrality = _program(problem, objective, budget)
     options = {"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": True}
     result = milp(cost, constraints=constraints, bounds=bounds, integrality=integrality, options=options)
