@@ -2,7 +2,7 @@
 
 A collective exchanges equal-sized blocks, but pieces are uneven (``torch.chunk``: trailing
 pieces shorter or empty). ``pack`` cuts a tensor along one dim into ``n`` blocks of a given
-padded shape (zeros fill what the tensor does not cover); ``unpack`` concatenates received
+padded shape (zeros fill what the tensor does not cover, and only that); ``unpack`` concatenates received
 blocks along one dim and crops to the true shape. Both avoid copies when the blocks are
 already contiguous runs of memory, and otherwise copy each region once (two copies at most:
 the whole blocks, then the partial last one). ``region`` is the view of one box of a piece
@@ -40,11 +40,9 @@ def pack(x: torch.Tensor, dim: int, n: int, block: Sequence[int], out: torch.Ten
         out.copy_(blocks)
         return out
     b, length = block[dim], x.shape[dim]
-    padded = length != n * b or any(x.shape[k] != block[k] for k in range(x.dim()) if k != dim)
     if out is None:
-        out = x.new_zeros((n, *block)) if padded else x.new_empty((n, *block))
-    elif padded:
-        out.zero_()
+        out = x.new_empty((n, *block))
+    _zero_padding(out, x.shape, dim)
     if x.numel() == 0:
         return out
     spread = crop(out.movedim(0, dim), [*x.shape[:dim], n, b, *x.shape[dim + 1 :]])
@@ -54,6 +52,23 @@ def pack(x: torch.Tensor, dim: int, n: int, block: Sequence[int], out: torch.Ten
     if rest:
         spread.select(dim, whole).narrow(dim, 0, rest).copy_(x.narrow(dim, whole * b, rest))
     return out
+
+
+def _zero_padding(out: torch.Tensor, shape: Sequence[int], dim: int) -> None:
+    """Zero what of the ``[n, *block]`` blocks ``out`` a tensor of ``shape`` packed along ``dim``
+    leaves uncovered, and nothing else: the pack writes the rest (zeroing all of it first would
+    write every byte twice). E.g. 5 rows in blocks of 2 rows: block 2's second row, and nothing
+    of blocks 0 and 1."""
+    n, *block = out.shape
+    for k, (length, b) in enumerate(zip(shape, block, strict=True)):
+        if k != dim and length < b:
+            out.narrow(k + 1, length, b - length).zero_()
+    whole, rest = divmod(shape[dim], block[dim]) if block[dim] else (n, 0)
+    if rest:
+        out[whole].narrow(dim, rest, block[dim] - rest).zero_()
+        whole += 1
+    if whole < n:
+        out.narrow(0, whole, n - whole).zero_()
 
 
 def as_blocks(x: torch.Tensor, dim: int, n: int, block: Sequence[int]) -> torch.Tensor | None:

@@ -40,6 +40,9 @@ def test_pack_is_padded_blocks(case: tuple[torch.Tensor, int, int, list[int]]) -
     padded = _pad_to(x, [n * b if k == dim else b for k, b in enumerate(block)])
     expected = torch.stack(torch.split(padded, block[dim], dim=dim)) if block[dim] else torch.zeros(n, *block)
     assert torch.equal(packed, expected)
+    # Into a kept buffer that holds an earlier step's blocks: the padding is zeroed again.
+    kept = torch.full((n, *block), float("nan"))
+    assert pack(x, dim, n, block, out=kept) is kept and torch.equal(kept, expected)
 
 
 @settings(max_examples=300, deadline=None)
