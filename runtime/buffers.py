@@ -16,13 +16,17 @@ import torch
 
 class Scratch:
     """Buffers kept between steps, by name, grown to the largest size asked (see the module
-    doc for why they are kept); :meth:`take` gives a 1-d view of the first ``numel``."""
+    doc for why they are kept); :meth:`take` gives a 1-d view of the first ``numel``. With
+    ``keep_at_most`` (bytes), a larger request gets a new buffer of its own, not kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_at_most: int | None = None) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._keep_at_most = keep_at_most
         self.allocations = 0  # buffers allocated so far: views taken since are of the buffers now
 
     def take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self._keep_at_most is not None and numel * dtype.itemsize > self._keep_at_most:
+            return torch.empty(numel, dtype=dtype, device=device)
         key = (name, dtype, device)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:

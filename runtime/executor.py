@@ -15,7 +15,12 @@ Ranks in neither mesh do not call.
 
 Memory: a collective step allocates its result plus at most one padded buffer per side of
 the collective (the send buffer is released before the result is assembled); no step holds
-the global tensor unless the state it produces is replicated. A point-to-point step
+the global tensor unless the state it produces is replicated. On the CPU the padded send
+buffer, and the blocks gloo's reduce_scatter receives before summing them, are kept between
+calls (per thread, one of each per dtype, up to :data:`KEPT_BYTES` each; larger ones are
+allocated per call): allocated anew, such a buffer's pages fault on first touch every call,
+which costs as much as the copy into it (``runtime.buffers``). On a GPU the caching
+allocator already reuses memory. A point-to-point step
 allocates its output, plus one buffer per peer whose message is not a single contiguous box
 (a message that is one is sent from the piece, or received into the output, in place).
 The caller's tensor is never written: an all_reduce copies it first, later steps reduce
@@ -37,6 +42,7 @@ import datetime
 import functools
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -49,6 +55,7 @@ from torch.distributed.tensor import DTensor
 import planner
 from planner.records import Plan
 from runtime import stats
+from runtime.buffers import Scratch
 from runtime.comm import collective, default_device, post_point_to_point, timeout_of, wait_point_to_point
 from runtime.dtypes import dtype_name, torch_dtype
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
@@ -144,13 +151,18 @@ def _execute(
         if move.is_local:
             x = move.local(x)
             continue
-        send = move.send(x, writable=writable)
+        scratch = _kept_buffers() if device.type == "cpu" else None
+        send = move.send(x, writable=writable, scratch=scratch)
         x = None  # let the previous intermediate go before the collective allocates
         started = time.perf_counter()
         try:
             group = group_for(move.step.layout.mesh, (move.step.axis,), move.members, device_mesh, timeout=wait)
-            received = collective(move.step.op, send, move.n, move.step.reduce_op, group, wait)
+            workspace = None
+            if scratch is not None and move.step.op == "reduce_scatter":
+                workspace = scratch.take("blocks", send.numel(), send.dtype, send.device)
+            received = collective(move.step.op, send, move.n, move.step.reduce_op, group, wait, workspace=workspace)
         except (DistributedError, ReshardError) as e:
+            _THREAD.scratch = None  # a collective that failed may still use them: new ones next time
             raise type(e)(f"{label}: {_where(move, program.plan)} failed: {e.message}") from e
         if stats.is_recording():
             _record(move, program.plan, name, started)
@@ -160,6 +172,21 @@ def _execute(
         return None  # a rank outside the target mesh
     # Steps that never communicated return views of ``local``: copy them out.
     return x.contiguous() if writable else x.clone(memory_format=torch.contiguous_format)
+
+
+# Up to this many bytes, a padded send buffer and gloo's reduce_scatter workspace are kept
+# between calls on the CPU (module docstring).
+KEPT_BYTES = 64 * 2**20
+_THREAD = threading.local()  # its ``scratch``: this thread's kept buffers (a Scratch, or None)
+
+
+def _kept_buffers() -> Scratch:
+    """This thread's buffers kept between calls (module docstring): one per thread, since two
+    threads resharding at once must not pack into the same memory."""
+    scratch = getattr(_THREAD, "scratch", None)
+    if scratch is None:
+        scratch = _THREAD.scratch = Scratch(keep_at_most=KEPT_BYTES)
+    return scratch
 
 
 def _point_to_point(

@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from planner.records import Plan, Step
+from runtime.buffers import Scratch
 from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError
 from runtime.exchange import RankExchange, compile_exchange
@@ -75,19 +76,21 @@ class CollectiveMove:
             return torch.zeros_like(x, memory_format=torch.contiguous_format)
         return x
 
-    def send(self, x: torch.Tensor, *, writable: bool) -> torch.Tensor:
-        """The flat, contiguous buffer this rank contributes to the collective. For
-        all_reduce it is reduced in place: ``x`` itself when ``writable``, else a copy."""
-        op, dim = self.step.op, self.step.dim
-        if op == "all_gather":
-            buffer = pack(x, dim, 1, self.block)
-        elif op == "reduce_scatter":
-            buffer = pack(x, dim, self.n, self.block)
-        elif op == "all_to_all":
-            buffer = pack(x, self.step.to_dim, self.n, self.block)
-        else:
-            buffer = x.contiguous() if writable else x.clone(memory_format=torch.contiguous_format)
-        return buffer.view(-1)
+    def send(self, x: torch.Tensor, *, writable: bool, scratch: Scratch | None = None) -> torch.Tensor:
+        """The flat, contiguous buffer this rank contributes to the collective: a view of ``x``
+        where its blocks are runs of its memory (:meth:`send_blocks`), else its blocks packed
+        into ``scratch``'s ``"send"`` buffer when given (kept between calls, ``runtime.buffers``)
+        or a new one. For all_reduce it is reduced in place: ``x`` itself when ``writable``,
+        else a copy."""
+        if self.step.op == "all_reduce":
+            return (x.contiguous() if writable else x.clone(memory_format=torch.contiguous_format)).view(-1)
+        blocks = self.send_blocks(x)
+        if blocks is not None:
+            return blocks.view(-1)
+        numel = math.prod(self.blocks_shape)
+        out = x.new_empty(numel) if scratch is None else scratch.take("send", numel, x.dtype, x.device)
+        self.send_into(x, out)
+        return out
 
     @property
     def chunk(self) -> int:
