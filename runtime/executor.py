@@ -50,7 +50,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 import planner
 from planner.records import Plan
@@ -64,6 +63,7 @@ from runtime.groups import axis_group, group_for, ranks_group
 from runtime.program import CollectiveMove, bytes_sent, compile_plan
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
+from shardlang.interop import is_dtensor
 from shardlang.layout import Layout
 
 
@@ -235,8 +235,8 @@ def _record(move: CollectiveMove | RankExchange, plan: Plan, name: str | None, s
 
 
 def _check_arguments(local: object, src: object, dst: object, label: str) -> None:
-    if local is not None and (not isinstance(local, torch.Tensor) or isinstance(local, DTensor)):
-        what = "a DTensor (pass its to_local())" if isinstance(local, DTensor) else type(local).__name__
+    if local is not None and (not isinstance(local, torch.Tensor) or is_dtensor(local)):
+        what = "a DTensor (pass its to_local())" if is_dtensor(local) else type(local).__name__
         raise ReshardError(f"{label}: reshard takes this rank's piece as a plain torch.Tensor, not {what}")
     for role, layout in (("src", src), ("dst", dst)):
         if not isinstance(layout, Layout):

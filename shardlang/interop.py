@@ -28,8 +28,9 @@ import itertools
 import math
 import operator
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from shardlang.errors import InteropError, LayoutError
 from shardlang.layout import REDUCE_OPS, Layout, chunk_bounds, reduce_ops_commute
@@ -189,6 +190,13 @@ def from_dtensor_placements(
         factors = {axis: f for split in splits for axis, f in split}
         _check_strided_slicing(layout, strided, factors, tuple(shape), source)
     return layout
+
+
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
+    """Whether ``value`` is a DTensor, without importing ``torch.distributed.tensor`` (about a
+    second): a DTensor exists only once that module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def from_dtensor(tensor: DTensor) -> Layout:

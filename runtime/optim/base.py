@@ -40,7 +40,6 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from planner.cost import CostModel
 from planner.step import (
@@ -67,6 +66,7 @@ from runtime.optim.flat import FlatStates
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumReducer, SumSpec, plan_collectives
 from shardlang.errors import ShardlangError
+from shardlang.interop import is_dtensor
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 from shardlang.spec import STATE_DEFAULT, Layouts, Spec, TensorSpec
@@ -134,7 +134,7 @@ class Slot:
         detached, the same tensor from call to call while the parameter keeps its memory, so
         that a step's views of it are made once (``runtime.buckets``, stable legs)."""
         param = self.param
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
             return param.to_local()
         # While the alias lives its memory cannot be reused, so an equal address is the same
         # memory; ``param.data = ...`` gives the parameter new memory or a new geometry.
@@ -146,7 +146,7 @@ class Slot:
     def local_grad(self) -> tuple[torch.Tensor, Layout]:
         grad = self.param.grad
         assert grad is not None
-        if isinstance(grad, DTensor):
+        if is_dtensor(grad):
             return grad.to_local(), dtensor_grad_layout(self.name, grad, self.grad_layout)
         if self.grad_layout is None:
             raise OptimizerError(f"tensor '{self.name}' is a DTensor but its gradient is a plain tensor")
@@ -532,7 +532,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     "tensors it does not step (a pipeline stage)"
                 )
             shard = StateShard.of(shape, block, self.rank, axis) if inside else None
-            if inside and not isinstance(param, DTensor):
+            if inside and not is_dtensor(param):
                 piece = param_layout.rank_piece(shape, self.rank).shape
                 if piece != tuple(param.shape):
                     raise OptimizerError(
@@ -776,7 +776,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grads = [slot.local_grad() for slot in slots]
         compiled = self._compiled(slots, [(layout, grad.dtype) for grad, layout in grads])
         for slot, (grad, layout) in zip(slots, grads, strict=True):
-            if isinstance(slot.param, DTensor):
+            if is_dtensor(slot.param):
                 slot.seen_grad = (layout, grad.dtype)
         step_number = min(s.step for s in slots) + 1
         reduced, self._reduced = self._reduced, None
@@ -1494,7 +1494,7 @@ def _grad_key(slot: Slot) -> tuple[Layout, torch.dtype]:
 def _expected_grad(slot: Slot) -> tuple[Layout, torch.dtype] | None:
     """The layout and dtype a slot's next gradient is planned with before it exists: the spec's
     grad layout, or a DTensor's gradient as last seen (None before its first step)."""
-    if slot.grad_layout is not None and not isinstance(slot.param, DTensor):
+    if slot.grad_layout is not None and not is_dtensor(slot.param):
         return slot.grad_layout, slot.param.dtype
     return slot.seen_grad
 
@@ -1511,7 +1511,7 @@ def _layouts(
     (``runtime.optim.dtensors``). A plain tensor is the rank's piece of the shape the spec declares, or, placed
     by a rule or a :class:`Layouts`, the whole tensor.
     """
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         shape = tuple(param.shape)
         entry = _spec_entry(name, shape, param.dtype, spec)
         if entry is not None and entry.shape != shape:

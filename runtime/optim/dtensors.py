@@ -11,14 +11,18 @@ That layout must agree with the DTensor's gradient on the sub-mesh's axes. See t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from runtime.optim.errors import OptimizerError
 from shardlang.errors import ShardlangError
 from shardlang.interop import from_dtensor, lift_layout
 from shardlang.layout import Layout
 from shardlang.spec import TensorSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def dtensor_param_layouts(param: DTensor, entry: TensorSpec | None) -> tuple[Layout, Layout | None, DeviceMesh | None]:
