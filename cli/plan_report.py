@@ -147,12 +147,14 @@ def steps_table(plan: Plan, style: Style, indent: str = "  ") -> str:
 
 
 def copy_lines(plan: Plan, indent: str = "  ") -> list[str]:
-    """Under the table, where the model prices local copies: the bytes each step copies to
-    pack its blocks and unpack its result (``planner.cost``'s copy table), which its time
-    includes; nothing where copies are free or no step copies."""
+    """Under the table, where the model prices local copies: the most bytes a rank copies in
+    each step (``Plan.copied_bytes``), which its time includes; nothing where copies are free or
+    no step copies."""
     bandwidth = plan.cost.copy_bandwidth
+    if bandwidth is None:
+        return []
     copied = [(i, b) for i, b in enumerate(plan.copied_bytes(), 1) if b]
-    if bandwidth is None or not copied:
+    if not copied:
         return []
     each = ", ".join(f"step {i} {format_bytes(b)} ({format_seconds(b / bandwidth)})" for i, b in copied)
     return [f"{indent}local copies at {bandwidth / 1e9:.3g} GB/s, in the steps' times: {each}"]

@@ -56,9 +56,11 @@ docs/calibration.md says what they stand for and how they are fitted). ``overhea
 fixed cost of one step of any kind, local steps included (the executor's own work per step:
 dispatch, views, the buffer it allocates); a collective's measured fixed cost beyond it is its
 ``alpha``. ``copy_bandwidth`` prices local copies: each collective step's ``copied`` bytes
-(above), and the copy of the target piece that a plan which sends nothing makes (the executor
-returns fresh memory: a plan of slice and partial steps only ends in a copy of its result),
-added to that plan's last step; ``None`` means free, so the default model prices neither.
+(above), each point-to-point step's (:func:`exchange_copy_elements`: the boxes a rank keeps,
+and the messages it packs or places because they are not one run of its piece), and the copy
+of the target piece that a plan which sends nothing makes (the executor returns fresh memory: a
+plan of slice and partial steps only ends in a copy of its result), added to that plan's last
+step; ``None`` means free, so the default model prices none of them.
 
 Per-collective figures. A model may give any of the priced kinds (:data:`PRICED_OPS`) its own
 per-axis alpha and bandwidth (``CostModel.ops``, e.g. measured by ``shardlang calibrate``, README
@@ -96,12 +98,13 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
 
 from planner.errors import PlanError
+from shardlang.box import Box
 from shardlang.mesh import Mesh
 from shardlang.spec import CostHints
 
@@ -539,6 +542,34 @@ def copy_elements(
     block[to_dim] = after[to_dim]
     fit = before[to_dim] == n * after[to_dim] and after[dim] == n * before[dim] and _leads(to_dim, before)
     return (0 if fit else n * math.prod(block)) + (0 if _leads(dim, block) else math.prod(after))
+
+
+def exchange_copy_elements(
+    transfers: Iterable[tuple[int, int, Box]], source_piece: Callable[[int], Box], target_piece: Callable[[int], Box]
+) -> dict[int, int]:
+    """Per rank, the elements a point-to-point step copies locally (``runtime/exchange.py``), from
+    its ``(sender, receiver, box)`` transfers and each rank's source and target piece: every box it
+    keeps (sender and receiver alike, never sent), and on each side of a message (all the boxes
+    between one pair of ranks) the whole message, unless it is one box that is a contiguous run
+    of that side's piece (sent from it, or received into it, in place). Empty boxes move nothing.
+    E.g. ``S0,R -> R,S0`` of 4x4 on [2]: rank 0 keeps rows 0-1 x columns 0-1 (4 elements copied),
+    packs rows 0-1 x columns 2-3 for rank 1 (not a run of its rows: 4 more), and receives rows 2-3
+    x columns 0-1 into its columns in place (a run of them): 8 in all."""
+    copied: dict[int, int] = {}
+    messages: dict[tuple[int, int], list[Box]] = {}
+    for sender, receiver, box in transfers:
+        if box.empty:
+            continue
+        if sender == receiver:
+            copied[sender] = copied.get(sender, 0) + box.numel
+        else:
+            messages.setdefault((sender, receiver), []).append(box)
+    for (sender, receiver), boxes in messages.items():
+        elements = sum(box.numel for box in boxes)
+        for rank, piece in ((sender, source_piece(sender)), (receiver, target_piece(receiver))):
+            if len(boxes) > 1 or not piece.is_run(boxes[0]):
+                copied[rank] = copied.get(rank, 0) + elements
+    return copied
 
 
 def _leads(dim: int, shape: Sequence[int]) -> bool:

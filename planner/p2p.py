@@ -25,7 +25,12 @@ Cost model of a point-to-point step. Per rank ``r``, over its messages sent ``Ms
            + max(sum of bytes / beta_link over Ms, sum of bytes / beta_link over Mr)
 
 and the step's time is the largest ``time_r``, plus the model's per-step overhead
-(``planner.cost``). Links are full duplex, so sending and receiving overlap; with one alpha and
+(``planner.cost``). Where the model prices local copies (``copy_bandwidth``), ``time_r`` also
+pays the bytes rank ``r`` copies (``planner.cost.exchange_copy_elements``: the boxes it keeps,
+the messages it packs or places), added, as the executor packs before posting and places after
+waiting (its kept boxes, copied while the messages travel, are counted the same way).
+
+Links are full duplex, so sending and receiving overlap; with one alpha and
 beta on every link this is ``messages * alpha + max(sent, received) / beta`` with messages =
 the larger of the counts sent and received, which prices a ring all_gather done by messages
 (n-1 sent and n-1 received per rank) exactly as the all_gather (n-1 rounds). Links: two ranks
@@ -37,9 +42,11 @@ nothing says which axis joins them.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
-from planner.cost import DEFAULT_COST, STEP, CostModel, integer_op_rates
+from planner.cost import COPY, DEFAULT_COST, STEP, CostModel, exchange_copy_elements, integer_op_rates
 from planner.errors import PlanError
 from planner.holdings import blocks_of
 from planner.records import Plan, Step, Transfer
@@ -73,6 +80,9 @@ class Links:
         self.src_rates, self.dst_rates = integer_op_rates(src_figures, dst_figures)
         # The overhead every step pays (planner.cost), in units and in seconds.
         self.step_units, self.overhead = self.src_rates[0][STEP][0], cost.overhead
+        # A byte copied locally, in units (0: copies are free, and not counted).
+        self.copy_units = self.src_rates[1][COPY][0] if COPY in self.src_rates[1] else 0
+        self.copy_seconds = cost.copy_seconds
         # Messages are priced with the point-to-point figures of both meshes.
         src_alpha, src_bandwidth = src_figures["point_to_point"]
         dst_alpha, dst_bandwidth = dst_figures["point_to_point"]
@@ -175,10 +185,27 @@ class PlannedExchange:
                 nbytes = -negative_size * itemsize
                 traffic.setdefault(sender, _Traffic()).add(link, nbytes, receiving=False)
                 traffic.setdefault(receiver, _Traffic()).add(link, nbytes, receiving=True)
+        copied = {}
+        if links.copy_units:  # priced: every rank's local copies (planner.cost.exchange_copy_elements)
+            source_piece = functools.cache(lambda r: before.rank_piece(shape, r))
+            target_piece = functools.cache(lambda r: after.rank_piece(shape, r))
+            elements = exchange_copy_elements(slots, source_piece, target_piece)
+            copied = {rank: count * itemsize for rank, count in elements.items()}
+        idle = _Traffic()
+        ranks = traffic.keys() | copied.keys()
         self.after = after
         self._slots = slots
         self._traffic = traffic
-        self.units = max((t.time_units() for t in traffic.values()), default=0) + links.step_units
+        self.units = (
+            max(
+                (traffic.get(r, idle).time_units() + copied.get(r, 0) * links.copy_units for r in ranks),
+                default=0,
+            )
+            + links.step_units
+        )
+        self._seconds = max(
+            (traffic.get(r, idle).time_seconds() + links.copy_seconds(copied.get(r, 0)) for r in ranks), default=0.0
+        )
         self._overhead = links.overhead
 
     def step(self) -> Step:
@@ -191,7 +218,7 @@ class PlannedExchange:
             reduce_op=None,
             layout=self.after,
             bytes=max((max(t.sent, t.received) for t in traffic), default=0),
-            seconds=max((t.time_seconds() for t in traffic), default=0.0) + self._overhead,
+            seconds=self._seconds + self._overhead,
             transfers=tuple(Transfer(sender, receiver, part) for sender, receiver, part in self._slots),
         )
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
 import attrs
 
-from planner.cost import CostModel, copy_elements
+from planner.cost import CostModel, copy_elements, exchange_copy_elements
 from planner.errors import PlanError
 from planner.holdings import receive_lower_bound
 from shardlang.box import Box
@@ -132,12 +133,19 @@ class Plan:
         return (self.src, *(s.layout for s in self.steps))
 
     def copied_bytes(self) -> tuple[int, ...]:
-        """Per step, the bytes it copies locally to pack its blocks and unpack its result
-        (``planner.cost.copy_elements``; 0 for local and point-to-point steps)."""
+        """Per step, the most bytes a rank copies locally: a collective to pack its blocks and
+        unpack its result (``planner.cost.copy_elements``), a point-to-point step its kept boxes
+        and the messages it packs or places (``planner.cost.exchange_copy_elements``); 0 for
+        local steps."""
         copied = []
         for before, step in zip(self.layouts(), self.steps, strict=False):
             if step.axis is None:  # point_to_point
-                copied.append(0)
+                elements = exchange_copy_elements(
+                    ((t.src_rank, t.dst_rank, t.box) for t in step.transfers),
+                    functools.cache(lambda r, layout=before: layout.rank_piece(self.shape, r)),
+                    functools.cache(lambda r, layout=step.layout: layout.rank_piece(self.shape, r)),
+                )
+                copied.append(max(elements.values(), default=0) * itemsize(self.dtype))
                 continue
             n = step.layout.mesh.shape[step.axis]
             old, new = before.local_shape(self.shape), step.layout.local_shape(self.shape)

@@ -87,6 +87,12 @@ class Box(tuple[tuple[int, int], ...]):
         for index in itertools.product(*(range(a, b) for a, b in rel[: whole - 1])):
             yield first + sum(i * s for i, s in zip(index, strides[: whole - 1], strict=True)), length
 
+    def is_run(self, sub: Box) -> bool:
+        """Whether ``sub`` (inside this box) is one contiguous run of this box's row-major data,
+        or empty: whether a view of it in a contiguous piece is contiguous (every dim before the
+        innermost one ``sub`` does not cover whole has length 1 in ``sub``)."""
+        return next(itertools.islice(self.runs(sub), 1, None), None) is None
+
     def flat_range(self, lo: int, hi: int) -> tuple[Box, ...]:
         """The boxes that elements ``[lo, hi)`` of this box flattened row-major cover, in order."""
         return tuple(

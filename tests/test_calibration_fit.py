@@ -334,7 +334,7 @@ def test_the_fit_recovers_the_executor_terms():
 
 def test_plans_are_priced_with_the_overhead_and_the_copy():
     """By hand: every step pays the overhead; only a plan that sends nothing pays the copy of
-    its target piece; a cross-mesh point-to-point step pays the overhead once."""
+    its target piece; a cross-mesh point-to-point step pays the overhead once, and its copies."""
     model = planner.CostModel(alpha=2e-5, bandwidth=1e9, overhead=1e-4, copy_bandwidth=4e9)
     mesh = "over mesh[4]"
     sliced = planner.plan(parse_layout(f"R,R {mesh}"), parse_layout(f"S0,R {mesh}"), (1000, 300), "f32", model)
@@ -344,7 +344,9 @@ def test_plans_are_priced_with_the_overhead_and_the_copy():
     assert gathered.total_seconds == pytest.approx(1e-4 + 3 * 2e-5 + 3 * 250 * 300 * 4 / 1e9)
     src, dst = Layout(((0,), (1,)), Mesh((2, 2))), Layout(((0,), ()), Mesh((4,), ranks=(4, 5, 6, 7)))
     (step,) = planner.plan(src, dst, (1000, 300), "f32", model).steps
-    assert step.seconds == pytest.approx(1e-4 + 2 * 2e-5 + 250 * 300 * 4 / 1e9)
+    # Each target rank receives two 250x150 halves of its 250x300 rows: not runs of its piece,
+    # so both are placed (copied); each sender's rows are runs of its piece, sent in place.
+    assert step.seconds == pytest.approx(1e-4 + 2 * 2e-5 + 250 * 300 * 4 / 1e9 + 250 * 300 * 4 / 4e9)
     # The terms travel with the plan: its JSON and the model's repr read back equal.
     assert planner.Plan.from_json(json.loads(json.dumps(sliced.to_json()))) == sliced
     assert eval(repr(model), vars(planner)) == model

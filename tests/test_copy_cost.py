@@ -15,9 +15,10 @@ import torch
 
 import planner
 from cli.main import main
-from planner.cost import LOCAL_OPS
+from planner.cost import LOCAL_OPS, exchange_copy_elements
 from planner.fit import LOCAL, Sample, fit_model
 from runtime.calibrate import SWEEP_BYTES, sample_bytes, step_plans
+from runtime.exchange import compile_exchange
 from runtime.program import CollectiveMove, compile_plan
 from shardlang import Mesh, parse_layout
 from tests.test_calibration_fit import _ReferenceWithOverhead, assert_brute_force_optimal
@@ -76,6 +77,64 @@ def test_the_copy_table_is_what_the_runtime_copies():
     kinds = ("all_gather", "reduce_scatter", "all_to_all")
     assert {(op, c) for op in kinds for c in (False, True)} <= seen, seen
     assert ("all_reduce", False) in seen
+
+
+def exchange_copied(plan: planner.Plan, index: int) -> dict[int, int]:
+    """Per rank, the elements the point-to-point step ``index`` copies in ``RankExchange.pack``,
+    ``place`` and ``copy_local`` from a contiguous piece: every message that is not a view of
+    the piece, every received buffer that is not a view of the output, every kept box."""
+    step = plan.steps[index]
+    before = plan.layouts()[index]
+    copied = {}
+    for rank in sorted({*before.mesh.ranks, *step.layout.mesh.ranks}):
+        move = compile_exchange(plan, index, rank)
+        piece = torch.zeros(before.rank_piece(plan.shape, rank).shape) if rank in before.mesh.ranks else None
+        out = None if move.after is None else torch.zeros(move.after)
+        count = sum(m.numel() for _, m in move.pack(piece) if not _shares(m, piece)) if move.sends else 0
+        if move.receives:
+            count += sum(buffer.numel() for _, buffer, in_place in move.receive_buffers(out) if not in_place)
+        count += sum(source.numel for source, _ in move.copies)
+        if count:
+            copied[rank] = count
+    return copied
+
+
+def test_the_exchange_copies_are_what_the_runtime_copies():
+    """Point-to-point steps of random pairs, on one mesh and across meshes (other shapes, other
+    ranks, overlapping or not): ``planner.cost.exchange_copy_elements`` (what the model prices,
+    and ``Plan.copied_bytes`` reports) is, rank by rank, what the runtime's exchange copies."""
+    rng = random.Random(11)
+    meshes = (Mesh((4,)), Mesh((2, 2)), Mesh((2, 2), ranks=(2, 0, 3, 1)), Mesh((2,), ranks=(4, 5)), Mesh((3,)))
+    seen = set()
+    for _ in range(150):
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.choice((0, 1, 2, 3, 5, 8, 12)) for _ in range(ndim))
+        src_mesh, dst_mesh = rng.choice(meshes), rng.choice(meshes)
+        src, dst = random_layout(rng, src_mesh, ndim, ()), random_layout(rng, dst_mesh, ndim, ())
+        plan = planner.point_to_point_plan(src, dst, shape, "f32")
+        (step,) = plan.steps
+        source = {r: src.rank_piece(shape, r) for r in src.mesh.ranks}
+        target = {r: dst.rank_piece(shape, r) for r in dst.mesh.ranks}
+        transfers = ((t.src_rank, t.dst_rank, t.box) for t in step.transfers)
+        table = exchange_copy_elements(transfers, source.__getitem__, target.__getitem__)
+        table = {rank: count for rank, count in table.items() if count}
+        assert table == exchange_copied(plan, 0), f"{src} -> {dst} {shape}"
+        assert plan.copied_bytes() == (max(table.values(), default=0) * 4,)
+        seen.add(bool(table))
+    assert seen == {False, True}
+
+
+def test_a_priced_exchange_pays_its_busiest_rank_copies():
+    """``S0,R -> R,S0`` of 64x64 on [4] by messages, copies at 1 GB/s: each rank keeps a 16x16
+    block (copied), packs three 16x16 blocks of its rows (not runs of them) and receives three
+    into its columns in place (runs of them): 4 x 1 KiB copied, priced in the step's time."""
+    src, dst = parse_layout("S0,R over mesh[4]"), parse_layout("R,S0 over mesh[4]")
+    free = planner.CostModel(alpha=1e-5, bandwidth=1e9)
+    priced = attrs.evolve(free, copy_bandwidth=1e9)
+    (plain,) = planner.point_to_point_plan(src, dst, (64, 64), "f32", free).steps
+    plan = planner.point_to_point_plan(src, dst, (64, 64), "f32", priced)
+    assert plan.copied_bytes() == (4 * 16 * 16 * 4,)
+    assert plan.steps[0].seconds == pytest.approx(plain.seconds + 4 * 16 * 16 * 4 / 1e9)
 
 
 @pytest.mark.parametrize("seed", range(2))
