@@ -16,7 +16,11 @@ different plans, the measured time of each choice. Those two plans are then time
 themselves, with three times the repetitions (``runtime.calibrate.timed_runs``, interleaved run
 by run), and a difference counts as measurable only if the Wilcoxon signed-rank test on the
 runs' paired times (run ``k`` of both plans met the same load) gives p < 0.05: the verdict is
-then faster or slower (by the ratio of the medians), else level. ``R,R | P01 -> R,R`` on
+then faster or slower (by the ratio of the medians), else level. A run compares some ten such
+pairs, so even were every pair level about one in twenty would get a verdict by chance; beside
+each pair's own p-value the table gives it Holm-adjusted over all of the run's differing pairs
+(one family: the verdict then says whether any choice of the run is measurably slower, at 5%
+for the whole run), and the summary counts both. ``R,R | P01 -> R,R`` on
 [2,2], at each of its three sizes, times both candidates whatever the models choose (the
 hierarchical reduce_scatter, all_reduce, all_gather and the two all_reduces, and the calibrated
 choice if it is neither) the same way, and says which is measured faster and whether the
@@ -45,7 +49,7 @@ import torch
 from scipy.stats import wilcoxon
 
 import planner
-from planner.fit import fit_model, median_relative_error, spearman
+from planner.fit import fit_model, holm, median_relative_error, spearman
 from runtime.calibrate import known_breaks, sample_pairs, sweep, time_plans, timed_runs
 from runtime.testing import run_ranks
 from shardlang import Mesh, parse_layout
@@ -94,7 +98,11 @@ def _compare(tuned: list[float], other: list[float]) -> tuple[float, float, str]
     level."""
     ratio = statistics.median(tuned) / statistics.median(other)
     p = float(wilcoxon(tuned, other).pvalue)
-    return ratio, p, "level" if p >= LEVEL else "faster" if ratio < 1 else "slower"
+    return ratio, p, _verdict(ratio, p)
+
+
+def _verdict(ratio: float, p: float) -> str:
+    return "level" if p >= LEVEL else "faster" if ratio < 1 else "slower"
 
 
 def _rank(rank: int, world: int, count: int, reps: int, budget: float) -> dict[str, list[dict]]:
@@ -203,20 +211,26 @@ def main() -> None:
         f"\n{len(differ)} pairs where the models choose different plans: median ms over {args.reps} runs, "
         f"then the two re-timed over {RETIME * args.reps} paired runs (Wilcoxon signed-rank, p < {LEVEL})"
     )
-    print("| mesh | pair | shape | default plan | calibrated plan | ms | re-timed ms | ratio | p | verdict |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    verdicts = []
-    for r in differ:
-        ratio, p, verdict = _compare(r["calibrated_runs"], r["default_runs"])
-        verdicts.append(verdict)
+    print(
+        "| mesh | pair | shape | default plan | calibrated plan | ms | re-timed ms | ratio | p | verdict "
+        "| Holm p | verdict, run as one family |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    compared = [_compare(r["calibrated_runs"], r["default_runs"]) for r in differ]
+    adjusted = holm([p for _, p, _ in compared])
+    family = [_verdict(ratio, q) for (ratio, _, _), q in zip(compared, adjusted, strict=True)]
+    for r, (ratio, p, verdict), q, whole in zip(differ, compared, adjusted, family, strict=True):
         again = [statistics.median(r[f"{w}_runs"]) * 1e3 for w in ("default", "calibrated")]
         print(
             f"| {r['mesh']} | {r['pair']} | {'x'.join(map(str, r['shape']))} | {'; '.join(r['default_steps'])} | "
             f"{'; '.join(r['calibrated_steps'])} | {r['default_measured'] * 1e3:.2f} / "
             f"{r['calibrated_measured'] * 1e3:.2f} | {again[0]:.2f} / {again[1]:.2f} | {ratio:.2f} | {p:.3g} | "
-            f"{verdict} |"
+            f"{verdict} | {q:.3g} | {whole} |"
         )
-    print("calibrated choice: " + ", ".join(f"{verdicts.count(v)} {v}" for v in ("faster", "level", "slower")))
+    verdicts = [v for _, _, v in compared]
+    kinds = ("faster", "level", "slower")
+    print("calibrated choice: " + ", ".join(f"{verdicts.count(v)} {v}" for v in kinds), end="")
+    print("; the run as one family (Holm): " + ", ".join(f"{family.count(v)} {v}" for v in kinds))
     print(f"\n{ALL_REDUCE[0]} -> {ALL_REDUCE[1]}: every candidate, {RETIME * args.reps} paired runs (median ms)")
     print("| shape | hierarchical | two all_reduces | calibrated's own | faster | calibrated picks | p | verdict |")
     print("|---|---|---|---|---|---|---|---|")

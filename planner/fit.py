@@ -529,3 +529,17 @@ def _ranks(values: Sequence[float]) -> list[float]:
 def median_relative_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
     """The median of ``|predicted - measured| / measured``."""
     return statistics.median(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
+
+
+def holm(ps: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given: the ``k``-th smallest of ``m`` is
+    multiplied by ``m - k`` (``k`` from 0), kept at least the adjusted one before it, and capped at
+    1. A verdict at level 0.05 on the adjusted values errs on any of the family at most 5% of the
+    time. E.g. ``[0.01, 0.04, 0.03]`` -> ``[0.03, 0.06, 0.06]``."""
+    order = sorted(range(len(ps)), key=ps.__getitem__)
+    adjusted = [1.0] * len(ps)
+    running = 0.0
+    for k, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - k) * ps[i]))
+        adjusted[i] = running
+    return adjusted

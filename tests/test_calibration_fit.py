@@ -21,6 +21,7 @@ from planner.fit import (
     fit_line,
     fit_model,
     fit_regimes,
+    holm,
     median_relative_error,
     pooling_p_value,
     shared_slope_p_value,
@@ -221,6 +222,24 @@ def test_the_fit_is_exact_without_noise_and_refits_through_zero():
     assert (line.intercept, 1 / line.slope) == (pytest.approx(2e-5), pytest.approx(1e9))
     through_zero = fit_line([1e6, 2e6, 4e6], [0.5e-3, 1.6e-3, 3.8e-3])  # a negative intercept
     assert through_zero.intercept == 0 and 0.5e-9 < through_zero.slope < 0.95e-9  # within the points' t / x
+
+
+def test_holm_rejects_what_holms_sequential_procedure_rejects():
+    """Holm's adjusted p-values against the procedure as Holm (1979) states it: sort the m
+    p-values, reject the k-th smallest (from 0) while it is at most alpha / (m - k), stop at the
+    first that is not; an adjusted value is below alpha exactly for the rejected ones."""
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([]) == [] and holm([0.7]) == [0.7] and holm([0.6, 0.9]) == [1.0, 1.0]
+    rng = random.Random(3)
+    for _ in range(500):
+        ps = [rng.choice((rng.random(), rng.random() ** 4, 0.01, 0.05)) for _ in range(rng.randint(1, 12))]
+        alpha = rng.choice((0.01, 0.05, 0.1))
+        rejected = set()
+        for k, i in enumerate(sorted(range(len(ps)), key=ps.__getitem__)):
+            if ps[i] > alpha / (len(ps) - k):
+                break
+            rejected.add(i)
+        assert {i for i, q in enumerate(holm(ps)) if q <= alpha} == rejected, (ps, alpha)
 
 
 def test_scores():
