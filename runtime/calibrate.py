@@ -1,25 +1,26 @@
 """Measuring the machine for the cost model: ``shardlang calibrate`` (README "Calibration").
 
-:func:`sweep` times every collective kind on every mesh axis at message sizes from 4 KiB to
-16 MiB (finer from 724 KiB, :data:`SWEEP_BYTES`), through the same calls the executor makes
-(``runtime.comm``: on gloo a reduce_scatter is an all_to_all plus a local sum), all groups of
-an axis at once as in a plan's step, and a plan of one slice step, which sends nothing (the
-executor's fixed cost of a step and its copy of the result: ``planner.fit``'s executor
-terms). Each repetition starts after a barrier of
-the whole mesh; a repetition's time is the slowest rank's (one all-reduce of every rank's
-times per size), and a sample is the median over repetitions. At each size the plans of every
-kind on every axis are timed together, interleaved repetition by repetition, so that noise hits
-them alike: load that comes and goes in time would otherwise show up as a difference between
-kinds or between axes (a sweep of one axis after the other measured physically identical axes
-here up to 2.7x apart at small sizes, consistently over several sizes), and ``planner.fit``
-pools axes whose lines it cannot tell apart. The sizes are swept twice (``passes``), a
-sample's median taken over both passes' repetitions, so that a burst of load on the machine
-during one pass moves it less. A sample's bytes are what the cost table counts for the step
-(``planner.cost``; a slice's: the target piece it copies), so that ``planner.fit`` fits the
-table's own formula. A time budget bounds the sweep: once a pass has used its share of the
-budget, its larger sizes are skipped (every rank agrees, from the all-reduced clocks); a size
-is sampled if either pass timed it, on every axis alike. :func:`time_plans` runs whole plans
-the same way (``--check`` and the benchmark).
+:func:`sweep` times every collective kind on every mesh axis at message sizes from 4 KiB to 16
+MiB (finer from 724 KiB, :data:`SWEEP_BYTES`), through the same calls the executor makes
+(``runtime.comm``: on gloo a reduce_scatter is an all_to_all plus a local sum), all groups of an
+axis at once as in a plan's step, and a plan of one slice step, which sends nothing (the
+executor's fixed cost of a step and its copy of the result: ``planner.fit``'s executor terms).
+Each repetition starts after a barrier of the whole mesh; a repetition's time is the slowest
+rank's (one all-reduce of every rank's times per size), and a sample is the median over
+repetitions. At each size the plans of every kind on every axis are timed together, interleaved
+repetition by repetition, so that noise hits them alike: load that comes and goes in time would
+otherwise show up as a difference between kinds or between axes (a sweep of one axis after the
+other measured physically identical axes here up to 2.7x apart at small sizes, consistently over
+several sizes), and ``planner.fit`` pools axes whose lines it cannot tell apart. The sizes are
+swept twice (``passes``), a sample's median taken over both passes' repetitions, so that a burst
+of load on the machine during one pass moves it less; sizes up to :data:`SMALL_BYTES` get
+:data:`SMALL_REPS_FACTOR` times the repetitions (cheap, and their medians set the fixed costs).
+A sample's bytes are what the cost table counts for the step (``planner.cost``; a slice's: the
+target piece it copies), so that ``planner.fit`` fits the table's own formula. A time budget
+bounds the sweep: once a pass has used its share of the budget, its larger sizes are skipped
+(every rank agrees, from the all-reduced clocks); a size is sampled if either pass timed it, on
+every axis alike. :func:`time_plans` runs whole plans the same way (``--check`` and the
+benchmark).
 
 Every rank of the mesh calls both, in the same order; the default process group must be up.
 """
@@ -48,6 +49,11 @@ from shardlang import Layout, Mesh
 # does); 724 KiB and 1 MiB lie either side of gloo's all_gather switch (:func:`known_breaks`).
 SWEEP_BYTES = (*(4096 * 4**k for k in range(4)), *(round(2**20 * 2 ** (k / 2)) for k in range(-1, 9)))
 DEFAULT_REPS = 7  # per pass
+# Sizes up to here are timed SMALL_REPS_FACTOR times as often: their times are mostly the
+# fixed cost that decides latency-bound plans, the scheduling of 4 ranks on 2 cores spreads them
+# by tens of percent, and a repetition there costs milliseconds.
+SMALL_BYTES = 256 * 1024
+SMALL_REPS_FACTOR = 3
 DEFAULT_PASSES = 2
 DEFAULT_BUDGET = 45.0  # seconds for the whole sweep
 _COLUMNS = 64
@@ -130,7 +136,7 @@ def sweep(
         started = time.perf_counter()
         for size in sizes:
             plans = [p for axis in range(mesh.ndim) for p in step_plans(mesh, axis, size).values()]
-            measured = timed_runs(plans, reps, started)
+            measured = timed_runs(plans, reps * (SMALL_REPS_FACTOR if size <= SMALL_BYTES else 1), started)
             for timed, new in zip(runs.setdefault(size, [[] for _ in plans]), measured, strict=False):
                 timed.extend(new)
             if measured[-1][-1] > budget / passes:
