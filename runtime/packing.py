@@ -2,11 +2,11 @@
 
 A collective exchanges equal-sized blocks, but pieces are uneven (``torch.chunk``: trailing
 pieces shorter or empty). ``pack`` cuts a tensor along one dim into ``n`` blocks of a given
-padded shape (zeros fill what the tensor does not cover, and only that); ``unpack`` concatenates received
-blocks along one dim and crops to the true shape. Both avoid copies when the blocks are
-already contiguous runs of memory, and otherwise copy each region once (two copies at most:
-the whole blocks, then the partial last one). ``region`` is the view of one box of a piece
-(a point-to-point transfer's block, placed by ``Box.relative_to`` in the piece that sends or
+padded shape (zeros fill what the tensor does not cover, and only that); ``unpack`` concatenates
+received blocks along one dim and crops to the true shape. Both avoid copies when the blocks are
+already contiguous runs of memory, and otherwise copy each region once (two copies at most: the
+whole blocks, then the partial last one). ``region`` is the view of one box of a piece (a
+point-to-point transfer's block, placed by ``Box.relative_to`` in the piece that sends or
 receives it; box arithmetic is :mod:`shardlang.box`).
 """
 
