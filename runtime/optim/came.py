@@ -104,7 +104,11 @@ class RunStats:
     statistics' count, so that per-matrix sums and means of rows are one ``index_add_`` for the
     run. When some matrices are flat chunks, every element of the run has its row, column and
     matrix there (``index``): their partial sums are one ``index_add_`` each for the whole run
-    and the statistics spread back to the elements one ``index_select``."""
+    and the statistics spread back to the elements one ``index_select``. ``counts`` give every
+    row statistic its matrix's width and every column statistic its height, ``sides`` every
+    matrix its width and height, ``spans`` every matrix whether its rows span ranks: what the
+    completed sums of the whole run are divided by and which normalisers come from them, in
+    one op each (per matrix, a Python float becomes a tensor for every op: four ops more)."""
 
     offsets: tuple[tuple[int, int, int] | None, ...]
     sizes: tuple[int, int, int]
@@ -112,6 +116,9 @@ class RunStats:
     heights: torch.Tensor
     index: tuple[torch.Tensor, ...] | None
     roots: torch.Tensor  # per slot, the square root of its tensor's element count (for the RMS)
+    counts: tuple[torch.Tensor, torch.Tensor]
+    sides: tuple[torch.Tensor, torch.Tensor]
+    spans: torch.Tensor
 
     @classmethod
     def of(cls, shards: Sequence[StateShard], dtype: torch.dtype, device: torch.device) -> RunStats:
@@ -128,11 +135,21 @@ class RunStats:
         kind = torch.int32 if max(sizes) < 2**31 - 1 else torch.int64
         row_matrix = torch.full((sizes[0] + 1,), sizes[2], dtype=kind)
         heights = torch.ones(sizes[2] + 1, dtype=dtype)
+        # In (at least) fp32, as a Python float divisor is: bf16 divided by it rounds once.
+        wide = torch.promote_types(dtype, torch.float32)
+        counts = (torch.ones(sizes[0], dtype=wide), torch.ones(sizes[1], dtype=wide))
+        sides = (torch.ones(sizes[2], dtype=wide), torch.ones(sizes[2], dtype=wide))
+        spans = torch.zeros(sizes[2], dtype=torch.bool)
         for shard, at in zip(shards, offsets, strict=True):
             if at is not None:
                 count, height = math.prod(shard.block_shape[:-2]), shard.row_stat_shape[-1]
                 row_matrix[at[0] : at[0] + count * height] = torch.arange(count).repeat_interleave(height) + at[2]
                 heights[at[2] : at[2] + count] = height
+                counts[0][at[0] : at[0] + count * height] = shard.shape[-1]
+                counts[1][at[1] : at[1] + math.prod(shard.col_stat_shape)] = shard.shape[-2]
+                sides[0][at[2] : at[2] + count] = shard.shape[-1]
+                sides[1][at[2] : at[2] + count] = shard.shape[-2]
+                spans[at[2] : at[2] + count] = rows_span_ranks(shard)
         index = None
         if any(s.flat_range is not None and s.factored for s in shards):
             numel = sum(math.prod(s.local_shape) for s in shards)
@@ -154,6 +171,9 @@ class RunStats:
             heights=heights.to(device),
             index=index,
             roots=torch.tensor([math.sqrt(s.numel) for s in shards], dtype=dtype, device=device),
+            counts=(counts[0].to(device), counts[1].to(device)),
+            sides=(sides[0].to(device), sides[1].to(device)),
+            spans=spans.to(device),
         )
 
 
@@ -250,7 +270,9 @@ class CameRun:
             row_matrix = self.stats.row_matrix
             per_matrix = self.stats.sizes[2] + 1
             totals = self._zeros(f"{row_state} totals", per_matrix).index_add_(0, row_matrix, sums[0])
-            old = self._zeros(f"{row_state} old", per_matrix).index_add_(0, row_matrix[:-1], self._row_stats(row_state))
+            old = self._zeros(f"{row_state} old", per_matrix).index_add_(
+                0, row_matrix[:-1], self._matrix_states(row_state)
+            )
             for j, total, old_sum in zip(
                 self.matrices, self._stat_views(totals, 2), self._stat_views(old, 2), strict=True
             ):
@@ -258,13 +280,17 @@ class CameRun:
                     out[j] += [total, old_sum]
         return out
 
-    def _zeros(self, name: str, numel: int) -> torch.Tensor:
-        """A kept buffer of ``numel`` zeros (the views of a kept buffer are made once)."""
-        return self.scratch.take(f"came {name}", numel, self.grads.dtype, self.grads.device).zero_()
+    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+        """A kept buffer of ``numel`` elements of the run's dtype (the views of a kept buffer
+        are made once)."""
+        return self.scratch.take(f"came {name}", numel, self.grads.dtype, self.grads.device)
 
-    def _row_stats(self, name: str) -> torch.Tensor:
-        """Row statistics ``name`` of the run's matrices, one after another (a range of their
-        buffer where they lie so, else a copy)."""
+    def _zeros(self, name: str, numel: int) -> torch.Tensor:
+        return self._buffer(name, numel).zero_()
+
+    def _matrix_states(self, name: str) -> torch.Tensor:
+        """States ``name`` of the run's matrices, one after another (a range of their buffer
+        where they lie so, else a copy)."""
         slots = [self.run[j] for j in self.matrices]
         flat = self.work.states_of(slots, name)
         if flat is not None:
@@ -274,37 +300,29 @@ class CameRun:
     def _factors(self, completed: Sequence[list[torch.Tensor]], states: tuple[str, str], beta: float) -> None:
         """The row and column EMAs of the completed sums (written to the new states ``states``),
         and their ``rsqrt(row / mean_H row) * rsqrt(col)`` spread into the update's matrices
-        (and ``1`` into the other elements, when some matrices are flat chunks)."""
+        (and ``1`` into the other elements, when some matrices are flat chunks). The math on
+        the statistics runs over the whole run's at once (laid out as :class:`RunStats` says)."""
         js = self.matrices
         if not js:
             return
-        rows, cols = self._decayed(js, states[0], beta), self._decayed(js, states[1], beta)
-        row_sums, col_sums = [completed[j][0] for j in js], [completed[j][1] for j in js]
-        torch._foreach_div_(row_sums, [float(self.shards[j].shape[-1]) for j in js])
-        torch._foreach_div_(col_sums, [float(self.shards[j].shape[-2]) for j in js])
-        torch._foreach_add_(rows, row_sums, alpha=1.0 - beta)
-        torch._foreach_add_(cols, col_sums, alpha=1.0 - beta)
-        dtype, device = self.grads.dtype, self.grads.device
-        buffers, views = [], []
-        for which, stats, name in ((0, rows, "came row factors"), (1, cols, "came column factors")):
-            buffer = self.scratch.take(name, self.stats.sizes[which] + 1, dtype, device)
+        buffers = []
+        for which, name in ((0, "rows"), (1, "columns")):
+            sums = self._completed([completed[j][which] for j in js], which, name, range(len(js)))
+            buffer = self._buffer(f"{name} factors", self.stats.sizes[which] + 1)
             buffer[-1:].fill_(1.0)
-            views.append(self._stat_views(buffer, which))
-            torch._foreach_copy_(views[-1], stats)
+            buffer[:-1].copy_(self._ema(states[which], beta, sums.div_(self.stats.counts[which])))
             buffers.append(buffer)
         row_buffer, col_buffer = buffers
         row_matrix = self.stats.row_matrix
-        norms = self._zeros("came norms", self.stats.sizes[2] + 1).index_add_(0, row_matrix, row_buffer)
+        norms = self._zeros("norms", self.stats.sizes[2] + 1).index_add_(0, row_matrix, row_buffer)
         norms.div_(self.stats.heights)  # mean_H of the new rows, where the rows are whole here
         spans = [k for k, j in enumerate(js) if self.spans[j]]
         if spans:  # the rows are split: sum_H of the new rows from the sums (see the module doc)
-            old, total = [completed[js[k]][3] for k in spans], [completed[js[k]][2] for k in spans]
-            torch._foreach_mul_(old, beta)
-            torch._foreach_div_(total, [float(self.shards[js[k]].shape[-1]) for k in spans])
-            torch._foreach_add_(old, total, alpha=1.0 - beta)
-            torch._foreach_div_(old, [float(self.shards[js[k]].shape[-2]) for k in spans])
-            per_matrix = self._stat_views(norms, 2)
-            torch._foreach_copy_([per_matrix[k] for k in spans], old)
+            old = self._completed([completed[js[k]][3] for k in spans], 2, "old rows", spans)
+            total = self._completed([completed[js[k]][2] for k in spans], 2, "totals", spans)
+            width, height = self.stats.sides
+            old.mul_(beta).add_(total.div_(width), alpha=1.0 - beta).div_(height)
+            torch.where(self.stats.spans, old, norms[:-1], out=norms[:-1])
         row_buffer.div_(norms.index_select(0, row_matrix)).rsqrt_()
         col_buffer.rsqrt_()
         if self.stats.index is not None:
@@ -312,9 +330,41 @@ class CameRun:
             self.update.mul_(col_buffer.index_select(0, self.stats.index[1]))
         blocks = [k for k, j in enumerate(js) if self.shards[j].flat_range is None]
         if blocks:
+            rows, cols = self._spread_views(row_buffer, 0), self._spread_views(col_buffer, 1)
             update = [self.u[js[k]] for k in blocks]
-            torch._foreach_copy_(update, [views[0][k].unsqueeze(-1) for k in blocks])
-            torch._foreach_mul_(update, [views[1][k].unsqueeze(-2) for k in blocks])
+            torch._foreach_copy_(update, [rows[k] for k in blocks])
+            torch._foreach_mul_(update, [cols[k] for k in blocks])
+
+    def _completed(self, sums: list[torch.Tensor], which: int, name: str, ks: Iterable[int]) -> torch.Tensor:
+        """Completed sums of the matrices ``ks`` (positions in the run's matrices), one buffer of
+        statistics ``which`` laid out as :class:`RunStats` says: their own memory where they lie
+        so (sums the step did not communicate), else copied into the kept buffer ``name``."""
+        size = self.stats.sizes[which]
+        flat = as_flat(sums)
+        if flat is not None and flat.numel() == size:
+            return flat
+        buffer = self._buffer(name, size + 1)
+        views = self._stat_views(buffer, which)
+        torch._foreach_copy_([views[k] for k in ks], sums)
+        return buffer[:-1]
+
+    def _ema(self, name: str, beta: float, values: torch.Tensor) -> torch.Tensor:
+        """State ``name`` of the run's matrices (one after another) times ``beta``, plus
+        ``1 - beta`` times ``values``: written to the new states, returned as one range."""
+        slots = [self.run[j] for j in self.matrices]
+        new = self.work.states_of(slots, name, new=True)
+        out = new if new is not None else self._buffer(f"new {name}", values.numel())
+        torch.mul(self._matrix_states(name), beta, out=out).add_(values, alpha=1.0 - beta)
+        if new is None:
+            scatter_back(out, self._states(self.matrices, name, new=True))
+        return out
+
+    def _spread_views(self, buffer: torch.Tensor, which: int) -> list[torch.Tensor]:
+        """Per matrix of the run, its row (``which`` 0) or column (1) factors of ``buffer`` as a
+        column or a row, to broadcast over its block."""
+        shapes = tuple(self.stat_shapes[which])
+        held = (buffer.data_ptr(), shapes)
+        return self.views.get(("came spread", which, self.key), held, _spread, buffer, shapes, -1 - which)
 
     def advance(self, phase: int, completed: Sequence[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """The math up to the sums of ``phase`` (see :data:`PHASES`; past the last, to the end),
@@ -373,6 +423,10 @@ class CameRun:
             new.copy_(params)
         new.sub_(self.update.mul_(lr))
         scatter_back(new, [work.new_params[i] for i in run])
+
+
+def _spread(buffer: torch.Tensor, shapes: Sequence[tuple[int, ...]], dim: int) -> list[torch.Tensor]:
+    return [piece.unsqueeze(dim) for piece in pieces_of(buffer, shapes)]
 
 
 def _update(run: CameRun) -> Update:
