@@ -555,6 +555,7 @@ def exchange_copy_elements(
     E.g. ``S0,R -> R,S0`` of 4x4 on [2]: rank 0 keeps rows 0-1 x columns 0-1 (4 elements copied),
     packs rows 0-1 x columns 2-3 for rank 1 (not a run of its rows: 4 more), and receives rows 2-3
     x columns 0-1 into its columns in place (a run of them): 8 in all."""
+    source_piece, target_piece = functools.cache(source_piece), functools.cache(target_piece)  # per message
     copied: dict[int, int] = {}
     messages: dict[tuple[int, int], list[Box]] = {}
     for sender, receiver, box in transfers:

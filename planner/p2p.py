@@ -25,24 +25,22 @@ Cost model of a point-to-point step. Per rank ``r``, over its messages sent ``Ms
            + max(sum of bytes / beta_link over Ms, sum of bytes / beta_link over Mr)
 
 and the step's time is the largest ``time_r``, plus the model's per-step overhead
-(``planner.cost``). Where the model prices local copies (``copy_bandwidth``), ``time_r`` also
-pays the bytes rank ``r`` copies (``planner.cost.exchange_copy_elements``: the boxes it keeps,
-the messages it packs or places), added, as the executor packs before posting and places after
-waiting (its kept boxes, copied while the messages travel, are counted the same way).
+(``planner.cost``). Links are full duplex, so sending and receiving overlap; with one alpha and
+beta on every link this is ``messages * alpha + max(sent, received) / beta`` with messages = the
+larger of the counts sent and received, which prices a ring all_gather done by messages (n-1
+sent and n-1 received per rank) exactly as the all_gather (n-1 rounds). Links: two ranks of one
+mesh that differ on several mesh axes are joined by the slowest of those axes (least bandwidth,
+largest alpha); between two different meshes (another shape or rank set) every message is priced
+at the slowest bandwidth and largest alpha of all axes of both meshes, as nothing says which
+axis joins them.
 
-Links are full duplex, so sending and receiving overlap; with one alpha and
-beta on every link this is ``messages * alpha + max(sent, received) / beta`` with messages =
-the larger of the counts sent and received, which prices a ring all_gather done by messages
-(n-1 sent and n-1 received per rank) exactly as the all_gather (n-1 rounds). Links: two ranks
-of one mesh that differ on several mesh axes are joined by the slowest of those axes (least
-bandwidth, largest alpha); between two different meshes (another shape or rank set) every
-message is priced at the slowest bandwidth and largest alpha of all axes of both meshes, as
-nothing says which axis joins them.
+Local copies. Where the model prices them (``copy_bandwidth``), ``time_r`` also pays the bytes
+rank ``r`` copies (``planner.cost.exchange_copy_elements``: the boxes it keeps, the messages it
+packs or places), added: the executor packs before posting and places after waiting (its kept
+boxes, copied while the messages travel, are counted the same way).
 """
 
 from __future__ import annotations
-
-import functools
 
 import attrs
 
@@ -187,9 +185,9 @@ class PlannedExchange:
                 traffic.setdefault(receiver, _Traffic()).add(link, nbytes, receiving=True)
         copied = {}
         if links.copy_units:  # priced: every rank's local copies (planner.cost.exchange_copy_elements)
-            source_piece = functools.cache(lambda r: before.rank_piece(shape, r))
-            target_piece = functools.cache(lambda r: after.rank_piece(shape, r))
-            elements = exchange_copy_elements(slots, source_piece, target_piece)
+            elements = exchange_copy_elements(
+                slots, lambda r: before.rank_piece(shape, r), lambda r: after.rank_piece(shape, r)
+            )
             copied = {rank: count * itemsize for rank, count in elements.items()}
         idle = _Traffic()
         ranks = traffic.keys() | copied.keys()

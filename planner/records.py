@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
@@ -142,8 +141,8 @@ class Plan:
             if step.axis is None:  # point_to_point
                 elements = exchange_copy_elements(
                     ((t.src_rank, t.dst_rank, t.box) for t in step.transfers),
-                    functools.cache(lambda r, layout=before: layout.rank_piece(self.shape, r)),
-                    functools.cache(lambda r, layout=step.layout: layout.rank_piece(self.shape, r)),
+                    lambda r, layout=before: layout.rank_piece(self.shape, r),
+                    lambda r, layout=step.layout: layout.rank_piece(self.shape, r),
                 )
                 copied.append(max(elements.values(), default=0) * itemsize(self.dtype))
                 continue
