@@ -183,21 +183,29 @@ class CameRun:
     buffers of the run (gradients, ``g^2 + eps1``, the update, ``exp_avg``, the parameters),
     the per-tensor statistics as one ``torch._foreach_*`` call per op; per matrix remain only
     its row and column sums. :meth:`advance` moves it phase by phase; nothing passed in is
-    modified, results go to the work's new parameters and states."""
+    modified, results go to the work's new parameters and states. The runs of a step advance
+    together, phase by phase, so each keeps buffers of its own in ``scratch``: named by its
+    ``position`` among the step's runs."""
 
     def __init__(
-        self, work: StepWork, run: Sequence[int], hyper: CameHyper, stats: RunStats, scratch: Scratch, views: KeptViews
+        self,
+        work: StepWork,
+        run: Sequence[int],
+        position: int,
+        hyper: CameHyper,
+        stats: RunStats,
+        scratch: Scratch,
+        views: KeptViews,
     ) -> None:
         self.work, self.run, self.hyper, self.stats, self.scratch = work, list(run), hyper, stats, scratch
         self.views, self.key = views, tuple(work.slots[i].index for i in run)
+        self.prefix = f"came run {position}"
         self.shards = [work.slots[i].shard for i in run]
         dtype = work.slots[run[0]].dtype
-        self.grads = flat_or_copy([work.grads[i] for i in run], dtype, scratch, "grads")
-        numel, device = self.grads.numel(), self.grads.device
-        second = scratch.take("came second", numel, dtype, device)
-        update = scratch.take("came update", numel, dtype, device)
-        self.second, self.update = second, update
-        self.s, self.u = self._pieces(second, "second"), self._pieces(update, "update")
+        self.grads = flat_or_copy([work.grads[i] for i in run], dtype, scratch, f"{self.prefix} grads")
+        numel = self.grads.numel()
+        self.second, self.update = self._buffer("second", numel), self._buffer("update", numel)
+        self.s, self.u = self._pieces(self.second, "second"), self._pieces(self.update, "update")
         self.matrices = [j for j, s in enumerate(self.shards) if s.factored]
         self.vectors = [j for j, s in enumerate(self.shards) if not s.factored]
         self.spans = [s.factored and rows_span_ranks(s) for s in self.shards]
@@ -207,10 +215,10 @@ class CameRun:
             [s.col_stat_shape for s in factored],
             [s.block_shape[:-2] for s in factored],
         )
-        self.exp_avg = self._flat_state("exp_avg", scratch)
+        self.exp_avg = self._flat_state("exp_avg")
         self.new_exp_avg = work.states_of(run, "exp_avg", new=True)
         if self.new_exp_avg is None:
-            self.new_exp_avg = torch.empty(numel, dtype=dtype, device=device)
+            self.new_exp_avg = torch.empty(numel, dtype=dtype, device=self.grads.device)
 
     def _pieces(self, flat: torch.Tensor, name: str) -> list[torch.Tensor]:
         """Per slot, its view of a flat buffer ``name`` of the run (kept while it is the same)."""
@@ -218,12 +226,12 @@ class CameRun:
         held = (flat.data_ptr(), flat.numel(), shapes)
         return self.views.get(("came pieces", name, self.key), held, pieces_of, flat, shapes)
 
-    def _flat_state(self, name: str, scratch: Scratch) -> torch.Tensor:
+    def _flat_state(self, name: str) -> torch.Tensor:
         flat = self.work.states_of(self.run, name)
         if flat is not None:
             return flat
-        dtype = self.grads.dtype
-        return flat_or_copy([self.work.state(i, name) for i in self.run], dtype, scratch, f"came {name}")
+        states = [self.work.state(i, name) for i in self.run]
+        return flat_or_copy(states, self.grads.dtype, self.scratch, f"{self.prefix} {name}")
 
     def _states(self, js: Sequence[int], name: str, *, new: bool = False) -> list[torch.Tensor]:
         get = self.work.new_state if new else self.work.state
@@ -283,7 +291,7 @@ class CameRun:
     def _buffer(self, name: str, numel: int) -> torch.Tensor:
         """A kept buffer of ``numel`` elements of the run's dtype (the views of a kept buffer
         are made once)."""
-        return self.scratch.take(f"came {name}", numel, self.grads.dtype, self.grads.device)
+        return self.scratch.take(f"{self.prefix} {name}", numel, self.grads.dtype, self.grads.device)
 
     def _zeros(self, name: str, numel: int) -> torch.Tensor:
         return self._buffer(name, numel).zero_()
@@ -410,7 +418,7 @@ class CameRun:
     def _step_params(self) -> None:
         """``p - lr*wd*p - lr*update`` into the new parameters, as whole-range ops."""
         work, run, lr = self.work, self.run, self.hyper.lr
-        new = flat_or_copy([work.new_params[i] for i in run], self.grads.dtype, self.scratch, "params out")
+        new = flat_or_copy([work.new_params[i] for i in run], self.grads.dtype, self.scratch, f"{self.prefix} params")
         params = as_flat([work.params[i] for i in run])
         if params is None or params.dtype != new.dtype:
             # Pieces of other tensors (a slice of each parameter): copied into the new
@@ -523,7 +531,7 @@ class ShardedCAME(ShardedOptimizer):
 
     def _updates(self, work: StepWork) -> list[Update]:
         updates: list[Update] = []
-        for run in work.runs():
+        for position, run in enumerate(work.runs()):
             group = work.slots[run[0]].group
             hyper = CameHyper(
                 lr=group["lr"],
@@ -533,5 +541,5 @@ class ShardedCAME(ShardedOptimizer):
                 weight_decay=group["weight_decay"],
             )
             run_stats = self._run_stats(work, run)
-            updates.append(_update(CameRun(work, run, hyper, run_stats, self._scratch, self._views)))
+            updates.append(_update(CameRun(work, run, position, hyper, run_stats, self._scratch, self._views)))
         return updates
