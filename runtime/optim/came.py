@@ -395,8 +395,11 @@ class CameRun:
                 torch._foreach_copy_(update, self._states(self.vectors, "exp_avg_sq", new=True))
                 torch._foreach_rsqrt_(update)
             self.update.mul_(self.grads)
-            squares = torch.stack(torch._foreach_norm(self.u)).square_()
-            return [[squares[j : j + 1]] for j in range(len(self.run))]
+            n = len(self.run)
+            squares = self._buffer("squares", n)
+            torch.stack(torch._foreach_norm(self.u), out=squares).square_()
+            held = (squares.data_ptr(), n)
+            return [[s] for s in self.views.get(("came squares", self.key), held, pieces_of, squares, [(1,)] * n)]
         if phase == 2:
             rms = torch.cat([c[0] for c in completed]).sqrt_().div_(self.stats.roots)
             scale = rms.div_(self.hyper.clip_threshold).clamp_(min=1.0)

@@ -23,7 +23,7 @@ from runtime.buffers import KeptViews, Scratch
 from runtime.comm import collective
 from runtime.errors import DistributedError
 from runtime.groups import axis_ranks, ranks_group
-from runtime.optim.flat import pieces_of
+from runtime.optim.flat import as_flat, pieces_of
 from runtime.optim.shards import Axes
 from runtime.stats import CommRecord, is_recording, record
 from shardlang.mesh import Mesh
@@ -154,7 +154,13 @@ class SumReducer:
             if any(masked for _, masked in c.members):
                 buffer.zero_()
             sent = [(view, values[i]) for (i, masked), view in zip(c.members, views, strict=True) if not masked]
-            torch._foreach_copy_([view for view, _ in sent], [value for _, value in sent])
+            # Values that lie one after another in their memory (a run's per-tensor sums
+            # computed into one buffer) go in one copy, not one per value.
+            flat = as_flat([value for _, value in sent])
+            if flat is not None and flat.numel() == buffer.numel():
+                buffer.copy_(flat)
+            else:
+                torch._foreach_copy_([view for view, _ in sent], [value for _, value in sent])
             started = time.perf_counter()
             try:
                 group = ranks_group(ranks, timeout=self.timeout)
