@@ -9,19 +9,25 @@ here with that rank's traceback; a run that outlives ``timeout`` is killed and f
 Every run gets fresh processes, forked from one server process that imported torch and this
 project once (importing torch costs a spawned process seconds; a fork from the server, a
 tenth of one). The server starts at the first run and keeps the environment it saw then, so
-set environment variables for the ranks before the first run. A run still costs a group's
+set environment variables for the ranks before the first run. It imports the project from the
+folder this module was imported from (Python 3.11's fork server does not take the caller's
+``sys.path``, so it would otherwise import whatever its own path finds first: the installed
+copy, not a snapshot run from elsewhere). A run still costs a group's
 rendezvous, so batch many cases into one run.
 ``attempt(call)`` records what a call raised on a rank (and how soon), for fault tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
+import os
 import queue
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +37,23 @@ import torch.multiprocessing as mp
 # What the fork server imports once for every rank it forks: torch and the project's runtime
 # (which imports planner and shardlang); what else a rank's function needs it imports itself.
 _PRELOAD = ["torch", "torch.distributed", "runtime"]
+# The folder holding this project's packages: put first on the fork server's path when it starts.
+_PROJECT = str(Path(__file__).resolve().parent.parent)
+
+
+@contextlib.contextmanager
+def _server_path() -> Iterator[None]:
+    """While processes start (the first start launches the fork server): ``PYTHONPATH`` begins
+    with :data:`_PROJECT`, so the server preloads the same project as its caller."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = _PROJECT if not before else os.pathsep.join((_PROJECT, before))
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def _rendezvous_store(timeout: float) -> dist.TCPStore:
@@ -116,8 +139,9 @@ def run_ranks(
     port = store.port
     worker_args = (world_size, port, collective_timeout, fn, args, results, not allow_missing)
     procs = [ctx.Process(target=_worker, args=(r, *worker_args), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _server_path():
+        for p in procs:
+            p.start()
     deadline = time.monotonic() + timeout
     got: dict[int, tuple[str, Any]] = {}
     try:
