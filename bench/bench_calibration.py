@@ -1,7 +1,7 @@
 """Predicted against measured plan time, with the default cost model and a calibrated one.
 
     .venv/bin/python bench/bench_calibration.py                 # 4 gloo ranks, [4] and [2,2], 32 pairs each
-    .venv/bin/python bench/bench_calibration.py --pairs 40 --reps 7 --json out/calibration.json
+    .venv/bin/python bench/bench_calibration.py --pairs 40 --reps 7 --json out/calibration.json   # rows and sweeps
 
 On each mesh: first ``runtime.calibrate.sweep`` and ``planner.fit`` (what ``shardlang calibrate``
 runs) give the calibrated model; then random pairs (``runtime.calibrate.sample_pairs``: f32 tensors
@@ -10,8 +10,9 @@ sizes, are planned under both models, and every distinct plan is timed by
 ``runtime.calibrate.time_plans`` (reshard by the plan; median over repetitions of the slowest
 rank, plans interleaved run by run). Per model: the Spearman rank correlation and the median
 absolute relative error of its predicted time against the measured time of the plan it
-chose; the calibrated model's error by kind of plan (sends nothing, one step, more steps), which
-says where prediction and measurement part; and, for the pairs where the two models choose
+chose; each calibrated model's choice margin (``planner.fit``); the calibrated model's error by
+kind of plan (sends nothing, one step, more steps), which says where prediction and measurement
+part; and, for the pairs where the two models choose
 different plans, the measured time of each choice. Those two plans are then timed again, by
 themselves, with three times the repetitions (``runtime.calibrate.timed_runs``, interleaved run
 by run), and a difference counts as measurable only if the Wilcoxon signed-rank test on the
@@ -45,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import attrs
 import torch
 from scipy.stats import wilcoxon
 
@@ -107,11 +109,13 @@ def _verdict(ratio: float, p: float) -> str:
 
 def _rank(rank: int, world: int, count: int, reps: int, budget: float) -> dict[str, list[dict]]:
     torch.set_num_threads(1)  # as torchrun starts each process (module docstring)
-    rows, candidates = [], []
+    rows, candidates, swept = [], [], []
     for seed, shape in enumerate(MESHES):
         mesh = Mesh(shape)
         started = time.perf_counter()
-        calibrated, _ = fit_model(sweep(mesh, budget=budget), known_breaks(mesh))
+        samples = sweep(mesh, budget=budget)
+        swept.append({"mesh": list(shape), "samples": [attrs.astuple(s) for s in samples]})
+        calibrated, _ = fit_model(samples, known_breaks(mesh))
         if rank == 0:
             print(f"mesh {list(shape)}: calibrated in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         pairs = _pairs(mesh, count, seed)
@@ -154,7 +158,7 @@ def _rank(rank: int, world: int, count: int, reps: int, budget: float) -> dict[s
                 candidates.append({"shape": [length, 1024], "plans": steps, "runs": runs, "calibrated": picked})
             if rank == 0:
                 print("  timed the R,R | P01 -> R,R candidates", file=sys.stderr, flush=True)
-    return {"pairs": rows, "all_reduce": candidates}
+    return {"pairs": rows, "all_reduce": candidates, "sweeps": swept}
 
 
 def _scores(rows: list[dict], which: str) -> tuple[float, float]:
@@ -188,7 +192,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=32, help="random pairs per mesh")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--budget", type=float, default=40.0, help="seconds of calibration sweep per mesh")
-    parser.add_argument("--json", help="also write every row here")
+    parser.add_argument("--json", help="also write every row, and the sweeps' samples, here")
     args = parser.parse_args()
     result = run_ranks(_rank, 4, (args.pairs, args.reps, args.budget), timeout=3600, collective_timeout=600)[0]
     rows = result["pairs"]
@@ -204,6 +208,8 @@ def main() -> None:
         for which in ("default", "calibrated"):
             rho, error = _scores(chosen, which)
             print(f"| {label} | {len(chosen)} | {which} | {rho:.3f} | {error:.1%} |")
+    margins = [next(r["model"].get("margin", 0.0) for r in rows if tuple(r["mesh"]) == shape) for shape in MESHES]
+    print("choice margin: " + ", ".join(f"{list(m)} {v * 1e3:.3g} ms" for m, v in zip(MESHES, margins, strict=True)))
     print()
     print("\n".join(_by_kind(rows)))
     differ = [r for r in rows if r["default_steps"] != r["calibrated_steps"]]

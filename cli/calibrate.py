@@ -32,7 +32,8 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
         help="measure collectives and fit per-axis, per-collective latency and bandwidth (under torchrun)",
         description="Under torchrun, one process per rank of --mesh: time every collective kind on every mesh "
         "axis at 4 KiB-16 MiB, and a slice that sends nothing; fit latency and bandwidth per kind and axis, the "
-        "executor's overhead per step and its copy bandwidth (docs/calibration.md), and write the hints file that "
+        "executor's overhead per step and its copy bandwidth, and the choice margin (how far the fitted lines "
+        "typically miss a sample; docs/calibration.md), and write the hints file that "
         "--costs reads. With --check HINTS.json: time a sample of plans and print predicted against measured.",
     )
     p.add_argument("--mesh", metavar="DECL", help="the mesh, as a spec file declares it: 'world = [dp=2,tp=2]'")
@@ -120,7 +121,8 @@ def _start(mesh: Mesh) -> _World:
 
 
 def fit_table(fitted: CostModel, lines: dict, mesh: Mesh) -> str:
-    """The fitted figures per kind and axis, then the executor terms (``planner.fit``)."""
+    """The fitted figures per kind and axis, then the executor terms and the choice margin
+    (``planner.fit``)."""
     rows = []
     for op in PRICED_OPS:
         alphas, bandwidths = fitted.for_op(op, mesh)
@@ -152,6 +154,8 @@ def fit_table(fitted: CostModel, lines: dict, mesh: Mesh) -> str:
                 f"{line.kept}/{line.total}",
             ]
         )
+    if fitted.margin:  # what a step must save to be taken (planner.fit), on a row of its own
+        rows.append(["choice margin (per step)", "any", format_seconds(fitted.margin), "", ""])
     return format_table(["collective", "axis", "latency/round", "bandwidth", "sizes kept"], rows)
 
 

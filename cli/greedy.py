@@ -175,13 +175,14 @@ def _step_cost(
         cost.on_axis(kind, state.mesh, axis) if kind == op else OpCost(kind, OUT_OF_REACH, betas[axis])
         for kind in PRICED_OPS
     ]
-    # The executor terms too, so the step pays its overhead and local copies as the planner's do.
+    # The executor terms and the margin too, so the step is priced and chosen as the planner's are.
     line_cost = CostModel(
         alpha=alphas[axis],
         bandwidth=betas[axis],
         ops=ops,
         overhead=cost.overhead,
         copy_bandwidth=cost.copy_bandwidth,
+        margin=cost.margin,
     )
     alone = plan_exact(on_line(state), on_line(after), block, dtype, line_cost)
     if [s.op for s in alone.steps if s.op not in LOCAL_OPS] not in ([], [op]):

@@ -143,7 +143,18 @@ def steps_table(plan: Plan, style: Style, indent: str = "  ") -> str:
     )
     headers = ["#", "op", "axis", "dim", "reduce", "layout after the step", "bytes/rank", "time"]
     table = format_table(headers, rows, "><<<<<>>", indent)
-    return "\n".join([table, *copy_lines(plan, indent), *message_lines(plan, indent)])
+    return "\n".join([table, *copy_lines(plan, indent), *message_lines(plan, indent), *margin_lines(plan, indent)])
+
+
+def margin_lines(plan: Plan, indent: str = "  ") -> list[str]:
+    """Under the table, where the model has a choice margin (``planner.cost``): that the plan was
+    chosen with it, and that the times leave it out; nothing where it is 0."""
+    if not plan.cost.margin:
+        return []
+    return [
+        f"{indent}chosen with a margin of {format_seconds(plan.cost.margin)} a step, not in the times: "
+        "a plan of more steps wins only by more than that for each step it adds"
+    ]
 
 
 def copy_lines(plan: Plan, indent: str = "  ") -> list[str]:

@@ -194,7 +194,7 @@ def _leg(
 
 
 def _units(leg: Plan, rates: OpUnits) -> int:
-    """The leg's time in the search's units: its steps' rounds, bytes, overheads and local copies."""
+    """The leg's time in the search's units: its steps' rounds, bytes, overheads, margins and copies."""
     per_round, per_byte = rates
     shape = leg.src.mesh.shape
     large_from = leg.cost.large_from(leg.src.mesh)

@@ -62,6 +62,13 @@ of the target piece that a plan which sends nothing makes (the executor returns 
 plan of slice and partial steps only ends in a copy of its result), added to that plan's last
 step; ``None`` means free, so the default model prices none of them.
 
+The choice margin (``margin``, seconds; 0 in the default model): not a time, but what the search
+charges every step beside the overhead when it compares plans, so that a plan of more steps is
+taken only where it is predicted to save more than the margin for each step it adds.
+``shardlang calibrate`` sets it to how far its fitted lines typically miss a sample
+(``planner.fit``): a smaller predicted saving is not known to be one. Step and plan seconds
+never include it (docs/calibration.md, "The choice margin").
+
 Per-collective figures. A model may give any of the priced kinds (:data:`PRICED_OPS`) its own
 per-axis alpha and bandwidth (``CostModel.ops``, e.g. measured by ``shardlang calibrate``, README
 "Calibration"); a kind it does not name uses the model's own ``alpha`` and ``bandwidth``. The
@@ -82,8 +89,9 @@ only if it holds for every pair of regimes). Point-to-point steps have one regim
 
 The search compares times exactly: :func:`integer_rates` scales the model so that
 every step time is an integer, so equal-time plans compare equal whatever the order of their
-steps, and the fewer-steps rule decides between them. The overhead is on the same scale (the
-pseudo-kind :data:`STEP` of :meth:`CostModel.figures`): every move of the search pays it, so
+steps, and the fewer-steps rule decides between them. The overhead and the margin are on the
+same scale (the pseudo-kind :data:`STEP` of :meth:`CostModel.figures`): every move of the search
+pays them, so
 the lower bound (which leaves it out) stays admissible, and the pruning rules of
 ``planner.space``, which never trade a plan for one with more steps, stay exact. A step's
 ``copied`` bytes are on that scale too (the per-byte figure of the pseudo-kind :data:`COPY`),
@@ -127,7 +135,7 @@ PRICED_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point
 # Readers ignore nothing: a field that is not here is an error, so a new term is added here
 # (with its check in ``CostModel.from_json`` and its docs in docs/calibration.md).
 HINTS_FIELDS = (
-    "mesh", "alpha", "bandwidth", "ops", "overhead", "copy_bandwidth", "calibration", "flops_per_second"
+    "mesh", "alpha", "bandwidth", "ops", "overhead", "copy_bandwidth", "margin", "calibration", "flops_per_second"
 )  # fmt: skip
 # The pseudo-kind of :meth:`CostModel.figures` whose per-round figure is the per-step overhead.
 STEP = "step"
@@ -298,11 +306,15 @@ class CostModel:
     # The executor terms (module docstring): seconds per step, and bytes/s of a local copy.
     overhead: float = attrs.field(default=0.0, converter=float)
     copy_bandwidth: float | None = attrs.field(default=None, converter=attrs.converters.optional(float))
+    # The choice margin (module docstring): seconds a step must save to be taken; not a time.
+    margin: float = attrs.field(default=0.0, converter=float)
 
     def __attrs_post_init__(self) -> None:
         _check_figures(self.alpha, self.bandwidth, "")
         if not math.isfinite(self.overhead) or self.overhead < 0:
             raise PlanError(f"the step overhead must be finite and zero or positive, got {self.overhead}")
+        if not math.isfinite(self.margin) or self.margin < 0:
+            raise PlanError(f"the choice margin must be finite and zero or positive, got {self.margin}")
         if self.copy_bandwidth is not None and not (math.isfinite(self.copy_bandwidth) and self.copy_bandwidth > 0):
             raise PlanError(f"the copy bandwidth must be finite and positive, got {self.copy_bandwidth}")
         if self.flops_per_second is not None and not (
@@ -373,14 +385,15 @@ class CostModel:
 
     def figures(self, mesh: Mesh) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
         """:meth:`for_op` of every op a plan step can have, under :func:`large_key` the figures
-        of each large-message regime, and under :data:`STEP` the overhead per axis as its
-        per-round figure (with the model's bandwidths, so that the integer scale of
-        :func:`integer_op_rates` covers it and changes nothing else)."""
+        of each large-message regime, and under :data:`STEP` the overhead and the choice margin
+        per axis as its per-round figure (with the model's bandwidths, so that the integer scale
+        of :func:`integer_op_rates` covers it and changes nothing else): what the search charges
+        every step beyond its kind's figures."""
         out = {op: self.for_op(op, mesh) for op in (*PRICED_OPS, *LOCAL_OPS)}
         for c in self.ops:
             if c.large is not None:
                 out[large_key(c.op)] = _regime_values(c.op, c.large, mesh)[1:]
-        out[STEP] = ((self.overhead,) * mesh.ndim, _axis_values("bandwidth", self.bandwidth, mesh))
+        out[STEP] = ((self.overhead + self.margin,) * mesh.ndim, _axis_values("bandwidth", self.bandwidth, mesh))
         if self.copy_bandwidth is not None:
             out[COPY] = ((0.0,) * mesh.ndim, (self.copy_bandwidth,) * mesh.ndim)
         return out
@@ -433,11 +446,11 @@ class CostModel:
             if "large" in figures:
                 ops[op]["large"] = _hint_regime(figures["large"], f"ops.{op}.large", where)  # type: ignore[assignment]
         top: dict[str, object] = dict(_hint_figures(data, "", where))
-        for key in ("overhead", "copy_bandwidth"):
+        for key in ("overhead", "copy_bandwidth", "margin"):
             if key in data:
                 if isinstance(data[key], list):
                     raise PlanError(f"{where}: field '{key}': expected one number, got {json.dumps(data[key])[:60]}")
-                top[key] = _hint_figure(data[key], key, where, latency=key == "overhead")
+                top[key] = _hint_figure(data[key], key, where, latency=key != "copy_bandwidth")
         model = cls(**top, flops_per_second=_hint_rate(data.get("flops_per_second"), where))  # type: ignore[arg-type]
         ops_costs = [OpCost(op, **{"alpha": model.alpha, "bandwidth": model.bandwidth, **f}) for op, f in ops.items()]
         regimes = [c.large for c in ops_costs if c.large is not None]
@@ -460,6 +473,8 @@ class CostModel:
             out["overhead"] = self.overhead
         if self.copy_bandwidth is not None:
             out["copy_bandwidth"] = self.copy_bandwidth
+        if self.margin:
+            out["margin"] = self.margin
         return out
 
 

@@ -83,6 +83,14 @@ all_to_all, which packs dim 1 of its pieces) is fitted less their time at the fi
 bandwidth (never below half the sample, should that line overstate a copy), and the step's
 predicted time, its line plus its copy, is still what the sample measured.
 
+The choice margin (``planner.cost``; docs/calibration.md). The fitted lines miss each sample by
+some amount, the machine's noise and the lines' own departure from the measurement together; the
+median of those misses, in seconds, over every collective sample (:func:`choice_margin`), is how
+far a one-step prediction is typically off, so a plan predicted faster than another by less
+than that per step it adds is not known to be faster. The model's ``margin`` is that median:
+the search charges it on every step when choosing, never in a predicted time, so between plans
+that close the one of fewer steps wins. Timings that the lines fit to rounding give 0.
+
 Pure: no torch, no communication, so the fit is tested on synthetic timings.
 """
 
@@ -478,8 +486,26 @@ def fit_model(
         ops=costs if base.large is not None else costs[1:],
         overhead=overhead,
         copy_bandwidth=copy_bandwidth,
+        margin=choice_margin([(lines[key], s) for key, group in by_key.items() for s in group]),
     )
     return model, lines
+
+
+def choice_margin(fitted: Iterable[tuple[Line, Sample]]) -> float:
+    """The choice margin (module docstring) of collective samples, each with the line fitted to
+    it (its kind's on its axis; the sample less its priced copies, as the line was fitted): the
+    median of ``|line.at(bytes) - seconds|``, rounded to three digits, or 0 where that is under
+    a billionth of the median sample (lines through every sample, to rounding). E.g. samples of
+    1.0, 2.2 and 2.9 ms on lines that give 1, 2 and 3 ms there: misses of 0, 0.2 and 0.1 ms,
+    so 0.1 ms."""
+    misses, times = [], []
+    for line, sample in fitted:
+        misses.append(abs(line.at(sample.bytes) - sample.seconds))
+        times.append(sample.seconds)
+    if not misses:
+        return 0.0
+    margin = statistics.median(misses)
+    return 0.0 if margin <= 1e-9 * statistics.median(times) else three_digits(margin)
 
 
 def _op_cost(op: str, lines: Sequence[tuple[Line, int]], overhead: float) -> OpCost:

@@ -76,7 +76,7 @@ class Links:
     def __init__(self, cost: CostModel, src_mesh: Mesh, dst_mesh: Mesh) -> None:
         src_figures, dst_figures = cost.figures(src_mesh), cost.figures(dst_mesh)
         self.src_rates, self.dst_rates = integer_op_rates(src_figures, dst_figures)
-        # The overhead every step pays (planner.cost), in units and in seconds.
+        # What every step pays (planner.cost): in units the overhead and the margin, in seconds the overhead.
         self.step_units, self.overhead = self.src_rates[0][STEP][0], cost.overhead
         # A byte copied locally, in units (0: copies are free, and not counted).
         self.copy_units = self.src_rates[1][COPY][0] if COPY in self.src_rates[1] else 0
@@ -224,7 +224,7 @@ class PlannedExchange:
 def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], itemsize: int, links: Links) -> int:
     """A lower bound on ``PlannedExchange(before, after, ...).units`` without choosing senders: the
     largest, over target ranks, of what receiving alone costs on the fastest link, plus the
-    step's overhead."""
+    step's overhead and margin (``Links.step_units``)."""
     source = blocks_of(before, shape)
     fastest = links.fastest
     bound = 0

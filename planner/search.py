@@ -2,8 +2,10 @@
 
 A* over the move graph of :mod:`planner.space`, with the lower bound of :mod:`planner.bound`.
 Plans are compared by (time, steps): the cheapest plan, and among plans of equal time one
-with the fewest steps. Times are compared exactly, as integers (``planner.cost.integer_rates``),
-so summation order never decides a tie. Moves are generated in a fixed order and ties in the
+with the fewest steps; the time compared is the model's with its choice margin on every step
+(``planner.cost``: 0 but in a calibrated model), the plan's seconds the model's alone. Times
+are compared exactly, as integers (``planner.cost.integer_rates``), so summation order never
+decides a tie. Moves are generated in a fixed order and ties in the
 queue are broken by insertion order, so equal inputs always give the same plan.
 
 Mesh axes of size 1 that both layouts leave replicated are dropped before the search (no
@@ -303,7 +305,7 @@ def _astar(
     limit = math.inf if max_local_bytes is None else max_local_bytes // space.itemsize  # in elements
     max_states, counter = budget
     generated = 0
-    per_step = per_round[STEP][0]  # the overhead every step pays (planner.cost), left out of the bound
+    per_step = per_round[STEP][0]  # the overhead and margin every step pays (planner.cost), left out of the bound
     per_copied = per_byte[COPY][0] if COPY in per_byte else 0  # a byte copied locally, also left out
     while heap:
         f, f_steps, _, _, g, g_steps, state, elements, terms, full = heapq.heappop(heap)

@@ -17,7 +17,9 @@ from cli.main import main
 from cli.plan_report import describe_plan_cost
 from planner.cost import collective_rounds
 from planner.fit import (
+    Line,
     Sample,
+    choice_margin,
     fit_line,
     fit_model,
     fit_regimes,
@@ -431,6 +433,92 @@ def test_plans_are_optimal_with_a_step_overhead(seed):
         assert_brute_force_optimal(ref, planner.plan(src, dst, shape, dtype, cost), cost)
 
 
+def test_the_choice_margin_is_the_median_miss_of_the_lines():
+    """Samples of 1.0, 2.2 and 2.9 ms where their lines give 1, 2 and 3 ms miss by 0, 0.2 and
+    0.1 ms: the margin is 0.1 ms. A fit of three all_gather samples, two of 1.0 and 1.1 ms at
+    100 kB and one of 3 ms at 1 MB: the line passes through the third and, at 100 kB, through
+    the relative least-squares value of the two, (1/1.0 + 1/1.1) / (1/1.0**2 + 1/1.1**2) ms (by
+    hand), so the misses are that value less 1.0 ms, 1.1 ms less it, and 0, and the margin is
+    the first. Timings on their lines give no margin."""
+    line = Line(0.0, 1e-6, 3, 3)
+    samples = [Sample("all_gather", 0, 3, b, t) for b, t in ((1000, 1.0e-3), (2000, 2.2e-3), (3000, 2.9e-3))]
+    assert choice_margin((line, s) for s in samples) == pytest.approx(1e-4)
+    middle = (1 / 1.0 + 1 / 1.1) / (1 / 1.0**2 + 1 / 1.1**2) * 1e-3
+    fitted = [Sample("all_gather", 0, 3, 100_000, 1.0e-3), Sample("all_gather", 0, 3, 100_000, 1.1e-3)]
+    model, lines = fit_model([*fitted, Sample("all_gather", 0, 3, 1_000_000, 3e-3)])
+    assert model.margin == float(f"{middle - 1.0e-3:.2e}") == 4.52e-5
+    last = fit_table(model, lines, Mesh((2,))).splitlines()[-1]
+    assert last.split() == ["choice", "margin", "(per", "step)", "any", "45.2", "us"]
+    exact, _ = fit_model([Sample("all_gather", 0, 3, b, 1e-3 + b / 1e9) for b in SIZES])
+    assert exact.margin == 0
+
+
+def test_the_margin_decides_near_ties_and_is_no_time():
+    """``R,R | P0 -> R,R`` on [4] of 1000x256 f32, every kind at 100 us a round and 1 GB/s but
+    all_reduce at 150 us a round: by the table the all_reduce costs 6 * 150 us and the
+    reduce_scatter and all_gather 3 * 100 + 3 * 100 us, and both send 1,536,000 bytes (1.536 ms)
+    in all, so the pair is 0.3 ms cheaper for one step more. A margin under 0.3 ms a step keeps the
+    pair, one over it takes the all_reduce; the predicted times leave the margin out."""
+    src, dst = parse_layout("R,R | P0 over mesh[4]"), parse_layout("R,R over mesh[4]")
+    ops = {"all_reduce": {"alpha": 1.5e-4, "bandwidth": 1e9}}
+    chosen = {}
+    for margin in (2.9e-4, 3.1e-4):
+        model = planner.CostModel(alpha=1e-4, bandwidth=1e9, ops=ops, margin=margin)
+        plan = planner.plan(src, dst, (1000, 256), "f32", model)
+        chosen[margin] = ([s.op for s in plan.steps], plan.total_seconds)
+    assert chosen[2.9e-4][0] == ["reduce_scatter", "all_gather"]
+    assert chosen[2.9e-4][1] == pytest.approx(6 * 1e-4 + 1.536e-3)
+    assert chosen[3.1e-4][0] == ["all_reduce"]
+    assert chosen[3.1e-4][1] == pytest.approx(6 * 1.5e-4 + 1.536e-3)
+    # The margin travels with the model: its hints JSON, the plan's JSON and its repr read back.
+    model = planner.CostModel(alpha=1e-4, bandwidth=1e9, ops=ops, margin=3.1e-4)
+    assert planner.CostModel.from_json(json.loads(json.dumps(model.to_json()))) == model
+    plan = planner.plan(src, dst, (1000, 256), "f32", model)
+    assert planner.Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    assert eval(repr(model), vars(planner)) == model
+
+
+def test_the_plan_command_says_it_chose_with_a_margin(tmp_path, capsys):
+    """The near tie above from a hints file: ``shardlang plan`` takes the all_reduce and says
+    under the table that a margin chose it, which its times leave out; without one, it says
+    nothing of a margin."""
+    hints = {"alpha": 1e-4, "bandwidth": 1e9, "ops": {"all_reduce": {"alpha": 1.5e-4, "bandwidth": 1e9}}}
+    pair = ["plan", "R,R | P0 over mesh[4]", "R,R over mesh[4]", "--shape", "1000x256", "--costs"]
+    outputs = []
+    for extra in ({"margin": 3.1e-4}, {}):
+        path = tmp_path / f"hints{len(extra)}.json"
+        path.write_text(json.dumps({**hints, **extra}))
+        assert main([*pair, str(path)]) == 0
+        outputs.append(capsys.readouterr().out.splitlines())
+    with_margin, without = outputs
+    assert with_margin[3].split()[:2] == ["1", "all_reduce"] and with_margin[4].split()[-2:] == ["2.44", "ms"]
+    assert with_margin[-1] == (
+        "  chosen with a margin of 310 us a step, not in the times: "
+        "a plan of more steps wins only by more than that for each step it adds"
+    )
+    assert [line.split()[1] for line in without[3:5]] == ["reduce_scatter", "all_gather"]
+    assert not any("margin" in line for line in without)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_plans_are_optimal_with_a_margin(seed):
+    """With a margin, the planner's plan is the brute force's optimum when every step pays the
+    overhead and the margin, and its predicted time is the brute force's time of that plan with
+    the overhead alone."""
+    rng = random.Random(900 + seed)
+    for _ in range(150):
+        src, dst, shape, dtype, _ = random_case(rng, naxes=rng.choice((1, 2, 2, 3)))
+        base = calibrated_looking(rng, src.mesh.ndim)
+        cost = attrs.evolve(base, overhead=rng.choice((0.0, 1e-4)), margin=rng.choice((3e-5, 3e-4, 3e-3)))
+        got = planner.plan(src, dst, shape, dtype, cost)
+        reference = reference_for(src, dst, shape, dtype, base)
+        chooses = _ReferenceWithOverhead(reference, cost.overhead + cost.margin)
+        want = chooses.solve(chooses.state_of(src), chooses.state_of(dst), len(got.steps) + 3)
+        assert (chooses.replay(got, check_seconds=False), len(got.steps)) == want, f"{src} -> {dst}, {shape}, {cost}"
+        priced = _ReferenceWithOverhead(reference, cost.overhead)  # checks every step's seconds
+        assert got.total_seconds == pytest.approx(priced.replay(got) / priced.scale, rel=1e-9, abs=1e-12)
+
+
 @pytest.mark.parametrize(
     ("content", "field"),
     [
@@ -438,6 +526,8 @@ def test_plans_are_optimal_with_a_step_overhead(seed):
         ('{"overhead": [1e-4, 1e-4]}', "field 'overhead': expected one number"),
         ('{"copy_bandwidth": 0}', "field 'copy_bandwidth': expected a positive number of bytes per second, got 0"),
         ('{"copy_bandwidth": "fast"}', "field 'copy_bandwidth': expected a number"),
+        ('{"margin": -1e-4}', "field 'margin': expected zero or a positive number of seconds, got -0.0001"),
+        ('{"margin": [1e-4]}', "field 'margin': expected one number"),
     ],
 )
 def test_bad_executor_terms_name_the_file_and_field(tmp_path, capsys, content, field):

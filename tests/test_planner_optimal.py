@@ -187,8 +187,9 @@ class Reference:
                 break
         return best
 
-    def replay(self, plan_):
-        """Exact time units of ``plan_``, checking every step is a legal move with the right bytes."""
+    def replay(self, plan_, check_seconds=True):
+        """Exact time units of ``plan_``, checking every step is a legal move with the right bytes
+        (and, with ``check_seconds``, that its seconds are those units)."""
         state = self.state_of(plan_.src)
         total = 0
         for step in plan_.steps:
@@ -202,7 +203,8 @@ class Reference:
             op, a, _, _, _, state, nbytes, rounds, copied = matches[0]
             assert step.bytes == nbytes, f"{step.describe()}: {step.bytes} bytes, the table gives {nbytes}"
             units = self.units(a, nbytes, rounds, op, copied)
-            assert step.seconds == pytest.approx(float(Fraction(units, self.scale)), rel=1e-12)
+            if check_seconds:
+                assert step.seconds == pytest.approx(float(Fraction(units, self.scale)), rel=1e-12)
             total += units
         assert state == self.state_of(plan_.dst)
         return total
