@@ -91,8 +91,7 @@ The search compares times exactly: :func:`integer_rates` scales the model so tha
 every step time is an integer, so equal-time plans compare equal whatever the order of their
 steps, and the fewer-steps rule decides between them. The overhead and the margin are on the
 same scale (the pseudo-kind :data:`STEP` of :meth:`CostModel.figures`): every move of the search
-pays them, so
-the lower bound (which leaves it out) stays admissible, and the pruning rules of
+pays them, so the lower bound (which leaves them out) stays admissible, and the pruning rules of
 ``planner.space``, which never trade a plan for one with more steps, stay exact. A step's
 ``copied`` bytes are on that scale too (the per-byte figure of the pseudo-kind :data:`COPY`),
 and the bound leaves them out as well (they are never negative); ``planner.space`` says which
@@ -137,7 +136,8 @@ PRICED_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point
 HINTS_FIELDS = (
     "mesh", "alpha", "bandwidth", "ops", "overhead", "copy_bandwidth", "margin", "calibration", "flops_per_second"
 )  # fmt: skip
-# The pseudo-kind of :meth:`CostModel.figures` whose per-round figure is the per-step overhead.
+# The pseudo-kind of :meth:`CostModel.figures` whose per-round figure is the per-step overhead
+# and choice margin.
 STEP = "step"
 # The pseudo-kind whose bandwidth is the copy bandwidth (only in a model that prices copies).
 COPY = "copy"
