@@ -5,8 +5,8 @@ Plans are compared by (time, steps): the cheapest plan, and among plans of equal
 with the fewest steps; the time compared is the model's with its choice margin on every step
 (``planner.cost``: 0 but in a calibrated model), the plan's seconds the model's alone. Times
 are compared exactly, as integers (``planner.cost.integer_rates``), so summation order never
-decides a tie. Moves are generated in a fixed order and ties in the
-queue are broken by insertion order, so equal inputs always give the same plan.
+decides a tie. Moves are generated in a fixed order and ties in the queue are broken by
+insertion order, so equal inputs always give the same plan.
 
 Mesh axes of size 1 that both layouts leave replicated are dropped before the search (no
 cheapest plan moves them: a step on a size-1 axis sends nothing and only adds a step), and the
