@@ -5,13 +5,15 @@ backward gives each rank exactly its piece ``g`` of the gradients the optimizer 
 (dyadic, so partial sums are exact in any order), split over 1 or 4 micro-batches of
 ``g / 4`` (also exact). A run with ``overlap=True`` (and ``prefetch_params``) must equal the run
 without it bit for bit (AdamW) or to 1e-12 (CAME in fp64), and both must equal the single-process
-reference on the full tensors.
+reference on the full tensors. So must a run whose gradients change after backward started their
+buckets (``CHANGED``): the step reduces them again, and says so once.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -45,6 +47,10 @@ MODES = {
     "overlap_prefetch_micro4": (True, True, 4),
 }
 BUCKET_BYTES = 512  # small buckets: several start during backward, at different times
+# Gradients changed after their buckets took them: backward of twice the pieces, then halved in
+# place (as GradScaler.unscale_ does); or two backwards of half the pieces outside no_sync().
+CHANGED = ("halved_in_place", "accumulated_without_no_sync")
+CHANGED_LAYOUTS = ("zero_rows", "dp2_tp2")
 
 
 class Piece(torch.nn.Module):
@@ -67,7 +73,9 @@ class Pieces(torch.nn.Module):
         return sum((self.parts[n](g) for n, g in grads.items()), torch.zeros((), dtype=grads["w"].dtype))
 
 
-def _run(rank: int, config: str, kind: str, dtype: torch.dtype, mode: str, seed: int) -> dict[str, Any] | None:
+def _run(
+    rank: int, config: str, kind: str, dtype: torch.dtype, mode: str, seed: int, changed: str | None = None
+) -> dict[str, Any] | None:
     from planner.step import BEFORE, DURING_BACKWARD
 
     overlap, prefetch, micro = MODES[mode]
@@ -88,29 +96,39 @@ def _run(rank: int, config: str, kind: str, dtype: torch.dtype, mode: str, seed:
     if prefetch:
         optimizer.prefetch_params(*model.parts.values())
     started = []
-    for step in range(STEPS):
-        pieces = {
-            n: local_grad(grad, addends, spec[n].grad, coordinate)
-            for n, (grad, addends) in step_grads(dtype, seed, step).items()
-        }
-        optimizer.zero_grad()
-        for k in range(micro):
-            scale = 1.0 if micro == 1 else 0.25
-            if k < micro - 1:
-                with optimizer.no_sync():
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            pieces = {
+                n: local_grad(grad, addends, spec[n].grad, coordinate)
+                for n, (grad, addends) in step_grads(dtype, seed, step).items()
+            }
+            optimizer.zero_grad()
+            if changed == "halved_in_place":
+                model({n: g * 2 for n, g in pieces.items()}).backward()
+                for name in SHAPES:
+                    model.parts[name].weight.grad.mul_(0.5)
+            elif changed == "accumulated_without_no_sync":
+                for _ in range(2):
+                    model({n: g * 0.5 for n, g in pieces.items()}).backward()
+            for k in range(micro if changed is None else 0):
+                scale = 1.0 if micro == 1 else 0.25
+                if k < micro - 1:
+                    with optimizer.no_sync():
+                        model({n: g * scale for n, g in pieces.items()}).backward()
+                        assert optimizer.buckets_started == 0, "a bucket started inside no_sync"
+                else:
                     model({n: g * scale for n, g in pieces.items()}).backward()
-                    assert optimizer.buckets_started == 0, "a bucket started inside no_sync"
-            else:
-                model({n: g * scale for n, g in pieces.items()}).backward()
-        plan = optimizer.step_plan()
-        before = plan.stage_buckets(BEFORE)
-        if overlap:
-            assert all(b.launch == DURING_BACKWARD for b in before)
-        started.append((optimizer.buckets_started, len(before)))
-        optimizer.step()
+            plan = optimizer.step_plan()
+            before = plan.stage_buckets(BEFORE)
+            if overlap:
+                assert all(b.launch == DURING_BACKWARD for b in before)
+            started.append((optimizer.buckets_started, len(before)))
+            optimizer.step()
     optimizer.wait_params()  # the last step's gathers (forward would wait for them)
     params = {n: model.parts[n].weight.detach().clone() for n in SHAPES}
-    return {"coordinate": coordinate, "params": params, "started": started}
+    said_again = [str(w.message) for w in warned if "reduced the gradients again" in str(w.message)]
+    return {"coordinate": coordinate, "params": params, "started": started, "said_again": said_again}
 
 
 def _peer_dies_in_backward(rank: int, world_size: int) -> dict[str, Any]:
@@ -163,6 +181,10 @@ def all_cases(rank: int, world_size: int) -> dict[Any, Any]:
         for kind, dtype in KINDS:
             for mode in MODES:
                 out[(config, kind, mode)] = _run(rank, config, kind, dtype, mode, seed=31)
+    for config in CHANGED_LAYOUTS:
+        for kind, dtype in KINDS:
+            for changed in CHANGED:
+                out[(config, kind, changed)] = _run(rank, config, kind, dtype, "overlap_prefetch", 31, changed)
     return out
 
 
@@ -199,6 +221,27 @@ def test_overlap_equals_the_step_without_it_and_the_reference(
                 assert all(n == total and total > 1 for n, total in got["started"][1:]), (mode, got["started"])
             else:
                 assert all(n == 0 for n, _ in got["started"]), (mode, got["started"])
+            assert not got["said_again"], (mode, got["said_again"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CHANGED_LAYOUTS)
+@pytest.mark.parametrize(("kind", "dtype"), KINDS)
+@pytest.mark.parametrize("changed", CHANGED)
+def test_gradients_changed_after_their_buckets_started_are_reduced_again(
+    ranks: list[dict[Any, Any]], config: str, kind: str, dtype: torch.dtype, changed: str
+) -> None:
+    mesh, layouts_of, _ = CONFIGS[config]
+    spec = _spec(mesh, layouts_of)
+    the_mesh = next(iter(spec.values())).param.mesh
+    want = _reference_run(kind, dtype, 31, STEPS, ADAMW if kind == "adamw" else CAME)
+    for rank, out in enumerate(ranks):
+        got = out[(config, kind, changed)]
+        for name in SHAPES:
+            piece = hand_piece(want[name], spec[name].param.dims, the_mesh.shape, got["coordinate"])
+            _assert_close(kind, dtype, got["params"][name], piece, f"{config} {kind} {changed} rank {rank} '{name}'")
+        assert len(got["said_again"]) == 1, got["said_again"]
+        assert "step 1: the gradient of" in got["said_again"][0], got["said_again"]
 
 
 @pytest.mark.slow

@@ -285,15 +285,17 @@ class _Backward:
     """The buckets before the update of the coming step, started during backward (``overlap``):
     the slots and plan they were started for (``run`` is None when the plan is not known yet:
     a DTensor whose gradient has not been seen), the first error met (raised in ``step()``,
-    after every bucket has run, so that no peer waits for this rank), and whether a gradient
+    after every bucket has run, so that no peer waits for this rank), whether a gradient
     arrived in another layout than planned (then ``step()`` waits the buckets out and runs
-    without them)."""
+    without them), and each gradient given to them as it was then (``fed``: per slot index
+    its tensor and version, :func:`_grad_versions`)."""
 
     slots: list[Slot]
     compiled: _Compiled | None
     run: StageRun | None
     error: ShardlangError | None = None
     stale: bool = False
+    fed: dict[int, tuple[int, int]] = attrs.field(factory=dict)
 
 
 @attrs.frozen(eq=False)
@@ -321,6 +323,17 @@ class _Gathers:
     legs: Mapping[int, int]  # slot index -> its "state -> param" leg
     waiting: dict[int, Slot]
     step: int
+
+
+@attrs.frozen(eq=False)
+class _Staged:
+    """A step run on this rank without changing anything (:meth:`ShardedOptimizer._stage`):
+    ``commit`` makes it take effect; ``abandon``, when another rank failed it, waits out the
+    collectives it left in flight (``prefetch_params``' gathers), whose buffers the next step
+    reuses."""
+
+    commit: Callable[[], None]
+    abandon: Callable[[], None] = lambda: None
 
 
 def done() -> Update:
@@ -413,6 +426,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.overlap = bool(overlap)
         self._sync = True  # False inside no_sync()
         self._backward: _Backward | None = None
+        self._overlap_lost = False  # whether a step has said that it reduced gradients again
         self._prefetch = False
         self._gathers: _Gathers | None = None
         self._gather_failure: str | None = None
@@ -695,16 +709,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return loss
         members = self._members(slots)
         try:
-            commit = self._stage(slots, backward)
+            staged = self._stage(slots, backward)
         except Exception:
             self._agree(members, ok=False)  # the others must not commit either
             raise
         if not self._agree(members, ok=True):
+            staged.abandon()
             raise OptimizerStepError(
                 f"step {min(s.step for s in slots) + 1} failed on another rank of {_ranks_text(members)}; "
                 "parameters and optimizer states are unchanged on every rank"
             )
-        commit()
+        staged.commit()
         return loss
 
     def _members(self, slots: Sequence[Slot]) -> tuple[int, ...]:
@@ -770,7 +785,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._flat = FlatStates(entries)
         return self._flat
 
-    def _stage(self, slots: list[Slot], backward: _Backward | None = None) -> Callable[[], None]:
+    def _stage(self, slots: list[Slot], backward: _Backward | None = None) -> _Staged:
         """Run the step's communication and math without changing anything; returns what
         commits it. ``backward``: the buckets already started during backward."""
         grads = [slot.local_grad() for slot in slots]
@@ -784,7 +799,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             reduced.compiled is not compiled or reduced.slots != slots or reduced.grads != _grad_versions(grads)
         ):
             reduced = None  # the gradients changed since clip_grad_norm_: reduce them again
-        before = _started(backward, compiled, slots)
+        before = self._started(backward, compiled, slots, grads, step_number)
         try:
             return self._staged(slots, grads, compiled, step_number, before, backward, reduced)
         except Exception:
@@ -812,7 +827,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grads = [slot.local_grad() for slot in slots]
         compiled = self._compiled(slots, [(layout, grad.dtype) for grad, layout in grads])
         step_number = min(s.step for s in slots) + 1
-        before = _started(backward, compiled, slots)
+        before = self._started(backward, compiled, slots, grads, step_number)
         try:
             arrived, waited = self._reduce_before(slots, grads, compiled, step_number, before, backward)
             reduced = [arrived[compiled.legs[(s.name, "grad -> state")]] for s in slots]
@@ -888,7 +903,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         before: StageRun | None,
         backward: _Backward | None,
         clipped: _Reduced | None = None,
-    ) -> Callable[[], None]:
+    ) -> _Staged:
         plan, legs = compiled.plan, compiled.legs
         flat = self._flat_states()
 
@@ -986,7 +1001,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.last_traffic = traffic
             self.last_grad_norm, self.last_step_skipped = norm, False
 
-        return commit
+        return _Staged(commit, after.drain)
 
     def _joinable(self, error: Exception) -> Exception:
         """``error``, raised by this rank's math, if the rest of the step can be joined despite
@@ -1063,6 +1078,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         try:
             backward.run.feed({leg: as_dtype(grad, self._wire_dtype(grad.dtype))})
+            backward.fed[slot.index] = (grad.data_ptr(), grad._version)
         except ReshardError as e:  # a piece of the wrong shape: sent as zeros, raised in step()
             backward.error = backward.error or e
             if leg not in backward.run.legs:
@@ -1070,6 +1086,46 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 backward.run.feed({leg: zeros})
         except ShardlangError as e:  # a collective failed to start: raised in step()
             backward.error = backward.error or e
+
+    def _started(
+        self,
+        backward: _Backward | None,
+        compiled: _Compiled,
+        slots: Sequence[Slot],
+        grads: Sequence[tuple[torch.Tensor, Layout]],
+        step_number: int,
+    ) -> StageRun | None:
+        """The buckets started during backward, if they were planned for these gradients and
+        were given them as they are now; else ``None``, after waiting out any that were not (the
+        step then reduces the gradients as they are). A gradient changes after its bucket took it
+        when a second backward accumulates into it outside :meth:`no_sync`, or when it is changed
+        in place after backward (``GradScaler.unscale_``): the step then runs without overlap,
+        and says so (once)."""
+        if backward is None or backward.run is None:
+            return None
+        if backward.stale or backward.compiled is not compiled or backward.slots != list(slots):
+            backward.run.drain()
+            return None
+        changed = [
+            slot.name
+            for slot, key in zip(slots, _grad_versions(grads), strict=True)
+            if backward.fed.get(slot.index, key) != key
+        ]
+        if changed:
+            backward.run.drain()
+            if self._overlap_lost:
+                return None
+            self._overlap_lost = True
+            warnings.warn(
+                f"{type(self).__name__}: step {step_number}: the gradient of '{changed[0]}'"
+                + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
+                + " changed after backward had started reducing it, so the step reduced the gradients"
+                " again, without overlap; accumulate micro-batches inside no_sync() and clip with the"
+                " optimizer's clip_grad_norm_ to keep the overlap (said once)",
+                stacklevel=2,
+            )
+            return None
+        return backward.run
 
     def _begin_backward(self) -> _Backward:
         """The buckets of the coming step, for every slot this rank steps, with its non-gradient
@@ -1196,7 +1252,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         total = torch.stack([c.reshape(()).to(torch.float64) for c in completed]).sum().sqrt()
         return total.to(slots[0].dtype), sum(c.bytes for c in collectives), len(collectives)
 
-    def _skip(self, norm: torch.Tensor, step_number: int) -> Callable[[], None]:
+    def _skip(self, norm: torch.Tensor, step_number: int) -> _Staged:
         """What commits a step skipped for a gradient that is NaN or inf (on every rank: the
         norm is the same everywhere): nothing changes but the record of it."""
 
@@ -1207,7 +1263,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
-        return commit
+        return _Staged(commit)
 
     def _fresh_params(self, slots: Sequence[Slot], after: StageRun, legs: Mapping[int, int]) -> dict[int, torch.Tensor]:
         """Where the new state-layout shard of every parameter without a master goes (``legs``:
@@ -1447,17 +1503,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load what :meth:`full_state_dict` or the torch optimizer's ``state_dict()`` wrote,
         each rank its pieces; every rank calls it."""
         full_state.load_full_state_dict(self, state_dict)
-
-
-def _started(backward: _Backward | None, compiled: _Compiled, slots: Sequence[Slot]) -> StageRun | None:
-    """The buckets started during backward, if they were planned for these gradients; else
-    ``None``, after waiting out any that were not (the step then runs without them)."""
-    if backward is None or backward.run is None:
-        return None
-    if backward.stale or backward.compiled is not compiled or backward.slots != list(slots):
-        backward.run.drain()
-        return None
-    return backward.run
 
 
 class _UpdateFailed(Exception):

@@ -171,16 +171,16 @@ class ShardedMuon(ShardedOptimizer):
         return attrs.evolve(traffic, matrix_bytes=plan.total_bytes, matrix_collectives=plan.collectives)
 
     def _stage(self, slots: list[Slot], *args: Any, **kwargs: Any) -> Any:
-        commit = super()._stage(slots, *args, **kwargs)
+        staged = super()._stage(slots, *args, **kwargs)
         plan, _ = self._matrices(slots)
 
         def with_moves() -> None:
-            commit()
+            staged.commit()
             self.last_traffic = attrs.evolve(
                 self.last_traffic, matrix_bytes=plan.total_bytes, matrix_collectives=plan.collectives
             )
 
-        return with_moves
+        return attrs.evolve(staged, commit=with_moves)
 
     # --- the math ----------------------------------------------------------------------
     def _updates(self, work: StepWork) -> list[Update]:
