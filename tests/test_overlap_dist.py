@@ -14,12 +14,14 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
 import torch
 
 from runtime.testing import run_ranks
+from tests.late_results import LateResults
 from tests.test_optim_dist import (
     ADAMW,
     CAME,
@@ -39,12 +41,13 @@ from tests.test_optim_dist import (
 STEPS = 6
 LAYOUTS = ("zero_rows", "flat_zero", "dp2_tp2", "nested_tp_dp", "three_ranks", "flat_zero_with_tp", "own_exp_avg")
 KINDS = (("adamw", torch.float32), ("came", torch.float64))
-# name: (overlap, prefetch_params, micro-batches)
+# name: (overlap, prefetch_params, micro-batches, results landing late: tests.late_results)
 MODES = {
-    "plain": (False, False, 1),
-    "overlap": (True, False, 4),
-    "overlap_prefetch": (True, True, 1),
-    "overlap_prefetch_micro4": (True, True, 4),
+    "plain": (False, False, 1, False),
+    "overlap": (True, False, 4, False),
+    "overlap_prefetch": (True, True, 1, False),
+    "overlap_prefetch_micro4": (True, True, 4, False),
+    "overlap_prefetch_late": (True, True, 2, True),
 }
 BUCKET_BYTES = 512  # small buckets: several start during backward, at different times
 # Gradients changed after their buckets took them: backward of twice the pieces, then halved in
@@ -78,7 +81,7 @@ def _run(
 ) -> dict[str, Any] | None:
     from planner.step import BEFORE, DURING_BACKWARD
 
-    overlap, prefetch, micro = MODES[mode]
+    overlap, prefetch, micro, late = MODES[mode]
     mesh, layouts_of, flat_axis = CONFIGS[config]
     spec = _spec(mesh, layouts_of, own=OWN_STATES.get(config))
     the_mesh = next(iter(spec.values())).param.mesh
@@ -96,7 +99,12 @@ def _run(
     if prefetch:
         optimizer.prefetch_params(*model.parts.values())
     started = []
-    with warnings.catch_warnings(record=True) as warned:
+    results = LateResults()
+    with (
+        warnings.catch_warnings(record=True) as warned,
+        results.installed(),
+        results.delayed() if late else nullcontext(),
+    ):
         warnings.simplefilter("always")
         for step in range(STEPS):
             pieces = {
@@ -112,7 +120,7 @@ def _run(
                 for _ in range(2):
                     model({n: g * 0.5 for n, g in pieces.items()}).backward()
             for k in range(micro if changed is None else 0):
-                scale = 1.0 if micro == 1 else 0.25
+                scale = 1.0 / micro  # exact: micro is 1, 2 or 4
                 if k < micro - 1:
                     with optimizer.no_sync():
                         model({n: g * scale for n, g in pieces.items()}).backward()
