@@ -8,6 +8,7 @@ the order: AdamW, which is elementwise, must then match bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import time
@@ -478,27 +479,40 @@ def _run_training(
     seed: int,
     max_grad_norm: float | None = None,
     clip_method: bool = False,
+    overlap: bool = False,
 ) -> dict[str, Any]:
     """10 steps of an MLP; every rank trains on its 3 of the 12 samples; the global gradient
     norm of every step when clipping (``max_grad_norm``, or ``optimizer.clip_grad_norm_`` before
-    each step with ``clip_method``)."""
+    each step with ``clip_method``). ``overlap``: buckets of 256 bytes started during backward,
+    ``prefetch_params`` of both layers, and every bucket's result landing late
+    (``tests.late_results``)."""
     from shardlang import parse_spec
+    from tests.late_results import LateResults
 
     model = mlp(seed)
     options: dict[str, Any] = {"flat_axis": flat_axis, "max_grad_norm": None if clip_method else max_grad_norm}
+    if overlap:
+        options |= {"overlap": True, "bucket_bytes": 256}
     optimizer = _optimizer(kind, list(model.named_parameters()), parse_spec(MLP_SPEC), **options)
-    norms = []
-    for step in range(10):
-        x, y = mlp_batches(seed, step)
-        mine = slice(3 * rank, 3 * rank + 3)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-        returned = optimizer.clip_grad_norm_(max_grad_norm) if clip_method else None
-        optimizer.step()
-        norms.append(None if optimizer.last_grad_norm is None else float(optimizer.last_grad_norm))
-        if returned is not None:
-            assert float(returned) == norms[-1], (float(returned), norms[-1])
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
+    if overlap:
+        optimizer.prefetch_params(model[0], model[2])
+    norms, started = [], []
+    results = LateResults()
+    with results.installed(), results.delayed() if overlap else contextlib.nullcontext():
+        for step in range(10):
+            x, y = mlp_batches(seed, step)
+            mine = slice(3 * rank, 3 * rank + 3)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            started.append(optimizer.buckets_started)
+            returned = optimizer.clip_grad_norm_(max_grad_norm) if clip_method else None
+            optimizer.step()
+            norms.append(None if optimizer.last_grad_norm is None else float(optimizer.last_grad_norm))
+            if returned is not None:
+                assert float(returned) == norms[-1], (float(returned), norms[-1])
+        optimizer.wait_params()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": params, "norms": norms, "started": started}
 
 
 def _run_nonfinite(rank: int, seed: int) -> dict[str, Any]:
@@ -545,6 +559,9 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         out[("clipped", kind, flat_axis)] = _run_training(rank, kind, flat_axis, seed=14, max_grad_norm=CLIP)
         out[("clip_method", kind, flat_axis)] = _run_training(
             rank, kind, flat_axis, seed=14, max_grad_norm=CLIP, clip_method=True
+        )
+        out[("clip_method_overlap", kind, flat_axis)] = _run_training(
+            rank, kind, flat_axis, seed=14, max_grad_norm=CLIP, clip_method=True, overlap=True
         )
     out["nonfinite"] = _run_nonfinite(rank, seed=15)
     out["smaller_mesh"] = _run_smaller_mesh(rank)
@@ -821,7 +838,8 @@ def test_clipping_equals_torch_clip_grad_norm_in_single_process_training(
 ) -> None:
     """``max_grad_norm`` (and ``optimizer.clip_grad_norm_`` before each step, which returns the
     norm) on the reduced gradients against ``torch.nn.utils.clip_grad_norm_`` on the whole batch:
-    the same norm every step, clipping at the same steps (some, not all), the same parameters."""
+    the same norm every step, clipping at the same steps (some, not all), the same parameters;
+    also with overlap and ``prefetch_params``."""
     model = mlp(14)
     params = [p for _, p in model.named_parameters()]
     hyper = ADAMW if kind == "adamw" else CAME
@@ -838,9 +856,11 @@ def test_clipping_equals_torch_clip_grad_norm_in_single_process_training(
     clipped = [n > CLIP for n in norms]
     assert any(clipped) and not all(clipped), norms
     for rank, result in enumerate(ranks):
-        for how in ("clipped", "clip_method"):
+        for how in ("clipped", "clip_method", "clip_method_overlap"):
             got = result[(how, kind, flat_axis)]
             assert [n > CLIP for n in got["norms"]] == clipped, (rank, how, got["norms"], norms)
+            if how == "clip_method_overlap":  # every step's buckets started during backward
+                assert all(n > 1 for n in got["started"]), (rank, got["started"])
             for mine, want in zip(got["norms"], norms, strict=True):
                 assert mine == pytest.approx(want, rel=1e-5)
             for name, p in model.named_parameters():
