@@ -1,6 +1,7 @@
 """FSDP2 + TP on [dp=2, tp=2] (4 gloo ranks) with the sharded optimizers equals single-process
 training with torch.optim.AdamW and came_pytorch.CAME; and TP on mesh["tp"] inside the
-[dp, tp] job, with the spec's full-mesh grad and state layouts (ZeRO over dp).
+[dp, tp] job, with the spec's full-mesh grad and state layouts (ZeRO over dp); both again with
+``overlap``, ``clip_grad_norm_`` and every bucket's result landing late.
 
 One spawn runs every case; the references run here, in the test process, on the whole model
 and the whole batch.
@@ -8,6 +9,7 @@ and the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import came_pytorch
@@ -49,15 +51,18 @@ def batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 6, generator=gen).to(dtype), torch.randn(BATCH, 5, generator=gen).to(dtype)
 
 
-def optimizer_for(kind: str, named: list, spec: Any = None):
+def optimizer_for(kind: str, named: list, spec: Any = None, **options: Any):
     from runtime.optim import ShardedAdamW, ShardedCAME
 
     if kind == "adamw":
-        return ShardedAdamW(named, spec, **ADAMW)
-    return ShardedCAME(named, spec, **CAME)
+        return ShardedAdamW(named, spec, **ADAMW, **options)
+    return ShardedCAME(named, spec, **CAME, **options)
 
 
-def _train(rank: int, kind: str, dtype: torch.dtype, *, fsdp: bool) -> dict[str, torch.Tensor]:
+def _train(rank: int, kind: str, dtype: torch.dtype, *, fsdp: bool, overlap: bool = False) -> dict[str, Any]:
+    """``overlap``: the optimizer's buckets (of 64 bytes) start during backward, every bucket's
+    result landing late (``tests.late_results``), and the step is clipped by
+    ``clip_grad_norm_`` to a norm no step reaches (so the same training)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -72,14 +77,26 @@ def _train(rank: int, kind: str, dtype: torch.dtype, *, fsdp: bool) -> dict[str,
         spec = None
     else:
         spec = parse_spec(SUB_MESH_SPEC)
-    optimizer = optimizer_for(kind, list(net.named_parameters()), spec)
+    from planner.step import BEFORE
+    from tests.late_results import LateResults
+
+    options = {"overlap": True, "bucket_bytes": 64} if overlap else {}
+    optimizer = optimizer_for(kind, list(net.named_parameters()), spec, **options)
     half = slice(BATCH // 2 * (rank // 2), BATCH // 2 * (rank // 2 + 1))  # this rank's dp half
-    for step in range(STEPS):
-        x, y = batch(step, dtype)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(net(x[half]), y[half]).backward()
-        optimizer.step()
-    return {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
+    results, started = LateResults(), []
+    with results.installed(), results.delayed() if overlap else contextlib.nullcontext():
+        for step in range(STEPS):
+            x, y = batch(step, dtype)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(net(x[half]), y[half]).backward()
+            started.append((optimizer.buckets_started, len(optimizer.step_plan().stage_buckets(BEFORE))))
+            if overlap:
+                optimizer.clip_grad_norm_(1e6)
+            optimizer.step()
+    return {
+        "params": {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()},
+        "started": started,
+    }
 
 
 def all_cases(rank: int, world_size: int) -> dict[Any, Any]:
@@ -88,6 +105,8 @@ def all_cases(rank: int, world_size: int) -> dict[Any, Any]:
         out[("fsdp_tp", kind, dtype)] = _train(rank, kind, dtype, fsdp=True)
     for kind in ("adamw", "came"):
         out[("tp_sub_mesh", kind, torch.float64)] = _train(rank, kind, torch.float64, fsdp=False)
+        for fsdp in (True, False):
+            out[("overlap", fsdp, kind)] = _train(rank, kind, torch.float64, fsdp=fsdp, overlap=True)
     return out
 
 
@@ -110,7 +129,8 @@ def reference(kind: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in net.named_parameters()}
 
 
-def _assert_trains_as_one_process(got: dict[str, torch.Tensor], kind: str, dtype: torch.dtype) -> None:
+def _assert_trains_as_one_process(got: dict[str, Any], kind: str, dtype: torch.dtype) -> None:
+    got = got["params"]
     want = reference(kind, dtype)
     start = model(dtype)
     for name, value in want.items():
@@ -123,6 +143,19 @@ def _assert_trains_as_one_process(got: dict[str, torch.Tensor], kind: str, dtype
 def test_fsdp2_over_tp_trains_as_one_process(ranks: list[dict[Any, Any]], kind: str, dtype: torch.dtype) -> None:
     for rank in ranks:
         _assert_trains_as_one_process(rank[("fsdp_tp", kind, dtype)], kind, dtype)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "came"])
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp2_tp", "tp_sub_mesh"])
+def test_overlap_and_clip_grad_norm_train_as_one_process(ranks: list[dict[Any, Any]], kind: str, fsdp: bool) -> None:
+    for rank in ranks:
+        got = rank[("overlap", fsdp, kind)]
+        _assert_trains_as_one_process(got, kind, torch.float64)
+        # Every bucket before the update started during backward, but on a DTensor's first step
+        # (its gradient's layout shows then). FSDP2 reduces the gradients itself: none is left.
+        first, *later = got["started"]
+        assert first[0] == 0 and all(n == total for n, total in later), got["started"]
+        assert all(total == 0 if fsdp else total > 1 for _, total in got["started"]), got["started"]
 
 
 @pytest.mark.parametrize("kind", ["adamw", "came"])
