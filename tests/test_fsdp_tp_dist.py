@@ -67,7 +67,9 @@ def _train(rank: int, kind: str, dtype: torch.dtype, *, fsdp: bool, overlap: boo
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from planner.step import BEFORE
     from shardlang import parse_spec
+    from tests.late_results import LateResults
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     net = model(dtype)
@@ -77,9 +79,6 @@ def _train(rank: int, kind: str, dtype: torch.dtype, *, fsdp: bool, overlap: boo
         spec = None
     else:
         spec = parse_spec(SUB_MESH_SPEC)
-    from planner.step import BEFORE
-    from tests.late_results import LateResults
-
     options = {"overlap": True, "bucket_bytes": 64} if overlap else {}
     optimizer = optimizer_for(kind, list(net.named_parameters()), spec, **options)
     half = slice(BATCH // 2 * (rank // 2), BATCH // 2 * (rank // 2 + 1))  # this rank's dp half
