@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -201,12 +202,11 @@ def ranks() -> list[dict[Any, Any]]:
     return run_ranks(all_cases, 4, timeout=300)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", LAYOUTS)
-@pytest.mark.parametrize(("kind", "dtype"), KINDS)
-def test_overlap_equals_the_step_without_it_and_the_reference(
-    ranks: list[dict[Any, Any]], config: str, kind: str, dtype: torch.dtype
-) -> None:
+def _checked_runs(
+    ranks: list[dict[Any, Any]], config: str, kind: str, dtype: torch.dtype, cases: Iterable[str]
+) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """Each rank's run of each of ``cases`` on ``config`` (ranks of its mesh), once its
+    parameters were checked against the single-process reference's pieces."""
     mesh, layouts_of, _ = CONFIGS[config]
     spec = _spec(mesh, layouts_of)
     the_mesh = next(iter(spec.values())).param.mesh
@@ -214,22 +214,33 @@ def test_overlap_equals_the_step_without_it_and_the_reference(
     for rank, out in enumerate(ranks):
         if rank not in the_mesh.ranks:
             continue
-        plain = out[(config, kind, "plain")]
-        for mode in MODES:
-            got = out[(config, kind, mode)]
+        for case in cases:
+            got = out[(config, kind, case)]
             for name in SHAPES:
-                label = f"{config} {kind} {mode} rank {rank} '{name}'"
                 piece = hand_piece(want[name], spec[name].param.dims, the_mesh.shape, got["coordinate"])
-                _assert_close(kind, dtype, got["params"][name], piece, label)
-                if kind == "adamw":
-                    assert torch.equal(got["params"][name], plain["params"][name]), label
-                else:
-                    _assert_close(kind, dtype, got["params"][name], plain["params"][name], label)
-            if MODES[mode][0]:  # every bucket before the update started during backward
-                assert all(n == total and total > 1 for n, total in got["started"][1:]), (mode, got["started"])
+                _assert_close(kind, dtype, got["params"][name], piece, f"{config} {kind} {case} rank {rank} '{name}'")
+            yield rank, case, got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", LAYOUTS)
+@pytest.mark.parametrize(("kind", "dtype"), KINDS)
+def test_overlap_equals_the_step_without_it_and_the_reference(
+    ranks: list[dict[Any, Any]], config: str, kind: str, dtype: torch.dtype
+) -> None:
+    for rank, mode, got in _checked_runs(ranks, config, kind, dtype, MODES):
+        plain = ranks[rank][(config, kind, "plain")]
+        for name in SHAPES:
+            label = f"{config} {kind} {mode} rank {rank} '{name}'"
+            if kind == "adamw":
+                assert torch.equal(got["params"][name], plain["params"][name]), label
             else:
-                assert all(n == 0 for n, _ in got["started"]), (mode, got["started"])
-            assert not got["said_again"], (mode, got["said_again"])
+                _assert_close(kind, dtype, got["params"][name], plain["params"][name], label)
+        if MODES[mode][0]:  # every bucket before the update started during backward
+            assert all(n == total and total > 1 for n, total in got["started"][1:]), (mode, got["started"])
+        else:
+            assert all(n == 0 for n, _ in got["started"]), (mode, got["started"])
+        assert not got["said_again"], (mode, got["said_again"])
 
 
 @pytest.mark.slow
@@ -239,15 +250,9 @@ def test_overlap_equals_the_step_without_it_and_the_reference(
 def test_gradients_changed_after_their_buckets_started_are_reduced_again(
     ranks: list[dict[Any, Any]], config: str, kind: str, dtype: torch.dtype, changed: str
 ) -> None:
-    mesh, layouts_of, _ = CONFIGS[config]
-    spec = _spec(mesh, layouts_of)
-    the_mesh = next(iter(spec.values())).param.mesh
-    want = _reference_run(kind, dtype, 31, STEPS, ADAMW if kind == "adamw" else CAME)
-    for rank, out in enumerate(ranks):
-        got = out[(config, kind, changed)]
-        for name in SHAPES:
-            piece = hand_piece(want[name], spec[name].param.dims, the_mesh.shape, got["coordinate"])
-            _assert_close(kind, dtype, got["params"][name], piece, f"{config} {kind} {changed} rank {rank} '{name}'")
+    runs = list(_checked_runs(ranks, config, kind, dtype, (changed,)))
+    assert len(runs) == 4
+    for _, _, got in runs:
         assert len(got["said_again"]) == 1, got["said_again"]
         assert "step 1: the gradient of" in got["said_again"][0], got["said_again"]
 
