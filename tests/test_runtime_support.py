@@ -50,14 +50,15 @@ def reference_piece(full: torch.Tensor, layout: Layout, rank: int) -> torch.Tens
     return block
 
 
-def _split(value: torch.Tensor, op: str, n: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """``n`` random tensors whose reduction with ``op`` is ``value``."""
+def _split(value: torch.Tensor, op: str, n: int, generator: torch.Generator, step: int = 1) -> list[torch.Tensor]:
+    """``n`` random tensors whose reduction with ``op`` is ``value``; a sum's or mean's random
+    addends are multiples of ``step``."""
 
     def noise(low: int, high: int) -> torch.Tensor:
         return torch.randint(low, high, value.shape, generator=generator).to(value.dtype)
 
     if op in ("sum", "avg"):
-        parts = [noise(-4, 5) for _ in range(n - 1)]
+        parts = [noise(-4, 5) * step for _ in range(n - 1)]
         total = value * n if op == "avg" else value
         return [*parts, total - sum(parts, torch.zeros_like(value))]
     sign = -1 if op == "max" else 1
@@ -72,6 +73,10 @@ def random_addends(full: torch.Tensor, layout: Layout, seed: int) -> dict[int, t
     generator = torch.Generator().manual_seed(seed)
     work = full.to(torch.float64 if full.dtype in FLOAT_DTYPES else torch.int64)
     mesh = layout.mesh
+    # A plan may reduce the partial axes in any order, so a mean over n ranks (n not a power of
+    # two) may divide a sum of addends before the other axes complete it: every addend is then
+    # a multiple of the product of such n (one at most, on 8 ranks), and so is every partial sum.
+    step = math.prod(mesh.shape[a] for a, op in layout.partial if op == "avg" and mesh.shape[a] & (mesh.shape[a] - 1))
     # addends[(c_p1, ..., c_pk)]: the full-shaped addend at those partial coordinates. The
     # highest axis is reduced last, so it is split first.
     addends = {(): work}
@@ -79,7 +84,7 @@ def random_addends(full: torch.Tensor, layout: Layout, seed: int) -> dict[int, t
         addends = {
             (c, *key): part
             for key, value in addends.items()
-            for c, part in enumerate(_split(value, op, mesh.shape[axis], generator))
+            for c, part in enumerate(_split(value, op, mesh.shape[axis], generator, step))
         }
     pieces = {}
     for rank in mesh.ranks:
