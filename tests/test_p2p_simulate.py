@@ -73,6 +73,18 @@ def test_hand_made_cross_mesh_plans_land_on_the_target_pieces(pair) -> None:
     _check(hand_plan(src, dst, shape, dtype), seed)
 
 
+def test_a_mean_over_three_ranks_taken_before_a_sum_is_exact() -> None:
+    """The plan averages over the 3 ranks of axis 1 before it sums over axis 0: the source's
+    random addends must leave every partial sum divisible by 3 (hypothesis found this case)."""
+    src = parse_layout("R | P0,P1:avg over mesh[2,3,1]")
+    plan = hand_plan(src, parse_layout("R over mesh[4,1,2]"), (5,), "f32")
+    assert [(s.op, s.axis, s.reduce_op) for s in plan.steps[:2]] == [
+        ("reduce_scatter", 1, "avg"),
+        ("all_reduce", 0, "sum"),
+    ]
+    _check(plan, seed=1)
+
+
 @settings(max_examples=100, deadline=None)
 @given(_cross_mesh_pairs())
 def test_the_planners_cross_mesh_plans_land_on_the_target_pieces(pair) -> None:
