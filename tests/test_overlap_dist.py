@@ -254,7 +254,7 @@ def test_gradients_changed_after_their_buckets_started_are_reduced_again(
     assert len(runs) == 4
     for _, _, got in runs:
         assert len(got["said_again"]) == 1, got["said_again"]
-        assert "step 1: the gradient of" in got["said_again"][0], got["said_again"]
+        assert "step 1: the gradients of" in got["said_again"][0], got["said_again"]
 
 
 @pytest.mark.slow

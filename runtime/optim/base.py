@@ -1116,12 +1116,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self._overlap_lost:
                 return None
             self._overlap_lost = True
+            which = f"'{changed[0]}' and {len(changed) - 1} more" if len(changed) > 1 else f"'{changed[0]}'"
             warnings.warn(
-                f"{type(self).__name__}: step {step_number}: the gradient of '{changed[0]}'"
-                + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
-                + " changed after backward had started reducing it, so the step reduced the gradients"
-                " again, without overlap; accumulate micro-batches inside no_sync() and clip with the"
-                " optimizer's clip_grad_norm_ to keep the overlap (said once)",
+                f"{type(self).__name__}: step {step_number}: the gradients of {which} changed after backward"
+                " had started reducing them, so the step reduced the gradients again, without overlap;"
+                " accumulate micro-batches inside no_sync() and clip with the optimizer's clip_grad_norm_"
+                " to keep the overlap (said once)",
                 stacklevel=2,
             )
             return None
