@@ -184,6 +184,29 @@ def _peer_dies_in_backward(rank: int, world_size: int) -> dict[str, Any]:
     return {"message": None}
 
 
+def _written_while_gathered(rank: int, world_size: int) -> dict[str, Any]:
+    """After a step with ``prefetch_params``, ``model.load_state_dict`` writes one parameter
+    before forward has waited for its gather: forward raises, the written value stays, and
+    every other parameter gets the step's."""
+    from runtime.optim import OptimizerError
+
+    spec = _spec(*CONFIGS["zero_rows"][:2])
+    model = Pieces(initial_params(torch.float32, 33))
+    optimizer = _optimizer("adamw", [(n, model.parts[n].weight) for n in SHAPES], spec, overlap=True)
+    optimizer.prefetch_params(*model.parts.values())
+    pieces = {n: local_grad(g, a, spec[n].grad, (rank,)) for n, (g, a) in step_grads(torch.float32, 33, 0).items()}
+    model(pieces).backward()
+    optimizer.step()
+    model.parts["b"].load_state_dict({"weight": torch.full(SHAPES["b"], 0.5)})
+    try:
+        model(pieces)
+        message = None
+    except OptimizerError as e:
+        message = str(e)
+    optimizer.wait_params()
+    return {"message": message, "params": {n: model.parts[n].weight.detach().clone() for n in SHAPES}}
+
+
 def all_cases(rank: int, world_size: int) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for config in LAYOUTS:
@@ -255,6 +278,19 @@ def test_gradients_changed_after_their_buckets_started_are_reduced_again(
     for _, _, got in runs:
         assert len(got["said_again"]) == 1, got["said_again"]
         assert "step 1: the gradients of" in got["said_again"][0], got["said_again"]
+
+
+@pytest.mark.slow
+def test_a_parameter_written_while_its_gather_is_in_flight_keeps_what_was_written() -> None:
+    want = _reference_run("adamw", torch.float32, 33, 1, ADAMW)
+    for rank, got in enumerate(run_ranks(_written_while_gathered, 4, timeout=120)):
+        assert got["message"] is not None, f"rank {rank}: forward did not raise"
+        assert got["message"].startswith("parameter 'b' written while the gather of step 1's value"), got["message"]
+        assert "optimizer.wait_params()" in got["message"]
+        assert torch.equal(got["params"]["b"], torch.full(SHAPES["b"], 0.5)), rank
+        for name in SHAPES:
+            if name != "b":
+                _assert_close("adamw", torch.float32, got["params"][name], want[name], f"rank {rank} '{name}'")
 
 
 @pytest.mark.slow

@@ -323,6 +323,9 @@ class _Gathers:
     legs: Mapping[int, int]  # slot index -> its "state -> param" leg
     waiting: dict[int, Slot]
     step: int
+    # Per slot index, its parameter's memory and version at the commit: a parameter written
+    # since (``model.load_state_dict``) is not overwritten by its gather.
+    written: Mapping[int, tuple[int, int]]
 
 
 @attrs.frozen(eq=False)
@@ -994,7 +997,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     slot.own_states[state] = back[legs[(slot.name, f"state -> state.{state}")]].clone()
                 slot.step += 1
             if self._prefetch:
-                self._gathers = _Gathers(after, param_legs, {s.index: s for s in slots}, step_number)
+                written = {s.index: _memory_and_version(s.local_param()) for s in slots}
+                self._gathers = _Gathers(after, param_legs, {s.index: s for s in slots}, step_number, written)
             else:
                 after.write({param_legs[s.index]: s.local_param() for s in slots})
             flat.replace(new_buffers)
@@ -1078,7 +1082,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         try:
             backward.run.feed({leg: as_dtype(grad, self._wire_dtype(grad.dtype))})
-            backward.fed[slot.index] = (grad.data_ptr(), grad._version)
+            backward.fed[slot.index] = _memory_and_version(grad)
         except ReshardError as e:  # a piece of the wrong shape: sent as zeros, raised in step()
             backward.error = backward.error or e
             if leg not in backward.run.legs:
@@ -1181,21 +1185,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _gather_for(self, slots: Sequence[Slot]) -> None:
         """Wait for the gathers of ``slots``' parameters (and those started before them) and
-        write the parameters."""
+        write the parameters; raises ``OptimizerError`` for parameters written since the step
+        (keeping what was written there), after writing the others."""
         gathers = self._gathers
         if gathers is None:
             return
         waiting = [s for s in slots if s.index in gathers.waiting]
         if not waiting:
             return
+        written = [s for s in waiting if _memory_and_version(s.local_param()) != gathers.written[s.index]]
         try:
-            gathers.run.write({gathers.legs[s.index]: s.local_param() for s in waiting})
+            gathers.run.write({gathers.legs[s.index]: s.local_param() for s in waiting if s not in written})
         except ShardlangError as e:
             self._fail_gathers(e)
         for slot in waiting:
             del gathers.waiting[slot.index]
         if not gathers.waiting:
+            gathers.run.drain()  # the gathers of written parameters: the next step reuses their buffers
             self._gathers = None
+        if written:
+            names = [s.name for s in written]
+            raise OptimizerError(
+                f"parameter '{names[0]}'"
+                + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                + f" written while the gather of step {gathers.step}'s value was in flight (prefetch_params): "
+                "what was written is kept, not the step's value; call optimizer.wait_params() before "
+                "writing parameters (model.load_state_dict)"
+            )
 
     def wait_params(self) -> None:
         """Wait for every gather of the last step and write the parameters (with
@@ -1525,9 +1541,15 @@ def _failed(step_number: int, stage: str, e: ShardlangError) -> OptimizerStepErr
     )
 
 
+def _memory_and_version(tensor: torch.Tensor) -> tuple[int, int]:
+    """Which memory a tensor is, and how often it was changed in place (its version counter,
+    shared by its views and ``detach()``)."""
+    return tensor.data_ptr(), tensor._version
+
+
 def _grad_versions(grads: Sequence[tuple[torch.Tensor, Layout]]) -> tuple[tuple[int, int], ...]:
     """Which gradient tensors, and how often changed in place: a kept reduction's key."""
-    return tuple((grad.data_ptr(), grad._version) for grad, _ in grads)
+    return tuple(_memory_and_version(grad) for grad, _ in grads)
 
 
 def _grad_key(slot: Slot) -> tuple[Layout, torch.dtype]:
