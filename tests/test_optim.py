@@ -375,3 +375,20 @@ def test_the_optimizer_plans_under_the_cost_model_it_is_given() -> None:
     assert measured == [(b.op, b.axis, b.bytes) for b in plan_spec(spec, cost=model).step.buckets]
     assert measured != hinted and measured[0][0] == "all_reduce"
     assert "cost must be" in _error(lambda: ShardedAdamW([("w", w)], spec, cost="fast"))
+
+
+def test_prefetch_params_names_the_parameters_no_unit_holds_and_changes_nothing() -> None:
+    model = _two_layers(8)
+    optimizer = ShardedAdamW(list(model.named_parameters()), parse_spec(GROUPS_SPEC), lr=1e-2)
+    message = _error(lambda: optimizer.prefetch_params(model[0]))
+    assert message == "prefetch_params: no unit given holds tensor '2.weight' and 1 more"
+    message = _error(lambda: optimizer.prefetch_params(model[0], _bias_only(model[2])))
+    assert message == "prefetch_params: no unit given holds tensor '2.weight'"
+    assert not model[0]._forward_pre_hooks, "a refused prefetch_params left hooks behind"
+
+
+def _bias_only(layer: torch.nn.Linear) -> torch.nn.Module:
+    """A module holding only ``layer``'s bias."""
+    unit = torch.nn.Module()
+    unit.bias = layer.bias
+    return unit

@@ -288,7 +288,7 @@ class _Backward:
     after every bucket has run, so that no peer waits for this rank), whether a gradient
     arrived in another layout than planned (then ``step()`` waits the buckets out and runs
     without them), and each gradient given to them as it was then (``fed``: per slot index
-    its tensor and version, :func:`_grad_versions`)."""
+    its memory and version, :func:`_memory_and_version`)."""
 
     slots: list[Slot]
     compiled: _Compiled | None
@@ -1120,12 +1120,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self._overlap_lost:
                 return None
             self._overlap_lost = True
-            which = f"'{changed[0]}' and {len(changed) - 1} more" if len(changed) > 1 else f"'{changed[0]}'"
             warnings.warn(
-                f"{type(self).__name__}: step {step_number}: the gradients of {which} changed after backward"
-                " had started reducing them, so the step reduced the gradients again, without overlap;"
-                " accumulate micro-batches inside no_sync() and clip with the optimizer's clip_grad_norm_"
-                " to keep the overlap (said once)",
+                f"{type(self).__name__}: step {step_number}: the gradients of {_names_text(changed)} changed"
+                " after backward had started reducing them, so the step reduced the gradients again, without"
+                " overlap; accumulate micro-batches inside no_sync() and clip with the optimizer's"
+                " clip_grad_norm_ to keep the overlap (said once)",
                 stacklevel=2,
             )
             return None
@@ -1166,18 +1165,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         order too (a unit waits for the gathers before its own)."""
         slots = {id(s.param): s for s in self._slots if s.shard is not None}
         taken: set[int] = set()
+        owned = []
         for unit in units:
             mine = [slots[id(p)] for p in unit.parameters() if id(p) in slots and id(p) not in taken]
             taken |= {id(s.param) for s in mine}
             if mine:
-                hook = unit.register_forward_pre_hook(lambda *_, mine=mine: self._gather_for(mine))
-                self._hooks.append(hook)
+                owned.append((unit, mine))
         missing = [s.name for s in slots.values() if id(s.param) not in taken]
-        if missing:
-            raise OptimizerError(
-                f"prefetch_params: no unit given holds tensor '{missing[0]}'"
-                + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-            )
+        if missing:  # before any hook is registered: a refused call changes nothing
+            raise OptimizerError(f"prefetch_params: no unit given holds tensor {_names_text(missing)}")
+        for unit, mine in owned:
+            hook = unit.register_forward_pre_hook(lambda *_, mine=mine: self._gather_for(mine))
+            self._hooks.append(hook)
         self.wait_params()
         self._prefetch = True
         self._plans.clear()  # the buckets after the update now start after the step
@@ -1204,11 +1203,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gathers.run.drain()  # the gathers of written parameters: the next step reuses their buffers
             self._gathers = None
         if written:
-            names = [s.name for s in written]
             raise OptimizerError(
-                f"parameter '{names[0]}'"
-                + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-                + f" written while the gather of step {gathers.step}'s value was in flight (prefetch_params): "
+                f"parameter {_names_text([s.name for s in written])}"
+                f" written while the gather of step {gathers.step}'s value was in flight (prefetch_params): "
                 "what was written is kept, not the step's value; call optimizer.wait_params() before "
                 "writing parameters (model.load_state_dict)"
             )
@@ -1610,6 +1607,11 @@ def _spec_entry(name: str, shape: tuple[int, ...], dtype: torch.dtype, spec: Spe
     if isinstance(entry, Layouts):
         return TensorSpec(name=name, dtype=dtype_name(dtype), shape=shape, layouts=entry)
     return entry
+
+
+def _names_text(names: Sequence[str]) -> str:
+    """``'w'``; several as ``'w' and 2 more``."""
+    return f"'{names[0]}'" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
