@@ -280,7 +280,7 @@ def _price(
     tensor: TensorSpec, layouts: Layouts, optimizer: str, cost: CostModel, flat: int | None
 ) -> tuple[int, int, float, float, tuple[tuple[tuple, float], ...]]:
     entry = attrs.evolve(tensor, layouts=layouts)
-    step = plan_step([step_tensor(entry, cost, flat)], 0, bucket_bytes=1)
+    step = plan_step([step_tensor(entry, cost, flat)], tensor.state().mesh.ranks[0], bucket_bytes=1)
     seconds, kinds = 0.0, {}
     for leg in step.legs:
         for h, k in leg.communicating:
@@ -291,7 +291,7 @@ def _price(
             mesh = s.layout.mesh
             alpha, _ = cost.figures_at(s.op, mesh, s.axis, s.bytes)
             latency = collective_rounds(s.op, mesh.shape[s.axis]) * alpha
-            kind = (leg.stage, s.op, mesh.shape, tuple(mesh.ranks), s.axis, s.reduce_op or "", leg.dtype, cost)
+            kind = (leg.stage, s.op, mesh.geometry, s.axis, s.reduce_op or "", leg.dtype, cost)
             kinds[kind] = latency
             seconds += s.seconds - latency
     axes = data_parallel_axes(tensor)

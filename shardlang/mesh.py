@@ -201,10 +201,16 @@ class Mesh:
             groups.append(tuple(group))
         return tuple(groups)
 
+    @property
+    def geometry(self) -> tuple[tuple[int, ...], tuple[int, ...] | RowMajorRanks]:
+        """The grid and its ranks, whatever the mesh and its axes are called: what planning and
+        communication depend on, as a key (hashing it costs O(axes) for row-major ranks)."""
+        return self.shape, self.ranks
+
     def same_geometry(self, other: Mesh) -> bool:
         """Whether ``other`` is the same grid of the same ranks, whatever either is called
         (axis and mesh names aside): what planning and communication depend on."""
-        return self.shape == other.shape and self.ranks == other.ranks
+        return self.geometry == other.geometry
 
     def anonymous(self) -> Mesh:
         """The same grid without the declared name (prints inline as ``mesh[...]``)."""
