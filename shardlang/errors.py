@@ -10,7 +10,15 @@ Every error a user can cause is a :class:`ShardlangError`. When the error comes 
 
 from __future__ import annotations
 
+import bisect
+import re
+
 import attrs
+
+LINE_BREAK = re.compile("\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+"""Where a line ends, in every line and column shardlang reports: at each line break that
+``str.splitlines`` knows (``\\r\\n`` is one break). The grammar counts the same characters as
+whitespace and ends a comment at any of them, so a line shown with an error never holds one."""
 
 
 @attrs.frozen
@@ -24,19 +32,14 @@ class SourcePosition:
 
     @classmethod
     def in_text(cls, text: str, line: int, column: int, filename: str | None = None) -> SourcePosition:
-        # Lines end at "\n" only, as lark counts them (str.splitlines also splits at "\r",
-        # "\x0c", "\u2028", ... and would show the wrong line); a "\r" before it is not shown.
-        lines = text.split("\n")
-        line = max(1, min(line, len(lines)))
-        line_text = lines[line - 1].removesuffix("\r")
-        return cls(line=line, column=max(1, min(column, len(line_text) + 1)), line_text=line_text, filename=filename)
+        """The position at 1-based ``line`` and ``column`` of ``text``, lines ending at every line
+        break :data:`LINE_BREAK` matches (clamped to the text)."""
+        return LineIndex(text).at_line(line, column, filename)
 
     @classmethod
     def at_offset(cls, text: str, offset: int, filename: str | None = None) -> SourcePosition:
-        offset = max(0, min(offset, len(text)))
-        line = text.count("\n", 0, offset) + 1
-        column = offset - (text.rfind("\n", 0, offset) + 1) + 1
-        return cls.in_text(text, line, column, filename)
+        """The position of the character at ``offset`` of ``text`` (0-based, in characters)."""
+        return LineIndex(text).at_offset(offset, filename)
 
     def prefix(self) -> str:
         return f"{self.filename or '<text>'}:{self.line}:{self.column}"
@@ -45,6 +48,33 @@ class SourcePosition:
         # Tabs keep their width so the caret lines up under the offending character.
         pad = "".join("\t" if ch == "\t" else " " for ch in self.line_text[: self.column - 1])
         return f"    {self.line_text}\n    {pad}^"
+
+
+class LineIndex:
+    """Where every line of one text starts, so that positions cost a binary search (a spec of a
+    million tensors gives each its position)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.starts = [0]
+        self.ends: list[int] = []
+        for match in LINE_BREAK.finditer(text):
+            self.ends.append(match.start())
+            self.starts.append(match.end())
+        self.ends.append(len(text))
+
+    def at_offset(self, offset: int, filename: str | None = None) -> SourcePosition:
+        offset = max(0, min(offset, len(self.text)))
+        index = bisect.bisect_right(self.starts, offset) - 1
+        # An offset inside a two-character break (between "\r" and "\n") is the end of its line.
+        column = min(offset, self.ends[index]) - self.starts[index] + 1
+        return self.at_line(index + 1, column, filename)
+
+    def at_line(self, line: int, column: int, filename: str | None = None) -> SourcePosition:
+        line = max(1, min(line, len(self.starts)))
+        line_text = self.text[self.starts[line - 1] : self.ends[line - 1]]
+        column = max(1, min(column, len(line_text) + 1))
+        return SourcePosition(line=line, column=column, line_text=line_text, filename=filename)
 
 
 class ShardlangError(Exception):

@@ -7,22 +7,19 @@ offending text. Nothing from lark escapes.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import re
 import stat
 from collections.abc import Mapping
 from decimal import Decimal
-from importlib import resources
 from pathlib import Path
 
 import attrs
-import lark
 from lark import Token, Tree
 
 from shardlang.dtypes import itemsize
-from shardlang.errors import LayoutError, ParseError, ShardlangError, SourcePosition, SpecError
+from shardlang.errors import LayoutError, LineIndex, ParseError, ShardlangError, SourcePosition, SpecError
 from shardlang.layout import Layout, axis_used_twice, check_reduce_op
 from shardlang.mesh import Mesh, check_identifier
 from shardlang.spec import (
@@ -36,6 +33,7 @@ from shardlang.spec import (
     brace_choices,
     expand_braces,
 )
+from shardlang.syntax import grammar, parse_tree
 
 # Guards against text that is valid but would exhaust memory (a mesh of 10^12 ranks).
 MAX_MESH_SIZE = 1 << 20
@@ -48,85 +46,23 @@ MAX_SOURCE_BYTES = 16 << 20
 226 tensors, has 2 KiB). A larger file is refused with a :class:`SpecError` naming it, unread."""
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)  # a FIFO opens at once
 
-_FRIENDLY = {
-    "NAME": "a name",
-    "SHARD_DIGITS": "a split such as S0",
-    "PARTIAL_DIGITS": "a partial such as P0",
-    "TENSOR_NAME": "a tensor name",
-    "ENTRY_KEY": "param, grad, state or state.<name>",
-    "DTYPE": "a dtype such as f32",
-    "INT": "an integer",
-    "NUMBER": "a number",
-    "DURATION": "a duration such as 5us",
-    "STRING": 'a quoted pattern such as "h.*.weight"',
-    "$END": "the end of the text",
-}
 _TIME_UNITS = {"s": Decimal(1), "ms": Decimal("1e-3"), "us": Decimal("1e-6"), "ns": Decimal("1e-9")}
-
-
-@functools.cache
-def _lark() -> lark.Lark:
-    grammar = resources.files("shardlang").joinpath("grammar.lark").read_text()
-    return lark.Lark(grammar, start=["layout", "mesh_text", "spec"], parser="lalr", propagate_positions=True)
-
-
-def _describe_expected(names: set[str] | frozenset[str]) -> str:
-    described = set()
-    for name in names:
-        if name in _FRIENDLY:
-            described.add(_FRIENDLY[name])
-            continue
-        try:
-            pattern = _lark().get_terminal(name).pattern
-        except KeyError:
-            described.add(name)
-            continue
-        described.add(f"'{pattern.value}'" if pattern.type == "str" else name)
-    items = sorted(described) or [_FRIENDLY["$END"]]
-    if len(items) == 1:
-        return items[0]
-    return ", ".join(items[:-1]) + " or " + items[-1]
-
-
-def _parse_tree(text: str, start: str, filename: str | None) -> Tree:
-    if not isinstance(text, str):
-        raise ParseError(f"a {start.removesuffix('_text')} is text, not {type(text).__name__}")
-    try:
-        return _lark().parse(text, start=start)
-    except lark.exceptions.UnexpectedCharacters as e:
-        pos = SourcePosition.in_text(text, e.line, e.column, filename)
-        raise ParseError(
-            f"unexpected character {text[e.pos_in_stream]!r}; expected {_describe_expected(e.allowed or set())}", pos
-        ) from None
-    except lark.exceptions.UnexpectedToken as e:
-        expected = _describe_expected(e.expected)
-        if e.token.type == "$END":
-            pos = SourcePosition.at_offset(text, len(text.rstrip()), filename)
-            raise ParseError(f"the text ends too early; expected {expected}", pos) from None
-        pos = SourcePosition.in_text(text, e.line, e.column, filename)
-        raise ParseError(f"unexpected '{e.token}'; expected {expected}", pos) from None
-    except lark.exceptions.UnexpectedEOF as e:
-        pos = SourcePosition.at_offset(text, len(text.rstrip()), filename)
-        raise ParseError(f"the text ends too early; expected {_describe_expected(set(e.expected))}", pos) from None
-    except lark.exceptions.LarkError as e:  # any other lark failure: still ours, still placed
-        raise ParseError(f"cannot parse: {e}", SourcePosition.in_text(text, 1, 1, filename)) from None
 
 
 class _Reader:
     """Walks lark trees of one text, building values and placing every error."""
 
-    def __init__(self, text: str, filename: str | None, meshes: Mapping[str, Mesh]) -> None:
-        self.text = text
+    def __init__(self, lines: LineIndex, filename: str | None, meshes: Mapping[str, Mesh]) -> None:
+        self.lines = lines
         self.filename = filename
         self.meshes = dict(meshes)
 
     def pos(self, node: Tree | Token) -> SourcePosition:
-        if isinstance(node, Token):
-            return SourcePosition.in_text(self.text, node.line or 1, node.column or 1, self.filename)
-        return SourcePosition.in_text(self.text, node.meta.line, node.meta.column, self.filename)
+        offset = node.start_pos if isinstance(node, Token) else getattr(node.meta, "start_pos", 0)
+        return self.lines.at_offset(offset or 0, self.filename)
 
     def pos_in_token(self, token: Token, offset: int) -> SourcePosition:
-        return SourcePosition.in_text(self.text, token.line or 1, (token.column or 1) + offset, self.filename)
+        return self.lines.at_offset((token.start_pos or 0) + offset, self.filename)
 
     def int(self, token: Token) -> int:
         # Python refuses to convert integers of more than 4300 digits; no count, size or rank
@@ -479,22 +415,22 @@ def parse_layout(text: str, meshes: Mapping[str, Mesh] | None = None, *, filenam
 
     ``meshes`` gives the declared meshes that ``over NAME`` may refer to.
     """
-    tree = _parse_tree(text, "layout", filename)
-    return _Reader(text, filename, meshes or {}).layout(tree)
+    lines = LineIndex(text) if isinstance(text, str) else LineIndex("")
+    return _Reader(lines, filename, meshes or {}).layout(parse_tree(text, "layout", filename, lines))
 
 
 def parse_mesh(text: str, *, filename: str | None = None) -> Mesh:
     """Parse one mesh in its canonical text (:meth:`Mesh.text`): ``"mesh[dp=2,tp=2]"``, or
     ``"mesh world = [dp=2,tp=2] ranks 4..7"`` for a mesh with a name."""
-    tree = _parse_tree(text, "mesh_text", filename)
-    return _Reader(text, filename, {}).mesh_text(tree)
+    lines = LineIndex(text) if isinstance(text, str) else LineIndex("")
+    return _Reader(lines, filename, {}).mesh_text(parse_tree(text, "mesh_text", filename, lines))
 
 
 def parse_duration(text: str) -> float:
     """Seconds from a duration as the language writes it: a number and an optional unit, ``s``
     (the default), ``ms``, ``us`` or ``ns``: ``5us``, ``1.5e-3``. Like ``float``, ``math.inf``
     when it is beyond a float; a :class:`ParseError` (without a position) when it is no duration."""
-    if not re.fullmatch(_lark().get_terminal("DURATION").pattern.to_regexp(), text):
+    if not re.fullmatch(grammar().get_terminal("DURATION").pattern.to_regexp(), text):
         raise ParseError(f"'{text}' is not a duration; write seconds like 5e-6, or a number and a unit like 5us")
     unit = next((u for u in ("ms", "us", "ns", "s") if text.endswith(u)), "s")
     try:
@@ -506,14 +442,15 @@ def parse_duration(text: str) -> float:
 
 def parse_spec(text: str, filename: str | None = None) -> Spec:
     """Parse the text of a spec file."""
-    tree = _parse_tree(text, "spec", filename)
-    return _Reader(text, filename, {}).spec(tree)
+    lines = LineIndex(text) if isinstance(text, str) else LineIndex("")
+    return _Reader(lines, filename, {}).spec(parse_tree(text, "spec", filename, lines))
 
 
 def load_spec(path: str | Path) -> Spec:
     """Read and parse a spec file; errors name the file (and the line and column where the
     text is at fault). The file is read as it is, lines ending at ``"\\n"`` as in
-    :func:`parse_spec` (no newline translation: a lone ``"\\r"`` ends no line, and no comment)."""
+    :func:`parse_spec` (no newline translation; every line break ``str.splitlines`` knows ends a
+    line, :data:`shardlang.errors.LINE_BREAK`)."""
     path = Path(path)
     return parse_spec(read_source(path), filename=str(path))
 
@@ -544,10 +481,9 @@ def read_source(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        before = data[: e.start]
-        line = before.count(b"\n") + 1
-        column = len(before[before.rfind(b"\n") + 1 :].decode("utf-8")) + 1
-        position = SourcePosition.in_text(data.decode("utf-8", errors="replace"), line, column, str(path))
+        # The bytes before the bad one are valid UTF-8: their characters are its offset.
+        offset = len(data[: e.start].decode("utf-8"))
+        position = SourcePosition.at_offset(data.decode("utf-8", errors="replace"), offset, str(path))
         raise ParseError(f"the file is not valid UTF-8 here (byte 0x{data[e.start]:02x})", position) from None
 
 

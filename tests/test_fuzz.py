@@ -60,9 +60,12 @@ EDIT = st.sampled_from(("delete", "insert", "replace", "duplicate", "swap"))
 def check_error(error: ShardlangError, text: str) -> None:
     position = error.position
     assert position is not None, f"an error without a position: {error!r}"
-    lines = text.split("\n")
+    # Lines are str.splitlines' (every Unicode line break, "\r\n" as one), the last one kept
+    # even when it is empty: an error at the very end stands on it.
+    lines = (text + "x").splitlines()
+    lines[-1] = lines[-1][:-1]
     assert 1 <= position.line <= len(lines), (position, text)
-    assert position.line_text == lines[position.line - 1].removesuffix("\r")
+    assert position.line_text == lines[position.line - 1]
     assert 1 <= position.column <= len(position.line_text) + 1, (position, text)
     rendered = str(error)
     assert rendered.startswith(f"{position.prefix()}: {error.message}")

@@ -268,7 +268,10 @@ SPEC_ERRORS = [
     ("mesh w = [2] latency 5xs", ParseError, 1, 23, "unexpected 'xs'"),
     ("tensor a : f32[99999999999999999999] { param = R over mesh[2] }", ParseError, 1, 16, "is too large"),
     ("tensor a : f32[4] { param = S0 over mesh[2] }\n}", ParseError, 2, 1, "unexpected '}'"),
-    ("tensor a : f32[4] {\n  param = S0 over mesh[2]\n", ParseError, 2, 26, "the text ends too early"),
+    (
+        "tensor a : f32[4] {\n  param = S0 over mesh[2]\n",
+        ParseError, 2, 26, "the text ends inside the block of tensor 'a' (its '{' at line 1, column 19)",
+    ),
     ("tensor a f32[4] { param = R over mesh[2] }", ParseError, 1, 10, "unexpected 'f32'; expected ':'"),
     ("tensor a : f32[4] { param S0 over mesh[2] }", ParseError, 1, 27, "expected '='"),
     ("mesh w = [2] # ok\nbogus", ParseError, 2, 1, "unexpected 'bogus'; expected 'bandwidth', 'latency', 'mesh'"),
@@ -301,15 +304,36 @@ def test_a_file_declares_a_bounded_number_of_tensors(monkeypatch: pytest.MonkeyP
     assert caught.value.position is not None and caught.value.position.line == 2
 
 
-def test_line_numbers_count_only_newlines() -> None:
-    # A form feed or a Windows line end must not shift the line shown with the caret.
-    text = "mesh w = [2]\x0c\r\ntensor a : f32[4] { param = S5 over w }\r\n"
+LINE_BREAKS = ["\n", "\r\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+@pytest.mark.parametrize("brk", LINE_BREAKS, ids=[repr(b) for b in LINE_BREAKS])
+def test_every_line_break_counts_as_one_in_line_and_column(brk: str) -> None:
+    # Each break str.splitlines knows ends a line (and a comment): the error is on line 4, column
+    # 30, wherever the breaks stand, and the line shown holds none of them.
+    text = f"mesh w = [2]{brk}# a comment{brk}  {brk}tensor a : f32[4] {{ param = S5 over w }}{brk}"
     with pytest.raises(LayoutError) as caught:
         parse_spec(text)
     position = caught.value.position
     assert position is not None
-    assert (position.line, position.column) == (2, 30)
+    assert (position.line, position.column) == (4, 30)
     assert position.line_text == "tensor a : f32[4] { param = S5 over w }"
+    assert position.line_text == text.splitlines()[position.line - 1]
+
+
+@pytest.mark.parametrize("brk", LINE_BREAKS[2:], ids=[repr(b) for b in LINE_BREAKS[2:]])
+def test_a_line_break_inside_a_comment_ends_it(brk: str) -> None:
+    # An editor shows the tensor on a line of its own: it is read, not commented out.
+    spec = parse_spec(f"mesh w = [2]  # note{brk}tensor a : f32[4] {{ param = S0 over w }}\n")
+    assert [t.name for t in spec.tensors] == ["a"]
+
+
+def test_an_error_on_the_same_line_after_a_pattern_counts_columns_in_characters() -> None:
+    text = 'mesh w = [2]\n\nrule "h.\u00e9*" { param = S0,S0 over w }\n'
+    with pytest.raises(LayoutError) as caught:
+        parse_spec(text)
+    assert caught.value.position is not None
+    assert (caught.value.position.line, caught.value.position.column) == (3, 27)  # the "0" of the second S0
 
 
 def test_load_spec_names_the_file(tmp_path: Path) -> None:
