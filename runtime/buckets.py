@@ -101,10 +101,16 @@ class StepProgram:
     opened_by: Mapping[int, tuple[int, int]] = attrs.field(factory=dict)
     # Views of the kept buffers that every step makes alike (:meth:`StageRun._memo`).
     views: KeptViews = attrs.field(factory=KeptViews, repr=False)
+    # The buckets after the update launched in step() share one result region: the stage must
+    # run with StageRun's ``write_to`` (compile_step's ``write_through``).
+    shared_after: bool = False
 
 
-def compile_step(plan: StepPlan, rank: int) -> StepProgram:
-    """``rank``'s part of every leg and bucket of ``plan``."""
+def compile_step(plan: StepPlan, rank: int, *, write_through: bool = False) -> StepProgram:
+    """``rank``'s part of every leg and bucket of ``plan``. ``write_through``: the caller runs
+    the stage after the update with :class:`StageRun`'s ``write_to`` (every result written where
+    it is kept as soon as its bucket lands), so its buckets launched in ``step()`` may share one
+    result region (:func:`_lay_out`)."""
     legs = []
     for leg in plan.legs:
         source = leg.hops[0].plan
@@ -137,8 +143,21 @@ def compile_step(plan: StepPlan, rank: int) -> StepProgram:
             offset += move.chunk
         per_peer = bucket.op in ("reduce_scatter", "all_to_all")
         buckets.append(_BucketProgram(index, bucket, tuple(members), offset, per_peer, tuple(final), positions))
-    laid, send_numel, kept_numel = _lay_out(buckets)
-    return StepProgram(plan, rank, tuple(legs), tuple(laid), send_numel, kept_numel, opened_by)
+    launches = {b.launch for b in plan.buckets if b.stage == AFTER}
+    shared = write_through and launches == {IN_STEP} and _one_bucket_each(legs, AFTER)
+    laid, send_numel, kept_numel = _lay_out(buckets, shared_after=shared)
+    return StepProgram(plan, rank, tuple(legs), tuple(laid), send_numel, kept_numel, opened_by, shared_after=shared)
+
+
+def _one_bucket_each(legs: Sequence[_LegProgram], stage: str) -> bool:
+    """Whether every leg of ``stage`` communicates in at most one step: then a bucket's results
+    are final pieces, written out when it lands, and nothing of it is read once the next bucket
+    of the stage starts."""
+    return all(
+        sum(move is not None and not local for _, move, local in leg.schedule) <= 1
+        for leg in legs
+        if leg.leg.stage == stage
+    )
 
 
 def _schedule(
@@ -157,7 +176,9 @@ def _schedule(
     return tuple(entries), positions
 
 
-def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], dict[str, int], dict[str, int]]:
+def _lay_out(
+    buckets: Sequence[_BucketProgram], *, shared_after: bool = False
+) -> tuple[list[_BucketProgram], dict[str, int], dict[str, int]]:
     """Place every bucket's buffers, per wire dtype: send buffers, and one kept buffer holding,
     in order, the results of the buckets before the update (read by the math), then those after
     it (read at the commit). A gloo reduce_scatter's all_to_all workspace is alive only while its
@@ -176,22 +197,35 @@ def _lay_out(buckets: Sequence[_BucketProgram]) -> tuple[list[_BucketProgram], d
     result ``[T, 5T)`` too, its send buffer its row ``[T + rT, T + (r+1)T)`` there on rank ``r``;
     the kept buffer has ``5T`` elements and the send buffer ``4T``.
     Launched during backward, two such reduce_scatters take the send regions ``[0, 4T)`` and
-    ``[4T, 8T)`` and the workspaces ``[2T, 6T)`` and ``[6T, 10T)`` of the kept buffer."""
+    ``[4T, 8T)`` and the workspaces ``[2T, 6T)`` and ``[6T, 10T)`` of the kept buffer.
+
+    ``shared_after``: the buckets after the update launched in ``step()`` are written out as each
+    lands (``StageRun``'s ``write_to``), so they all take the same region, the largest one's: the
+    kept buffer is then the results before the update plus one bucket, not the whole model's
+    gathered parameters. With ``k`` all_gather buckets of ``T`` per rank above, every one's result
+    takes ``[T, 5T)``."""
     laid: list[_BucketProgram] = []
     send: dict[str, int] = {}
     kept: dict[str, int] = {}
     for dtype in dict.fromkeys(b.bucket.dtype for b in buckets):
         mine = [b for b in buckets if b.bucket.dtype == dtype]
-        offset, places = 0, {}
+        offset, places, later = 0, {}, 0
         for stage in (BEFORE, AFTER):
+            shared = 0  # the largest result of the buckets sharing one region (shared_after)
             for b in mine:
                 if b.bucket.stage == stage:
                     n = b.members[0][1].n
                     numel = n * b.total if b.bucket.op in ("all_gather", "all_to_all") else b.total
-                    places[b.index] = (offset, numel)
+                    if shared_after and stage == AFTER and b.bucket.launch == IN_STEP:
+                        places[b.index] = (later, numel)
+                        shared = max(shared, numel)
+                        continue
+                    places[b.index] = (offset + (shared if stage == AFTER else 0), numel)
                     offset += numel
             if stage == BEFORE:
                 later = offset
+            else:
+                offset += shared
         end = offset
         workspace_at = {BEFORE: later, AFTER: offset}
         send_at = dict.fromkeys((BEFORE, AFTER), 0)
@@ -324,6 +358,11 @@ class StageRun:
     get the same tensor as input every step (a parameter, a kept buffer): their local steps'
     views and their blocks are made once and kept (with kept ``buffers``).
 
+    ``write_to`` (per leg, the tensor its result is kept in) makes those legs delivered and
+    writes each result there as soon as its bucket lands, before the next bucket of the stage
+    starts: a program compiled with ``write_through`` lets the buckets after the update share
+    one result region, so the stage holds one bucket's results, not all of them.
+
     Raises :class:`DistributedError` naming the bucket when its collective fails, and
     :class:`ReshardError` for an input of the wrong shape or dtype."""
 
@@ -337,8 +376,13 @@ class StageRun:
         buffers: Scratch | None = None,
         deliver: frozenset[int] = frozenset(),
         stable: frozenset[int] = frozenset(),
+        write_to: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
         self.program, self.stage, self.timeout = program, stage, timeout
+        self._write_to = dict(write_to or {})
+        if program.shared_after and stage == AFTER and buffers is not None and not write_to:
+            raise ReshardError("a step program compiled to write through is run without write_to")
+        deliver = deliver | frozenset(self._write_to)
         self._device_meshes, self._buffers, self._deliver = device_meshes, buffers, deliver
         self._stable = stable if buffers is not None else frozenset()
         self._buckets = [b for b in program.buckets if b.bucket.stage == stage]
@@ -381,6 +425,9 @@ class StageRun:
             self._next += 1
         while self._in_flight:
             self._wait_oldest(deadline)
+        if self._write_to:  # legs that never communicate
+            self._write(self._write_to)
+            self._write_to.clear()
         out = {}
         for i, walk in self._walks.items():
             if walk.i < len(walk.program.schedule):  # most legs are at their end already
@@ -404,6 +451,11 @@ class StageRun:
         """Wait as :meth:`wait_for` does for the legs of ``outs`` (legs in ``deliver``) and
         write each one's result into its tensor."""
         self._wait(list(outs))
+        self._write(outs)
+
+    def _write(self, outs: Mapping[int, torch.Tensor]) -> None:
+        """Write the results of the legs of ``outs``, every bucket of theirs waited on, into
+        their tensors (:meth:`write`)."""
         targets, sources = [], []
         for leg, out in outs.items():
             walk = self._walks[leg]
@@ -589,6 +641,9 @@ class StageRun:
             else:
                 walk.x = move.finish(part)
             walk.passed()
+        if self._write_to:  # written out before the next bucket reuses the region (write_through)
+            done = {leg: self._write_to.pop(leg) for leg, *_ in bucket.members if leg in self._write_to}
+            self._write(done)
 
     def _advance(self, leg: int, walk: _Walk, until: int | None) -> None:
         """``walk.advance(until)``; for a stable leg at its start, from the pieces an earlier

@@ -1,16 +1,25 @@
 """A rank whose update fails mid-step (its math raising, as an out-of-memory error would) on 4
-gloo ranks: every rank raises, nothing changes anywhere, and the ranks it shares buckets with
-are not left waiting for collectives it never joins: the next step runs on every rank and
-equals the reference optimizer's first step. AdamW fails after its math wrote its new buffers;
-CAME fails between its phases of sums; AdamW again with ``prefetch_params``, whose gathers
-of the failed step land late (``tests.late_results``): any of them the failed step leaves in
-flight corrupts the next step, which shares their buffers.
+gloo ranks.
+
+With the whole step on spare buffers (``transactional=True``; CAME always): every rank raises,
+nothing changes anywhere, and the ranks it shares buckets with are not left waiting for
+collectives it never joins: the next step runs on every rank and equals the reference
+optimizer's first step. AdamW fails after its math wrote its new buffers; CAME fails between
+its phases of sums; AdamW again with ``prefetch_params``, whose gathers of the failed step land
+late (``tests.late_results``): any of them the failed step leaves in flight corrupts the next
+step, which shares their buffers.
+
+In place (AdamW's default), the math runs after the commit point: a failure there, or a peer
+that dies during the final gather, is raised on every rank within seconds (the second flag),
+and every later ``step()`` refuses to run (docs/memory.md, "The commit point").
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -29,6 +38,7 @@ from tests.test_optim_dist import (
     _zero_rows,
     failed_step,
     initial_params,
+    local_grad,
     reference,
     step_grads,
 )
@@ -46,7 +56,7 @@ def _fails_after_its_first_phase(update: Generator) -> Generator:
 def _run_case(rank: int, kind: str, prefetch: bool) -> dict[str, Any]:
     spec = _spec(DP4, _zero_rows)
     params = torch.nn.ParameterDict({n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, SEED).items()})
-    optimizer = _optimizer(kind, list(params.items()), spec, timeout=20)
+    optimizer = _optimizer(kind, list(params.items()), spec, timeout=20, transactional=True)
     if prefetch:
         optimizer.prefetch_params(params)
     fail = [rank == FAILING_RANK]
@@ -99,3 +109,74 @@ def test_a_failed_update_fails_the_step_everywhere_and_the_next_one_runs(case: s
         for name, param in got["params"].items():
             label = f"{case}: rank {rank} '{name}' after the retry"
             _assert_close(kind, torch.float32, param, ref[name].detach(), label)
+
+
+def _run_in_place(rank: int, world_size: int, prefetch: bool, how: str) -> dict[str, Any]:
+    """AdamW in place, its first step failing after the commit point on rank 1 (``how``: its
+    math raises, or it dies in the final gather): what each rank raised, how soon, and what
+    the next ``step()`` says."""
+    import runtime.buckets
+    from runtime.optim import OptimizerStepError
+
+    spec = _spec(DP4, _zero_rows)
+    params = torch.nn.ParameterDict({n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, SEED).items()})
+    optimizer = _optimizer("adamw", list(params.items()), spec, timeout=20)
+    if prefetch:
+        optimizer.prefetch_params(params)
+    if rank == FAILING_RANK and how == "math":
+
+        def failing_updates(work: Any) -> list:
+            raise RuntimeError("injected failure in the update")
+
+        optimizer._updates = failing_updates
+    if rank == FAILING_RANK and how == "dies":
+        start = runtime.buckets.start_collective
+
+        def dying(op: str, *args: Any, **kwargs: Any) -> Any:
+            if op == "all_gather":
+                os._exit(0)
+            return start(op, *args, **kwargs)
+
+        runtime.buckets.start_collective = dying
+    for name, (grad, addends) in step_grads(torch.float32, SEED, 0).items():
+        params[name].grad = local_grad(grad, addends, spec[name].grad, (rank,))
+    started = time.monotonic()
+    messages = []
+    try:
+        optimizer.step()
+        optimizer.wait_params()
+    except OptimizerStepError as e:
+        messages.append(str(e))
+    seconds = time.monotonic() - started
+    try:
+        optimizer.step()
+    except OptimizerStepError as e:
+        messages.append(str(e))
+    return {"messages": messages, "seconds": seconds}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+def test_an_update_failing_after_the_commit_point_is_raised_on_every_rank(prefetch: bool) -> None:
+    for rank, got in enumerate(run_ranks(_run_in_place, 4, args=(prefetch, "math"), timeout=120)):
+        first, then = got["messages"]
+        where = "rank 1: RuntimeError: injected" if rank == FAILING_RANK else "another rank of [0, 1, 2, 3]"
+        assert f"step 1 failed after its commit point on {where}" in first, first
+        assert "load a checkpoint to go on" in first, first
+        assert then == first, f"rank {rank}: the next step ran after a failure past the commit point"
+        assert got["seconds"] < 10, f"rank {rank} took {got['seconds']:.1f} s to learn of the failure"
+
+
+@pytest.mark.slow
+def test_a_peer_dying_in_the_final_gather_is_raised_on_every_other_rank() -> None:
+    ranks = run_ranks(
+        _run_in_place, 4, args=(False, "dies"), timeout=120, collective_timeout=30, allow_missing=(FAILING_RANK,)
+    )
+    for rank, got in enumerate(ranks):
+        if rank == FAILING_RANK:
+            continue
+        first, then = got["messages"]
+        assert "step 1 failed after its commit point on rank" in first, first
+        assert "load a checkpoint to go on" in first, first
+        assert then == first
+        assert got["seconds"] < 25, f"rank {rank} took {got['seconds']:.1f} s (timeout 20 s)"

@@ -11,11 +11,13 @@ that a failed step can be dropped.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Unpack
 
 import torch
 
+from runtime.buffers import Scratch
+from runtime.dtypes import as_dtype
 from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StepOptions, StepWork, Update, done
 from runtime.optim.errors import OptimizerError
 from runtime.optim.flat import as_flat, flat_or_copy, pieces_of, scatter_back
@@ -53,6 +55,62 @@ def adamw_update(
     denom.div_((1 - beta2**step) ** 0.5)
     denom.add_(eps)
     new_param.addcdiv_(new_exp_avg, denom, value=-(lr / (1 - beta1**step)))
+
+
+# Elements of the square-root scratch an update in place takes at once (4 MiB of f32): the
+# update runs over groups of tensors of at most this many elements (a larger tensor alone), so
+# its scratch is bounded by this, not by the states.
+DENOM_CHUNK = 1 << 20
+
+
+def adamw_in_place(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    step: int,
+    scratch: Scratch,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """:func:`adamw_update` in place: the same operations in the same order on every element,
+    so the same bits. ``grads`` and the states are either per-tensor lists matching ``params``
+    or one flat tensor each covering all of them in order (views of flat buffers: a few
+    whole-range ops instead of one per tensor); ``params`` are the tensors written (shards of
+    the parameters, possibly views into them, of any strides). ``scratch``'s ``"denom"`` takes
+    at most :data:`DENOM_CHUNK` elements, or the largest tensor's."""
+    beta1, beta2 = betas
+    if weight_decay != 0:
+        torch._foreach_mul_(list(params), 1 - lr * weight_decay)
+    if len(grads) == 1 and len(params) != 1:  # whole ranges
+        exp_avgs[0].lerp_(grads[0], 1 - beta1)
+        exp_avg_sqs[0].mul_(beta2).addcmul_(grads[0], grads[0], value=1 - beta2)
+        averages = pieces_of(exp_avgs[0], [p.shape for p in params])
+        squares = pieces_of(exp_avg_sqs[0], [p.shape for p in params])
+    else:
+        torch._foreach_lerp_(list(exp_avgs), list(grads), 1 - beta1)
+        torch._foreach_mul_(list(exp_avg_sqs), beta2)
+        torch._foreach_addcmul_(list(exp_avg_sqs), list(grads), list(grads), value=1 - beta2)
+        averages, squares = [a.view(p.shape) for a, p in zip(exp_avgs, params, strict=True)], list(exp_avg_sqs)
+    correction = (1 - beta2**step) ** 0.5
+    step_size = -(lr / (1 - beta1**step))
+    start = 0
+    while start < len(params):
+        end, numel = start + 1, params[start].numel()
+        while end < len(params) and numel + params[end].numel() <= DENOM_CHUNK:
+            numel += params[end].numel()
+            end += 1
+        buffer = scratch.take("denom", numel, params[start].dtype, params[start].device)
+        denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
+        for denom, square in zip(denoms, squares[start:end], strict=True):
+            torch.sqrt(square.view(denom.shape), out=denom)
+        torch._foreach_div_(denoms, correction)
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(list(params[start:end]), averages[start:end], denoms, value=step_size)
+        start = end
 
 
 def decay(param: torch.Tensor, out: torch.Tensor, *, lr: float, weight_decay: float) -> None:
@@ -116,10 +174,15 @@ class ShardedAdamW(ShardedOptimizer):
         assert slot.shard is not None
         return dict.fromkeys(ADAMW_STATES, slot.shard.local_shape)
 
+    updates_in_place = True
+
     def _updates(self, work: StepWork) -> list[Update]:
         """The math of every run of consecutive slots with one param group and step count, on
         their flat buffers at once (ranges of the buffers where they already are flat, else
-        copies)."""
+        copies); in place where ``work`` says so."""
+        if work.in_place:
+            self._update_in_place(work)
+            return [done()]
         for run in work.runs():
             slot = work.slots[run[0]]
             group, dtype = slot.group, slot.dtype
@@ -164,3 +227,31 @@ class ShardedAdamW(ShardedOptimizer):
                 if work.states_of(run, name, new=True) is None:
                     scatter_back(output, [work.new_state(i, name) for i in run])
         return [done()]
+
+    def _update_in_place(self, work: StepWork) -> None:
+        """The math in place (:func:`adamw_in_place`), per run of slots: their states as one range
+        of the flat buffers where they lie so and the gradients are one range too (the buckets'
+        results, unpadded), else tensor by tensor."""
+        for run in work.runs():
+            slot = work.slots[run[0]]
+            group = slot.group
+            params = [work.params[i] for i in run]
+            states = [work.states_of(run, name) for name in ADAMW_STATES]
+            grads = as_flat([work.grads[i] for i in run])
+            if grads is not None and grads.dtype == slot.dtype and all(s is not None for s in states):
+                flat_grads, flat_states = [grads], [[s] for s in states]
+            else:
+                flat_grads = [as_dtype(work.grads[i], slot.dtype) for i in run]
+                flat_states = [[work.state(i, name) for i in run] for name in ADAMW_STATES]
+            adamw_in_place(
+                params,
+                flat_grads,
+                flat_states[0],
+                flat_states[1],
+                slot.step + 1,
+                self._scratch,
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )

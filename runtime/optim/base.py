@@ -97,6 +97,7 @@ class StepOptions(TypedDict, total=False):
     overlap: bool
     reduce_dtype: torch.dtype | None
     cost: CostModel | None
+    transactional: bool
 
 
 @attrs.define(eq=False)
@@ -237,7 +238,25 @@ class StepWork:
     ) -> None:
         self.slots, self.grads, self.params, self.new_params = tuple(slots), tuple(grads), tuple(params), new_params
         self._flat, self._new_buffers, self._own = flat, new_buffers, own
-        self.own_new = {key: torch.empty_like(value, dtype=slots[key[0]].dtype) for key, value in own.items()}
+        # In place (new_params are params, new_buffers the states' own): nothing is allocated.
+        self.in_place = new_params is params
+        self.own_new = (
+            dict(own)
+            if self.in_place
+            else {key: torch.empty_like(value, dtype=slots[key[0]].dtype) for key, value in own.items()}
+        )
+
+    @classmethod
+    def in_place_of(
+        cls,
+        slots: Sequence[Slot],
+        grads: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
+        flat: FlatStates,
+        own: Mapping[tuple[int, str], torch.Tensor],
+    ) -> StepWork:
+        """The work of an update in place: ``params`` and the states are read and written."""
+        return cls(slots, grads, params, params, flat, flat.buffers, own)
 
     def state(self, i: int, name: str) -> torch.Tensor:
         own = self._own.get((i, name))
@@ -353,6 +372,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # Whether an update runs collectives besides its phases' sums (a failed one is not joined:
     # :meth:`_join_after`).
     updates_communicate = False
+    # Whether the math can update states and parameters in place (``StepWork.in_place``): then,
+    # unless ``transactional``, a step commits before its math (docs/memory.md).
+    updates_in_place = False
 
     def __init__(
         self,
@@ -372,6 +394,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         overlap: bool = False,
         reduce_dtype: torch.dtype | None = None,
         cost: CostModel | None = None,
+        transactional: bool = False,
     ) -> None:
         named = list(named_params)
         if not named:
@@ -401,6 +424,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._reducer = SumReducer(self.rank, self.timeout)
         self.idle_ranks = idle_ranks
         self.all_ranks_commit = all_ranks_commit
+        # In place behind an early commit point, or the whole step on spare buffers, swapped in
+        # when every rank finished it (docs/memory.md, "The commit point").
+        self.transactional = bool(transactional) or not self.updates_in_place
         if reduce_dtype is not None and reduce_dtype not in (torch.float32, torch.float64):
             raise OptimizerError(f"reduce_dtype must be torch.float32 or torch.float64, got {reduce_dtype!r}")
         # Gradients in a lower precision are reduced in this one (FSDP2's MixedPrecisionPolicy).
@@ -637,7 +663,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise OptimizerError(e.message) from None
             legs = {(leg.tensor, leg.what): i for i, leg in enumerate(plan.legs)}
             try:
-                program = compile_step(plan, self.rank)
+                program = compile_step(plan, self.rank, write_through=not self.transactional)
             except ShardlangError as e:
                 raise OptimizerError(e.message) from None
             if self.verify:
@@ -739,7 +765,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         n = len(self._members(slots))
         if not self.all_ranks_commit or n < 2 or not dist.is_initialized():
             return 0, 0
-        return 2 * (n - 1) * 4, 1
+        flags = 1 if self.transactional else 2  # in place: before the math and after it (_commit_in_place)
+        return flags * 2 * (n - 1) * 4, flags
 
     def _agree(self, members: tuple[int, ...], *, ok: bool) -> bool:
         """Whether every rank of ``members`` (the ranks of the meshes of the tensors stepped)
@@ -872,7 +899,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return arrived, before.waited
 
     def _stage_run(
-        self, compiled: _Compiled, stage: str, slots: Sequence[Slot], deliver: frozenset[int] = frozenset()
+        self,
+        compiled: _Compiled,
+        stage: str,
+        slots: Sequence[Slot],
+        deliver: frozenset[int] = frozenset(),
+        write_to: Mapping[int, torch.Tensor] | None = None,
     ) -> StageRun:
         return StageRun(
             compiled.program,
@@ -882,6 +914,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             buffers=self._bucket_buffers,
             deliver=deliver,
             stable=compiled.stable,
+            write_to=write_to,
         )
 
     def _before_inputs(self, compiled: _Compiled, slot: Slot, device: torch.device) -> dict[int, torch.Tensor]:
@@ -931,6 +964,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     reduced = [g * coefficient.to(g.dtype) for g in reduced]
         else:
             norm = None
+        if not self.transactional:
+            return self._staged_in_place(
+                slots, compiled, arrived, reduced, norm, step_number, waited, (norm_bytes, norm_collectives)
+            )
 
         # 2. The math, into new buffers; new parameters where their gathers send them from.
         param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
@@ -1006,6 +1043,107 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.last_grad_norm, self.last_step_skipped = norm, False
 
         return _Staged(commit, after.drain)
+
+    def _staged_in_place(
+        self,
+        slots: list[Slot],
+        compiled: _Compiled,
+        arrived: Mapping[int, torch.Tensor],
+        reduced: Sequence[torch.Tensor],
+        norm: torch.Tensor | None,
+        step_number: int,
+        waited: float,
+        norm_traffic: tuple[int, int],
+    ) -> _Staged:
+        """A step whose every check passed (the buckets before the update, the norm, the
+        nonfinite test) and that has written nothing: its ``commit``, run once the ranks agreed,
+        updates states and parameter shards in place and gathers the parameters
+        (docs/memory.md, "The commit point")."""
+        legs, flat = compiled.legs, self._flat_states()
+        params: list[torch.Tensor] = []
+        first_masters: list[tuple[torch.Tensor, torch.Tensor]] = []  # (master, parameter shard)
+        own: dict[tuple[int, str], torch.Tensor] = {}
+        for i, slot in enumerate(slots):
+            fetch = legs.get((slot.name, "param -> state"))
+            if slot.needs_master:
+                params.append(flat.view(slot.index, "master"))
+                if fetch is not None:  # its first step: the master starts as the parameter
+                    first_masters.append((params[-1], arrived[fetch]))
+            else:
+                assert fetch is not None
+                params.append(arrived[fetch])  # a view of the parameter where its layout allows
+            for state in slot.own_layouts:
+                own[(i, state)] = arrived[legs[(slot.name, f"state.{state} -> state")]]
+                if state not in slot.own_states:  # where the stage after the update writes it
+                    slot.own_states[state] = torch.zeros(
+                        slot.own_piece_shape(state, self.rank), dtype=slot.dtype, device=params[-1].device
+                    )
+        param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
+        members = self._members(slots)
+
+        def commit() -> None:
+            failure: Exception | None = None
+            try:
+                for master, shard in first_masters:
+                    master.copy_(shard)
+                sums = self._exchange(StepWork.in_place_of(slots, reduced, params, flat, own), step_number)
+            except _UpdateFailed as e:  # after the commit point: joined below, then raised everywhere
+                failure, sums = e.error, (0, 0)
+            except Exception as e:
+                failure, sums = e, (0, 0)
+            inputs = {}
+            for i, slot in enumerate(slots):
+                inputs[param_legs[slot.index]] = as_dtype(params[i], slot.param.dtype)
+                for state in slot.own_layouts:
+                    inputs[legs[(slot.name, f"state -> state.{state}")]] = own[(i, state)]
+            if self._prefetch:
+                after = self._stage_run(compiled, AFTER, slots, deliver=frozenset(param_legs.values()))
+                write_to = {}
+            else:
+                write_to = {param_legs[s.index]: s.local_param() for s in slots}
+                for slot in slots:
+                    for state in slot.own_layouts:
+                        write_to[legs[(slot.name, f"state -> state.{state}")]] = slot.own_states[state]
+                after = self._stage_run(compiled, AFTER, slots, write_to=write_to)
+            try:
+                after.feed(inputs)
+                if self._prefetch:
+                    back = after.wait_for([leg for leg in inputs if leg not in param_legs.values()])
+                    for slot in slots:
+                        for state in slot.own_layouts:
+                            slot.own_states[state].copy_(back[legs[(slot.name, f"state -> state.{state}")]])
+                else:
+                    after.finish()
+            except Exception as e:
+                after.drain()
+                failure = failure or e
+            if not self._agree(members, ok=failure is None) or failure is not None:
+                if self._prefetch:
+                    after.drain()
+                where = f"rank {self.rank}: {_first_line(failure)}" if failure else "another rank of "
+                where += "" if failure else _ranks_text(members)
+                self._gather_failure = (
+                    f"step {step_number} failed after its commit point on {where}; the optimizer states and "
+                    "parameters may hold this step in part on every rank: load a checkpoint to go on"
+                )
+                raise OptimizerStepError(self._gather_failure) from failure
+            for slot in slots:
+                slot.step += 1
+            if self._prefetch:
+                written = {s.index: _memory_and_version(s.local_param()) for s in slots}
+                self._gathers = _Gathers(after, param_legs, {s.index: s for s in slots}, step_number, written)
+            self.last_wait_seconds = waited + after.waited
+            plan = compiled.plan
+            self.last_traffic = StepTraffic(
+                plan.total_bytes,
+                plan.collectives,
+                sums[0] + norm_traffic[0],
+                sums[1] + norm_traffic[1],
+                *self._flag_traffic(slots),
+            )
+            self.last_grad_norm, self.last_step_skipped = norm, False
+
+        return _Staged(commit)
 
     def _joinable(self, error: Exception) -> Exception:
         """``error``, raised by this rank's math, if the rest of the step can be joined despite

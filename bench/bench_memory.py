@@ -1,0 +1,261 @@
+"""Memory per rank, measured by the operating system: DDP, ZeRO, FSDP2 and the sharded optimizers.
+
+    .venv/bin/python bench/bench_memory.py                         # every variant, 4 ranks
+    .venv/bin/python bench/bench_memory.py --ranks 2,4,8 --variants ddp,sharded
+    .venv/bin/python bench/bench_memory.py --json out/bench_memory.json
+
+Every variant runs in fresh processes of its own (one per rank, started by this script, one
+intra-op thread each, gloo), so that nothing one variant allocated stays in another's figures.
+glibc's mmap threshold is fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so that tensors freed go
+back to the system and leave the resident set, as a long job's would after the allocator's
+dynamic threshold settles.
+
+The model is ``bench_step.py``'s language model at width 512, 6 ``nn.TransformerEncoderLayer``
+blocks of feed-forward 2048 (19.4M f32 parameters, 74 MiB), batch 4 x 64 tokens per rank; lr 1e-3,
+weight decay 0.01 everywhere. Per rank and variant:
+
+* **held**: ``VmRSS`` after the last training step minus ``VmRSS`` just before the model was
+  built (torch imported and the process group made by then): parameters, gradients, optimizer
+  states and whatever the optimizer or the wrapper keeps between steps;
+* **step peak**: ``VmHWM`` over the last ``optimizer.step()`` (reset through
+  ``/proc/self/clear_refs`` right before it) minus ``VmRSS`` right before it: what the step
+  allocates above what it held;
+* **predicted**: for the sharded optimizers, ``optimizer.memory_report()``'s total (our own
+  accounting, beside the measurement; the goal is agreement within 10%).
+
+The table gives the largest over ranks and the ratio to DDP + AdamW of the same world size.
+Losses (rank 0's, the last step) must agree across variants within 1e-3 relative.
+
+Variants: ``ddp`` (``DistributedDataParallel`` + ``torch.optim.AdamW(foreach=True)``), ``zero``
+(DDP + ``ZeroRedundancyOptimizer(AdamW)``), ``fsdp2`` (``fully_shard`` per layer and the root +
+AdamW), ``sharded`` (``ShardedAdamW``, the ZeRO-2 spec: params ``R,R``, gradients
+``R,R | P(dp):avg``, states ``S(dp),R``, no wrapper), ``sharded-flat`` (the same with states
+``R,R`` and ``flat_axis="dp"``), ``sharded-overlap`` (ZeRO-2 with ``overlap=True`` and
+``prefetch_params`` per layer), ``sharded-fsdp2`` (``ShardedAdamW`` over FSDP2's parameters,
+no spec), ``ddp-came`` (DDP + ``came_pytorch.CAME``), ``sharded-came`` and ``sharded-came-flat``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+VARIANTS = {
+    "ddp": "DDP + AdamW(foreach)",
+    "zero": "DDP + ZeroRedundancyOptimizer(AdamW)",
+    "fsdp2": "FSDP2 fully_shard + AdamW(foreach)",
+    "sharded": "ShardedAdamW, ZeRO-2 spec",
+    "sharded-flat": "ShardedAdamW, flat ZeRO",
+    "sharded-overlap": "ShardedAdamW, ZeRO-2 spec, overlap + prefetch_params",
+    "sharded-fsdp2": "ShardedAdamW over FSDP2's parameters",
+    "ddp-came": "DDP + came_pytorch.CAME",
+    "sharded-came": "ShardedCAME, ZeRO-2 spec",
+    "sharded-came-flat": "ShardedCAME, flat ZeRO",
+}
+# What each variant is compared with besides DDP + AdamW (the issue's goals).
+PEERS = {"sharded-fsdp2": "fsdp2", "sharded-came": "ddp-came", "sharded-came-flat": "ddp-came"}
+WIDTH, LAYERS, FEED_FORWARD = 512, 6, 2048
+STEPS = 5
+MMAP_THRESHOLD = 64 * 1024
+LOSS_RTOL = 1e-3
+MiB = 2**20
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    """Make ``VmHWM`` the current ``VmRSS`` (Linux: ``clear_refs`` 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def worker(variant: str, rank: int, world: int, port: int, steps: int) -> dict[str, Any]:
+    """One rank of one variant: train ``steps`` steps and measure (see the module doc)."""
+    import came_pytorch
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from bench_step import ADAMW, CAME, VOCAB, LanguageModel, spec_for, tokens_for
+    from runtime.optim import ShardedAdamW, ShardedCAME
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    dist.barrier()
+    before = _status("VmRSS")
+    torch.manual_seed(0)
+    model = LanguageModel(WIDTH, LAYERS, FEED_FORWARD)
+    module: torch.nn.Module = model
+    optimizer: Any
+    if variant in ("ddp", "zero", "ddp-came"):
+        module = DistributedDataParallel(model)
+    if variant in ("fsdp2", "sharded-fsdp2"):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if variant in ("ddp", "fsdp2"):
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW)
+    elif variant == "zero":
+        optimizer = ZeroRedundancyOptimizer(
+            list(model.parameters()), optimizer_class=torch.optim.AdamW, foreach=True, **ADAMW
+        )
+    elif variant == "ddp-came":
+        optimizer = came_pytorch.CAME(model.parameters(), **CAME)
+    elif variant == "sharded-fsdp2":
+        optimizer = ShardedAdamW(model.named_parameters(), None, **ADAMW)
+    else:
+        flat = variant.endswith("-flat")
+        spec = spec_for(model, world, "R,R" if flat else "S(dp),R", "R" if flat else "S(dp)")
+        options: dict[str, Any] = {"flat_axis": "dp" if flat else None, "overlap": variant == "sharded-overlap"}
+        if variant.startswith("sharded-came"):
+            optimizer = ShardedCAME(model.named_parameters(), spec, **CAME, **options)
+        else:
+            optimizer = ShardedAdamW(model.named_parameters(), spec, **ADAMW, **options)
+        if variant == "sharded-overlap":
+            optimizer.prefetch_params(model.embed, *model.layers, model.head)
+    loss = 0.0
+    step_peak = 0
+    for step in range(1, steps + 1):
+        tokens = tokens_for(step, rank)
+        module.zero_grad(set_to_none=True)
+        out = module(tokens[:, :-1])
+        loss_t = F.cross_entropy(out.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss_t.backward()
+        del out
+        if step == steps:
+            at_step = _status("VmRSS")
+            _reset_peak()
+        optimizer.step()
+        if step == steps:
+            step_peak = _status("VmHWM") - at_step
+        loss = loss_t.item()
+    if hasattr(optimizer, "wait_params"):
+        optimizer.wait_params()
+    held = _status("VmRSS") - before
+    predicted = None
+    report = getattr(optimizer, "memory_report", None)
+    if report is not None:
+        predicted = report().total_bytes
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"held": held, "step_peak": step_peak, "loss": loss, "predicted": predicted}
+
+
+def run_variant(variant: str, world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
+    """``variant`` on ``world`` fresh processes; each rank's measurements in rank order."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    env = os.environ | {
+        "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(BENCH.parent), str(BENCH), os.environ.get("PYTHONPATH", "")]),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__)), "--worker", variant, str(rank), str(world), str(store.port), str(steps)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    results = []
+    deadline = time.monotonic() + timeout
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"{variant} on {world} ranks: rank {rank} did not finish within {timeout:.0f} s") from None
+        if proc.returncode != 0:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"{variant} on {world} ranks: rank {rank} failed:\n{err[-4000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    del store
+    return results
+
+
+def mib(value: float | None) -> str:
+    return "" if value is None else f"{value / MiB:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="4", help="comma-separated world sizes (default 4)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ",".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per variant")
+    parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    parser.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        variant, rank, world, port, steps = args.worker
+        print(json.dumps(worker(variant, int(rank), int(world), int(port), int(steps))))
+        return
+    keys = [k for k in args.variants.split(",") if k]
+    unknown = [k for k in keys if k not in VARIANTS]
+    if unknown or not keys:
+        parser.error(f"unknown or missing variants: {unknown}")
+    if "ddp" not in keys:
+        keys.insert(0, "ddp")  # every ratio is to DDP + AdamW of the same run
+    worlds = [int(w) for w in args.ranks.split(",") if w]
+    started = time.perf_counter()
+    report: dict[str, Any] = {"command": sys.argv, "steps": args.steps, "results": {}}
+    for world in worlds:
+        rows = {key: run_variant(key, world, args.steps, args.timeout) for key in keys}
+        report["results"][str(world)] = rows
+        ddp = max(r["held"] for r in rows["ddp"])
+        print(f"\n{world} ranks ({WIDTH}x{LAYERS} model, {args.steps} steps; MiB per rank, largest over ranks)\n")
+        print("| variant | held MiB | x DDP | x peer | step peak MiB | predicted MiB | predicted / held | loss |")
+        print("|---|---|---|---|---|---|---|---|")
+        for key in keys:
+            reference_loss = rows["ddp-came" if "came" in key and "ddp-came" in rows else "ddp"][0]["loss"]
+            held = max(r["held"] for r in rows[key])
+            peak = max(r["step_peak"] for r in rows[key])
+            predicted = [r["predicted"] for r in rows[key] if r["predicted"] is not None]
+            peer = PEERS.get(key)
+            versus = (
+                f"{held / max(r['held'] for r in rows[peer]):.2f} ({peer})" if peer in rows else ""
+            )
+            guess = max(predicted) if predicted else None
+            loss = rows[key][0]["loss"]
+            flag = "" if abs(loss - reference_loss) <= LOSS_RTOL * abs(reference_loss) else " MISMATCH"
+            print(
+                f"| {VARIANTS[key]} | {mib(held)} | {held / ddp:.2f} | {versus} | {mib(peak)} | {mib(guess)} "
+                f"| {'' if guess is None else f'{guess / held:.2f}'} | {loss:.5f}{flag} |"
+            )
+    print(f"\ncommand: {' '.join([Path(sys.executable).name, *sys.argv])}; {time.perf_counter() - started:.0f} s")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
