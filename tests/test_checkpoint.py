@@ -135,11 +135,11 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint(tmp_path: Path, mo
     original = checkpoint.files.RankFileWriter.write
     calls = []
 
-    def write_then_fail(self: Any, data: torch.Tensor, block_bytes: int) -> Any:
+    def write_then_fail(self: Any, data: torch.Tensor, block_bytes: int, identity: bytes) -> Any:
         calls.append(1)
         if len(calls) > 2:
             raise OSError(28, "No space left on device (injected)")
-        return original(self, data, block_bytes)
+        return original(self, data, block_bytes, identity)
 
     monkeypatch.setattr(checkpoint.files.RankFileWriter, "write", write_then_fail)
     with pytest.raises(CheckpointError, match=r"No space left.*not committed; the previous checkpoint is unchanged"):

@@ -18,6 +18,7 @@ import torch
 
 from runtime import checkpoint
 from runtime.checkpoint import CheckpointError, LocalPiece
+from runtime.checkpoint.metadata import metadata_checksum
 from runtime.optim import ShardedAdamW
 from shardlang import parse_layout
 from shardlang.spec import Layouts
@@ -57,14 +58,17 @@ def _flip(path: Path, offset: int) -> None:
 
 
 # --- a checksum per block ---------------------------------------------------------------------
-def test_every_block_of_a_piece_has_the_crc_of_its_bytes(tmp_path: Path) -> None:
+def test_every_block_of_a_piece_has_the_crc_of_its_identity_and_bytes(tmp_path: Path) -> None:
     checkpoint.save(tmp_path, _whole(_weight()), block_bytes=BLOCK)
     metadata = _metadata(tmp_path)
-    assert metadata["format"] == "shardlang.checkpoint/2" and metadata["block_bytes"] == BLOCK
+    assert metadata["format"] == "shardlang.checkpoint/3" and metadata["block_bytes"] == BLOCK
     (piece,) = metadata["tensors"]["w"]["pieces"]
     raw = _rank_file(tmp_path).read_bytes()[piece["offset"] : piece["offset"] + ROWS * COLS * 4]
     assert raw == _weight().numpy().tobytes()
-    assert piece["block_crc32"] == [zlib.crc32(raw[i : i + BLOCK]) for i in range(0, len(raw), 256)]
+    # The identity as the format documents it: [key, dtype, shape, rank file, box], then "#<block>".
+    identity = b'["w","f32",[37,24],"rank-00000.bin",[[0,37],[0,24]]]'
+    expected = [zlib.crc32(identity + b"#%d" % (i // BLOCK) + raw[i : i + BLOCK]) for i in range(0, len(raw), BLOCK)]
+    assert piece["block_crc32"] == expected
     assert len(piece["block_crc32"]) == 14  # 3552 bytes: 13 whole blocks and one of 224
 
 
@@ -138,7 +142,15 @@ def saved(tmp_path: Path) -> Path:
 
 
 def _rewrite(directory: Path, text: str) -> Path:
+    """Replace the metadata with ``text``; JSON of format 3 gets a fresh checksum, as a tool that
+    rewrites the metadata would give it, so that what is checked is every field's own check."""
     path = directory / "metadata.json"
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError):
+        raw = None
+    if isinstance(raw, dict) and raw.get("format") == "shardlang.checkpoint/3":
+        text = json.dumps(raw | {"checksum": metadata_checksum(raw)})
     path.write_text(text)
     return path
 
@@ -159,7 +171,7 @@ def test_deeply_nested_metadata_names_the_field(saved: Path) -> None:
     shape = json.dumps(_metadata(saved)["tensors"]["w"]["shape"])
     path = _rewrite(saved, text.replace(shape, "[" * 100_000 + "]" * 100_000, 1))
     _both_refuse(saved, str(path), "field tensors.w.shape nests deeper")
-    _rewrite(saved, '{"format": "shardlang.checkpoint/2", "files": ' + '{"a": ' * 50_000 + "1" + "}" * 50_001)
+    _rewrite(saved, '{"format": "shardlang.checkpoint/3", "files": ' + '{"a": ' * 50_000 + "1" + "}" * 50_001)
     _both_refuse(saved, str(path), "field files.a.a.a.a.a.a.a nests deeper")
 
 

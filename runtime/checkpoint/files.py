@@ -8,11 +8,12 @@ dtypes, native byte order), nothing else: where each piece lies is in the metada
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 from types import TracebackType
 
 import torch
+
+from runtime.checkpoint.metadata import block_crc32
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -28,13 +29,16 @@ class RankFileWriter:
         self.size = 0
         self._file = open(path, "wb")  # noqa: SIM115 -- closed by close() / the context manager
 
-    def write(self, data: torch.Tensor, block_bytes: int) -> tuple[int, list[int]]:
-        """Append ``data``; its offset in the file and the CRC-32 of each ``block_bytes`` of it."""
+    def write(self, data: torch.Tensor, block_bytes: int, identity: bytes) -> tuple[int, list[int]]:
+        """Append ``data``, the piece ``identity`` (``metadata.piece_identity``); its offset in
+        the file and the checksum of each ``block_bytes`` of it (``metadata.block_crc32``)."""
         raw = raw_bytes(data.detach().to("cpu").contiguous())
         offset = self.size
         self._file.write(raw)
         self.size += raw.nbytes
-        return offset, [zlib.crc32(raw[i : i + block_bytes]) for i in range(0, raw.nbytes, block_bytes)]
+        return offset, [
+            block_crc32(raw[i : i + block_bytes], identity, i // block_bytes) for i in range(0, raw.nbytes, block_bytes)
+        ]
 
     def close(self) -> None:
         if self._file.closed:

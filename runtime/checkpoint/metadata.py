@@ -11,14 +11,25 @@ the pieces of a tensor covering it exactly (their sizes add up to the tensor's; 
 writes overlapping pieces). Any failure is a :class:`CheckpointError` naming the metadata
 file and the field or the tensor; the file is a regular file inside the checkpoint, not a
 link out of it (``paths``).
+
+Format 3 protects the metadata itself, twice. Its ``checksum`` field is the SHA-256 of every
+other field (:func:`metadata_checksum`), so a hand edit that leaves the file well formed (two
+boxes swapped, a name or a shape changed) is refused when it is read. And each block's CRC-32
+covers the identity of its piece before its bytes (:func:`piece_identity`: the tensor's key,
+dtype and shape, the rank file and the box; then ``#`` and the block's index), so an entry
+that does not describe the bytes it points at fails its blocks' checks at load and in
+``verify`` even where the metadata was rewritten with a fresh checksum. Format 2 (plain
+CRC-32s, no metadata checksum) is still read, without either protection.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,13 +45,36 @@ from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 from shardlang.parser import parse_layout
 
-FORMAT = "shardlang.checkpoint/2"  # 2: a CRC-32 per block of each piece (1: one per piece)
+FORMAT = "shardlang.checkpoint/3"  # 3: the metadata's checksum, pieces' identities in their blocks' CRCs
+UNPROTECTED_FORMAT = "shardlang.checkpoint/2"  # 2: a CRC-32 per block of each piece (1: one per piece); read
 METADATA_FILE = "metadata.json"
 BLOCK_BYTES = 1 << 20
 """The default checksum block: one CRC-32 per MiB of every stored piece. A rank reading part
 of a piece reads (and checks) the whole blocks its byte runs touch."""
 _NAME = re.compile(r"[A-Za-z0-9_.-]+\Z")  # data folders and rank files: no path separators
 _CRC_BELOW = 1 << 32
+
+
+def metadata_checksum(raw: Mapping[str, Any]) -> str:
+    """The SHA-256 (hex) of every field of the metadata ``raw`` (parsed JSON) but ``checksum``,
+    written as compact JSON with sorted keys: the layout of the file's text does not count."""
+    body = {k: v for k, v in raw.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def piece_identity(key: str, dtype: str, shape: tuple[int, ...], file: str, box: Box) -> bytes:
+    """What a stored piece is, as its blocks' CRC-32s cover it (format 3): compact JSON of
+    ``[key, dtype, shape, file, box]``, e.g. ``["w","f32",[37,24],"rank-00000.bin",[[0,19],[0,24]]]``."""
+    value = [key, dtype, list(shape), file, [list(b) for b in box]]
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def block_crc32(data: bytes | memoryview, identity: bytes, index: int) -> int:
+    """The checksum of block ``index`` of a piece: the CRC-32 of its identity, ``#``, the
+    index and the block's bytes (format 3); of the bytes alone for an empty identity (format 2)."""
+    start = zlib.crc32(identity + b"#%d" % index) if identity else 0
+    return zlib.crc32(data, start)
 
 
 def block_count(length: int, block_bytes: int) -> int:
@@ -54,6 +88,7 @@ class StoredPiece:
     offset: int
     box: Box = attrs.field(converter=Box)
     block_crc32: tuple[int, ...] = attrs.field(converter=tuple)
+    identity: bytes = b""  # what its blocks' checksums cover beside the bytes (empty: format 2)
 
     def to_json(self, itemsize: int) -> dict[str, Any]:
         length = self.box.numel * itemsize
@@ -119,7 +154,7 @@ class Metadata:
     block_bytes: int = BLOCK_BYTES
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        raw = {
             "format": FORMAT,
             "data": self.data,
             "world_size": self.world_size,
@@ -128,6 +163,7 @@ class Metadata:
             "tensors": {k: t.to_json() for k, t in self.tensors.items()},
             "optimizer": None if self.optimizer is None else self.optimizer.to_json(),
         }
+        return raw | {"checksum": metadata_checksum(raw)}
 
     def dumps(self) -> str:
         """The JSON text: one line per tensor, so that people can read it."""
@@ -159,12 +195,15 @@ def read_metadata(directory: Path) -> tuple[Metadata, int]:
 
 def parse_metadata(raw: object, source: str) -> Metadata:
     """``raw`` (parsed JSON) as checked :class:`Metadata`; errors name ``source`` and the field."""
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+    if not isinstance(raw, dict) or raw.get("format") not in (FORMAT, UNPROTECTED_FORMAT):
         found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        readable = f"{FORMAT!r} and {UNPROTECTED_FORMAT!r}"
         if isinstance(found, str) and found.startswith(FORMAT.split("/")[0] + "/"):
-            raise CheckpointError(f"{source}: a checkpoint of format {found!r}; this version reads {FORMAT!r}")
-        raise CheckpointError(f"{source}: not a shardlang checkpoint (format {found!r}, expected {FORMAT!r})")
+            raise CheckpointError(f"{source}: a checkpoint of format {found!r}; this version reads {readable}")
+        raise CheckpointError(f"{source}: not a shardlang checkpoint (format {found!r}, expected {readable})")
     fields = Fields(source)
+    protected = raw["format"] == FORMAT
+    checksum = fields.string(fields.get(raw, "checksum", ""), "checksum") if protected else None
     data = _name(fields, fields.get(raw, "data", ""), "data", "a data folder")
     world_size = fields.count(fields.get(raw, "world_size", ""), "world_size", least=1)
     block_bytes = fields.count(fields.get(raw, "block_bytes", ""), "block_bytes", least=1)
@@ -174,10 +213,16 @@ def parse_metadata(raw: object, source: str) -> Metadata:
         files[_name(fields, name, path, "a rank file")] = fields.count(size, path)
     tensors = {}
     for key, entry in fields.object(fields.get(raw, "tensors", ""), "tensors").items():
-        reader = _TensorReader(fields, field("tensors", key), key, files, block_bytes)
+        reader = _TensorReader(fields, field("tensors", key), key, files, block_bytes, protected)
         tensors[key] = reader.tensor(fields.object(entry, reader.path))
     optimizer = fields.get(raw, "optimizer", "")
     stored = None if optimizer is None else _stored_optimizer(fields, fields.object(optimizer, "optimizer"), tensors)
+    # Last, so that a field of the wrong kind is named as such rather than as a mismatch.
+    if checksum is not None and checksum != metadata_checksum(raw):
+        raise CheckpointError(
+            f"{source}: the metadata does not match its checksum: it was edited or damaged after the save "
+            "(a tensor, box, shape or setting changed); a checkpoint's metadata cannot be edited by hand"
+        )
     return Metadata(data, world_size, files, tensors, stored, block_bytes)
 
 
@@ -190,6 +235,7 @@ class _TensorReader:
     key: str
     files: Mapping[str, int]
     block_bytes: int
+    protected: bool  # format 3: pieces' identities are in their blocks' checksums
 
     def fail(self, message: str) -> CheckpointError:
         return CheckpointError(f"{self.fields.source}: tensor '{self.key}': {message}")
@@ -216,7 +262,7 @@ class _TensorReader:
             raise self.fail(f"its layout {layout_text!r} does not fit: {e.message}") from None
         pieces_path = field(path, "pieces")
         pieces = [
-            self.piece(f.object(p, field(pieces_path, i)), field(pieces_path, i), shape, ITEMSIZE[dtype])
+            self.piece(f.object(p, field(pieces_path, i)), field(pieces_path, i), shape, dtype)
             for i, p in enumerate(f.list(f.get(entry, "pieces", path), pieces_path))
         ]
         covered = sum(p.box.numel for p in pieces)
@@ -224,8 +270,8 @@ class _TensorReader:
             raise self.fail(f"its pieces hold {covered} elements, the shape {list(shape)} has {math.prod(shape)}")
         return StoredTensor(layout, flat_axis, shape, dtype, pieces)
 
-    def piece(self, piece: dict[str, Any], path: str, shape: tuple[int, ...], itemsize: int) -> StoredPiece:
-        f = self.fields
+    def piece(self, piece: dict[str, Any], path: str, shape: tuple[int, ...], dtype: str) -> StoredPiece:
+        f, itemsize = self.fields, ITEMSIZE[dtype]
         file = f.string(f.get(piece, "file", path), field(path, "file"))
         if file not in self.files:
             raise self.fail(f"a piece lies in {file!r}, which the checkpoint does not list")
@@ -254,7 +300,8 @@ class _TensorReader:
                 f"{blocks} blocks of {self.block_bytes}"
             )
         crcs = [f.count(c, field(crc_path, i), below=_CRC_BELOW) for i, c in enumerate(crcs)]
-        return StoredPiece(file=file, offset=offset, box=box, block_crc32=crcs)
+        identity = piece_identity(self.key, dtype, shape, file, Box(box)) if self.protected else b""
+        return StoredPiece(file=file, offset=offset, box=box, block_crc32=crcs, identity=identity)
 
 
 def _stored_optimizer(fields: Fields, raw: dict[str, Any], tensors: Mapping[str, StoredTensor]) -> StoredOptimizer:

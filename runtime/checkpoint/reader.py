@@ -12,12 +12,11 @@ them (:meth:`RangeReader.check_files`).
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from runtime.checkpoint.errors import CheckpointError
-from runtime.checkpoint.metadata import StoredPiece
+from runtime.checkpoint.metadata import StoredPiece, block_crc32
 from runtime.checkpoint.paths import open_inside, resolved_inside
 
 SPAN_BYTES = 16 << 20  # the most read into one buffer (whole blocks, at least one)
@@ -60,12 +59,15 @@ class RangeReader:
                 buffer = memoryview(bytearray(end - start))
             self._read_exactly(fd, piece, buffer, start, label)
             for b in range(first, stop):
-                got = zlib.crc32(buffer[b * block - start : min((b + 1) * block, end) - start])
+                got = block_crc32(buffer[b * block - start : min((b + 1) * block, end) - start], piece.identity, b)
                 if got != piece.block_crc32[b]:
+                    cause = "the file is corrupt"
+                    if piece.identity:  # format 3: the checksum covers what the metadata says the piece is
+                        cause += ", or the metadata's entry for it was edited or swapped with another's"
                     raise CheckpointError(
                         f"{self.folder / piece.file}: {label}: block {b} of the piece {[list(x) for x in piece.box]} "
                         f"(bytes {piece.offset + b * block}..{piece.offset + min((b + 1) * block, length)} of the "
-                        "file) does not match its checksum (the file is corrupt)"
+                        f"file) does not match its checksum ({cause})"
                     )
             if direct:
                 done += end - start

@@ -40,7 +40,14 @@ from runtime.checkpoint.items import (
     state_item,
     state_key,
 )
-from runtime.checkpoint.metadata import BLOCK_BYTES, Metadata, StoredOptimizer, StoredPiece, StoredTensor
+from runtime.checkpoint.metadata import (
+    BLOCK_BYTES,
+    Metadata,
+    StoredOptimizer,
+    StoredPiece,
+    StoredTensor,
+    piece_identity,
+)
 from runtime.comm import timeout_of
 from runtime.optim.base import HeldTensor, ShardedOptimizer
 from shardlang.parser import parse_layout
@@ -170,7 +177,8 @@ def _write_part(path: Path, items: list[Item], block_bytes: int) -> dict[str, An
                 for box in item.boxes:
                     n = box.numel
                     if n:
-                        offset, crcs = writer.write(flat[position : position + n], block_bytes)
+                        identity = piece_identity(item.key, item.dtype, item.shape, path.name, box)
+                        offset, crcs = writer.write(flat[position : position + n], block_bytes, identity)
                         pieces.append({"offset": offset, "box": [list(b) for b in box], "block_crc32": crcs})
                     position += n
             tensors[item.key] = item.header() | {"pieces": pieces}
