@@ -36,6 +36,11 @@ $(DOCS_STAMP): $(STAMP)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# The benchmark tables of the docs site, from the results stored under docs/benchmarks/data/
+# (each written by a bench/ script's --json): no number on that page is typed by hand.
+bench-docs: install
+	$(PY) bench/render_docs.py
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -3,6 +3,7 @@ and its all_gather point-to-point messages.
 
     .venv/bin/python bench/bench_collectives.py                   # 4 ranks, 256 KiB .. 16 MiB, f32
     .venv/bin/python bench/bench_collectives.py --ranks 2 --reps 30
+    .venv/bin/python bench/bench_collectives.py --json docs/benchmarks/data/collectives.json   # for the docs
 
 For each buffer size (the whole buffer a rank passes in, ``B``), the median over repetitions of
 rank 0's time (ranks aligned by a barrier before each) for:
@@ -29,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import results as bench_results
 import torch
 import torch.distributed as dist
 
@@ -74,18 +76,26 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--sizes", default="256KiB,1MiB,4MiB,16MiB")
+    bench_results.add_json_option(parser)
     args = parser.parse_args()
     units = {"KiB": 2**10, "MiB": 2**20}
     sizes = [int(s[:-3]) * units[s[-3:]] for s in args.sizes.split(",")]
     results = run_ranks(_rank, args.ranks, args=(sizes, args.reps), timeout=600)[0]
-    print(f"gloo, {args.ranks} ranks, median ms of rank 0 over {args.reps - 2} repetitions")
-    print("| buffer | " + " | ".join(WAYS) + " | reduce_scatter / (all_to_all + sum) | all_gather / messages |")
-    print("|---|" + "---|" * (len(WAYS) + 2))
+    title = f"gloo, {args.ranks} ranks, median ms of rank 0 over {args.reps - 2} repetitions"
+    columns = ["buffer", *WAYS, "reduce_scatter / (all_to_all + sum)", "all_gather / messages"]
+    rows = []
     for size, row in results.items():
         scatter = row["reduce_scatter (gloo)"] / row["all_to_all + sum"]
         gather = row["all_gather (gloo)"] / row["all_gather as messages"]
-        cells = " | ".join(f"{row[w] * 1e3:.2f}" for w in WAYS)
-        print(f"| {size // 1024} KiB | {cells} | {scatter:.2f}x | {gather:.2f}x |")
+        times = [f"{row[w] * 1e3:.2f}" for w in WAYS]
+        rows.append([f"{size // 1024} KiB", *times, f"{scatter:.2f}x", f"{gather:.2f}x"])
+    print(title)
+    print("| " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * (len(columns) - 1))
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+    raw = {str(size): {w: seconds for w, seconds in row.items()} for size, row in results.items()}
+    bench_results.write(args.json, "Collectives on gloo", [bench_results.table(title, columns, rows)], data=raw)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,6 @@ import bisect
 import copy
 import datetime
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -94,6 +93,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import came_pytorch
+import results as bench_results
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -669,7 +669,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help=f"steps per model (default {DEFAULT_STEPS})")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the default")
-    parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    bench_results.add_json_option(parser)
     parser.add_argument(
         "--overlap-bucket-kib",
         type=int,
@@ -694,11 +694,10 @@ def main() -> None:
     ranks = run_ranks(rank_main, args.ranks, (models, steps, keys, overlap_bytes), timeout=3600, collective_timeout=900)
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}; {time.perf_counter() - started:.0f} s")
     report = {"command": sys.argv, "ranks": args.ranks, "variants": keys}
-    report["models"] = {m: report_model(m, steps[m], ranks, keys) for m in models}
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"\nwrote {args.json}")
+    with bench_results.printed() as shown:
+        report["models"] = {m: report_model(m, steps[m], ranks, keys) for m in models}
+    # The tables as printed, with the command, commit, date and machine (bench/results.py).
+    bench_results.write(args.json, "Training step", bench_results.markdown_tables(shown.getvalue()), data=report)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import results as bench_results
+
 from planner.knapsack import suggest_best
 from planner.suggest import build_problems
 from shardlang import TensorSpec, load_spec
@@ -42,7 +44,9 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("adamw", "came"), default="adamw")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tensor", action="append", help="NAME:LENGTHS:DTYPE, LENGTHS as 4096 or 8x4096")
+    bench_results.add_json_option(parser)
     args = parser.parse_args()
+    rows = []
     spec = load_spec(args.spec)
     started = time.perf_counter()
     problems = build_problems(spec, args.optimizer, tensors=_tensors(spec, args.tensor or list(NORMS)))
@@ -77,6 +81,16 @@ def main() -> None:
             f"{budget / 2**30:>10.2f}  {min(times):>7.3f}  {result.best.seconds * 1e3:>12.2f}  {name:>10}  "
             f"{seconds * 1e3:>8.2f}  {ratio:.3f}  {result.optimal}"
         )
+        cells = [f"{budget / 2**30:.2f}", f"{min(times):.3f}", f"{result.best.seconds * 1e3:.2f}", name]
+        rows.append([*cells, f"{seconds * 1e3:.2f}", f"{ratio:.3f}", result.optimal])
+    strategies = [[k, f"{c.memory / 2**30:.2f}", f"{c.seconds * 1e3:.1f}"] for k, c in fixed.items()]
+    note = f"{n} tensors in {len(problems[0].groups)} groups; pricing {pricing:.2f} s; best of {args.repeat} solves."
+    strategy_columns = ["strategy", "GiB per rank", "modeled ms"]
+    tables = [
+        bench_results.table(f"Fixed strategies, {args.optimizer}", strategy_columns, strategies),
+        bench_results.table(f"Suggested within a budget, {args.spec}", [*heads, "ratio", "optimal"], rows, note),
+    ]
+    bench_results.write(args.json, f"suggest ({args.optimizer})", tables)
 
 
 if __name__ == "__main__":

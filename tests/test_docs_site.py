@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +53,25 @@ def test_every_page_is_in_the_nav() -> None:
 def test_the_readme_stays_short() -> None:
     lines = (REPO / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= 200, f"README.md has {lines} lines: move detail into docs/"
+
+
+def test_the_generated_benchmark_page_is_what_the_data_gives() -> None:
+    """``make bench-docs`` was run after the last change to docs/benchmarks/data/ (or the renderer)."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "render_docs.py"), "--check"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr or done.stdout
+
+
+def test_bench_results_round_trip(tmp_path: Path) -> None:
+    """A script's printed markdown table, written with its provenance and read back."""
+    from bench import results
+
+    text = "**small** (4 ranks):\n\n| variant | ms |\n|---|---|\n| DDP | 100.1 |\n| ours | 90.0 |\n"
+    tables = results.markdown_tables(text)
+    assert tables == [results.table("small (4 ranks)", ["variant", "ms"], [["DDP", "100.1"], ["ours", "90.0"]])]
+    written = results.write(tmp_path / "r.json", "demo", tables, argv=["bench/demo.py", "--x", "a b"])
+    read = results.read(tmp_path / "r.json")
+    assert read == written
+    assert read["command"] == ".venv/bin/python bench/demo.py --x 'a b'"
+    assert read["tables"] == tables and read["date"].endswith("UTC") and read["machine"]["cpus"]
