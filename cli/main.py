@@ -20,6 +20,7 @@ from typing import Any
 from cli.buckets import summary_line
 from cli.calibrate import add_calibrate_parser, cmd_calibrate
 from cli.check import describe_spec, error_text, run_check
+from cli.check_model import add_model_options, run_model_check
 from cli.explain import explain, explained_json, format_explained
 from cli.init import add_init_parser, cmd_init
 from cli.inputs import (
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of the spec's hints: the file is checked, and must fit every mesh",
     )
     p.add_argument("--format", choices=("text", "json"), default="text")
+    add_model_options(p)
 
     pair_or_spec = "two layouts (SRC DST, with --shape) or one spec file (FILE.shard)"
     p = sub.add_parser(
@@ -433,7 +435,11 @@ def run_main_job(path: Path, bundled: bool) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.world is not None and args.model is None:
+        raise UsageError("--world checks the meshes against the job of a model: give --model too")
     cost = CostModel.from_file(args.costs) if args.costs else None
+    if args.model is not None:  # torch is imported to build the model, only then
+        return run_model_check(args, sys.stdout, sys.stderr, cost)
     return run_check(args.files, args.format, sys.stdout, sys.stderr, flat_axis=args.flat_axis, cost=cost)
 
 
