@@ -49,9 +49,9 @@ def test_init_specs_are_compact_complete_and_checked(tmp_path: Path, capsys: pyt
     assert "tensor h.{0..1}.mlp.c_fc.weight : f32[32, 8] {" in text
     # per rank: the whole [32, 8] f32 weight, and a quarter of it per state
     assert "# per rank each: param 1 KiB, grad 1 KiB, 256 B per optimizer state" in text
-    # The README's example is the GPT-2-like module's ZeRO-2 spec, word for word.
-    readme = (REPO / "README.md").read_text().split("## Specs for models", 1)[1]
-    assert readme.split("```\n", 2)[1] in (tmp_path / "gpt2_zero2.shard").read_text()
+    # The docs' example is the GPT-2-like module's ZeRO-2 spec, word for word.
+    page = (REPO / "docs" / "tutorials" / "specs-for-models.md").read_text().split("## What `init` writes", 1)[1]
+    assert page.split("```\n", 2)[1] in (tmp_path / "gpt2_zero2.shard").read_text()
     llama = (tmp_path / "llama_zero2.shard").read_text()
     assert "tensor model.layers.{0..1}.mlp.{gate_proj,up_proj}.weight : f32[24, 8] {" in llama
     assert "  grad  = R,R | P(dp):avg over world\n  state = S(dp),R over world" in llama
