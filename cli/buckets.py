@@ -1,6 +1,6 @@
 """The step plan's buckets (``planner.step``) for display: one collective per bucket, in the
 order every rank runs them, as a text table, a summary line and rows for the summary picture
-(README, "The `shardlang` command")."""
+(docs/reference/step-plans.md)."""
 
 from __future__ import annotations
 

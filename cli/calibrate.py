@@ -1,5 +1,5 @@
 """``shardlang calibrate``: measure the machine's collectives and fit the cost model to them
-(README "Calibration"); ``--check`` times a sample of plans against what the model predicts.
+(docs/tutorials/calibrating.md); ``--check`` times a sample of plans against what the model predicts.
 
 Run under ``torchrun``, one process per rank of the mesh (``--mesh`` declares it as a spec
 file's mesh line does); rank 0 prints and writes, the others only measure.

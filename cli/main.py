@@ -95,7 +95,7 @@ def _add_cost_options(p: argparse.ArgumentParser, memory: bool = True) -> None:
 
 
 def _add_step_options(p: argparse.ArgumentParser, buckets: bool = True) -> None:
-    """The optimizers' step options, for a spec file (README, "Optimizers")."""
+    """The optimizers' step options, for a spec file (docs/reference/optimizers.md)."""
     p.add_argument(
         "--flat-axis",
         type=axis_arg,

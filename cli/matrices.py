@@ -1,6 +1,6 @@
 """The matrices' part of the step plan (``planner.matrices``) for ``shardlang plan FILE.shard
 --optimizer muon``: where each matrix's Newton-Schulz iteration runs, its moves and compute,
-the buckets of the moves, and the estimate (README, "Adafactor and Muon")."""
+the buckets of the moves, and the estimate (docs/reference/optimizers.md)."""
 
 from __future__ import annotations
 

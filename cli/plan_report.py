@@ -1,5 +1,5 @@
 """Plans as text tables and as JSON (the keys of ``PLAN_KEYS``, with the receive lower bound
-and, for point-to-point steps, their transfers; README, "The `shardlang` command")."""
+and, for point-to-point steps, their transfers; docs/reference/cli.md)."""
 
 from __future__ import annotations
 

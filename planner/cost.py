@@ -70,8 +70,8 @@ taken only where it is predicted to save more than the margin for each step it a
 never include it (docs/calibration.md, "The choice margin").
 
 Per-collective figures. A model may give any of the priced kinds (:data:`PRICED_OPS`) its own
-per-axis alpha and bandwidth (``CostModel.ops``, e.g. measured by ``shardlang calibrate``, README
-"Calibration"); a kind it does not name uses the model's own ``alpha`` and ``bandwidth``. The
+per-axis alpha and bandwidth (``CostModel.ops``, e.g. measured by ``shardlang calibrate``,
+docs/tutorials/calibrating.md); a kind it does not name uses the model's own ``alpha`` and ``bandwidth``. The
 formula stays ``rounds * alpha[op][a] + bytes / bandwidth[op][a]``, with the rounds and bytes of
 the table, so a measured figure is the per-round latency and the bandwidth that make the table
 true for that kind on that axis. ``CostModel.from_file`` reads such a model from a hints file.
@@ -405,7 +405,7 @@ class CostModel:
 
     @classmethod
     def from_file(cls, path: str | Path) -> CostModel:
-        """The model of a hints file (JSON; README "Calibration"): optional ``alpha`` and
+        """The model of a hints file (JSON; docs/reference/cost-model.md): optional ``alpha`` and
         ``bandwidth`` (one number or one per mesh axis; defaults where absent) and ``ops``, an
         object from collective kinds to their own ``alpha`` and ``bandwidth``; optional
         ``overhead`` (seconds per step) and ``copy_bandwidth`` (bytes/s), one number each. A

@@ -1,4 +1,4 @@
-"""Fitting the cost model to measured collective times (``shardlang calibrate``; README "Calibration").
+"""Fitting the cost model to measured collective times (``shardlang calibrate``; docs/calibration.md).
 
 A sample is one collective kind on one mesh axis of size ``n`` at one message size: the bytes
 per rank the cost table (``planner.cost``) counts for it, and the measured seconds (the

@@ -4,7 +4,7 @@ A state is a layout packed into one integer: a small code per mesh axis (replica
 with an op, or split on a dim at a nesting position), so that states hash and compare as
 integers and a move changes one code. :meth:`Space.encode` and :meth:`Space.decode` convert
 from and to the raw fields of :class:`Layout`, ``(dims, partial)``. The moves are the
-baseline move set (README, "The planner"), costed by the tables of ``planner.cost``; local
+baseline move set (docs/reference/planner.md), costed by the tables of ``planner.cost``; local
 lengths are ``ceil(L / product of the splitting axes' sizes)``, which equals the nested
 ceilings of the language for any nesting order.
 

@@ -1,4 +1,4 @@
-"""Measuring the machine for the cost model: ``shardlang calibrate`` (README "Calibration").
+"""Measuring the machine for the cost model: ``shardlang calibrate`` (docs/calibration.md).
 
 :func:`sweep` times every collective kind on every mesh axis at message sizes from 4 KiB to 16
 MiB (finer from 724 KiB, :data:`SWEEP_BYTES`), through the same calls the executor makes

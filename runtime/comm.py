@@ -21,7 +21,7 @@ On gloo an all_gather of a result of :data:`GATHER_MESSAGES_BYTES` or more that 
 waits on before returning (``waited_at_once``) runs as point-to-point messages: each rank sends
 its block to every peer at once and receives theirs straight into their rows of the result.
 gloo's own all_gather is a ring of ``n - 1`` rounds, one after another, and took 1.35-1.9x as
-long for results of 1-16 MiB on 4 CPU ranks (``bench/bench_collectives.py``, README); below
+long for results of 1-16 MiB on 4 CPU ranks (``bench/bench_collectives.py``, docs/benchmarks); below
 1 MiB the two were level or the ring faster, depending on the run. The messages carry a tag of
 their own (:data:`GATHER_TAG`), so that they never match a plan's point-to-point messages.
 Unlike a collective's work, which gloo's worker thread holds and finishes, a message's work is

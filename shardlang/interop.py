@@ -9,9 +9,9 @@ Each framework expresses a subset of the language; a layout outside it is an
   (``S10``, as FSDP2 over TP gives) come as a DTensor spec's ``shard_order``, exact for
   every shape, or as ``_StridedShard``, whose split factor names the order but whose
   slicing equals the nesting only for some shapes: those are read and written with the
-  tensor's shape and checked against DTensor's slicing (see the README, "DTensor nesting
-  orders"). DTensor rejects mixed partial ops other than sum with avg; its ``product``
-  partial is refused (README, "Partial products").
+  tensor's shape and checked against DTensor's slicing (docs/tutorials/fsdp2-tp.md, "DTensor
+  nesting orders"). DTensor rejects mixed partial ops other than sum with avg; its ``product``
+  partial is refused (docs/tutorials/fsdp2-tp.md, "Partial products").
 - Paddle ``dims_mapping`` gives one mesh axis (or -1) per tensor dim, so a dim split over
   several axes is not expressible; ``partial_status`` maps mesh axis to Paddle's ReduceType
   name (``kRedSum``, ``kRedAvg``, ``kRedMax``, ``kRedMin``); Paddle does not say in which

@@ -10,7 +10,7 @@ already took it, the pending metadata; whichever of the two renames succeeds, ra
 rename or replace of that name then fails, so the save can no longer be committed. If both
 are gone, rank 0 has moved the pending metadata: the checkpoint is committed exactly when
 ``metadata.json`` names ``data-<id>``. So a save reported as not committed never is, and
-every rank tells the same outcome. (All ranks see one directory: README, Known limits.)
+every rank tells the same outcome. (All ranks see one directory: docs/limits.md.)
 """
 
 from __future__ import annotations
