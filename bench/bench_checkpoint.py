@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import results as bench_results
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -87,4 +88,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # --json PATH: also write what it prints, with command, commit, date and machine (bench/results.py).
+    bench_results.main(main, "Checkpoints")

@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import results as bench_results
 import torch
 import torch.distributed as dist
 
@@ -213,4 +214,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # --json PATH: also write what it prints, with command, commit, date and machine (bench/results.py).
+    bench_results.main(main, "Muon step")

@@ -30,6 +30,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_planner_quality as quality  # the DTensor helpers, shared
+import results as bench_results
 
 import planner
 from planner import choice, search
@@ -210,4 +211,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # --json PATH: also write what it prints, with command, commit, date and machine (bench/results.py).
+    bench_results.main(main, "Point-to-point plan quality")

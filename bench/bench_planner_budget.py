@@ -27,6 +27,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import results as bench_results
 from bench_planner_speed import best_of  # (first run, best run), shared
 
 import planner
@@ -185,4 +186,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # --json PATH: also write what it prints, with command, commit, date and machine (bench/results.py).
+    bench_results.main(main, "Budget worst cases and large inputs")

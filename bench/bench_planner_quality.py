@@ -21,6 +21,7 @@ import math
 import random
 from collections import Counter
 
+import results as bench_results
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -238,6 +239,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     try:
-        main()
+        # --json PATH: also write what it prints, with command, commit, date and machine (bench/results.py).
+        bench_results.main(main, "Plan quality")
     except InteropError as e:  # a layout DTensor cannot express slipped through
         raise SystemExit(f"error: {e}") from None

@@ -55,6 +55,9 @@ def section(record: dict, name: str) -> str:
         + f"; Python {machine.get('python')}, torch {machine.get('torch')}",
         "",
     ]
+    printed = (record.get("data") or {}).get("printed") if isinstance(record.get("data"), dict) else None
+    if not record["tables"] and printed:  # a script that prints its numbers as text
+        lines += ["```", printed.rstrip("\n"), "```", ""]
     for t in record["tables"]:
         lines += [f"**{t['title']}**", ""]
         lines.append("| " + " | ".join(_cell(c) for c in t["columns"]) + " |")

@@ -9,6 +9,8 @@ A file holds what a table needs to be read a year later: the command that produc
 commit (and whether the tree had uncommitted changes), the date, the machine (platform, CPUs,
 load average when written, Python and torch versions), then the script's tables (title,
 columns, rows of cells as printed, a note) and optionally its raw numbers under ``data``.
+Scripts that print markdown tables need not build them: ``results.main(main, "Name")`` runs
+their ``main`` with ``--json PATH`` taken off the command line and keeps what they print.
 ``bench/render_docs.py`` (``make bench-docs``) turns the files stored under
 ``docs/benchmarks/data/`` into ``docs/benchmarks/results.md``.
 """
@@ -26,7 +28,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,25 @@ def _rows(lines: list[str], start: int) -> list[str]:
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
     return lines[start:end]
+
+
+def main(run: Callable[[], None], bench: str) -> None:
+    """Run a script's ``main`` with ``--json PATH`` taken from the command line: what it prints
+    is kept, and its markdown tables (or, without any, the printed text) written with their
+    provenance. For scripts that print their own tables; ``write`` is for those that build them."""
+    argv = list(sys.argv)
+    path = None
+    if "--json" in sys.argv[1:]:
+        at = sys.argv.index("--json", 1)
+        if at + 1 >= len(sys.argv):
+            sys.exit("--json needs a PATH")
+        path = Path(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
+    with printed() as shown:
+        run()
+    text = shown.getvalue()
+    tables = markdown_tables(text)
+    write(path, bench, tables, data=None if tables else {"printed": text}, argv=argv)
 
 
 def _git(*args: str) -> str:
