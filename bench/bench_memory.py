@@ -15,7 +15,8 @@ blocks of feed-forward 2048 (19.4M f32 parameters, 74 MiB), batch 4 x 64 tokens 
 weight decay 0.01 everywhere. Per rank and variant:
 
 * **held**: ``VmRSS`` after the last training step minus ``VmRSS`` just before the model was
-  built (torch imported and the process group made by then): parameters, gradients, optimizer
+  built (torch imported, the process group made and one small layer's forward and backward run
+  by then, so that code every variant loads is left out): parameters, gradients, optimizer
   states and whatever the optimizer or the wrapper keeps between steps;
 * **step peak**: ``VmHWM`` over the last ``optimizer.step()`` (reset through
   ``/proc/self/clear_refs`` right before it) minus ``VmRSS`` right before it: what the step
@@ -85,24 +86,35 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def _warm_up(torch: Any) -> None:
+    """Load what every variant loads whatever its model (the modules ``torch.optim.Optimizer``
+    imports, autograd's threads, the kernels of one small layer's forward and backward), so that
+    the baseline leaves it out: the figures are the model's and its optimizer's."""
+    import torch._dynamo
+
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    layer(torch.randn(2, 8, 16)).sum().backward()
+
+
 def worker(variant: str, rank: int, world: int, port: int, steps: int) -> dict[str, Any]:
     """One rank of one variant: train ``steps`` steps and measure (see the module doc)."""
     import came_pytorch
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from bench_step import ADAMW, CAME, VOCAB, LanguageModel, spec_for, tokens_for
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    from bench_step import ADAMW, CAME, VOCAB, LanguageModel, spec_for, tokens_for
     from runtime.optim import ShardedAdamW, ShardedCAME
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    _warm_up(torch)
     dist.barrier()
     before = _status("VmRSS")
     torch.manual_seed(0)
@@ -175,7 +187,16 @@ def run_variant(variant: str, world: int, steps: int, timeout: float) -> list[di
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, str(Path(__file__)), "--worker", variant, str(rank), str(world), str(store.port), str(steps)],
+            [
+                sys.executable,
+                str(Path(__file__)),
+                "--worker",
+                variant,
+                str(rank),
+                str(world),
+                str(store.port),
+                str(steps),
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -191,7 +212,9 @@ def run_variant(variant: str, world: int, steps: int, timeout: float) -> list[di
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise RuntimeError(f"{variant} on {world} ranks: rank {rank} did not finish within {timeout:.0f} s") from None
+            raise RuntimeError(
+                f"{variant} on {world} ranks: rank {rank} did not finish within {timeout:.0f} s"
+            ) from None
         if proc.returncode != 0:
             for p in procs:
                 p.kill()
@@ -208,7 +231,9 @@ def mib(value: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="4", help="comma-separated world sizes (default 4)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ",".join(VARIANTS))
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ",".join(VARIANTS)
+    )
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per variant")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
@@ -240,9 +265,7 @@ def main() -> None:
             peak = max(r["step_peak"] for r in rows[key])
             predicted = [r["predicted"] for r in rows[key] if r["predicted"] is not None]
             peer = PEERS.get(key)
-            versus = (
-                f"{held / max(r['held'] for r in rows[peer]):.2f} ({peer})" if peer in rows else ""
-            )
+            versus = f"{held / max(r['held'] for r in rows[peer]):.2f} ({peer})" if peer in rows else ""
             guess = max(predicted) if predicted else None
             loss = rows[key][0]["loss"]
             flag = "" if abs(loss - reference_loss) <= LOSS_RTOL * abs(reference_loss) else " MISMATCH"

@@ -11,7 +11,8 @@ that a failed step can be dropped.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Unpack
 
 import torch
@@ -97,12 +98,7 @@ def adamw_in_place(
         averages, squares = [a.view(p.shape) for a, p in zip(exp_avgs, params, strict=True)], list(exp_avg_sqs)
     correction = (1 - beta2**step) ** 0.5
     step_size = -(lr / (1 - beta1**step))
-    start = 0
-    while start < len(params):
-        end, numel = start + 1, params[start].numel()
-        while end < len(params) and numel + params[end].numel() <= DENOM_CHUNK:
-            numel += params[end].numel()
-            end += 1
+    for start, end, numel in denom_groups([p.numel() for p in params]):
         buffer = scratch.take("denom", numel, params[start].dtype, params[start].device)
         denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
         for denom, square in zip(denoms, squares[start:end], strict=True):
@@ -110,6 +106,22 @@ def adamw_in_place(
         torch._foreach_div_(denoms, correction)
         torch._foreach_add_(denoms, eps)
         torch._foreach_addcdiv_(list(params[start:end]), averages[start:end], denoms, value=step_size)
+
+
+def denom_groups(numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """The groups :func:`adamw_in_place` runs its square roots over: ``(start, end, elements)``
+    of consecutive tensors of at most :data:`DENOM_CHUNK` elements together, a larger one alone.
+
+    >>> list(denom_groups([DENOM_CHUNK // 2, DENOM_CHUNK // 2, 1, 3 * DENOM_CHUNK]))
+    [(0, 2, 1048576), (2, 3, 1), (3, 4, 3145728)]
+    """
+    start = 0
+    while start < len(numels):
+        end, numel = start + 1, numels[start]
+        while end < len(numels) and numel + numels[end] <= DENOM_CHUNK:
+            numel += numels[end]
+            end += 1
+        yield start, end, numel
         start = end
 
 
@@ -255,3 +267,14 @@ class ShardedAdamW(ShardedOptimizer):
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
             )
+
+    def _scratch_bytes(self, slots: Sequence[Slot]) -> int:
+        """In place: the square roots' scratch, at most :data:`DENOM_CHUNK` elements or the
+        largest tensor's shard, per dtype of the math."""
+        if self.transactional:
+            return super()._scratch_bytes(slots)
+        total = 0
+        for dtype in {slot.dtype for slot in slots}:
+            numels = [math.prod(slot.shard.local_shape) for slot in slots if slot.dtype == dtype and slot.shard]
+            total += max((numel for *_, numel in denom_groups(numels)), default=0) * dtype.itemsize
+        return total

@@ -63,8 +63,10 @@ from runtime.optim import full_state
 from runtime.optim.dtensors import dtensor_grad_layout, dtensor_param_layouts
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.flat import FlatStates
+from runtime.optim.memory import MemoryReport
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumReducer, SumSpec, plan_collectives
+from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 from shardlang.interop import is_dtensor
 from shardlang.layout import Layout
@@ -1540,6 +1542,41 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return spare + self._scratch.nbytes + self._bucket_buffers.nbytes
 
     # --- memory and checkpoints --------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        """What this rank holds for the parameters it steps, by kind (``runtime.optim.memory``),
+        predicted from their layouts and the step plan of the gradients they have (before the
+        first backward, of the gradients their layouts declare)."""
+        slots = [s for s in self._slots if s.shard is not None]
+        stepped = self._stepped()
+        keys: list[tuple[Layout, torch.dtype] | None] = (
+            [_grad_key(s) for s in stepped] if stepped else [_expected_grad(s) for s in slots]
+        )
+        buffers = self._bucket_buffers.nbytes
+        if (stepped or slots) and all(key is not None for key in keys):
+            program = self._compiled(stepped or slots, keys).program  # type: ignore[arg-type]
+            numels = (program.kept_numel, program.send_numel)
+            buffers = sum(n * ITEMSIZE[dtype] for kind in numels for dtype, n in kind.items())
+        params = grads = flat = own = masters = 0
+        for slot in slots:
+            assert slot.shard is not None
+            local = slot.local_param()
+            params += local.numel() * local.element_size()
+            grads += local.numel() * local.element_size() if slot.param.requires_grad else 0
+            for name, shape in self._state_shapes(slot).items():
+                if name in slot.own_layouts:
+                    own += math.prod(slot.own_piece_shape(name, self.rank)) * slot.dtype.itemsize
+                else:
+                    flat += math.prod(shape) * slot.dtype.itemsize
+            masters += math.prod(slot.shard.local_shape) * slot.dtype.itemsize if slot.needs_master else 0
+        states = flat + own
+        spare = flat + masters if self.transactional else 0  # the flat buffers' second set
+        return MemoryReport(params, grads, states, masters, buffers, spare, self._scratch_bytes(slots))
+
+    def _scratch_bytes(self, slots: Sequence[Slot]) -> int:
+        """The math's working buffers for a step of ``slots``: by default those it holds now
+        (they grow to their size at the first step)."""
+        return self._scratch.nbytes
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (master shards included)."""
         flat = 0 if self._flat is None else self._flat.nbytes

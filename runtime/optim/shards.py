@@ -41,10 +41,6 @@ class StateShard:
     bounds: tuple[tuple[int, int], ...]
     flat_axis: int | None = None
     flat_range: tuple[int, int] | None = None
-    # Flat only: for every local element, its row, column and matrix in the base block.
-    row_index: torch.Tensor | None = None
-    col_index: torch.Tensor | None = None
-    batch_index: torch.Tensor | None = None
 
     @classmethod
     def of(cls, shape: tuple[int, ...], layout: Layout, rank: int, flat_axis: int | None = None) -> StateShard:
@@ -53,17 +49,31 @@ class StateShard:
             return cls(shape=shape, layout=layout, bounds=bounds)
         block = bounds.shape
         lo, hi = chunk_bounds(math.prod(block), layout.mesh.shape[flat_axis], layout.mesh.coordinate(rank)[flat_axis])
-        indices: dict[str, torch.Tensor | None] = {"row_index": None, "col_index": None, "batch_index": None}
-        if len(shape) >= 2:
-            h, w = block[-2], block[-1]
-            flat = torch.arange(lo, hi, dtype=torch.int64)
-            if hi > lo:  # a non-empty range implies h, w > 0
-                indices = {
-                    "row_index": flat // w,
-                    "col_index": (flat // (h * w)) * w + flat % w,
-                    "batch_index": flat // (h * w),
-                }
-        return cls(shape=shape, layout=layout, bounds=bounds, flat_axis=flat_axis, flat_range=(lo, hi), **indices)
+        return cls(shape=shape, layout=layout, bounds=bounds, flat_axis=flat_axis, flat_range=(lo, hi))
+
+    # --- flat only: for every local element, its row, column and matrix in the base block ----
+    # Made on first use (CAME's and Adafactor's statistics): three int64 per element, six times
+    # an f32 state's bytes, which optimizers without factored statistics never need.
+    @functools.cached_property
+    def _indices(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        if self.flat_range is None or len(self.shape) < 2 or self.flat_range[1] <= self.flat_range[0]:
+            return None, None, None  # a non-empty range implies h, w > 0
+        lo, hi = self.flat_range
+        h, w = self.block_shape[-2], self.block_shape[-1]
+        flat = torch.arange(lo, hi, dtype=torch.int64)
+        return flat // w, (flat // (h * w)) * w + flat % w, flat // (h * w)
+
+    @property
+    def row_index(self) -> torch.Tensor | None:
+        return self._indices[0]
+
+    @property
+    def col_index(self) -> torch.Tensor | None:
+        return self._indices[1]
+
+    @property
+    def batch_index(self) -> torch.Tensor | None:
+        return self._indices[2]
 
     # --- shapes (cached: the step reads them for every tensor) ---------------------------
     @functools.cached_property
