@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from cli.init import named_tensors
-from cli.inputs import UsageError, bytes_arg, read_spec, shape_arg
+from cli.inputs import UsageError, bucket_bytes_arg, bytes_arg, read_spec, shape_arg
 from cli.tables import format_bytes, format_seconds
-from planner.knapsack import smallest_memory, suggest_best
+from planner.knapsack import better, smallest_memory, suggest_best
 from planner.suggest import OPTIMIZERS, Choice, Problem, SuggestError, Suggestion, build_problems
 from shardlang import Spec, TensorSpec, format_spec
 from shardlang.errors import ShardlangError, SpecError
@@ -55,6 +55,12 @@ def add_suggest_parser(sub: Any) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="whose states to count (default adamw)")
     p.add_argument("--states-only", action="store_true", help="keep every param and grad layout; choose states")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS", help="for the solver (default 10)")
+    p.add_argument(
+        "--bucket-bytes",
+        type=bucket_bytes_arg,
+        metavar="BYTES",
+        help="the most buffer bytes a bucket holds per rank, as `plan --bucket-bytes` (default 32MiB)",
+    )
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("-o", "--output", metavar="OUT.shard", help="write the spec with the chosen layouts")
     p.add_argument("--plot", metavar="FRONTIER.svg", help="draw the memory/time frontier")
@@ -123,22 +129,22 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
     ]
     rows = [("this spec", problems[0].original())]
     rows += [(_label(p, s), p.strategy(s)) for p in problems for s in p.strategy_names()]
-    fitting = []
+    fitting: list[tuple[Choice, str]] = []
     for name, choice in rows:
         if choice is None:
             out.append(f"  {name:<14}  (not a candidate of every tensor)")
             continue
         fits = choice.memory <= result.budget
-        if fits and name != "this spec":
-            fitting.append((choice.seconds, name))
+        if fits and name != "this spec" and (not fitting or better(choice, fitting[0][0], None)):
+            fitting = [(choice, name)]  # the fastest, then the least memory, then the first
         ratio = choice.seconds / best.seconds if best.seconds else 1.0
         out.append(
             f"  {name:<14}  {format_bytes(choice.memory):>11}  {format_seconds(choice.seconds):>12}  "
             f"{'yes' if fits else 'no':>4}  {ratio:.3f}x"
         )
     if fitting:
-        seconds, name = min(fitting)
-        ratio = seconds / best.seconds if best.seconds else 1.0
+        choice, name = fitting[0]
+        ratio = choice.seconds / best.seconds if best.seconds else 1.0
         out.append(f"best fixed strategy that fits: {name}, {ratio:.3f}x the suggested time")
     else:
         out.append("no fixed strategy fits the budget")
@@ -146,6 +152,10 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
     candidates = sum(len(g.candidates) for p in problems for g in p.groups)
     pricing = sum(p.price_seconds for p in problems)
     kinds = ", ".join("plain" if p.flat_axis is None else f"flat over {p.flat_axis}" for p in problems)
+    out.append(
+        f"modeled time: buckets of at most {format_bytes(problem.bucket_bytes)} (as `shardlang plan`), the training "
+        "loop's too; ties: less memory, then fewer changes"
+    )
     out.append(
         f"solved: {status} (HiGHS, {result.solve_seconds:.2f} s; pricing {pricing:.2f} s, "
         f"{candidates} candidates in {len(problems)} problem{'s' * (len(problems) != 1)}: {kinds})"
@@ -185,6 +195,7 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
         "optimal": result.optimal,
         "gap": result.gap,
         "solve_seconds": result.solve_seconds,
+        "bucket_bytes": problem.bucket_bytes,
         "tensors": tensors,
     }
 
@@ -248,7 +259,13 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be positive")
     spec = read_spec(args.file)
-    problems = build_problems(spec, args.optimizer, states_only=args.states_only, tensors=chosen_tensors(spec, args))
+    problems = build_problems(
+        spec,
+        args.optimizer,
+        states_only=args.states_only,
+        tensors=chosen_tensors(spec, args),
+        bucket_bytes=args.bucket_bytes,
+    )
     result = suggest_best(problems, args.memory, args.time_limit)
     if args.format == "json":
         json.dump(suggestion_json(result, problems), sys.stdout, indent=2)
@@ -257,6 +274,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         print(format_suggestion(result, problems))
     if args.output:
         command = f"shardlang suggest {args.file} --memory {args.memory} --optimizer {args.optimizer}"
+        if args.bucket_bytes is not None:
+            command += f" --bucket-bytes {args.bucket_bytes}"
         header = [f"Layouts chosen by `{command}`."]
         axis = result.problem.flat_axis
         if axis is not None:

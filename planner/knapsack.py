@@ -1,13 +1,20 @@
 """The integer program of ``planner.suggest``, solved by HiGHS (``scipy.optimize.milp``).
 
 Variables, per group ``g`` and candidate ``c``: ``n[g,c]`` (how many of the group's tensors
-take ``c``, an integer), ``u[g,c]`` (binary: any does); per collective kind ``k``: ``y[k]``
-(binary: some chosen candidate runs it); ``z``, the largest transient buffer. Constraints:
-``sum_c n[g,c] = |g|``; ``n[g,c] <= |g| u[g,c]``; ``u[g,c] <= y[k]`` for every kind of
-``c``; ``z >= buffer[g,c] u[g,c]``; ``sum memory[g,c] n[g,c] + z <= budget``. Objective:
-``sum seconds[g,c] n[g,c] + sum latency[k] y[k]``. Every solution is checked against the
-budget in whole bytes (the solver works in floats), and the program is solved again with the
-budget lowered by any excess.
+take ``c``, an integer), ``u[g,c]`` (binary: any does); per collective kind ``k``: ``b[k]``
+(an integer: its buckets); ``z``, the largest transient buffer. Constraints:
+``sum_c n[g,c] = |g|``; ``n[g,c] <= |g| u[g,c]``; ``u[g,c] <= b[k]`` for every kind of
+``c``; ``cap b[k] >= sum fill[g,c,k] n[g,c]`` (``fill``: the buffer a tensor's step puts in
+the kind's buckets, at most the cap); ``z >= buffer[g,c] u[g,c]``;
+``sum memory[g,c] n[g,c] + z <= budget``. Objective: ``sum seconds[g,c] n[g,c] + sum
+latency[k] b[k]``; among choices of that time (within a relative 1e-9), the least memory,
+then the fewest tensors changed from the spec's layouts (two more solves, each bounded by the
+last optimum). Every solution is checked against the budget in whole bytes (the solver works
+in floats), and the program is solved again with the budget lowered by any excess. The
+solution's exact time (the step plan's buckets, ``Problem.evaluate``) is compared with the
+spec's own layouts' and every fixed strategy's that fits, and the best by the same order kept:
+where the cap cuts a kind into more buckets than the program counts, it stays no worse than
+any of those.
 
 numpy and scipy are imported when a program is solved, not with this module, which the
 ``shardlang`` command imports for every command: scipy takes about half a second to import
@@ -16,40 +23,91 @@ numpy and scipy are imported when a program is solved, not with this module, whi
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
-from planner.suggest import Choice, Problem, SuggestError, Suggestion
+from planner.suggest import Candidate, Choice, Group, Problem, SuggestError, Suggestion
 
 _MIB = float(2**20)
 _US = 1e6
 
 
-def _program(problem: Problem, objective: str, budget: int | None) -> tuple:
-    import numpy as np
-    from scipy.optimize import Bounds, LinearConstraint
+_TIE = 1e-6  # relative: times this close are a tie (the solver's own tolerance), broken by memory, then changes
 
-    kinds: dict[tuple, float] = {}
+
+@attrs.frozen
+class _Program:
+    """The program's parts (module doc) over its ``cells`` (group, candidate)."""
+
+    cells: tuple[tuple[int, int], ...]
+    size: int
+    rows: Any  # scipy.sparse matrix
+    lo: Any
+    hi: Any
+    bounds: Any
+    integrality: Any
+    time: Any  # objective vectors over the variables
+    memory: Any
+    changes: Any
+
+
+def _dominates(a: Candidate, b: Candidate) -> bool:
+    """Whether ``a`` is nowhere worse than ``b``: memory, transient, own time, and a subset of
+    its kinds each filled no more (so the kinds' latencies are no more either)."""
+    if a.memory > b.memory or a.transient > b.transient or a.seconds > b.seconds:
+        return False
+    fills = {k: f for k, _, f in b.kinds}
+    return all(k in fills and f <= fills[k] for k, _, f in a.kinds)
+
+
+def _undominated(group: Group) -> list[int]:
+    """The candidates the program needs: a candidate another dominates (the first of equal
+    ones stays) is never needed for the least time or memory, and the spec's own layouts stay
+    for the fewest changes."""
+    out = []
+    for i, c in enumerate(group.candidates):
+        beaten = any(
+            j != i and _dominates(d, c) and (j < i or not _dominates(c, d)) for j, d in enumerate(group.candidates)
+        )
+        if not beaten or i == group.original:
+            out.append(i)
+    return out
+
+
+def _program(problem: Problem) -> _Program:
+    import numpy as np
+    from scipy.optimize import Bounds
+    from scipy.sparse import coo_array
+
+    latency: dict[int, float] = {}
     for g in problem.groups:
         for c in g.candidates:
-            kinds.update(c.kinds)
-    kind_index = {k: i for i, k in enumerate(kinds)}
-    cells = [(gi, ci) for gi, g in enumerate(problem.groups) for ci in range(len(g.candidates))]
-    n_cells, n_kinds = len(cells), len(kinds)
-    size = 2 * n_cells + n_kinds + 1  # n..., u..., y..., z
+            latency.update((k, lat) for k, lat, _ in c.kinds)
+    kind_index = {k: i for i, k in enumerate(latency)}
+    cells = tuple((gi, ci) for gi, g in enumerate(problem.groups) for ci in _undominated(g))
+    n_cells, n_kinds = len(cells), len(latency)
+    size = 2 * n_cells + n_kinds + 1  # n..., u..., b..., z
     z = size - 1
-    rows, lo, hi = [], [], []
+    data: list[float] = []
+    row_of: list[int] = []
+    col_of: list[int] = []
+    lo: list[float] = []
+    hi: list[float] = []
 
     def row(entries: dict[int, float], low: float, high: float) -> None:
-        vector = np.zeros(size)
         for i, v in entries.items():
-            vector[i] = v
-        rows.append(vector)
+            row_of.append(len(lo))
+            col_of.append(i)
+            data.append(v)
         lo.append(low)
         hi.append(high)
 
+    cap = problem.bucket_bytes / _MIB
+    fills: list[dict[int, float]] = [{} for _ in range(n_kinds)]
     for gi, g in enumerate(problem.groups):
         count = len(g.tensors)
         row({i: 1.0 for i, (gj, _) in enumerate(cells) if gj == gi}, count, count)
@@ -57,66 +115,162 @@ def _program(problem: Problem, objective: str, budget: int | None) -> tuple:
         g = problem.groups[gi]
         cand = g.candidates[ci]
         row({i: 1.0, n_cells + i: -float(len(g.tensors))}, -np.inf, 0.0)
-        for k, _ in cand.kinds:
+        for k, _, fill in cand.kinds:
             row({n_cells + i: 1.0, 2 * n_cells + kind_index[k]: -1.0}, -np.inf, 0.0)
+            fills[kind_index[k]][i] = fills[kind_index[k]].get(i, 0.0) + fill / _MIB
         row({n_cells + i: cand.transient / _MIB, z: -1.0}, -np.inf, 0.0)
-    memory = {i: problem.groups[gi].candidates[ci].memory / _MIB for i, (gi, ci) in enumerate(cells)}
-    memory[z] = 1.0
-    if budget is not None:
-        row(memory, -np.inf, budget / _MIB)
-    cost = np.zeros(size)
-    if objective == "time":
-        for i, (gi, ci) in enumerate(cells):
-            cost[i] = problem.groups[gi].candidates[ci].seconds * _US
-        for k, latency in kinds.items():
-            cost[2 * n_cells + kind_index[k]] = latency * _US
-    else:
-        for i, v in memory.items():
-            cost[i] = v
-    upper = np.array([len(problem.groups[gi].tensors) for gi, _ in cells] + [1] * (n_cells + n_kinds) + [np.inf])
-    integrality = np.array([1] * (2 * n_cells + n_kinds) + [0])
-    return cells, cost, LinearConstraint(np.array(rows), lo, hi), Bounds(np.zeros(size), upper), integrality
+    most = [1] * n_kinds  # at most this many buckets a kind can need
+    for k, fill in enumerate(fills):
+        full = sum(v * len(problem.groups[cells[i][0]].tensors) for v in fill.values())  # every tensor in
+        most[k] = max(1, math.ceil(full / cap - _TIE))
+        if most[k] > 1:  # else b[k] is the binary "some candidate uses it"
+            row({**{i: -v for i, v in fill.items()}, 2 * n_cells + k: cap}, 0.0, np.inf)
+    time_vector, memory_vector, changes = np.zeros(size), np.zeros(size), np.zeros(size)
+    for i, (gi, ci) in enumerate(cells):
+        g = problem.groups[gi]
+        time_vector[i] = g.candidates[ci].seconds * _US
+        memory_vector[i] = g.candidates[ci].memory / _MIB
+        changes[i] = float(g.candidates[ci].layouts != g.candidates[g.original].layouts)
+    for k, value in latency.items():
+        time_vector[2 * n_cells + kind_index[k]] = value * _US
+    memory_vector[z] = 1.0
+    upper = np.array([len(problem.groups[gi].tensors) for gi, _ in cells] + [1] * n_cells + most + [np.inf])
+    matrix = coo_array((data, (row_of, col_of)), shape=(len(lo), size)).tocsr()
+    return _Program(
+        cells=cells,
+        size=size,
+        rows=matrix,
+        lo=np.array(lo),
+        hi=np.array(hi),
+        bounds=Bounds(np.zeros(size), upper),
+        integrality=np.array([1] * (2 * n_cells + n_kinds) + [0]),
+        time=time_vector,
+        memory=memory_vector,
+        changes=changes,
+    )
 
 
-def _solve(problem: Problem, objective: str, budget: int | None, time_limit: float) -> tuple[Choice, float, bool]:
+def _run(
+    program: _Program,
+    objective: Any,
+    limits: Sequence[tuple[Any, float]],
+    time_limit: float,
+) -> tuple[Any, bool, float]:
+    """Minimize ``objective`` within the program and ``limits`` (vector, most): the solution
+    (the best found when the time limit stops the solver), whether it is proven optimal, and
+    the gap; a :class:`SuggestError` when there is none."""
     import numpy as np
-    from scipy.optimize import milp
+    from scipy.optimize import LinearConstraint, milp
+    from scipy.sparse import csr_array, vstack
 
-    cells, cost, constraints, bounds, integrality = _program(problem, objective, budget)
-    options = {"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": True}
-    result = milp(cost, constraints=constraints, bounds=bounds, integrality=integrality, options=options)
+    rows, lo, hi = program.rows, program.lo, program.hi
+    if limits:
+        rows = vstack([rows, csr_array(np.array([v for v, _ in limits]))]).tocsr()
+        lo = np.concatenate([lo, np.full(len(limits), -np.inf)])
+        hi = np.concatenate([hi, np.array([m for _, m in limits])])
+    options: dict[str, Any] = {"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": True}
+    result = milp(
+        objective,
+        constraints=LinearConstraint(rows, lo, hi),
+        bounds=program.bounds,
+        integrality=program.integrality,
+        options=options,
+    )
     if result.x is None:
         raise SuggestError("infeasible")
-    counts = np.rint(result.x[: len(cells)]).astype(int)
+    return result.x, result.status == 0, float(getattr(result, "mip_gap", 0.0) or 0.0)
+
+
+def _choice(problem: Problem, program: _Program, x: Any) -> Choice:
+    import numpy as np
+
+    counts = np.rint(x[: len(program.cells)]).astype(int)
     picks: list[list[int]] = [[] for _ in problem.groups]
-    for (gi, ci), n in zip(cells, counts, strict=True):
+    for (gi, ci), n in zip(program.cells, counts, strict=True):
         picks[gi] += [ci] * int(n)
-    gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
-    return problem.evaluate(picks), gap, result.status == 0
+    return problem.evaluate(picks)
+
+
+def _solve(problem: Problem, budget: int | None, time_limit: float, ties: bool) -> tuple[Choice, float, bool]:
+    """The fastest choice (modeled by the program) within ``budget``; with ``ties``, among those
+    of its time the least memory, then the fewest changes. Each tie-break is a solve of its own
+    bounded by the last optimum, given as long as the first took (at least half a second,
+    at most ``time_limit``): stopped early it keeps the best it found, which is never slower."""
+    program = _program(problem)
+    limits = [] if budget is None else [(program.memory, budget / _MIB)]
+    started = time.perf_counter()
+    x, optimal, gap = _run(program, program.time, limits, time_limit)
+    if ties:
+        tie_limit = min(time_limit, max(0.5, time.perf_counter() - started))
+        fastest = float(program.time @ x)
+        limits.append((program.time, fastest * (1 + _TIE) + _TIE))
+        for objective in (program.memory, program.changes):
+            try:
+                x, _, _ = _run(program, objective, limits, tie_limit)
+            except SuggestError:  # none found in time: keep the last
+                break
+            limits.append((objective, float(objective @ x) + 0.5 / _MIB))  # memory: half a byte (in MiB)
+    return _choice(problem, program, x), gap, optimal
 
 
 def smallest_memory(problem: Problem, time_limit: float = 10.0) -> Choice:
     """The choice of least memory per rank."""
-    return _solve(problem, "memory", None, time_limit)[0]
+    program = _program(problem)
+    x, _, _ = _run(program, program.memory, [], time_limit)
+    return _choice(problem, program, x)
 
 
-def suggest(problem: Problem, budget: int, time_limit: float = 10.0) -> Suggestion:
-    """The fastest choice (modeled) within ``budget`` bytes per rank; a :class:`SuggestError`
-    naming the smallest budget that fits when none does."""
+def better(a: Choice, b: Choice, problem: Problem | None) -> bool:
+    """Whether ``a`` comes before ``b``: less time (beyond a relative tie), then less memory,
+    then (choices of one ``problem``; ``None`` for two problems) fewer tensors changed."""
+    if not math.isclose(a.seconds, b.seconds, rel_tol=_TIE):
+        return a.seconds < b.seconds
+    if a.memory != b.memory or problem is None:
+        return a.memory < b.memory
+    return problem.changed(a) < problem.changed(b)
+
+
+def fixed_choices(problem: Problem) -> tuple[Choice, ...]:
+    """The spec's own layouts, then every fixed strategy every tensor has."""
+    strategies = (problem.strategy(name) for name in problem.strategy_names())
+    return (problem.original(), *(c for c in strategies if c is not None))
+
+
+def suggest(
+    problem: Problem,
+    budget: int,
+    time_limit: float = 10.0,
+    *,
+    least: Choice | None = None,
+    ties: bool = True,
+    fixed: Sequence[Choice] | None = None,
+) -> Suggestion:
+    """The fastest choice (modeled) within ``budget`` bytes per rank (``ties``: among those of
+    its time the least memory, then the fewest changes); a :class:`SuggestError` naming the
+    smallest budget that fits when none does. The result is never behind, in that order, the
+    spec's own layouts or a fixed strategy that fits (each evaluated exactly). ``least`` and
+    ``fixed``: :func:`smallest_memory`'s and :func:`fixed_choices`' answers, when the caller
+    has them."""
     started = time.perf_counter()
-    least = smallest_memory(problem, time_limit)
+    least = smallest_memory(problem, time_limit) if least is None else least
     if least.memory > budget:
         raise _too_small(budget, least.memory)
     limit = budget
+    best, gap, optimal = least, 0.0, False
     for _ in range(8):
         try:
-            best, gap, optimal = _solve(problem, "time", limit, time_limit)
+            best, gap, optimal = _solve(problem, limit, time_limit, ties)
         except SuggestError:
             best, gap, optimal = least, 0.0, False
         if best.memory <= budget:
-            return Suggestion(problem, budget, best, optimal, gap, time.perf_counter() - started)
+            break
         limit -= best.memory - budget  # the solver's float tolerance let it exceed: tighten
-    return Suggestion(problem, budget, least, False, 0.0, time.perf_counter() - started)
+    else:
+        best, gap, optimal = least, 0.0, False
+    for other in fixed_choices(problem) if fixed is None else fixed:
+        if other.memory <= budget and better(other, best, problem):
+            best = other
+    return Suggestion(problem, budget, best, optimal, gap, time.perf_counter() - started)
 
 
 def _too_small(budget: int, least: int) -> SuggestError:
@@ -127,13 +281,31 @@ def _too_small(budget: int, least: int) -> SuggestError:
 
 
 def suggest_best(problems: Sequence[Problem], budget: int, time_limit: float = 10.0) -> Suggestion:
-    """The fastest of :func:`suggest` over ``problems`` (the plain one and the flat ones of
-    ``planner.suggest.build_problems``; the first on a tie); when none fits, the error names
-    the smallest budget that fits any of them."""
+    """The best of :func:`suggest` over ``problems`` (the plain one and the flat ones of
+    ``planner.suggest.build_problems``) by time, then memory; on a tie the first (the plain
+    one: flat sharding changes how every tensor's state is kept); when none fits, the error
+    names the smallest budget that fits any of them."""
     started = time.perf_counter()
-    least = [smallest_memory(p, time_limit).memory for p in problems]
-    fitting = [suggest(p, budget, time_limit) for p, m in zip(problems, least, strict=True) if m <= budget]
+    least = [smallest_memory(p, time_limit) for p in problems]
+    fixed = [fixed_choices(p) for p in problems]
+    fitting = [
+        suggest(p, budget, time_limit, least=m, ties=False, fixed=f)
+        for p, m, f in zip(problems, least, fixed, strict=True)
+        if m.memory <= budget
+    ]
     if not fitting:
-        raise _too_small(budget, min(least))
-    best = min(fitting, key=lambda r: r.best.seconds)
+        raise _too_small(budget, min(m.memory for m in least))
+    fastest = min(r.best.seconds for r in fitting)
+    # Ties are broken within the problems as fast as the fastest: the others cannot win.
+    fitting = [
+        suggest(r.problem, budget, time_limit, least=least[i], fixed=fixed[i])
+        if math.isclose(r.best.seconds, fastest, rel_tol=_TIE)
+        else r
+        for r in fitting
+        for i in [problems.index(r.problem)]
+    ]
+    best = fitting[0]
+    for other in fitting[1:]:
+        if better(other.best, best.best, None):
+            best = other
     return attrs.evolve(best, solve_seconds=time.perf_counter() - started)

@@ -20,12 +20,17 @@ solves it beside the plain one and keeps the faster. Its fixed strategies are ``
 and ``zero2 flat``.
 
 Modeled time of a choice (README, "Choosing layouts"): the optimizer step's collectives as the
-step plan runs them (``planner.step``, buckets unbounded: one collective per kind and stage,
-its latency paid once, every member's bytes over the axis bandwidth), plus the training loop's
-collectives a choice implies, each priced by :func:`planner.plan` as a collective of its own:
-a parameter not in ``C`` is gathered into ``C`` twice (forward and backward), a gradient not
-in ``G0`` is reduced from ``G0`` in backward. Both parts are sums over tensors except the
-per-kind latency, a fixed charge: the integer program has one binary per kind used.
+step plan runs them (``planner.step``: its buckets, capped at ``bucket_bytes`` as ``shardlang plan``
+caps them, :data:`planner.step.DEFAULT_BUCKET_BYTES` by default), plus the training loop's
+collectives a choice implies, bucketed by the same rule: a parameter not in ``C`` is gathered
+into ``C`` twice (forward and backward), a gradient not in ``G0`` is reduced from ``G0`` in
+backward. A choice's time (:meth:`Problem.evaluate`) is that schedule's, exactly; the integer
+program (``planner.knapsack``) sees it as sums over tensors (every step's bandwidth term) plus
+per collective kind its latency times the number of its buckets, an integer at least the
+kind's buffer over the cap (each step filling at most one bucket) and at least one when the
+kind is used. Where no kind's buffers exceed the cap that is exact; where they do, the
+bucket count is a lower bound of the step plan's in-order cutting, and the solution is
+compared, exactly, with the spec's own layouts and the fixed strategies.
 
 Memory per rank (padded pieces, the largest rank's): parameter and gradient in the tensor's
 dtype; states in f32 (f64 for f64 tensors): AdamW's two moments, CAME's first moment and
@@ -53,7 +58,17 @@ from planner.choice import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
 from planner.model import cost_for, step_tensor
-from planner.step import plan_step, without_axis
+from planner.step import (
+    AFTER,
+    BEFORE,
+    DEFAULT_BUCKET_BYTES,
+    STAGES,
+    Hop,
+    Leg,
+    bucket_stage,
+    plan_step,
+    without_axis,
+)
 from shardlang.dtypes import itemsize
 from shardlang.errors import ShardlangError
 from shardlang.generate import split_dim
@@ -64,7 +79,9 @@ from shardlang.spec import STATE_DEFAULT, Layouts, Spec, TensorSpec
 OPTIMIZERS = ("adamw", "came")
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3")
 FLAT_STRATEGY_NAMES = ("zero1 flat", "zero2 flat")  # of a problem with a flat axis
-_UNBOUNDED = 2**62  # bucket bytes: one bucket per kind
+# The training loop's stages (module doc): parameters gathered (twice: forward and backward),
+# gradients reduced in backward.
+FORWARD, BACKWARD = "forward", "backward"
 
 
 class SuggestError(ShardlangError):
@@ -76,14 +93,20 @@ class Candidate:
     """One (param, grad, state) triple of a group, priced: ``memory`` per rank (without the
     transient), ``transient`` its largest buffer, ``seconds`` its additive time (bandwidth
     terms of its step collectives and the whole time of its training-loop collectives), and
-    ``kinds`` the step collectives it takes part in, each with its latency."""
+    ``kinds`` the collectives it takes part in (the step's and the loop's), each with its
+    latency and the bucket buffer it fills."""
 
     layouts: Layouts
     memory: int
     transient: int
     seconds: float
     loop_seconds: float
-    kinds: tuple[tuple[tuple, float], ...]
+    # (kind, latency, bytes of the kind's bucket buffers it fills): kinds are numbered per problem
+    kinds: tuple[tuple[int, float, int], ...]
+    # The optimizer step's legs and the training loop's (stages FORWARD, run twice, and
+    # BACKWARD), named after the group's first tensor: what the exact time is bucketed from.
+    legs: tuple[Leg, ...] = ()
+    loop: tuple[Leg, ...] = ()
     strategies: tuple[str, ...] = ()  # the fixed strategies it is
 
 
@@ -92,6 +115,7 @@ class Group:
     tensors: tuple[TensorSpec, ...]
     candidates: tuple[Candidate, ...]
     original: int  # index of the spec's own triple
+    cost: CostModel = attrs.field(factory=CostModel)
 
     @property
     def first(self) -> TensorSpec:
@@ -133,19 +157,32 @@ class Problem:
     groups: tuple[Group, ...]
     price_seconds: float
     flat_axis: str | int | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     # --- evaluating a choice ---------------------------------------------------------------
     def evaluate(self, picks: Sequence[Sequence[int]]) -> Choice:
-        memory, transient, seconds, kinds = 0, 0, 0.0, {}
-        for group, chosen in zip(self.groups, picks, strict=True):
-            for c in chosen:
+        """Memory as the integer program counts it; time as the step plan buckets the chosen
+        legs (module doc): what ``shardlang plan`` models for the chosen spec, plus the loop."""
+        memory, transient = 0, 0
+        chosen: dict[str, Candidate] = {}
+        costs: dict[str, CostModel] = {}  # by the name the legs carry: their group's first tensor's
+        for group, picked in zip(self.groups, picks, strict=True):
+            costs[group.first.name] = group.cost
+            for t, c in zip(group.tensors, picked, strict=True):
                 cand = group.candidates[c]
                 memory += cand.memory
                 transient = max(transient, cand.transient)
-                seconds += cand.seconds
-                kinds.update(cand.kinds)
-        total = seconds + sum(kinds.values())
-        return Choice(picks=tuple(tuple(p) for p in picks), memory=memory + transient, seconds=total)
+                chosen[t.name] = cand
+        legs: list[Leg] = []
+        loop: list[Leg] = []
+        for t in self.tensors:  # in the spec's order, as the step plan takes them
+            legs += chosen[t.name].legs
+            loop += chosen[t.name].loop
+        seconds = 0.0
+        for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1)):
+            buckets = bucket_stage(legs if stage in STAGES else loop, stage, costs, self.bucket_bytes, reverse=False)
+            seconds += times * sum(b.seconds for b in buckets)
+        return Choice(picks=tuple(tuple(p) for p in picks), memory=memory + transient, seconds=seconds)
 
     def uniform(self, pick: Sequence[int]) -> Choice:
         """Every tensor of group ``g`` takes candidate ``pick[g]``."""
@@ -277,39 +314,54 @@ def state_bytes(tensor: TensorSpec, state: Layout, optimizer: str, flat: int | N
 
 
 def _price(
-    tensor: TensorSpec, layouts: Layouts, optimizer: str, cost: CostModel, flat: int | None
-) -> tuple[int, int, float, float, tuple[tuple[tuple, float], ...]]:
+    tensor: TensorSpec,
+    layouts: Layouts,
+    optimizer: str,
+    cost: CostModel,
+    flat: int | None,
+    kind_ids: dict[tuple, int],
+    cap: int,
+) -> Candidate:
     entry = attrs.evolve(tensor, layouts=layouts)
-    step = plan_step([step_tensor(entry, cost, flat)], tensor.state().mesh.ranks[0], bucket_bytes=1)
-    seconds, kinds = 0.0, {}
-    for leg in step.legs:
-        for h, k in leg.communicating:
-            s = leg.hops[h].plan.steps[k]
-            if s.axis is None:  # point to point: a collective of its own
-                seconds += s.seconds
-                continue
-            mesh = s.layout.mesh
-            alpha, _ = cost.figures_at(s.op, mesh, s.axis, s.bytes)
-            latency = collective_rounds(s.op, mesh.shape[s.axis]) * alpha
-            kind = (leg.stage, s.op, mesh.geometry, s.axis, s.reduce_op or "", leg.dtype, cost)
-            kinds[kind] = latency
-            seconds += s.seconds - latency
+    rank = tensor.state().mesh.ranks[0]  # the plan of the mesh's first rank (flat: its block)
+    step = plan_step([step_tensor(entry, cost, flat)], rank, bucket_bytes=1)
     axes = data_parallel_axes(tensor)
     compute, g0 = _without(tensor.param, axes), tensor.grad
-    loop, transient = 0.0, step.max_buffer_bytes
+    loop_legs, transient = [], step.max_buffer_bytes
     if layouts.param != compute:
-        loop += 2 * plan_pair(layouts.param, compute, tensor.shape, tensor.dtype, cost).total_seconds
+        gather = plan_pair(layouts.param, compute, tensor.shape, tensor.dtype, cost)
+        loop_legs.append(Leg(tensor.name, "param -> compute", FORWARD, tensor.dtype, (Hop(gather),)))
         transient = max(transient, _local_bytes(compute, tensor.shape, tensor.dtype))
     if layouts.grad != g0:
-        loop += plan_pair(g0, layouts.grad, tensor.shape, tensor.dtype, cost).total_seconds
+        reduce = plan_pair(g0, layouts.grad, tensor.shape, tensor.dtype, cost)
+        loop_legs.append(Leg(tensor.name, "grad -> grad", BACKWARD, tensor.dtype, (Hop(reduce),)))
         transient = max(transient, _local_bytes(g0, tensor.shape, tensor.dtype))
+    # Every communicating step as a bucket of its own: its latency goes to its kind (paid per
+    # bucket), the rest is the tensor's own.
+    costs = {tensor.name: cost}
+    seconds, loop_seconds, kinds = 0.0, 0.0, []
+    for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1)):
+        legs = step.legs if stage in STAGES else tuple(loop_legs)
+        for b in bucket_stage(legs, stage, costs, 1, reverse=False):
+            if stage not in STAGES:
+                loop_seconds += times * b.seconds
+            if b.axis is None:  # point to point: a collective of its own
+                seconds += times * b.seconds
+                continue
+            alpha, _ = cost.figures_at(b.op, b.mesh, b.axis, b.bytes)
+            latency = collective_rounds(b.op, b.mesh.shape[b.axis]) * alpha + cost.overhead
+            kind = (stage, b.op, b.mesh.geometry, b.axis, b.reduce_op or "", b.dtype, cost)
+            kinds.append((kind_ids.setdefault(kind, len(kind_ids)), times * latency, min(b.buffer_bytes, cap)))
+            seconds += times * (b.seconds - latency)
     memory = _local_bytes(layouts.param, tensor.shape, tensor.dtype)
     memory += _local_bytes(layouts.grad, tensor.shape, tensor.dtype)
     memory += state_bytes(tensor, layouts.state(), optimizer, flat)
     for name, _ in layouts.states:
         if name != STATE_DEFAULT:
             raise SuggestError(f"tensor '{tensor.name}': suggest prices one state layout per tensor, not state.{name}")
-    return memory, transient, seconds + loop, loop, tuple(kinds.items())
+    return Candidate(
+        layouts, memory, transient, seconds, loop_seconds, tuple(kinds), legs=step.legs, loop=tuple(loop_legs)
+    )
 
 
 def flat_axes(tensors: Sequence[TensorSpec]) -> tuple[str | int, ...]:
@@ -340,9 +392,11 @@ def build_problem(
     states_only: bool = False,
     tensors: Sequence[TensorSpec] | None = None,
     flat_axis: str | int | None = None,
+    bucket_bytes: int | None = None,
 ) -> Problem:
     """The candidates of ``tensors`` (default: the declared ones), priced (module doc); with
-    ``flat_axis``, as the optimizers run them with flat sharding over that axis."""
+    ``flat_axis``, as the optimizers run them with flat sharding over that axis; buckets capped
+    at ``bucket_bytes`` (default :data:`planner.step.DEFAULT_BUCKET_BYTES`, as ``plan`` does)."""
     if optimizer not in OPTIMIZERS:
         raise SuggestError(f"unknown optimizer '{optimizer}' (expected one of {', '.join(OPTIMIZERS)})")
     chosen = tuple(spec.tensors if tensors is None else tensors)
@@ -353,6 +407,10 @@ def build_problem(
     grouped: dict[tuple, list[TensorSpec]] = {}
     for t in chosen:
         grouped.setdefault((t.shape, t.dtype, t.layouts), []).append(t)
+    cap = DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
+    if cap < 1:
+        raise SuggestError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
+    kind_ids: dict[tuple, int] = {}  # collective kind -> its number, in the order first met
     groups = []
     for members in grouped.values():
         first = members[0]
@@ -364,13 +422,13 @@ def build_problem(
         candidates = []
         for layouts, strategies in _triples(first, states_only, flat):
             try:
-                priced = _price(first, layouts, optimizer, cost, flat)
+                priced = _price(first, layouts, optimizer, cost, flat, kind_ids, cap)
             except PlanError as e:
                 raise SuggestError(f"tensor '{first.name}': {e.message}", first.position) from None
-            candidates.append(Candidate(layouts, *priced, strategies=strategies))
+            candidates.append(attrs.evolve(priced, strategies=strategies))
         original = _find(first.layouts, [c.layouts for c in candidates], flat)
         assert original is not None  # _triples adds the spec's own layouts where no candidate runs as they do
-        groups.append(Group(tensors=tuple(members), candidates=tuple(candidates), original=original))
+        groups.append(Group(tensors=tuple(members), candidates=tuple(candidates), original=original, cost=cost))
     return Problem(
         spec=spec,
         optimizer=optimizer,
@@ -378,16 +436,20 @@ def build_problem(
         groups=tuple(groups),
         price_seconds=time.perf_counter() - started,
         flat_axis=flat_axis,
+        bucket_bytes=cap,
     )
 
 
 def build_problems(
-    spec: Spec, optimizer: str = "adamw", *, states_only: bool = False, tensors: Sequence[TensorSpec] | None = None
+    spec: Spec,
+    optimizer: str = "adamw",
+    *,
+    states_only: bool = False,
+    tensors: Sequence[TensorSpec] | None = None,
+    bucket_bytes: int | None = None,
 ) -> tuple[Problem, ...]:
     """The plain problem, then one per axis the optimizers' flat sharding may use."""
-    plain = build_problem(spec, optimizer, states_only=states_only, tensors=tensors)
-    flat = [
-        build_problem(spec, optimizer, states_only=states_only, tensors=tensors, flat_axis=axis)
-        for axis in flat_axes(plain.tensors)
-    ]
+    options = {"states_only": states_only, "tensors": tensors, "bucket_bytes": bucket_bytes}
+    plain = build_problem(spec, optimizer, **options)
+    flat = [build_problem(spec, optimizer, flat_axis=axis, **options) for axis in flat_axes(plain.tensors)]
     return (plain, *flat)
