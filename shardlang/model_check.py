@@ -122,6 +122,9 @@ class ModelMismatchError(SpecError):
         super().__init__(head + "".join(f"\n  - {line}" for line in lines))
         self.check = check
 
+    def __reduce__(self) -> tuple[type[ModelMismatchError], tuple[ModelCheck]]:
+        return type(self), (self.check,)  # crosses process boundaries (a rank's error) whole
+
     def at(self, position: SourcePosition | None) -> ShardlangError:
         return self
 

@@ -45,7 +45,7 @@ _QUALIFIED = r"(?:[A-Za-z_]\w*\.)*"  # torch.distributed.tensor.Shard, dist.Shar
 _PLACEMENT = re.compile(
     _QUALIFIED + r"(?P<kind>Shard|Replicate|Partial|_StridedShard|_MaskPartial)\s*\(\s*(?P<args>[^()]*?)\s*\)"
 )
-_FOREIGN_WORD = re.compile(_QUALIFIED + r"\b(?:Shard|Replicate|Partial|_StridedShard|_MaskPartial)\b")
+_FOREIGN_WORD = re.compile(_QUALIFIED + r"\b(?:Shard|Replicate|Partial|_StridedShard|_MaskPartial)\s*\(")
 _COLOSSAL_ITEM = re.compile(r"""\s*(?P<q>['"]?)(?P<spec>R|S[0-9]+)(?P=q)\s*""")
 _DIMS_MAPPING = re.compile(r"\[\s*-?[0-9]+\s*(?:,\s*-?[0-9]+\s*)*,?\s*\]")
 _ENTRY_START = re.compile(r"\b(?:param|grad|state(?:\.\w+)?)\s*=|[{}]")

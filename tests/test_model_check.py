@@ -7,6 +7,7 @@ from __future__ import annotations
 import doctest
 import io
 import os
+import pickle
 import shlex
 import subprocess
 import sys
@@ -158,6 +159,8 @@ def test_raise_errors_lists_every_error_and_is_a_shardlang_error() -> None:
     assert lines[0] == f"the spec does not fit the model ({len(check.errors)} errors, {len(check.warnings)} warnings)"
     assert [line.removeprefix("  - ") for line in lines[1:]] == [f.message for f in check.errors]
     assert len(check.errors) == 3  # the prefix, lm_head.weight, the mesh
+    again = pickle.loads(pickle.dumps(caught.value))  # as a rank's error reaches the others
+    assert str(again) == str(caught.value) and again.check == check
 
 
 def test_bare_names() -> None:
