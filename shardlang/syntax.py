@@ -1,8 +1,9 @@
 """Lark's parse failures as :class:`~shardlang.errors.ParseError` values a person can act on.
 
 Beside "unexpected X; expected Y" (every position counted by :class:`LineIndex`, so lines end
-where :data:`~shardlang.errors.LINE_BREAK` says), two mistakes get messages of their own:
+where :data:`~shardlang.errors.LINE_BREAK` says), some mistakes get messages of their own:
 
+- a rule's quoted pattern that its line does not close;
 - a block left open: ``tensor a : f32[4] {`` whose ``}`` is missing names the block and where
   its ``{`` is, at the item that starts inside it or at the end of the text;
 - another framework's notation where a layout goes: DTensor's or Paddle's placements
@@ -108,6 +109,11 @@ def _explain(
     if unclosed is not None:
         at, message = unclosed
         return ParseError(message, lines.at_offset(end if at is None else at, filename))
+    if found == "character '\"'" and "STRING" in expected:  # a quote the line does not close
+        return ParseError(
+            "this '\"' opens a pattern that its line does not close: write the closing '\"' before the line ends",
+            lines.at_offset(offset, filename),
+        )
     if not found:
         return ParseError(
             f"the text ends too early; expected {describe_expected(expected)}", lines.at_offset(end, filename)
