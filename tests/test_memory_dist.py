@@ -1,0 +1,123 @@
+"""What a sharded optimizer holds, counted through the storages of the tensors it references (not
+through its own accounting), on 4 gloo ranks: a ZeRO-2 step holds its states, the reduced
+gradient shards and buffers of a few buckets, never a buffer the size of the model; and
+``memory_report()`` predicts what it holds (docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.testing import run_ranks
+from shardlang import parse_layout
+from shardlang.spec import Layouts
+
+# 24 matrices of 32 KiB, one of uneven rows, a vector: buckets of 64 KiB take a few each.
+SHAPES = {f"w{i}": (64, 128) for i in range(24)} | {"uneven": (66, 128), "bias": (384,)}
+BUCKET = 64 * 1024  # bytes: a twelfth of the model's 0.8 MiB
+WORLD = 4
+
+
+def _spec(flat: bool) -> dict[str, Layouts]:
+    mesh = f"mesh[dp={WORLD}]"
+    spec = {}
+    for name, shape in SHAPES.items():
+        dims = ",".join("R" for _ in shape)
+        state = dims if flat else ",".join(["S(dp)", *("R" for _ in shape[1:])])
+        spec[name] = Layouts(
+            param=parse_layout(f"{dims} over {mesh}"),
+            grad=parse_layout(f"{dims} | P(dp):avg over {mesh}"),
+            states=(("", parse_layout(f"{state} over {mesh}")),),
+        )
+    return spec
+
+
+def _storages(root: object, skip: set[int]) -> dict[int, int]:
+    """Per storage (its address) the bytes of every tensor reachable from ``root`` through
+    containers and object attributes, less the storages in ``skip``."""
+    found: dict[int, int] = {}
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, type(gc), type(_storages), str, bytes, int, float)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in skip:
+                found[storage.data_ptr()] = storage.nbytes()
+            continue
+        todo.extend(gc.get_referents(obj))
+    return found
+
+
+def _run(rank: int, world_size: int, flat: bool, transactional: bool) -> dict[str, Any]:
+    from runtime.optim import ShardedAdamW
+
+    torch.manual_seed(0)
+    params = {n: torch.nn.Parameter(torch.randn(shape)) for n, shape in SHAPES.items()}
+    optimizer = ShardedAdamW(
+        list(params.items()),
+        _spec(flat),
+        bucket_bytes=BUCKET,
+        flat_axis="dp" if flat else None,
+        transactional=transactional,
+    )
+    predicted_before = optimizer.memory_report()
+    for step in range(3):
+        generator = torch.Generator().manual_seed(100 * step + rank)
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+    skip = {p.untyped_storage().data_ptr() for p in params.values()}
+    skip |= {p.grad.untyped_storage().data_ptr() for p in params.values() if p.grad is not None}
+    held = sum(_storages(optimizer, skip).values())
+    report = optimizer.memory_report()
+    return {
+        "held": held,
+        "report": report,
+        "predicted_before": predicted_before.total_bytes,
+        "model": sum(4 * math.prod(shape) for shape in SHAPES.values()),
+    }
+
+
+CASES = {"zero2": (False, False), "flat": (True, False), "transactional": (False, True)}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[dict[str, Any]]]:
+    return {case: run_ranks(_run, WORLD, args=args, timeout=120) for case, args in CASES.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["zero2", "flat"])
+def test_a_step_in_place_holds_no_buffer_the_size_of_the_model(results: dict, case: str) -> None:
+    for rank, got in enumerate(results[case]):
+        report, model = got["report"], got["model"]
+        assert report.params == report.grads == model
+        # A row or two more or less than a quarter of the rows: the uneven matrix.
+        assert abs(report.states - 2 * model // WORLD) <= 2 * 4 * 2 * 128, (report.states, model)
+        # The states, the reduced gradient shards (a quarter of the model), the send and result
+        # regions of a bucket and the math's scratch (a group of shards, at most a quarter).
+        bound = report.states + 2 * model // WORLD + 3 * BUCKET
+        assert got["held"] <= bound, f"rank {rank}: the optimizer holds {got['held']} B, over {bound} B"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_memory_report_predicts_what_the_optimizer_holds(results: dict, case: str) -> None:
+    for rank, got in enumerate(results[case]):
+        report = got["report"]
+        # What the optimizer's tensors hold is what its report says it holds (less what the
+        # training loop holds: parameters and gradients), to the commit flag's few bytes; and
+        # the report before the first step said so already.
+        counted = report.total_bytes - report.params - report.grads
+        assert abs(got["held"] - counted) <= 64, (rank, got["held"], counted, str(report))
+        if case != "transactional":  # whose scratch is known once the first step has made it
+            assert got["predicted_before"] == report.total_bytes, (got["predicted_before"], str(report))
