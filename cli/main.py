@@ -38,13 +38,21 @@ from cli.inputs import (
 )
 from cli.matrices import add_optimizer_options, format_matrices, with_matrices
 from cli.picture import picture_dot, plan_picture, summary_dot, tensor_picture
-from cli.plan_report import format_plan, format_spec_report, format_spec_summary, plan_json, spec_plan_json
+from cli.plan_report import (
+    format_plan,
+    format_spec_report,
+    format_spec_summary,
+    max_states_arg,
+    plan_json,
+    spec_plan_json,
+    with_collective_fallback,
+)
 from cli.render import FORMATS, RenderError, draw, output_format, write
 from cli.show import format_show, show_json
 from cli.suggest import add_suggest_parser, cmd_suggest, suggest_line
 from cli.summary import TensorGroup, group_tensors, plan_spec_with_progress
 from cli.terminal import Progress, Style
-from planner import CostModel, Plan, plan
+from planner import DEFAULT_MAX_STATES, CostModel, Plan, plan
 from planner.model import SpecPlan
 from planner.step import DEFAULT_OVERLAP_BUCKET_BYTES
 from shardlang import Spec, TensorSpec, load_spec, parse_layout
@@ -91,6 +99,12 @@ def _add_cost_options(p: argparse.ArgumentParser, memory: bool = True) -> None:
             type=bytes_arg,
             metavar="N",
             help="no state of a plan may hold more bytes per rank (1048576, 64MiB)",
+        )
+        p.add_argument(
+            "--max-states",
+            type=max_states_arg,
+            metavar="N",
+            help=f"a pair of layouts: the search budget in states (default {DEFAULT_MAX_STATES})",
         )
 
 
@@ -243,6 +257,8 @@ def _target(args: argparse.Namespace) -> Pair | Spec:
                 "with a spec file, --shape and --dtype describe a tensor that a rule matches: "
                 "give --tensor NAME --shape L0xL1... [--dtype DTYPE]"
             )
+        if args.max_states is not None:  # the step plan takes no budget of its own (planner.step)
+            raise UsageError("--max-states applies to a pair of layouts; a spec file plans under the default budget")
         return read_spec(args.targets[0])
     raise UsageError(f"give two layouts (SRC DST) with --shape, or one spec file; got {len(args.targets)} arguments")
 
@@ -271,27 +287,46 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
 
 def _plan_pair(pair: Pair, args: argparse.Namespace) -> Plan:
     cost = _cost_model(args)
-    return plan(
-        pair.src, pair.dst, pair.shape, pair.dtype, cost, max_local_bytes=args.max_local_bytes, point_to_point=args.p2p
-    )
+    budget = DEFAULT_MAX_STATES if args.max_states is None else args.max_states
+
+    def run(p2p: bool) -> Plan:
+        limit = args.max_local_bytes
+        return plan(
+            pair.src,
+            pair.dst,
+            pair.shape,
+            pair.dtype,
+            cost,
+            max_local_bytes=limit,
+            point_to_point=p2p,
+            max_states=budget,
+        )
+
+    return with_collective_fallback(run, args.p2p, sys.stderr)
 
 
 def _plan_spec(spec: Spec, args: argparse.Namespace) -> SpecPlan:
     tensors = _spec_tensors(spec, args.tensor, args.shape, args.dtype) if args.tensor else list(spec.tensors)
     check_flat_axis(tensors, args.flat_axis)
-    return plan_spec_with_progress(
-        spec,
+    return with_collective_fallback(
+        lambda p2p: plan_spec_with_progress(
+            spec,
+            sys.stderr,
+            tensors=tensors,
+            alpha=args.alpha,
+            bandwidth=args.bandwidth,
+            cost=CostModel.from_file(args.costs) if args.costs else None,
+            max_local_bytes=args.max_local_bytes,
+            point_to_point=p2p,
+            flat_axis=args.flat_axis,
+            bucket_bytes=DEFAULT_OVERLAP_BUCKET_BYTES
+            if args.overlap and args.bucket_bytes is None
+            else args.bucket_bytes,
+            overlap=args.overlap,
+            prefetch=args.prefetch,
+        ),
+        args.p2p,
         sys.stderr,
-        tensors=tensors,
-        alpha=args.alpha,
-        bandwidth=args.bandwidth,
-        cost=CostModel.from_file(args.costs) if args.costs else None,
-        max_local_bytes=args.max_local_bytes,
-        point_to_point=args.p2p,
-        flat_axis=args.flat_axis,
-        bucket_bytes=DEFAULT_OVERLAP_BUCKET_BYTES if args.overlap and args.bucket_bytes is None else args.bucket_bytes,
-        overlap=args.overlap,
-        prefetch=args.prefetch,
     )
 
 

@@ -3,7 +3,9 @@ and, for point-to-point steps, their transfers; docs/reference/cli.md)."""
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+from collections.abc import Callable
+from typing import Any, TextIO, TypeVar
 
 from cli.buckets import format_buckets
 from cli.messages import describe_messages
@@ -11,9 +13,12 @@ from cli.summary import TensorGroup, group_tensors, largest_first
 from cli.tables import format_bytes, format_seconds, format_table
 from cli.terminal import Style
 from planner import COMMUNICATING_OPS, CostModel, Plan, Step
+from planner.errors import PlanBudgetError, PlanError
 from planner.messages import step_messages
 from planner.model import SpecPlan, TensorPlans
 from shardlang import Mesh
+
+T = TypeVar("T")
 
 # The JSON of one plan: the keys every plan has, the receive lower bound last (Plan.to_json adds more).
 PLAN_KEYS = ("src", "dst", "shape", "dtype", "steps", "total_bytes", "total_seconds", "lower_bound_bytes")
@@ -288,3 +293,42 @@ def format_spec_report(
     else:
         tensors = format_spec_summary(spec_plan, style)
     return f"{tensors}\n\n{format_buckets(spec_plan, style, flat_axis)}"
+
+
+def max_states_arg(text: str) -> int:
+    """The search budget (``planner.plan``'s ``max_states``): a count of states, at least 1."""
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number of search states") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': the search budget is at least 1 state")
+    return value
+
+
+def with_collective_fallback(run: Callable[[bool], T], p2p: bool, note: TextIO) -> T:
+    """``run(p2p)``; where ``--p2p`` planning ran past the search budget, ``run(False)``, the
+    collective plans (the baseline move set, always within budget on one mesh), with a note on
+    ``note`` saying so. Without ``--p2p``, or where the collective plan fails too (a pair on two
+    meshes plans point to point either way), the first error stands."""
+    try:
+        return run(p2p)
+    except PlanError as e:
+        if not p2p or not _over_budget(e):
+            raise
+        try:
+            result = run(False)
+        except PlanError:
+            raise e from None
+        print(f"note: --p2p: {e.message}\nnote: planned with collectives instead (as without --p2p)", file=note)
+        return result
+
+
+def _over_budget(error: BaseException | None) -> bool:
+    """Whether ``error`` is, or was raised while handling, a :class:`PlanBudgetError` (the step
+    plan names the tensor in a ``PlanError`` of its own, raised from the budget's)."""
+    while error is not None:
+        if isinstance(error, PlanBudgetError):
+            return True
+        error = error.__context__
+    return False
