@@ -215,3 +215,46 @@ def test_save_writes_what_the_description_says(tmp_path: Path) -> None:
     raw["tensors"]["w"]["pieces"][0]["box"] = [[0, ROWS * COLS // 2], [0, 2]]
     _store(tmp_path, raw, sign=True)
     _refused(tmp_path, _target((ROWS * COLS // 2, 2)), "block 0 of the piece", "edited or swapped")
+
+
+# --- the messages, exact ------------------------------------------------------------------------
+GOLDEN = Path(__file__).parent / "golden" / "checkpoint_errors.txt"
+
+
+def _messages(directory: Path, name: str, signed: bool) -> list[str]:
+    """What ``load`` and ``verify`` say of the checkpoint edited by ``name`` (the folder as CKPT)."""
+    edit, target, same_file = EDITS[name]
+    raw = _write(directory, same_file=same_file)
+    saved = _checksum(raw)
+    edit(raw)
+    _store(directory, raw if signed else raw | {"checksum": saved}, sign=signed)
+    out = []
+    for what, call in (
+        ("load", lambda: checkpoint.load(directory, target())),
+        ("verify", lambda: checkpoint.verify(directory)),
+    ):
+        with pytest.raises(CheckpointError) as caught:
+            call()
+        out.append(f"{what}: {str(caught.value).replace(str(directory), 'CKPT')}")
+    return out
+
+
+def _golden_cases() -> dict[str, list[str]]:
+    cases: dict[str, list[str]] = {}
+    for block in GOLDEN.read_text().split("\n== ")[1:]:
+        name, *lines = block.rstrip("\n").split("\n")
+        cases[name] = lines
+    return cases
+
+
+def test_the_golden_file_has_every_edit_both_ways() -> None:
+    assert sorted(_golden_cases()) == sorted(
+        f"{n}, {how}" for n in EDITS for how in ("by hand", "with a fresh checksum")
+    )
+
+
+@pytest.mark.parametrize("name", sorted(EDITS))
+def test_the_messages_are_the_golden_text(tmp_path: Path, name: str) -> None:
+    golden = _golden_cases()
+    assert _messages(tmp_path / "hand", name, signed=False) == golden[f"{name}, by hand"]
+    assert _messages(tmp_path / "tool", name, signed=True) == golden[f"{name}, with a fresh checksum"]

@@ -6,7 +6,9 @@
 
 Every rank writes the pieces it stores (one holder per replicated piece) to its own file; a
 metadata file (JSON) records each tensor's layout, shape and dtype and, for every piece, its
-box of the global tensor, its byte range and a CRC-32 per block. A save is committed by
+box of the global tensor, its byte range and a CRC-32 per block, which covers what the piece is
+(tensor, dtype, shape, rank file, box) before its bytes; the file carries the SHA-256 of its
+other fields, so an edited or swapped entry is refused (``metadata``). A save is committed by
 atomically replacing the metadata file, so a save that fails or crashes leaves the previous
 checkpoint intact, and every rank's error says whether the new one was committed (``commit``).
 A load reads the checksum blocks its target pieces' byte runs touch, and checks them; every

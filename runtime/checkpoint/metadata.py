@@ -221,7 +221,8 @@ def parse_metadata(raw: object, source: str) -> Metadata:
     if checksum is not None and checksum != metadata_checksum(raw):
         raise CheckpointError(
             f"{source}: the metadata does not match its checksum: it was edited or damaged after the save "
-            "(a tensor, box, shape or setting changed); a checkpoint's metadata cannot be edited by hand"
+            "(a tensor, box, shape or setting changed), and cannot be edited by hand: restore the file as it "
+            "was saved, or save the checkpoint again"
         )
     return Metadata(data, world_size, files, tensors, stored, block_bytes)
 
