@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 import attrs
 
+from cli.plan_report import padding_warnings
 from cli.summary import plan_spec_with_progress
 from cli.terminal import Style
 from planner import CostModel
@@ -21,6 +22,7 @@ class Checked:
     path: str
     spec: Spec | None
     error: ShardlangError | None
+    warnings: tuple[str, ...] = ()  # chunk padding (cli.plan_report.padding_warnings)
 
 
 def check_file(
@@ -30,10 +32,10 @@ def check_file(
     with ``cost``, under that model instead of the spec's hints)."""
     try:
         spec = load_spec(path)
-        plan_spec_with_progress(spec, progress, flat_axis=flat_axis, cost=cost)
+        spec_plan = plan_spec_with_progress(spec, progress, flat_axis=flat_axis, cost=cost)
     except ShardlangError as e:
         return Checked(path, None, e)
-    return Checked(path, spec, None)
+    return Checked(path, spec, None, tuple(padding_warnings(spec_plan)))
 
 
 def describe_spec(spec: Spec) -> str:
@@ -75,6 +77,7 @@ def run_check(
                 "tensors": len(c.spec.tensors) if c.spec else None,
                 "rules": len(c.spec.rules) if c.spec else None,
                 "errors": [error_json(c)] if c.error else [],
+                "warnings": list(c.warnings),
             }
             for c in results
         ]
@@ -86,6 +89,7 @@ def run_check(
             if c.error is None:
                 assert c.spec is not None
                 out.write(f"{c.path}: {out_style('ok', 'green')}: {describe_spec(c.spec)}\n")
+                err.writelines(f"{c.path}: {err_style(w, 'yellow')}\n" for w in c.warnings)
             else:
                 err.write(error_text(c.error, err_style) + "\n")
     return 0 if all(c.error is None for c in results) else 1

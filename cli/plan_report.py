@@ -4,6 +4,7 @@ and, for point-to-point steps, their transfers; docs/reference/cli.md)."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import Any, TextIO, TypeVar
 
@@ -16,7 +17,8 @@ from planner import COMMUNICATING_OPS, CostModel, Plan, Step
 from planner.errors import PlanBudgetError, PlanError
 from planner.messages import step_messages
 from planner.model import SpecPlan, TensorPlans
-from shardlang import Mesh
+from shardlang import Layout, Mesh
+from shardlang.spec import STATE_DEFAULT
 
 T = TypeVar("T")
 
@@ -50,6 +52,7 @@ def spec_plan_json(spec_plan: SpecPlan) -> dict[str, Any]:
         "total_bytes": spec_plan.total_bytes,
         "total_seconds": spec_plan.total_seconds,
         "step": spec_plan.step.to_json(),
+        "warnings": padding_warnings(spec_plan),
     }
 
 
@@ -292,7 +295,8 @@ def format_spec_report(
         tensors = "\n\n".join(format_tensor_plans(tp, style) for tp in spec_plan.tensors)
     else:
         tensors = format_spec_summary(spec_plan, style)
-    return f"{tensors}\n\n{format_buckets(spec_plan, style, flat_axis)}"
+    warnings = "".join(f"\n{style(w, 'yellow')}" for w in padding_warnings(spec_plan))
+    return f"{tensors}\n\n{format_buckets(spec_plan, style, flat_axis)}" + (f"\n{warnings}" if warnings else "")
 
 
 def max_states_arg(text: str) -> int:
@@ -332,3 +336,98 @@ def _over_budget(error: BaseException | None) -> bool:
             return True
         error = error.__context__
     return False
+
+
+# --- chunk padding ------------------------------------------------------------------------
+# A tensor whose step sends more than this times its data (chunk padding) is warned about,
+# when the excess is at least PADDING_FLOOR bytes per rank (less costs under a microsecond at
+# 100 GB/s: small tensors' padding is no news).
+PADDING_WARNING = 1.25
+PADDING_FLOOR = 64 * 2**10
+
+
+def padding(layout: Layout, shape: tuple[int, ...]) -> float:
+    """How much larger the tensor is as its ranks' padded pieces: every dim's largest piece
+    times its number of pieces, over the dim (1.0 for no padding; an empty tensor counts 1)."""
+    local = layout.local_shape(shape)
+    ratio = 1.0
+    for d, length in enumerate(shape):
+        parts = math.prod(layout.mesh.shape[a] for a in layout.dims[d])
+        if length:
+            ratio *= local[d] * parts / length
+    return ratio
+
+
+def _step_padding(before: Layout, step: Step, shape: tuple[int, ...]) -> float:
+    """The padding of what a collective moves: its pieces are the more padded of its two sides."""
+    return max(padding(before, shape), padding(step.layout, shape))
+
+
+def padded_traffic(tp: TensorPlans) -> tuple[int, float]:
+    """The bytes a tensor's step sends per rank, and what they carry of the tensor's data (each
+    collective's bytes over its pieces' padding; point-to-point steps send no padding)."""
+    sent, data = 0, 0.0
+    for _, plan in tp.plans():
+        before = plan.src
+        for step in plan.steps:
+            if step.op in COMMUNICATING_OPS and step.bytes:
+                sent += step.bytes
+                ratio = 1.0 if step.axis is None else _step_padding(before, step, plan.shape)
+                data += step.bytes / ratio
+            before = step.layout
+    return sent, data
+
+
+def _less_padded(layout: Layout, shape: tuple[int, ...], keep: frozenset[int]) -> Layout | None:
+    """The least padded layout that moves one mesh axis of ``layout`` (not one of ``keep``) from
+    a padded dim to the innermost place of another dim; ``None`` if none pads less."""
+    best, best_ratio = None, padding(layout, shape)
+    for d, axes in enumerate(layout.dims):
+        for a in axes:
+            if a in keep:
+                continue
+            for other in range(layout.ndim):
+                if other == d:
+                    continue
+                dims = [tuple(x for x in dim if x != a) for dim in layout.dims]
+                dims[other] += (a,)
+                moved = Layout(dims=tuple(dims), mesh=layout.mesh, partial=layout.partial)
+                ratio = padding(moved, shape)
+                if ratio < best_ratio - 1e-12:
+                    best, best_ratio = moved, ratio
+    return best
+
+
+def padding_warnings(spec_plan: SpecPlan) -> list[str]:
+    """One line per group of like tensors whose step sends more than :data:`PADDING_WARNING`
+    times its data (and :data:`PADDING_FLOOR` bytes more): the ratio, the most padded of its
+    layouts, and one that pads less (an axis moved to another dim; the param's axes stay where
+    the param has them, unless the param itself pads)."""
+    out = []
+    for group in group_tensors(spec_plan):
+        tp = group.first
+        sent, data = padded_traffic(tp)
+        if not data or sent <= PADDING_WARNING * data or sent - data < PADDING_FLOOR:
+            continue
+        t = tp.tensor
+        named = [("param", t.param), ("grad", t.grad), *_states(t)]
+        role, worst = max(named, key=lambda item: padding(item[1], t.shape))
+        keep = frozenset() if role == "param" else frozenset(a for axes in t.param.dims for a in axes)
+        better = _less_padded(worst, t.shape, keep)
+        advice = (
+            f"{better} pads {padding(better, t.shape):.2f}x"
+            if better is not None
+            else "no layout moving one axis to another dim pads less"
+        )
+        out.append(
+            f"warning: tensor {group.label}: chunk padding: its step sends {format_bytes(sent)} per rank for "
+            f"{format_bytes(round(data))} of data ({sent / data:.2f}x); {role} = {worst} pads "
+            f"{padding(worst, t.shape):.2f}x; {advice}"
+        )
+    return out
+
+
+def _states(tensor: Any) -> list[tuple[str, Layout]]:
+    """The tensor's state layouts: the default one as ``state``, the others as ``state.X``."""
+    named = [("state" if k == STATE_DEFAULT else f"state.{k}", v) for k, v in tensor.layouts.states]
+    return named or [("state", tensor.state())]

@@ -178,6 +178,7 @@ def test_check_json_and_exit_codes(spec_dir: Path) -> None:
         "tensors": 5,
         "rules": 1,
         "errors": [],
+        "warnings": [],
     }
     (syntax,) = by_name["syntax.shard"]["errors"]
     assert set(syntax) >= {"file", "line", "column", "message", "kind"}
