@@ -10,6 +10,16 @@ compute layout ``C`` (its param layout without ``D``; ``G0`` is its grad as the 
 - ``(C, C, s)`` (ZeRO-1: backward all-reduces the gradient, as DDP's hooks do);
 - ``(X, X, X)`` for every split ``X`` (ZeRO-3: parameter and gradient are the rank's shard).
 
+The data-parallel axes ``D`` of a mesh (:func:`infer_data_parallel`): those some tensor's
+gradient is pending a mean over, or some state splits beyond its parameter (ZeRO-1, whose
+gradient the loop already reduced). A mesh with neither is read as FSDP (``init --strategy
+zero3``): its axes that split every tensor's parameter, gradient and state alike, which tensor
+parallelism does not do to a tensor that also has replicated parts (its norms). Where ``D`` is
+more than the gradient's pending axes, ``G0`` is ``C`` pending a mean over ``D``: a sharded
+parameter is gathered for forward and backward, its gradient reduce-scattered in backward, and
+the gathered parameter counted in the memory. (HSDP, pending over the replicate axis and split
+over the shard axis, reads the shard axis as part of ``C``.)
+
 Flat sharding over a mesh axis ``a`` (the optimizers' ``flat_axis``, DeepSpeed's flat ZeRO)
 is an option of the whole optimizer, not of a tensor: every tensor's state is then the rank's
 equal chunk over ``a`` of its state layout without ``a`` (its *base*). So it is a problem of
@@ -222,9 +232,48 @@ class Problem:
 
 
 # --- candidates and their prices ---------------------------------------------------------------
-def data_parallel_axes(tensor: TensorSpec) -> tuple[int, ...]:
-    """The axes the tensor's gradient arrives pending a reduction over."""
-    return tuple(a for a, _ in tensor.grad.partial)
+def data_parallel_axes(tensor: TensorSpec, inferred: Sequence[int] = ()) -> tuple[int, ...]:
+    """The tensor's data-parallel axes: those its gradient arrives pending a reduction over,
+    then those of ``inferred`` (:func:`infer_data_parallel`) it does not."""
+    pending = tuple(a for a, _ in tensor.grad.partial)
+    return pending + tuple(a for a in inferred if a not in pending)
+
+
+def infer_data_parallel(tensors: Sequence[TensorSpec]) -> dict[tuple, tuple[int, ...]]:
+    """Per mesh (by :attr:`Mesh.geometry`), the axes its tensors are data parallel over:
+    those some gradient is pending a mean over, or some state splits that its parameter does
+    not (ZeRO-1, whose gradient the loop has reduced). A mesh with neither is read as FSDP:
+    its axes that split every tensor's parameter, gradient and state alike (all three the
+    same layout, as ``shardlang init --strategy zero3`` writes them); tensor parallelism
+    never splits a tensor's state as its gradient with nothing pending (module doc)."""
+    by_mesh: dict[tuple, list[TensorSpec]] = {}
+    for t in tensors:
+        by_mesh.setdefault(t.param.mesh.geometry, []).append(t)
+    out = {}
+    for geometry, members in by_mesh.items():
+        found: list[int] = []
+        for t in members:
+            split = {a for dim in t.param.dims for a in dim}
+            found += [a for a, _ in t.grad.partial]
+            found += [a for dim in t.state().dims for a in dim if a not in split]
+        if not found and all(t.param == t.grad == t.state() for t in members):
+            axes = [{a for dim in t.param.dims for a in dim} for t in members]
+            found = sorted(set.intersection(*axes)) if axes else []
+        out[geometry] = tuple(sorted(set(found)))
+    return out
+
+
+def _roles(tensor: TensorSpec, inferred: Sequence[int]) -> tuple[tuple[int, ...], Layout, Layout]:
+    """The tensor's data-parallel axes ``D``, its compute layout ``C`` (its parameter gathered
+    over ``D``) and ``G0``, its gradient as backward makes it: the spec's where it is pending
+    over every axis of ``D``, else ``C`` pending a mean over ``D`` (the spec's reduce ops kept)."""
+    axes = data_parallel_axes(tensor, inferred)
+    compute = _without(tensor.param, axes)
+    if {a for a, _ in tensor.grad.partial} == set(axes):
+        return axes, compute, tensor.grad
+    ops = dict(tensor.grad.partial)
+    g0 = Layout(dims=compute.dims, mesh=compute.mesh, partial=tuple((a, ops.get(a, "avg")) for a in axes))
+    return axes, compute, g0
 
 
 def _without(layout: Layout, axes: Sequence[int]) -> Layout:
@@ -242,10 +291,10 @@ def state_layouts(compute: Layout, axes: Sequence[int]) -> list[Layout]:
     return out
 
 
-def _triples(tensor: TensorSpec, states_only: bool, flat: int | None) -> list[tuple[Layouts, tuple[str, ...]]]:
-    axes = data_parallel_axes(tensor)
-    compute = _without(tensor.param, axes)
-    g0 = tensor.grad
+def _triples(
+    tensor: TensorSpec, states_only: bool, flat: int | None, inferred: Sequence[int] = ()
+) -> list[tuple[Layouts, tuple[str, ...]]]:
+    axes, compute, g0 = _roles(tensor, inferred)
     d = split_dim(tensor.shape, math.prod(compute.mesh.shape[a] for a in axes))
     full = compute
     if axes and d is not None:
@@ -321,12 +370,12 @@ def _price(
     flat: int | None,
     kind_ids: dict[tuple, int],
     cap: int,
+    inferred: Sequence[int] = (),
 ) -> Candidate:
     entry = attrs.evolve(tensor, layouts=layouts)
     rank = tensor.state().mesh.ranks[0]  # the plan of the mesh's first rank (flat: its block)
     step = plan_step([step_tensor(entry, cost, flat)], rank, bucket_bytes=1)
-    axes = data_parallel_axes(tensor)
-    compute, g0 = _without(tensor.param, axes), tensor.grad
+    _, compute, g0 = _roles(tensor, inferred)
     loop_legs, transient = [], step.max_buffer_bytes
     if layouts.param != compute:
         gather = plan_pair(layouts.param, compute, tensor.shape, tensor.dtype, cost)
@@ -368,9 +417,10 @@ def flat_axes(tensors: Sequence[TensorSpec]) -> tuple[str | int, ...]:
     """The axes a flat problem may use: the data-parallel axes of the tensors (by name, or by
     number on a mesh without names) that every tensor's state mesh has."""
     out: list[str | int] = []
+    inferred = infer_data_parallel(tensors)
     for t in tensors:
         mesh = t.state().mesh
-        for a in data_parallel_axes(t):
+        for a in data_parallel_axes(t, inferred[t.param.mesh.geometry]):
             label = a if mesh.axis_names is None else mesh.axis_names[a]
             if label not in out and all(_has_axis(u.state().mesh, label) for u in tensors):
                 out.append(label)
@@ -411,6 +461,7 @@ def build_problem(
     if cap < 1:
         raise SuggestError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
     kind_ids: dict[tuple, int] = {}  # collective kind -> its number, in the order first met
+    inferred = infer_data_parallel(chosen)
     groups = []
     for members in grouped.values():
         first = members[0]
@@ -420,9 +471,10 @@ def build_problem(
         except ShardlangError as e:
             raise SuggestError(f"tensor '{first.name}': flat axis: {e.message}", first.position) from None
         candidates = []
-        for layouts, strategies in _triples(first, states_only, flat):
+        dp = inferred[first.param.mesh.geometry]
+        for layouts, strategies in _triples(first, states_only, flat, dp):
             try:
-                priced = _price(first, layouts, optimizer, cost, flat, kind_ids, cap)
+                priced = _price(first, layouts, optimizer, cost, flat, kind_ids, cap, dp)
             except PlanError as e:
                 raise SuggestError(f"tensor '{first.name}': {e.message}", first.position) from None
             candidates.append(attrs.evolve(priced, strategies=strategies))

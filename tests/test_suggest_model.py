@@ -16,7 +16,7 @@ from planner import CostModel, knapsack, plan
 from planner.cost import collective_rounds
 from planner.knapsack import suggest, suggest_best
 from planner.model import plan_spec
-from planner.suggest import build_problems
+from planner.suggest import build_problems, infer_data_parallel
 from shardlang import load_spec, parse_spec
 from shardlang.dtypes import itemsize
 from tests.conftest import REPO
@@ -181,3 +181,41 @@ def test_a_suggestion_never_trails_the_spec_or_a_fixed_strategy(monkeypatch: pyt
     # ZeRO-2 as the spec writes it (DDP is as fast and holds more): unchanged
     assert result.best.picks == problem.original().picks
     assert result.best.seconds < slow.seconds
+
+
+# shardlang init --strategy zero3 and zero1 on [dp=4]: no gradient pending
+FSDP = """
+mesh world = [dp=4]  bandwidth 25e9  latency 20us
+tensor t : f32[64, 16] { param = S(dp),R over world  grad = S(dp),R over world  state = S(dp),R over world }
+tensor n : f32[64] { param = S(dp) over world  grad = S(dp) over world  state = S(dp) over world }
+"""
+ZERO1 = """
+mesh world = [dp=4]  bandwidth 25e9  latency 20us
+tensor t : f32[64, 16] { param = R,R over world  grad = R,R over world  state = S(dp),R over world }
+tensor n : f32[64] { param = R over world  grad = R over world  state = R over world }
+"""
+TP = """
+mesh world = [dp=2, tp=2]
+tensor t : f32[64, 16] { param = S(tp),R over world  grad = S(tp),R | P(dp):avg over world  state = S(tp),R over world }
+tensor n : f32[64] { param = R over world  grad = R | P(dp):avg over world }
+"""
+
+
+def test_data_parallel_axes_of_fsdp_and_zero1_specs() -> None:
+    for text, expected in ((FSDP, (0,)), (ZERO1, (0,)), (TP, (0,))):
+        spec = parse_spec(text)
+        (axes,) = infer_data_parallel(spec.tensors).values()
+        assert axes == expected, text
+    # FSDP: the parameter is gathered into R,R (the compute layout), the gradient arrives R,R | P(dp)
+    (problem,) = build_problems(parse_spec(FSDP))[:1]
+    names = {name for g in problem.groups for c in g.candidates for name in c.strategies}
+    assert names == {"ddp", "zero1", "zero2", "zero3"}
+    own = problem.original()
+    zero3 = problem.strategy("zero3")
+    assert zero3 is not None and own.seconds == zero3.seconds and own.memory == zero3.memory
+    # by hand: the step moves nothing; the loop gathers t and n (one all-gather, 3 rounds of
+    # 20 us) for forward and for backward and reduce-scatters their gradients: 3 x 60 us, and
+    # 3/4 of 4 KiB + 256 B each time at 25 GB/s
+    assert math.isclose(own.seconds, 3 * 60e-6 + 3 * (3 * (4096 + 256) // 4) / 25e9, rel_tol=1e-9)
+    ddp = problem.strategy("ddp")
+    assert ddp is not None and ddp.seconds < own.seconds and ddp.memory > own.memory
