@@ -18,7 +18,7 @@ from typing import Any
 from cli.init import named_tensors
 from cli.inputs import UsageError, bucket_bytes_arg, bytes_arg, read_spec, shape_arg
 from cli.tables import format_bytes, format_seconds
-from planner.knapsack import better, smallest_memory, suggest_best
+from planner.knapsack import better, fixed_choices, smallest_memory, suggest_best
 from planner.suggest import OPTIMIZERS, Choice, Problem, SuggestError, Suggestion, build_problems
 from shardlang import Spec, TensorSpec, format_spec
 from shardlang.errors import ShardlangError, SpecError
@@ -111,6 +111,20 @@ def _chosen_lines(problem: Problem, choice: Choice) -> list[str]:
     return lines
 
 
+def _fixed(result: Suggestion, problems: Sequence[Problem]) -> list[tuple[Problem, tuple]]:
+    """Every problem's fixed choices, as ``suggest_best`` priced them (else priced here)."""
+    known = {id(p): fixed for p, fixed in result.fixed}
+    return [(p, known[id(p)] if id(p) in known else fixed_choices(p)) for p in problems]
+
+
+def _fixed_rows(result: Suggestion, problems: Sequence[Problem]) -> list[tuple[str, Choice | None]]:
+    """``this spec`` (the plain problem's own layouts), then every fixed strategy."""
+    every = _fixed(result, problems)
+    rows: list[tuple[str, Choice | None]] = [("this spec", every[0][1][0][1])]
+    rows += [(_label(p, name), c) for p, fixed in every for name, c in fixed if name is not None]
+    return rows
+
+
 def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
     """The chosen layouts, then every fixed strategy of ``problems`` (the plain one first)."""
     problem, best = result.problem, result.best
@@ -127,8 +141,7 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
         "",
         "  strategy        memory/rank  modeled time  fits  time vs suggested",
     ]
-    rows = [("this spec", problems[0].original())]
-    rows += [(_label(p, s), p.strategy(s)) for p in problems for s in p.strategy_names()]
+    rows = _fixed_rows(result, problems)
     fitting: list[tuple[Choice, str]] = []
     for name, choice in rows:
         if choice is None:
@@ -179,10 +192,9 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
                 }
             )
     strategies = {}
-    for p in problems:
-        for name in p.strategy_names():
-            choice = p.strategy(name)
-            if choice is not None:
+    for p, fixed in _fixed(result, problems):
+        for name, choice in fixed:
+            if name is not None and choice is not None:
                 strategies[_label(p, name)] = _choice_json(p, choice) | {"fits": choice.memory <= result.budget}
     return {
         "file": problem.spec.filename,
@@ -190,7 +202,7 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
         "budget_bytes": result.budget,
         "flat_axis": problem.flat_axis,
         "suggested": _choice_json(problem, result.best),
-        "this_spec": _choice_json(problems[0], problems[0].original()),
+        "this_spec": _choice_json(problems[0], _fixed(result, problems)[0][1][0][1] or problems[0].original()),
         "strategies": strategies,
         "optimal": result.optimal,
         "gap": result.gap,
@@ -202,7 +214,7 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
 
 def frontier(problems: Sequence[Problem], time_limit: float) -> list[Choice]:
     """The fastest choice at budgets from the smallest memory to the fastest choice's memory."""
-    low = min(smallest_memory(p, time_limit).memory for p in problems)
+    low = min(smallest_memory(p, time_limit, timed=False).memory for p in problems)
     fastest = suggest_best(problems, 2**62, time_limit).best
     high = max(low, fastest.memory)
     budgets = sorted({round(low + (high - low) * k / (_FRONTIER_POINTS - 1)) for k in range(_FRONTIER_POINTS)})

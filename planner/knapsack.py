@@ -181,14 +181,17 @@ def _run(
     return result.x, result.status == 0, float(getattr(result, "mip_gap", 0.0) or 0.0)
 
 
-def _choice(problem: Problem, program: _Program, x: Any) -> Choice:
+def _choice(problem: Problem, program: _Program, x: Any, timed: bool = True) -> Choice:
+    """The choice of solution ``x``; not ``timed``: its memory only (``seconds`` NaN)."""
     import numpy as np
 
     counts = np.rint(x[: len(program.cells)]).astype(int)
     picks: list[list[int]] = [[] for _ in problem.groups]
     for (gi, ci), n in zip(program.cells, counts, strict=True):
         picks[gi] += [ci] * int(n)
-    return problem.evaluate(picks)
+    if timed:
+        return problem.evaluate(picks)
+    return Choice(picks=tuple(tuple(p) for p in picks), memory=problem.memory_of(picks), seconds=math.nan)
 
 
 def _solve(problem: Problem, budget: int | None, time_limit: float, ties: bool) -> tuple[Choice, float, bool]:
@@ -213,11 +216,11 @@ def _solve(problem: Problem, budget: int | None, time_limit: float, ties: bool) 
     return _choice(problem, program, x), gap, optimal
 
 
-def smallest_memory(problem: Problem, time_limit: float = 10.0) -> Choice:
-    """The choice of least memory per rank."""
+def smallest_memory(problem: Problem, time_limit: float = 10.0, *, timed: bool = True) -> Choice:
+    """The choice of least memory per rank (not ``timed``: its time left out, NaN)."""
     program = _program(problem)
     x, _, _ = _run(program, program.memory, [], time_limit)
-    return _choice(problem, program, x)
+    return _choice(problem, program, x, timed)
 
 
 def better(a: Choice, b: Choice, problem: Problem | None) -> bool:
@@ -230,10 +233,10 @@ def better(a: Choice, b: Choice, problem: Problem | None) -> bool:
     return problem.changed(a) < problem.changed(b)
 
 
-def fixed_choices(problem: Problem) -> tuple[Choice, ...]:
-    """The spec's own layouts, then every fixed strategy every tensor has."""
-    strategies = (problem.strategy(name) for name in problem.strategy_names())
-    return (problem.original(), *(c for c in strategies if c is not None))
+def fixed_choices(problem: Problem) -> tuple[tuple[str | None, Choice | None], ...]:
+    """``(None, the spec's own layouts)``, then per fixed strategy its name and choice (``None``
+    where some tensor lacks it)."""
+    return ((None, problem.original()), *((name, problem.strategy(name)) for name in problem.strategy_names()))
 
 
 def suggest(
@@ -243,7 +246,7 @@ def suggest(
     *,
     least: Choice | None = None,
     ties: bool = True,
-    fixed: Sequence[Choice] | None = None,
+    fixed: Sequence[tuple[str | None, Choice | None]] | None = None,
 ) -> Suggestion:
     """The fastest choice (modeled) within ``budget`` bytes per rank (``ties``: among those of
     its time the least memory, then the fewest changes); a :class:`SuggestError` naming the
@@ -252,9 +255,11 @@ def suggest(
     ``fixed``: :func:`smallest_memory`'s and :func:`fixed_choices`' answers, when the caller
     has them."""
     started = time.perf_counter()
-    least = smallest_memory(problem, time_limit) if least is None else least
+    least = smallest_memory(problem, time_limit, timed=False) if least is None else least
     if least.memory > budget:
         raise _too_small(budget, least.memory)
+    if math.isnan(least.seconds):  # the fallback below needs its time
+        least = problem.evaluate(least.picks)
     limit = budget
     best, gap, optimal = least, 0.0, False
     for _ in range(8):
@@ -267,10 +272,11 @@ def suggest(
         limit -= best.memory - budget  # the solver's float tolerance let it exceed: tighten
     else:
         best, gap, optimal = least, 0.0, False
-    for other in fixed_choices(problem) if fixed is None else fixed:
-        if other.memory <= budget and better(other, best, problem):
+    fixed = fixed_choices(problem) if fixed is None else tuple(fixed)
+    for _, other in fixed:
+        if other is not None and other.memory <= budget and better(other, best, problem):
             best = other
-    return Suggestion(problem, budget, best, optimal, gap, time.perf_counter() - started)
+    return Suggestion(problem, budget, best, optimal, gap, time.perf_counter() - started, ((problem, fixed),))
 
 
 def _too_small(budget: int, least: int) -> SuggestError:
@@ -286,7 +292,7 @@ def suggest_best(problems: Sequence[Problem], budget: int, time_limit: float = 1
     one: flat sharding changes how every tensor's state is kept); when none fits, the error
     names the smallest budget that fits any of them."""
     started = time.perf_counter()
-    least = [smallest_memory(p, time_limit) for p in problems]
+    least = [smallest_memory(p, time_limit, timed=False) for p in problems]
     fixed = [fixed_choices(p) for p in problems]
     fitting = [
         suggest(p, budget, time_limit, least=m, ties=False, fixed=f)
@@ -308,4 +314,5 @@ def suggest_best(problems: Sequence[Problem], budget: int, time_limit: float = 1
     for other in fitting[1:]:
         if better(other.best, best.best, None):
             best = other
-    return attrs.evolve(best, solve_seconds=time.perf_counter() - started)
+    every = tuple(zip(problems, fixed, strict=True))
+    return attrs.evolve(best, solve_seconds=time.perf_counter() - started, fixed=every)

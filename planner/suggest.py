@@ -150,6 +150,9 @@ class Suggestion:
     optimal: bool
     gap: float  # relative optimality gap when a time limit stopped the solver, else 0
     solve_seconds: float
+    # Per problem looked at, its fixed choices (``planner.knapsack.fixed_choices``), so that a
+    # report need not price them again.
+    fixed: tuple[tuple[Problem, tuple[tuple[str | None, Choice | None], ...]], ...] = ()
 
     def spec(self) -> Spec:
         return self.problem.spec_of(self.best)
@@ -173,16 +176,13 @@ class Problem:
     def evaluate(self, picks: Sequence[Sequence[int]]) -> Choice:
         """Memory as the integer program counts it; time as the step plan buckets the chosen
         legs (module doc): what ``shardlang plan`` models for the chosen spec, plus the loop."""
-        memory, transient = 0, 0
+        memory = self.memory_of(picks)
         chosen: dict[str, Candidate] = {}
         costs: dict[str, CostModel] = {}  # by the name the legs carry: their group's first tensor's
         for group, picked in zip(self.groups, picks, strict=True):
             costs[group.first.name] = group.cost
             for t, c in zip(group.tensors, picked, strict=True):
-                cand = group.candidates[c]
-                memory += cand.memory
-                transient = max(transient, cand.transient)
-                chosen[t.name] = cand
+                chosen[t.name] = group.candidates[c]
         legs: list[Leg] = []
         loop: list[Leg] = []
         for t in self.tensors:  # in the spec's order, as the step plan takes them
@@ -192,7 +192,16 @@ class Problem:
         for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1)):
             buckets = bucket_stage(legs if stage in STAGES else loop, stage, costs, self.bucket_bytes, reverse=False)
             seconds += times * sum(b.seconds for b in buckets)
-        return Choice(picks=tuple(tuple(p) for p in picks), memory=memory + transient, seconds=seconds)
+        return Choice(picks=tuple(tuple(p) for p in picks), memory=memory, seconds=seconds)
+
+    def memory_of(self, picks: Sequence[Sequence[int]]) -> int:
+        """The memory per rank of a choice (module doc): its tensors' and the largest transient."""
+        memory, transient = 0, 0
+        for group, picked in zip(self.groups, picks, strict=True):
+            for c in picked:
+                memory += group.candidates[c].memory
+                transient = max(transient, group.candidates[c].transient)
+        return memory + transient
 
     def uniform(self, pick: Sequence[int]) -> Choice:
         """Every tensor of group ``g`` takes candidate ``pick[g]``."""
