@@ -32,7 +32,7 @@ import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.step import AFTER, BEFORE, IN_STEP, Bucket, Leg, StepPlan
+from planner.step import AFTER, AFTER_STEP, BEFORE, DURING_BACKWARD, IN_STEP, Bucket, Leg, StepPlan
 from runtime import stats
 from runtime.buffers import KeptViews, Scratch
 from runtime.comm import PendingCollective, start_collective
@@ -43,6 +43,11 @@ from runtime.groups import group_for
 from runtime.program import CollectiveMove, bytes_sent, compile_plan
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
+
+# Buckets launched during backward that may be in flight at once: a hook that would start one
+# more first waits for the oldest (as FSDP2 bounds its reduce-scatters in flight), so their
+# buffers are a few buckets', not the model's (docs/memory.md).
+IN_FLIGHT = 2
 
 
 @attrs.frozen(eq=False)
@@ -196,8 +201,12 @@ def _lay_out(
     reduce_scatter's result takes ``[0, T)``, its workspace ``[T, 5T)``, the all_gather's
     result ``[T, 5T)`` too, its send buffer its row ``[T + rT, T + (r+1)T)`` there on rank ``r``;
     the kept buffer has ``5T`` elements and the send buffer ``4T``.
-    Launched during backward, two such reduce_scatters take the send regions ``[0, 4T)`` and
-    ``[4T, 8T)`` and the workspaces ``[2T, 6T)`` and ``[6T, 10T)`` of the kept buffer.
+    Launched during backward, buckets are in flight together, at most :data:`IN_FLIGHT` of them:
+    they take that many slots of send space and workspace in turn, so that the stage holds a
+    few buckets' buffers, not the model's. Two such reduce_scatters take the send regions
+    ``[0, 4T)`` and ``[4T, 8T)`` and the workspaces ``[2T, 6T)`` and ``[6T, 10T)`` of the kept
+    buffer; a third takes the first ones again, once the first bucket has landed. Launched after
+    the step (gathers waited on by forward), each bucket has regions of its own.
 
     ``shared_after``: the buckets after the update launched in ``step()`` are written out as each
     lands (``StageRun``'s ``write_to``), so they all take the same region, the largest one's: the
@@ -230,15 +239,30 @@ def _lay_out(
         workspace_at = {BEFORE: later, AFTER: offset}
         send_at = dict.fromkeys((BEFORE, AFTER), 0)
         send_numel = 0
+        # Buckets launched during backward take IN_FLIGHT slots in turn, each of the largest one's
+        # size (StageRun starts one only when the one before it in its slot has landed).
+        ring = [b for b in mine if b.bucket.launch == DURING_BACKWARD]
+        slot_numel = max((b.send_numel for b in ring), default=0)
+        turn = {b.index: k % IN_FLIGHT for k, b in enumerate(ring)}
         for b in mine:
-            stage, together = b.bucket.stage, b.bucket.launch != IN_STEP
+            stage, together = b.bucket.stage, b.bucket.launch == AFTER_STEP
             workspace = None
+            sent = 0
+            if b.index in turn:
+                at = turn[b.index] * slot_numel
+                if b.bucket.op == "reduce_scatter":
+                    workspace = (workspace_at[stage] + at, b.send_numel)
+                    end = max(end, workspace_at[stage] + at + b.send_numel)
+                if b.bucket.op not in ("all_reduce", "all_gather"):
+                    sent = at
+                    send_numel = max(send_numel, sent + b.send_numel)
+                laid.append(attrs.evolve(b, result=places[b.index], workspace=workspace, send=sent))
+                continue
             if b.bucket.op == "reduce_scatter":
                 workspace = (workspace_at[stage], b.send_numel)
                 end = max(end, workspace_at[stage] + b.send_numel)
                 if together:
                     workspace_at[stage] += b.send_numel
-            sent = 0
             if b.bucket.op not in ("all_reduce", "all_gather"):
                 sent = send_at[stage]
                 send_numel = max(send_numel, sent + b.send_numel)
@@ -390,6 +414,8 @@ class StageRun:
         self._walks: dict[int, _Walk] = {}
         self._in_flight: list[tuple[_BucketProgram, PendingCollective, float]] = []
         self.waited = 0.0  # seconds spent blocked waiting for collectives
+        # Legs whose input a started bucket has packed: the stage reads it no more.
+        self.packed: set[int] = set()
 
     @property
     def started(self) -> int:
@@ -534,8 +560,11 @@ class StageRun:
         first_leg, first, _, _ = bucket.members[0]
         # Buckets of a step share their send buffer and workspace, so one runs at a time; any
         # bucket waits for one in flight that holds the previous step of one of its legs.
+        launch = bucket.bucket.launch
         while self._in_flight and (
-            bucket.bucket.launch == IN_STEP or any(self._walks[leg].x is None for leg, *_ in bucket.members)
+            launch == IN_STEP
+            or (launch == DURING_BACKWARD and len(self._in_flight) >= IN_FLIGHT)
+            or any(self._walks[leg].x is None for leg, *_ in bucket.members)
         ):
             self._wait_oldest(deadline)
         n, op, total = first.n, bucket.bucket.op, bucket.total
@@ -579,6 +608,7 @@ class StageRun:
                 sources.append(blocks)
             # else the input was written where it is sent from (:meth:`places`)
             walk.x = None  # type: ignore[assignment]  # the piece is in the buffer now
+            self.packed.add(leg)
         if targets:
             torch._foreach_copy_(targets, sources)
         device_mesh = self._device_meshes.get(plan.legs[first_leg].tensor)

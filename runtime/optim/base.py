@@ -100,6 +100,7 @@ class StepOptions(TypedDict, total=False):
     reduce_dtype: torch.dtype | None
     cost: CostModel | None
     transactional: bool
+    free_grads: bool
 
 
 @attrs.define(eq=False)
@@ -124,6 +125,9 @@ class Slot:
     step: int = 0
     # A DTensor's gradient layout and dtype at its last step: what overlap plans the next for.
     seen_grad: tuple[Layout, torch.dtype] | None = None
+    # free_grads: the gradient a bucket packed and that was then freed: an empty tensor of its
+    # dtype standing in for it until the step, and its layout (None: the parameter's .grad).
+    taken: tuple[torch.Tensor, Layout] | None = None
     # local_param's alias, and the address, dtype, shape and strides it was made for.
     _local: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
     _local_of: tuple[object, ...] = attrs.field(default=(), init=False, repr=False)
@@ -147,6 +151,8 @@ class Slot:
         return self._local
 
     def local_grad(self) -> tuple[torch.Tensor, Layout]:
+        if self.taken is not None:
+            return self.taken
         grad = self.param.grad
         assert grad is not None
         if is_dtensor(grad):
@@ -317,6 +323,9 @@ class _Backward:
     error: ShardlangError | None = None
     stale: bool = False
     fed: dict[int, tuple[int, int]] = attrs.field(factory=dict)
+    # free_grads: the gradient legs by their index, and those whose packed gradient was freed.
+    grad_legs: dict[int, Slot] | None = None
+    freed: set[int] = attrs.field(factory=set)
 
 
 @attrs.frozen(eq=False)
@@ -397,6 +406,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reduce_dtype: torch.dtype | None = None,
         cost: CostModel | None = None,
         transactional: bool = False,
+        free_grads: bool = False,
     ) -> None:
         named = list(named_params)
         if not named:
@@ -429,6 +439,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # In place behind an early commit point, or the whole step on spare buffers, swapped in
         # when every rank finished it (docs/memory.md, "The commit point").
         self.transactional = bool(transactional) or not self.updates_in_place
+        if free_grads and not overlap:
+            raise OptimizerError("free_grads=True needs overlap=True: gradients are freed as their buckets take them")
+        # ZeRO-2 proper: each gradient freed once its bucket packed it (docs/memory.md).
+        self.free_grads = bool(free_grads)
         if reduce_dtype is not None and reduce_dtype not in (torch.float32, torch.float64):
             raise OptimizerError(f"reduce_dtype must be torch.float32 or torch.float64, got {reduce_dtype!r}")
         # Gradients in a lower precision are reduced in this one (FSDP2's MixedPrecisionPolicy).
@@ -625,7 +639,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # --- the step plan -----------------------------------------------------------------
     def _stepped(self) -> list[Slot]:
-        return [s for s in self._slots if s.shard is not None and s.param.grad is not None]
+        return [s for s in self._slots if s.shard is not None and (s.param.grad is not None or s.taken is not None)]
 
     def _compiled(self, slots: Sequence[Slot], grads: Sequence[tuple[Layout, torch.dtype]]) -> _Compiled:
         """The step plan for these slots and their gradients' layouts and dtypes, built once
@@ -740,17 +754,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return loss
         members = self._members(slots)
         try:
-            staged = self._stage(slots, backward)
-        except Exception:
-            self._agree(members, ok=False)  # the others must not commit either
-            raise
-        if not self._agree(members, ok=True):
-            staged.abandon()
-            raise OptimizerStepError(
-                f"step {min(s.step for s in slots) + 1} failed on another rank of {_ranks_text(members)}; "
-                "parameters and optimizer states are unchanged on every rank"
-            )
-        staged.commit()
+            try:
+                staged = self._stage(slots, backward)
+            except Exception:
+                self._agree(members, ok=False)  # the others must not commit either
+                raise
+            if not self._agree(members, ok=True):
+                staged.abandon()
+                raise OptimizerStepError(
+                    f"step {min(s.step for s in slots) + 1} failed on another rank of {_ranks_text(members)}; "
+                    "parameters and optimizer states are unchanged on every rank"
+                )
+            staged.commit()
+        finally:
+            for slot in slots:  # freed gradients are used once, by this step, whatever it did
+                slot.taken = None
         return loss
 
     def _members(self, slots: Sequence[Slot]) -> tuple[int, ...]:
@@ -820,6 +838,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _stage(self, slots: list[Slot], backward: _Backward | None = None) -> _Staged:
         """Run the step's communication and math without changing anything; returns what
         commits it. ``backward``: the buckets already started during backward."""
+        again = [s.name for s in slots if s.taken is not None and s.param.grad is not None]
+        if again:
+            if backward is not None and backward.run is not None:
+                backward.run.drain()
+            raise OptimizerError(
+                f"the gradient of {_names_text(again)} was accumulated again after its bucket had taken and "
+                "freed it (free_grads=True): accumulate micro-batches inside optimizer.no_sync(), or pass "
+                "free_grads=False"
+            )
         grads = [slot.local_grad() for slot in slots]
         compiled = self._compiled(slots, [(layout, grad.dtype) for grad, layout in grads])
         for slot, (grad, layout) in zip(slots, grads, strict=True):
@@ -1223,6 +1250,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         try:
             backward.run.feed({leg: as_dtype(grad, self._wire_dtype(grad.dtype))})
             backward.fed[slot.index] = _memory_and_version(grad)
+            if self.free_grads:
+                self._free_packed(backward)
         except ReshardError as e:  # a piece of the wrong shape: sent as zeros, raised in step()
             backward.error = backward.error or e
             if leg not in backward.run.legs:
@@ -1230,6 +1259,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 backward.run.feed({leg: zeros})
         except ShardlangError as e:  # a collective failed to start: raised in step()
             backward.error = backward.error or e
+
+    def _free_packed(self, backward: _Backward) -> None:
+        """Free the gradients whose buckets have packed them (``free_grads``): each parameter's
+        ``.grad`` becomes ``None`` and an empty stand-in keeps its dtype and layout for the step."""
+        assert backward.compiled is not None and backward.run is not None
+        if backward.grad_legs is None:
+            legs = backward.compiled.legs
+            backward.grad_legs = {legs[(s.name, "grad -> state")]: s for s in backward.slots}
+        for leg in backward.run.packed - backward.freed:
+            slot = backward.grad_legs.get(leg)
+            backward.freed.add(leg)
+            if slot is None or slot.param.grad is None:
+                continue
+            grad, layout = slot.local_grad()
+            slot.taken = (torch.empty(0, dtype=grad.dtype, device=grad.device), layout)
+            slot.param.grad = None
+            backward.fed[slot.index] = _memory_and_version(slot.taken[0])
 
     def _started(
         self,
@@ -1286,6 +1332,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except ShardlangError as e:
             backward.error = e
         return backward
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; a backward whose step will not come is dropped
+        too: its buckets waited out, the stand-ins of the gradients it freed (``free_grads``)
+        forgotten, so that the next backward starts afresh."""
+        super().zero_grad(set_to_none)
+        backward, self._backward = self._backward, None
+        if backward is not None and backward.run is not None:
+            backward.run.drain()
+        for slot in self._slots:
+            slot.taken = None
 
     @property
     def buckets_started(self) -> int:
@@ -1561,7 +1618,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             assert slot.shard is not None
             local = slot.local_param()
             params += local.numel() * local.element_size()
-            grads += local.numel() * local.element_size() if slot.param.requires_grad else 0
+            grads += local.numel() * local.element_size() if slot.param.requires_grad and not self.free_grads else 0
             for name, shape in self._state_shapes(slot).items():
                 if name in slot.own_layouts:
                     own += math.prod(slot.own_piece_shape(name, self.rank)) * slot.dtype.itemsize
