@@ -2,7 +2,11 @@
 time against the best fixed strategy that fits, at budgets from ZeRO-3's memory to DDP's.
 
     .venv/bin/python bench/bench_suggest.py [--spec examples/llama7b_dp4_tp8.shard] [--points 12]
-        [--optimizer adamw|came] [--repeat 3] [--tensor NAME:LENGTHS:DTYPE ...]
+        [--optimizer adamw|came] [--repeat 3] [--tensor NAME:LENGTHS:DTYPE ...] [--budget 80GiB]
+
+``--budget``: one budget only, timed from pricing to the fixed strategies the report lists (what
+``shardlang suggest`` does), with the process's peak RSS: the scale check of specs of thousands
+of ranks (``shardlang init --shapes SHAPES.json --mesh 'world = [dp=131072]' --strategy zero2``).
 
 The tensors are the spec's declared ones and those its rules match among ``--tensor`` (braces
 expand; by default the Llama example's 65 RMSNorm weights, ``[4096]`` bf16). Candidates are
@@ -16,6 +20,7 @@ strategy's that fits (ddp, zero1, zero2, zero3, and the flat ones where offered)
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import results as bench_results
@@ -44,10 +49,14 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("adamw", "came"), default="adamw")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tensor", action="append", help="NAME:LENGTHS:DTYPE, LENGTHS as 4096 or 8x4096")
+    parser.add_argument("--budget", help="one budget, timed end to end (24GiB, 8e9)")
     bench_results.add_json_option(parser)
     args = parser.parse_args()
     rows = []
     spec = load_spec(args.spec)
+    if args.budget is not None:
+        _one_budget(spec, args)
+        return
     started = time.perf_counter()
     problems = build_problems(spec, args.optimizer, tensors=_tensors(spec, args.tensor or list(NORMS)))
     pricing = time.perf_counter() - started
@@ -91,6 +100,31 @@ def main() -> None:
         bench_results.table(f"Suggested within a budget, {args.spec}", [*heads, "ratio", "optimal"], rows, note),
     ]
     bench_results.write(args.json, f"suggest ({args.optimizer})", tables)
+
+
+def _one_budget(spec: Spec, args: argparse.Namespace) -> None:
+    from cli.inputs import bytes_arg
+
+    started = time.perf_counter()
+    tensors = _tensors(spec, args.tensor or [])
+    problems = build_problems(spec, args.optimizer, tensors=tensors)
+    priced = time.perf_counter()
+    result = suggest_best(problems, bytes_arg(args.budget))
+    solved = time.perf_counter()
+    fixed = [(name, c) for p, items in result.fixed for name, c in items if name is not None and c is not None]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    candidates = sum(len(g.candidates) for p in problems for g in p.groups)
+    print(
+        f"{args.spec}: {len(tensors)} tensors, {candidates} candidates in {len(problems)} problems; pricing "
+        f"{priced - started:.2f} s, solving {solved - priced:.2f} s, total {solved - started:.2f} s, "
+        f"peak RSS {peak:.0f} MiB"
+    )
+    best = result.best
+    print(
+        f"  suggested {best.memory / 2**30:.2f} GiB {best.seconds * 1e3:.1f} ms, "
+        f"{result.problem.changed(best)} changed; "
+        + ", ".join(f"{n} {c.memory / 2**30:.2f} GiB {c.seconds * 1e3:.1f} ms" for n, c in fixed)
+    )
 
 
 if __name__ == "__main__":
