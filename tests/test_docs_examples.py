@@ -20,6 +20,7 @@ width; ``…`` in a transcript stands for any text within its line (a solve time
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -235,19 +236,21 @@ def summary_lines(page: Path) -> Iterator[tuple[Block, list[str]]]:
 def test_command_summary_names_real_options(page: Path) -> None:
     """Every ``--option`` a summary shows is in its command's ``--help`` (the usage lines are
     abbreviations, so only the options' names are checked)."""
-    helps: dict[str, str] = {}
     found = list(summary_lines(page))
     assert found, f"{page_id(page)}: no command summary found"
     for block, argv in found:
         command = argv[0] if argv and not argv[0].startswith("-") and argv[0] in SUBCOMMANDS else ""
-        if command not in helps:
-            done = subprocess.run(
-                [str(SHARDLANG), *([command] if command else []), "--help"], env=ENV, capture_output=True, text=True
-            )
-            assert done.returncode == 0, done.stderr
-            helps[command] = done.stdout
         for option in (a.split("=")[0] for a in argv if a.startswith("--")):
-            assert option in helps[command], f"{block.where}: `shardlang {command}` has no option {option}"
+            assert option in help_text(command), f"{block.where}: `shardlang {command}` has no option {option}"
+
+
+@functools.cache  # the two summaries ask for the same commands' help
+def help_text(command: str) -> str:
+    done = subprocess.run(
+        [str(SHARDLANG), *([command] if command else []), "--help"], env=ENV, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 SUBCOMMANDS = ("check", "plan", "show", "render", "explain", "init", "suggest", "calibrate")
