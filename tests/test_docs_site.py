@@ -75,3 +75,12 @@ def test_bench_results_round_trip(tmp_path: Path) -> None:
     assert read == written
     assert read["command"] == ".venv/bin/python bench/demo.py --x 'a b'"
     assert read["tables"] == tables and read["date"].endswith("UTC") and read["machine"]["cpus"]
+
+
+def test_the_readme_links_to_files_that_exist() -> None:
+    """The site's build checks the pages' links; the README is not a page, so its links are checked here."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert targets, "no links found"
+    missing = sorted({t for t in targets if "://" not in t and not (REPO / t).exists()})
+    assert not missing, f"README.md links to missing files: {missing}"
