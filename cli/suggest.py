@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from cli.init import named_tensors
 from cli.inputs import UsageError, bucket_bytes_arg, bytes_arg, read_spec, shape_arg
 from cli.tables import format_bytes, format_seconds
@@ -29,6 +31,8 @@ from shardlang.writer import fold_names
 
 _FRONTIER_POINTS = 16
 _WORTH = 1e-3  # the main job mentions a change that saves at least this share of the time
+_CAP_WARNING = 1.25  # a cap that slows the suggested step more than this is warned about
+_UNCAPPED = 2**62  # bucket bytes: one bucket per collective kind
 
 
 def add_suggest_parser(sub: Any) -> None:
@@ -169,11 +173,28 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
         f"modeled time: buckets of at most {format_bytes(problem.bucket_bytes)} (as `shardlang plan`), the training "
         "loop's too; ties: less memory, then fewer changes"
     )
+    out += cap_lines(problem, best)
     out.append(
         f"solved: {status} (HiGHS, {result.solve_seconds:.2f} s; pricing {pricing:.2f} s, "
         f"{candidates} candidates in {len(problems)} problem{'s' * (len(problems) != 1)}: {kinds})"
     )
     return "\n".join(out)
+
+
+def cap_lines(problem: Problem, choice: Choice) -> list[str]:
+    """A warning where the bucket cap makes the chosen layouts more than :data:`_CAP_WARNING`
+    times slower than buckets of any size would (their latencies, one per bucket; the cap
+    buys the memory of smaller buffers)."""
+    if not choice.seconds or problem.bucket_bytes >= _UNCAPPED:
+        return []
+    uncapped = attrs.evolve(problem, bucket_bytes=_UNCAPPED).evaluate(choice.picks).seconds
+    if choice.seconds <= _CAP_WARNING * uncapped:
+        return []
+    return [
+        f"warning: the {format_bytes(problem.bucket_bytes)} bucket cap makes this step "
+        f"{choice.seconds / uncapped:.1f}x slower than buckets of any size ({format_seconds(uncapped)}): a larger "
+        "--bucket-bytes (here and in the optimizers) trades buffer memory for latency"
+    ]
 
 
 def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str, Any]:

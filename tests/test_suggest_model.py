@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import attrs
 import pytest
 
+from cli.main import main
 from planner import CostModel, knapsack, plan
 from planner.cost import collective_rounds
 from planner.knapsack import suggest, suggest_best
@@ -219,3 +221,21 @@ def test_data_parallel_axes_of_fsdp_and_zero1_specs() -> None:
     assert math.isclose(own.seconds, 3 * 60e-6 + 3 * (3 * (4096 + 256) // 4) / 25e9, rel_tol=1e-9)
     ddp = problem.strategy("ddp")
     assert ddp is not None and ddp.seconds < own.seconds and ddp.memory > own.memory
+
+
+def test_the_report_warns_where_the_bucket_cap_slows_the_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "three.shard"
+    path.write_text(THREE)
+    # by hand (ZeRO-2 as written): 3 tensors of 4 MiB, a reduce-scatter and a gather of 3 rounds
+    # of 1 ms each; under a 4 MiB cap 3 buckets per kind, 18 ms and the bytes; any size: 6 ms
+    assert main(["suggest", str(path), "--memory", "1GiB", "--bucket-bytes", "4MiB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    byte_time = 2 * 3 * (3 * 4 * MIB / 4) / 25e9
+    ratio = (18e-3 + byte_time) / (6e-3 + byte_time)
+    assert f"warning: the 4 MiB bucket cap makes this step {ratio:.1f}x slower than buckets of any size" in "\n".join(
+        lines
+    )
+    assert main(["suggest", str(path), "--memory", "1GiB"]) == 0  # 32 MiB: one bucket per kind
+    assert "bucket cap" not in capsys.readouterr().out
