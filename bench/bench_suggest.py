@@ -111,7 +111,12 @@ def _one_budget(spec: Spec, args: argparse.Namespace) -> None:
     priced = time.perf_counter()
     result = suggest_best(problems, bytes_arg(args.budget))
     solved = time.perf_counter()
-    fixed = [(name, c) for p, items in result.fixed for name, c in items if name is not None and c is not None]
+    fixed = [
+        (name if p.flat_axis is None else f"{name} {p.flat_axis}", c)
+        for p, items in result.fixed
+        for name, c in items
+        if name is not None and c is not None
+    ]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     candidates = sum(len(g.candidates) for p in problems for g in p.groups)
     print(
