@@ -32,6 +32,7 @@ Variants: ``ddp`` (``DistributedDataParallel`` + ``torch.optim.AdamW(foreach=Tru
 AdamW), ``sharded`` (``ShardedAdamW``, the ZeRO-2 spec: params ``R,R``, gradients
 ``R,R | P(dp):avg``, states ``S(dp),R``, no wrapper), ``sharded-flat`` (the same with states
 ``R,R`` and ``flat_axis="dp"``), ``sharded-overlap`` (ZeRO-2 with ``overlap=True`` and
+``free_grads=True``: gradients freed once reduced), ``sharded-overlap-prefetch`` (the same with
 ``prefetch_params`` per layer), ``sharded-fsdp2`` (``ShardedAdamW`` over FSDP2's parameters,
 no spec), ``ddp-came`` (DDP + ``came_pytorch.CAME``), ``sharded-came`` and ``sharded-came-flat``.
 """
@@ -52,20 +53,23 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
+import results  # noqa: E402  (bench/results.py, found through the path above)
+
 VARIANTS = {
     "ddp": "DDP + AdamW(foreach)",
     "zero": "DDP + ZeroRedundancyOptimizer(AdamW)",
     "fsdp2": "FSDP2 fully_shard + AdamW(foreach)",
     "sharded": "ShardedAdamW, ZeRO-2 spec",
     "sharded-flat": "ShardedAdamW, flat ZeRO",
-    "sharded-overlap": "ShardedAdamW, ZeRO-2 spec, overlap + prefetch_params",
+    "sharded-overlap": "ShardedAdamW, ZeRO-2 spec, overlap + free_grads",
+    "sharded-overlap-prefetch": "ShardedAdamW, ZeRO-2 spec, overlap + free_grads + prefetch_params",
     "sharded-fsdp2": "ShardedAdamW over FSDP2's parameters",
     "ddp-came": "DDP + came_pytorch.CAME",
     "sharded-came": "ShardedCAME, ZeRO-2 spec",
     "sharded-came-flat": "ShardedCAME, flat ZeRO",
 }
-# What each variant is compared with besides DDP + AdamW (the issue's goals).
-PEERS = {"sharded-fsdp2": "fsdp2", "sharded-came": "ddp-came", "sharded-came-flat": "ddp-came"}
+# What each variant is compared with besides DDP + AdamW (the goals of docs/memory.md).
+PEERS = {"sharded": "zero", "sharded-fsdp2": "fsdp2", "sharded-came": "ddp-came", "sharded-came-flat": "ddp-came"}
 WIDTH, LAYERS, FEED_FORWARD = 512, 6, 2048
 STEPS = 5
 MMAP_THRESHOLD = 64 * 1024
@@ -96,7 +100,7 @@ def _warm_up(torch: Any) -> None:
     layer(torch.randn(2, 8, 16)).sum().backward()
 
 
-def worker(variant: str, rank: int, world: int, port: int, steps: int) -> dict[str, Any]:
+def worker(variant: str, rank: int, world: int, port: int, steps: int, bucket_bytes: int | None) -> dict[str, Any]:
     """One rank of one variant: train ``steps`` steps and measure (see the module doc)."""
     import came_pytorch
     import torch
@@ -136,16 +140,18 @@ def worker(variant: str, rank: int, world: int, port: int, steps: int) -> dict[s
     elif variant == "ddp-came":
         optimizer = came_pytorch.CAME(model.parameters(), **CAME)
     elif variant == "sharded-fsdp2":
-        optimizer = ShardedAdamW(model.named_parameters(), None, **ADAMW)
+        optimizer = ShardedAdamW(model.named_parameters(), None, **ADAMW, bucket_bytes=bucket_bytes)
     else:
         flat = variant.endswith("-flat")
         spec = spec_for(model, world, "R,R" if flat else "S(dp),R", "R" if flat else "S(dp)")
-        options: dict[str, Any] = {"flat_axis": "dp" if flat else None, "overlap": variant == "sharded-overlap"}
+        overlap = variant.startswith("sharded-overlap")
+        options: dict[str, Any] = {"flat_axis": "dp" if flat else None, "overlap": overlap, "free_grads": overlap}
+        options["bucket_bytes"] = bucket_bytes
         if variant.startswith("sharded-came"):
             optimizer = ShardedCAME(model.named_parameters(), spec, **CAME, **options)
         else:
             optimizer = ShardedAdamW(model.named_parameters(), spec, **ADAMW, **options)
-        if variant == "sharded-overlap":
+        if variant == "sharded-overlap-prefetch":
             optimizer.prefetch_params(model.embed, *model.layers, model.head)
     loss = 0.0
     step_peak = 0
@@ -175,7 +181,9 @@ def worker(variant: str, rank: int, world: int, port: int, steps: int) -> dict[s
     return {"held": held, "step_peak": step_peak, "loss": loss, "predicted": predicted}
 
 
-def run_variant(variant: str, world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
+def run_variant(
+    variant: str, world: int, steps: int, timeout: float, bucket_bytes: int | None = None
+) -> list[dict[str, Any]]:
     """``variant`` on ``world`` fresh processes; each rank's measurements in rank order."""
     import torch.distributed as dist
 
@@ -196,6 +204,7 @@ def run_variant(variant: str, world: int, steps: int, timeout: float) -> list[di
                 str(world),
                 str(store.port),
                 str(steps),
+                str(bucket_bytes),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -204,7 +213,7 @@ def run_variant(variant: str, world: int, steps: int, timeout: float) -> list[di
         )
         for rank in range(world)
     ]
-    results = []
+    measured = []
     deadline = time.monotonic() + timeout
     for rank, proc in enumerate(procs):
         try:
@@ -219,9 +228,9 @@ def run_variant(variant: str, world: int, steps: int, timeout: float) -> list[di
             for p in procs:
                 p.kill()
             raise RuntimeError(f"{variant} on {world} ranks: rank {rank} failed:\n{err[-4000:]}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
+        measured.append(json.loads(out.strip().splitlines()[-1]))
     del store
-    return results
+    return measured
 
 
 def mib(value: float | None) -> str:
@@ -236,12 +245,16 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per variant")
-    parser.add_argument("--json", type=Path, default=None, help="write every number here")
-    parser.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
+    results.add_json_option(parser)
+    parser.add_argument(
+        "--bucket-kib", type=int, default=None, help="bucket_bytes of the sharded optimizers (default: theirs)"
+    )
+    parser.add_argument("--worker", nargs=6, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        variant, rank, world, port, steps = args.worker
-        print(json.dumps(worker(variant, int(rank), int(world), int(port), int(steps))))
+        variant, rank, world, port, steps, bucket = args.worker
+        bucket_bytes = None if bucket == "None" else int(bucket)
+        print(json.dumps(worker(variant, int(rank), int(world), int(port), int(steps), bucket_bytes)))
         return
     keys = [k for k in args.variants.split(",") if k]
     unknown = [k for k in keys if k not in VARIANTS]
@@ -251,33 +264,37 @@ def main() -> None:
         keys.insert(0, "ddp")  # every ratio is to DDP + AdamW of the same run
     worlds = [int(w) for w in args.ranks.split(",") if w]
     started = time.perf_counter()
-    report: dict[str, Any] = {"command": sys.argv, "steps": args.steps, "results": {}}
-    for world in worlds:
-        rows = {key: run_variant(key, world, args.steps, args.timeout) for key in keys}
-        report["results"][str(world)] = rows
-        ddp = max(r["held"] for r in rows["ddp"])
-        print(f"\n{world} ranks ({WIDTH}x{LAYERS} model, {args.steps} steps; MiB per rank, largest over ranks)\n")
-        print("| variant | held MiB | x DDP | x peer | step peak MiB | predicted MiB | predicted / held | loss |")
-        print("|---|---|---|---|---|---|---|---|")
-        for key in keys:
-            reference_loss = rows["ddp-came" if "came" in key and "ddp-came" in rows else "ddp"][0]["loss"]
-            held = max(r["held"] for r in rows[key])
-            peak = max(r["step_peak"] for r in rows[key])
-            predicted = [r["predicted"] for r in rows[key] if r["predicted"] is not None]
-            peer = PEERS.get(key)
-            versus = f"{held / max(r['held'] for r in rows[peer]):.2f} ({peer})" if peer in rows else ""
-            guess = max(predicted) if predicted else None
-            loss = rows[key][0]["loss"]
-            flag = "" if abs(loss - reference_loss) <= LOSS_RTOL * abs(reference_loss) else " MISMATCH"
-            print(
-                f"| {VARIANTS[key]} | {mib(held)} | {held / ddp:.2f} | {versus} | {mib(peak)} | {mib(guess)} "
-                f"| {'' if guess is None else f'{guess / held:.2f}'} | {loss:.5f}{flag} |"
-            )
+    measured: dict[str, Any] = {"steps": args.steps, "results": {}}
+    with results.printed() as out:
+        for world in worlds:
+            bucket = None if args.bucket_kib is None else args.bucket_kib * 1024
+            rows = {key: run_variant(key, world, args.steps, args.timeout, bucket) for key in keys}
+            measured["results"][str(world)] = rows
+            print_table(world, keys, rows, args.steps)
     print(f"\ncommand: {' '.join([Path(sys.executable).name, *sys.argv])}; {time.perf_counter() - started:.0f} s")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+    results.write(args.json, "memory", results.markdown_tables(out.getvalue()), data=measured)
+
+
+def print_table(world: int, keys: list[str], rows: dict[str, list[dict[str, Any]]], steps: int) -> None:
+    """One world size's table: the largest over ranks, ratios to DDP + AdamW and to the peer."""
+    ddp = max(r["held"] for r in rows["ddp"])
+    print(f"\n**{world} ranks** ({WIDTH}x{LAYERS} model, {steps} steps; MiB per rank, the largest over ranks)\n")
+    print("| variant | held MiB | x DDP | x peer | step peak MiB | predicted MiB | predicted / held | loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for key in keys:
+        reference_loss = rows["ddp-came" if "came" in key and "ddp-came" in rows else "ddp"][0]["loss"]
+        held = max(r["held"] for r in rows[key])
+        peak = max(r["step_peak"] for r in rows[key])
+        predicted = [r["predicted"] for r in rows[key] if r["predicted"] is not None]
+        peer = PEERS.get(key)
+        versus = f"{held / max(r['held'] for r in rows[peer]):.2f} ({peer})" if peer in rows else ""
+        guess = max(predicted) if predicted else None
+        loss = rows[key][0]["loss"]
+        flag = "" if abs(loss - reference_loss) <= LOSS_RTOL * abs(reference_loss) else " MISMATCH"
+        print(
+            f"| {VARIANTS[key]} | {mib(held)} | {held / ddp:.2f} | {versus} | {mib(peak)} | {mib(guess)} "
+            f"| {'' if guess is None else f'{guess / held:.2f}'} | {loss:.5f}{flag} |"
+        )
 
 
 if __name__ == "__main__":
