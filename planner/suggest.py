@@ -17,8 +17,10 @@ zero3``): its axes that split every tensor's parameter, gradient and state alike
 parallelism does not do to a tensor that also has replicated parts (its norms). Where ``D`` is
 more than the gradient's pending axes, ``G0`` is ``C`` pending a mean over ``D``: a sharded
 parameter is gathered for forward and backward, its gradient reduce-scattered in backward, and
-the gathered parameter counted in the memory. (HSDP, pending over the replicate axis and split
-over the shard axis, reads the shard axis as part of ``C``.)
+the gathered parameter counted in the memory. HSDP (a mean pending over the replicate axis,
+every tensor split over the shard axis alike) reads both as data parallel where its tensors
+include a 1-d one (a norm): without one, sharding every declared tensor alike is what tensor
+parallelism of the weights looks like too, and the shard axis is read as part of ``C``.
 
 Flat sharding over a mesh axis ``a`` (the optimizers' ``flat_axis``, DeepSpeed's flat ZeRO)
 is an option of the whole optimizer, not of a tensor: every tensor's state is then the rank's
@@ -253,8 +255,10 @@ def infer_data_parallel(tensors: Sequence[TensorSpec]) -> dict[tuple, tuple[int,
     those some gradient is pending a mean over, or some state splits that its parameter does
     not (ZeRO-1, whose gradient the loop has reduced). A mesh with neither is read as FSDP:
     its axes that split every tensor's parameter, gradient and state alike (all three the
-    same layout, as ``shardlang init --strategy zero3`` writes them); tensor parallelism
-    never splits a tensor's state as its gradient with nothing pending (module doc)."""
+    same layout, as ``shardlang init --strategy zero3`` writes them). With pending axes, the
+    axes that split every tensor's parameter, gradient and state alike are added where the
+    tensors include a 1-d one (HSDP: sharded over one axis, a pending mean over another);
+    tensor parallelism leaves some tensors replicated (norms), or shows none of 1 dim."""
     by_mesh: dict[tuple, list[TensorSpec]] = {}
     for t in tensors:
         by_mesh.setdefault(t.param.mesh.geometry, []).append(t)
@@ -268,6 +272,11 @@ def infer_data_parallel(tensors: Sequence[TensorSpec]) -> dict[tuple, tuple[int,
         if not found and all(t.param == t.grad == t.state() for t in members):
             axes = [{a for dim in t.param.dims for a in dim} for t in members]
             found = sorted(set.intersection(*axes)) if axes else []
+        elif any(len(t.shape) == 1 for t in members):  # HSDP: sharded alike beside the pending axes
+            alike = [t for t in members if t.grad.dims == t.param.dims == t.state().dims]
+            if len(alike) == len(members):
+                axes = [{a for dim in t.param.dims for a in dim} for t in members]
+                found += sorted(set.intersection(*axes) - set(found))
         out[geometry] = tuple(sorted(set(found)))
     return out
 

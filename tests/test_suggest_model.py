@@ -203,8 +203,31 @@ tensor n : f32[64] { param = R over world  grad = R | P(dp):avg over world }
 """
 
 
+HSDP = """
+mesh world = [rep=2, shard=2]
+tensor t : f32[64, 16] {
+  param = S(shard),R over world  grad = S(shard),R | P(rep):avg over world  state = S(shard),R over world
+}
+tensor n : f32[64] { param = S(shard) over world  grad = S(shard) | P(rep):avg over world  state = S(shard) over world }
+"""
+
+
+# Column-parallel weight and bias, ZeRO over dp: tp splits every tensor, 1-d included, but the
+# states split further than the parameters: tensor parallel, not HSDP.
+TP_BIAS = """
+mesh world = [dp=2, tp=2]
+tensor w : f32[64, 16] {
+  param = S(tp),R over world  grad = S(tp),R | P(dp):avg over world  state = S(tp,dp),R over world
+}
+tensor b : f32[64] { param = S(tp) over world  grad = S(tp) | P(dp):avg over world  state = S(tp,dp) over world }
+"""
+
+
 def test_data_parallel_axes_of_fsdp_and_zero1_specs() -> None:
-    for text, expected in ((FSDP, (0,)), (ZERO1, (0,)), (TP, (0,))):
+    # TP: tp splits t alike everywhere, but n is replicated over it; declared alone t reads the same
+    tp_alone = TP.split("tensor n")[0]
+    cases = ((FSDP, (0,)), (ZERO1, (0,)), (TP, (0,)), (tp_alone, (0,)), (TP_BIAS, (0,)), (HSDP, (0, 1)))
+    for text, expected in cases:
         spec = parse_spec(text)
         (axes,) = infer_data_parallel(spec.tensors).values()
         assert axes == expected, text
@@ -239,3 +262,14 @@ def test_the_report_warns_where_the_bucket_cap_slows_the_step(
     )
     assert main(["suggest", str(path), "--memory", "1GiB"]) == 0  # 32 MiB: one bucket per kind
     assert "bucket cap" not in capsys.readouterr().out
+
+
+def test_hsdp_gathers_over_the_shard_axis_and_all_reduces_over_the_replicate_axis() -> None:
+    (problem,) = build_problems(parse_spec(HSDP))[:1]
+    own = problem.original()
+    group = next(g for g in problem.groups if g.first.name == "t")
+    (cand,) = [c for c in group.candidates if c.layouts == group.first.layouts]
+    assert [leg.what for leg in cand.loop] == ["param -> compute", "grad -> grad"]
+    assert [s.op for leg in cand.loop for h in leg.hops for s in h.plan.steps] == ["all_gather", "reduce_scatter"]
+    assert [s.op for leg in cand.legs for h in leg.hops for s in h.plan.steps if s.op != "slice"] == ["all_reduce"]
+    assert own.seconds > 0
