@@ -1,24 +1,20 @@
-"""Running a stage of a step plan (``planner.step``): one collective per bucket.
+"""Running a stage of a step program (``runtime.step_program``): one collective per bucket.
 
 Every leg of the stage starts from the rank's piece of its tensor and walks its hops' steps in
 order; local steps (slice, partial, an axis of one rank) run on the leg alone, and each
-communicating step waits for its bucket. A bucket's buffer is laid out peer-major: for a
-reduce_scatter or all_to_all over ``n`` ranks it is ``[n, sum of chunks]``, row ``p`` holding
-every member's block for peer ``p`` one after another; for an all_gather or all_reduce it is
-the members' pieces one after another. Each member packs its (padded) blocks straight into its
-columns (``CollectiveMove.send_into``: the same padding as an unbucketed reshard, so uneven, empty and
-nested pieces stay exact), the collective runs once, and each member's result is a view of its
-columns (``CollectiveMove.finish``). Ranks of one group hold the same chunk sizes (``runtime.program``),
-so their buffers agree.
+communicating step waits for its bucket. Each member packs its (padded) blocks straight into its
+columns of the bucket's buffer (``CollectiveMove.send_into``: the same padding as an unbucketed
+reshard, so uneven, empty and nested pieces stay exact), the collective runs once, and each
+member's result is a view of its columns (``CollectiveMove.finish``).
 
 Memory: with ``buffers`` (a :class:`~runtime.buffers.Scratch` kept by the caller between steps)
-the buckets share one send buffer (the largest bucket's, and the all_to_all space of gloo's
-reduce_scatter), and each bucket keeps its result buffer (read after later buckets have run).
+the buckets use the kept and send buffers where the program lays them out
+(``runtime.step_program._lay_out``: one send buffer shared by the buckets of a stage run in
+``step()``, a few slots of it for those started during backward, results in the kept buffer).
 Without it every bucket allocates both. Results are views of bucket results or of the inputs (a
 leg that never communicates returns a view of its input), valid until the next run with the
-same ``buffers``: callers copy what they keep.
+same ``buffers``: callers copy what they keep, or give ``write_to``.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -28,256 +24,25 @@ import time
 from collections.abc import Callable, KeysView, Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.step import AFTER, AFTER_STEP, BEFORE, DURING_BACKWARD, IN_STEP, Bucket, Leg, StepPlan
+from planner.step import AFTER, DURING_BACKWARD, IN_STEP, Bucket
 from runtime import stats
-from runtime.buffers import KeptViews, Scratch
+from runtime.buffers import Scratch
 from runtime.comm import PendingCollective, start_collective
-from runtime.dtypes import dtype_name, torch_dtype
+from runtime.dtypes import dtype_name
 from runtime.errors import DistributedError, ReshardError
-from runtime.exchange import RankExchange
 from runtime.groups import group_for
-from runtime.program import CollectiveMove, bytes_sent, compile_plan
+from runtime.program import CollectiveMove, bytes_sent
+from runtime.step_program import IN_FLIGHT, BucketProgram, LegProgram, StepProgram
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
-
-# Buckets launched during backward that may be in flight at once: a hook that would start one
-# more first waits for the oldest (as FSDP2 bounds its reduce-scatters in flight), so their
-# buffers are a few buckets', not the model's (docs/memory.md).
-IN_FLIGHT = 2
-
-
-@attrs.frozen(eq=False)
-class _LegProgram:
-    """A leg as one rank runs it: its moves per hop, and the shape and dtype of the piece it
-    starts from. ``schedule`` is the leg's walk in order (:class:`_Walk`): per step the view its
-    hop starts with (on the hop's first step), its move and whether that is local; a hop of no
-    steps is an entry of its view alone (no move, local). ``positions`` maps (hop, step) to the
-    step's entry."""
-
-    leg: Leg
-    moves: tuple[tuple[CollectiveMove | RankExchange | None, ...], ...]
-    source_shape: tuple[int, ...]
-    dtype: torch.dtype  # the leg's, as torch names it
-    schedule: tuple[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool], ...]
-    positions: Mapping[tuple[int, int], int]
-
-
-@attrs.frozen(eq=False)
-class _BucketProgram:
-    """A bucket as one rank runs it: per member its leg, move, chunk and offset in each peer's
-    part of the buffer, and the buffer's per-peer length."""
-
-    index: int
-    bucket: Bucket
-    members: tuple[tuple[int, CollectiveMove, int, int], ...]  # (leg, move, chunk, offset)
-    total: int
-    per_peer: bool  # the send buffer has one row per peer (reduce_scatter, all_to_all)
-    final: tuple[bool, ...]  # per member: its step is the last move of its leg (views may follow)
-    positions: tuple[int, ...]  # per member: its step's entry in its leg's schedule
-    # Where its result (and gloo's reduce_scatter workspace) lie in the kept buffer of its
-    # dtype: (offset, elements); see :func:`_lay_out`.
-    result: tuple[int, int] = (0, 0)
-    workspace: tuple[int, int] | None = None
-    send: int = 0  # where its send buffer starts in the shared one
-
-    @property
-    def send_numel(self) -> int:
-        """Elements of the send buffer: a row per peer of ``total``, or one row."""
-        return (self.members[0][1].n if self.per_peer else 1) * self.total
-
-
-@attrs.frozen(eq=False)
-class StepProgram:
-    """A step plan compiled for one rank: built once per plan, as ``compile_plan`` is for a
-    plan, so that the step itself only moves data."""
-
-    plan: StepPlan
-    rank: int
-    legs: tuple[_LegProgram, ...]
-    buckets: tuple[_BucketProgram, ...]
-    # Per wire dtype: elements of the shared send buffer and of the kept buffer.
-    send_numel: Mapping[str, int] = attrs.field(factory=dict)
-    kept_numel: Mapping[str, int] = attrs.field(factory=dict)
-    # Per leg whose first entry is a bucket's step: (bucket, member) (:meth:`StageRun.places`).
-    opened_by: Mapping[int, tuple[int, int]] = attrs.field(factory=dict)
-    # Views of the kept buffers that every step makes alike (:meth:`StageRun._memo`).
-    views: KeptViews = attrs.field(factory=KeptViews, repr=False)
-    # The buckets after the update launched in step() share one result region: the stage must
-    # run with StageRun's ``write_to`` (compile_step's ``write_through``).
-    shared_after: bool = False
-
-
-def compile_step(plan: StepPlan, rank: int, *, write_through: bool = False) -> StepProgram:
-    """``rank``'s part of every leg and bucket of ``plan``. ``write_through``: the caller runs
-    the stage after the update with :class:`StageRun`'s ``write_to`` (every result written where
-    it is kept as soon as its bucket lands), so its buckets launched in ``step()`` may share one
-    result region (:func:`_lay_out`)."""
-    legs = []
-    for leg in plan.legs:
-        source = leg.hops[0].plan
-        moves = tuple(compile_plan(hop.plan, rank) for hop in leg.hops)
-        legs.append(
-            _LegProgram(
-                leg,
-                moves,
-                source.src.rank_piece(source.shape, rank).shape,
-                torch_dtype(leg.dtype),
-                *_schedule(leg, moves),
-            )
-        )
-    buckets, opened_by = [], {}
-    for index, bucket in enumerate(plan.buckets):
-        members, final, offset = [], [], 0
-        positions = tuple(legs[m.leg].positions[(m.hop, m.step)] for m in bucket.members)
-        for m, position in zip(bucket.members, positions, strict=True):
-            if position == 0:
-                opened_by[m.leg] = (index, len(members))
-            final.append(all(later is None for _, later, _ in legs[m.leg].schedule[position + 1 :]))
-            move = legs[m.leg].moves[m.hop][m.step]
-            if not isinstance(move, CollectiveMove):
-                what = (
-                    "a point-to-point step" if isinstance(move, RankExchange) else "a step on a mesh without this rank"
-                )
-                leg = plan.legs[m.leg]
-                raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' has {what}: not run in a step plan")
-            members.append((m.leg, move, move.chunk, offset))
-            offset += move.chunk
-        per_peer = bucket.op in ("reduce_scatter", "all_to_all")
-        buckets.append(_BucketProgram(index, bucket, tuple(members), offset, per_peer, tuple(final), positions))
-    launches = {b.launch for b in plan.buckets if b.stage == AFTER}
-    shared = write_through and launches == {IN_STEP} and _one_bucket_each(legs, AFTER)
-    laid, send_numel, kept_numel = _lay_out(buckets, shared_after=shared)
-    return StepProgram(plan, rank, tuple(legs), tuple(laid), send_numel, kept_numel, opened_by, shared_after=shared)
-
-
-def _one_bucket_each(legs: Sequence[_LegProgram], stage: str) -> bool:
-    """Whether every leg of ``stage`` communicates in at most one step: then a bucket's results
-    are final pieces, written out when it lands, and nothing of it is read once the next bucket
-    of the stage starts."""
-    return all(
-        sum(move is not None and not local for _, move, local in leg.schedule) <= 1
-        for leg in legs
-        if leg.leg.stage == stage
-    )
-
-
-def _schedule(
-    leg: Leg, moves: Sequence[Sequence[CollectiveMove | RankExchange | None]]
-) -> tuple[tuple[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool], ...], dict]:
-    """A leg's ``schedule`` and ``positions`` (:class:`_LegProgram`)."""
-    entries: list[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool]] = []
-    positions: dict[tuple[int, int], int] = {}
-    for h, (hop, hop_moves) in enumerate(zip(leg.hops, moves, strict=True)):
-        if not hop_moves:
-            entries.append((hop.view, None, True))
-        for k, move in enumerate(hop_moves):
-            positions[(h, k)] = len(entries)
-            local = isinstance(move, CollectiveMove) and move.is_local
-            entries.append((hop.view if k == 0 else None, move, local))
-    return tuple(entries), positions
-
-
-def _lay_out(
-    buckets: Sequence[_BucketProgram], *, shared_after: bool = False
-) -> tuple[list[_BucketProgram], dict[str, int], dict[str, int]]:
-    """Place every bucket's buffers, per wire dtype: send buffers, and one kept buffer holding,
-    in order, the results of the buckets before the update (read by the math), then those after
-    it (read at the commit). A gloo reduce_scatter's all_to_all workspace is alive only while its
-    collective runs, before the update, so it shares the space of the later results.
-
-    An all_gather sends from its own row of its result (in place: ``runtime.comm``), an
-    all_reduce reduces its result in place, so neither takes send space. Buckets launched in
-    ``step()`` run one at a time: they share one send buffer (the largest bucket's) and one
-    workspace. Buckets launched during backward or after the step are in
-    flight together, so each gets its own send region and workspace; the two stages never are
-    (the gathers after a step are waited on before the next backward), so their send regions
-    share one buffer.
-
-    E.g. ZeRO-2 on 4 ranks, buckets of ``T`` elements per rank run in ``step()``: the
-    reduce_scatter's result takes ``[0, T)``, its workspace ``[T, 5T)``, the all_gather's
-    result ``[T, 5T)`` too, its send buffer its row ``[T + rT, T + (r+1)T)`` there on rank ``r``;
-    the kept buffer has ``5T`` elements and the send buffer ``4T``.
-    Launched during backward, buckets are in flight together, at most :data:`IN_FLIGHT` of them:
-    they take that many slots of send space and workspace in turn, so that the stage holds a
-    few buckets' buffers, not the model's. Two such reduce_scatters take the send regions
-    ``[0, 4T)`` and ``[4T, 8T)`` and the workspaces ``[2T, 6T)`` and ``[6T, 10T)`` of the kept
-    buffer; a third takes the first ones again, once the first bucket has landed. Launched after
-    the step (gathers waited on by forward), each bucket has regions of its own.
-
-    ``shared_after``: the buckets after the update launched in ``step()`` are written out as each
-    lands (``StageRun``'s ``write_to``), so they all take the same region, the largest one's: the
-    kept buffer is then the results before the update plus one bucket, not the whole model's
-    gathered parameters. With ``k`` all_gather buckets of ``T`` per rank above, every one's result
-    takes ``[T, 5T)``."""
-    laid: list[_BucketProgram] = []
-    send: dict[str, int] = {}
-    kept: dict[str, int] = {}
-    for dtype in dict.fromkeys(b.bucket.dtype for b in buckets):
-        mine = [b for b in buckets if b.bucket.dtype == dtype]
-        offset, places, later = 0, {}, 0
-        for stage in (BEFORE, AFTER):
-            shared = 0  # the largest result of the buckets sharing one region (shared_after)
-            for b in mine:
-                if b.bucket.stage == stage:
-                    n = b.members[0][1].n
-                    numel = n * b.total if b.bucket.op in ("all_gather", "all_to_all") else b.total
-                    if shared_after and stage == AFTER and b.bucket.launch == IN_STEP:
-                        places[b.index] = (later, numel)
-                        shared = max(shared, numel)
-                        continue
-                    places[b.index] = (offset + (shared if stage == AFTER else 0), numel)
-                    offset += numel
-            if stage == BEFORE:
-                later = offset
-            else:
-                offset += shared
-        end = offset
-        workspace_at = {BEFORE: later, AFTER: offset}
-        send_at = dict.fromkeys((BEFORE, AFTER), 0)
-        send_numel = 0
-        # Buckets launched during backward take IN_FLIGHT slots in turn, each of the largest one's
-        # size (StageRun starts one only when the one before it in its slot has landed).
-        ring = [b for b in mine if b.bucket.launch == DURING_BACKWARD]
-        slot_numel = max((b.send_numel for b in ring), default=0)
-        turn = {b.index: k % IN_FLIGHT for k, b in enumerate(ring)}
-        for b in mine:
-            stage, together = b.bucket.stage, b.bucket.launch == AFTER_STEP
-            workspace = None
-            sent = 0
-            if b.index in turn:
-                at = turn[b.index] * slot_numel
-                if b.bucket.op == "reduce_scatter":
-                    workspace = (workspace_at[stage] + at, b.send_numel)
-                    end = max(end, workspace_at[stage] + at + b.send_numel)
-                if b.bucket.op not in ("all_reduce", "all_gather"):
-                    sent = at
-                    send_numel = max(send_numel, sent + b.send_numel)
-                laid.append(attrs.evolve(b, result=places[b.index], workspace=workspace, send=sent))
-                continue
-            if b.bucket.op == "reduce_scatter":
-                workspace = (workspace_at[stage], b.send_numel)
-                end = max(end, workspace_at[stage] + b.send_numel)
-                if together:
-                    workspace_at[stage] += b.send_numel
-            if b.bucket.op not in ("all_reduce", "all_gather"):
-                sent = send_at[stage]
-                send_numel = max(send_numel, sent + b.send_numel)
-                if together:
-                    send_at[stage] += b.send_numel
-            laid.append(attrs.evolve(b, result=places[b.index], workspace=workspace, send=sent))
-        send[dtype] = send_numel
-        kept[dtype] = end
-    laid.sort(key=lambda b: b.index)
-    return laid, send, kept
 
 
 class _Walk:
     """Where one leg is: its current piece ``x``, and ``i``, the entry of its schedule
-    (:class:`_LegProgram`) it runs next; ``viewed``: that entry's view is applied already (the
+    (:class:`LegProgram`) it runs next; ``viewed``: that entry's view is applied already (the
     walk waits there for its bucket). ``unpacking``: the leg's last move, a gather whose result
     ``x`` still holds as the blocks it received (a leg delivered by :meth:`StageRun.write`); the
     walk is then at its end, any views after the gather left to :meth:`StageRun.write`, which
@@ -289,7 +54,7 @@ class _Walk:
 
     __slots__ = ("i", "program", "unpacking", "viewed", "x")
 
-    def __init__(self, program: _LegProgram, x: torch.Tensor, rank: int) -> None:
+    def __init__(self, program: LegProgram, x: torch.Tensor, rank: int) -> None:
         self.program, self.x, self.i, self.viewed = program, x, 0, False
         self.unpacking: CollectiveMove | None = None
         if x.shape != program.source_shape or x.dtype != program.dtype:
@@ -412,7 +177,7 @@ class StageRun:
         self._buckets = [b for b in program.buckets if b.bucket.stage == stage]
         self._next = 0  # the next bucket to start
         self._walks: dict[int, _Walk] = {}
-        self._in_flight: list[tuple[_BucketProgram, PendingCollective, float]] = []
+        self._in_flight: list[tuple[BucketProgram, PendingCollective, float]] = []
         self.waited = 0.0  # seconds spent blocked waiting for collectives
         # Legs whose input a started bucket has packed: the stage reads it no more.
         self.packed: set[int] = set()
@@ -554,7 +319,7 @@ class StageRun:
                 pending.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         self._in_flight.clear()
 
-    def _start(self, bucket: _BucketProgram, deadline: float | None = None) -> None:
+    def _start(self, bucket: BucketProgram, deadline: float | None = None) -> None:
         program, buffers = self.program, self._buffers
         plan = program.plan
         first_leg, first, _, _ = bucket.members[0]
@@ -697,7 +462,7 @@ class StageRun:
             return make(*args)
         return self.program.views.get(key, held, make, *args)
 
-    def _where(self, bucket: _BucketProgram) -> str:
+    def _where(self, bucket: BucketProgram) -> str:
         names = [self.program.plan.legs[leg].tensor for leg, *_ in bucket.members]
         return f"bucket {bucket.index + 1} of {len(self.program.plan.buckets)} ({_describe(bucket.bucket, names)})"
 
@@ -714,7 +479,7 @@ def _blocks(move: CollectiveMove, x: torch.Tensor) -> list[torch.Tensor | None]:
     return [move.send_blocks(x)]
 
 
-def _send_parts(bucket: _BucketProgram, send: torch.Tensor) -> list[torch.Tensor]:
+def _send_parts(bucket: BucketProgram, send: torch.Tensor) -> list[torch.Tensor]:
     """Per member its part of the bucket's send buffer (``[n, total]`` or ``[total]``), shaped
     as its blocks (``CollectiveMove.blocks_shape``)."""
     parts = []
@@ -724,7 +489,7 @@ def _send_parts(bucket: _BucketProgram, send: torch.Tensor) -> list[torch.Tensor
     return parts
 
 
-def _result_parts(bucket: _BucketProgram, received: torch.Tensor) -> list[torch.Tensor]:
+def _result_parts(bucket: BucketProgram, received: torch.Tensor) -> list[torch.Tensor]:
     """Per member its part of the bucket's result: of an all_gather or all_to_all the
     ``[n, chunk]`` columns, otherwise the piece after the step (``CollectiveMove.finish``, a
     view)."""

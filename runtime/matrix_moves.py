@@ -24,13 +24,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.matrices import TO, MatrixPlan
 from planner.step import BEFORE, Bucket, StepPlan
 from runtime import stats
-from runtime.buckets import StepProgram, compile_step, run_stage
+from runtime.buckets import run_stage
 from runtime.buffers import Scratch
 from runtime.comm import post_point_to_point, wait_point_to_point
 from runtime.dtypes import torch_dtype
 from runtime.errors import DistributedError
 from runtime.exchange import RankExchange
 from runtime.program import CollectiveMove, compile_plan
+from runtime.step_program import StepProgram, compile_step
 from shardlang.dtypes import ITEMSIZE
 
 

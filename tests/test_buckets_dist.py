@@ -21,8 +21,9 @@ import torch
 
 from planner.step import BEFORE, StepTensor, plan_step
 from runtime import recording, torch_dtype, unshard
-from runtime.buckets import StageRun, compile_step, run_stage
+from runtime.buckets import StageRun, run_stage
 from runtime.buffers import Scratch
+from runtime.step_program import compile_step
 from runtime.testing import run_ranks
 from shardlang import parse_layout
 from tests.test_reshard_dist import Case, corpus

@@ -52,7 +52,7 @@ from planner.step import (
     without_axis,
 )
 from runtime import stats
-from runtime.buckets import StageRun, StepProgram, compile_step
+from runtime.buckets import StageRun
 from runtime.buffers import KeptViews, Scratch
 from runtime.comm import collective, default_device, timeout_of
 from runtime.dtypes import as_dtype, dtype_name
@@ -66,6 +66,7 @@ from runtime.optim.flat import FlatStates
 from runtime.optim.memory import MemoryReport
 from runtime.optim.shards import StateShard
 from runtime.optim.sums import SumReducer, SumSpec, plan_collectives
+from runtime.step_program import StepProgram, compile_step
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 from shardlang.interop import is_dtensor

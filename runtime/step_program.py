@@ -1,0 +1,253 @@
+"""A step plan (``planner.step``) compiled for one rank: its legs' moves, its buckets' members and
+offsets, and where every bucket's buffers lie (:func:`compile_step`); ``runtime.buckets`` runs it.
+
+A bucket's buffer is laid out peer-major: for a reduce_scatter or all_to_all over ``n`` ranks it
+is ``[n, sum of chunks]``, row ``p`` holding every member's block for peer ``p`` one after
+another; for an all_gather or all_reduce it is the members' pieces one after another. Ranks of
+one group hold the same chunk sizes (``runtime.program``), so their buffers agree. Where the
+buffers lie, and what shares space with what, is :func:`_lay_out`'s (docs/memory.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+
+from planner.step import AFTER, AFTER_STEP, BEFORE, DURING_BACKWARD, IN_STEP, Bucket, Leg, StepPlan
+from runtime.buffers import KeptViews
+from runtime.dtypes import torch_dtype
+from runtime.errors import ReshardError
+from runtime.exchange import RankExchange
+from runtime.program import CollectiveMove, compile_plan
+
+# Buckets launched during backward that may be in flight at once: a hook that would start one
+# more first waits for the oldest (as FSDP2 bounds its reduce-scatters in flight), so their
+# buffers are a few buckets', not the model's (docs/memory.md).
+IN_FLIGHT = 2
+
+
+@attrs.frozen(eq=False)
+class LegProgram:
+    """A leg as one rank runs it: its moves per hop, and the shape and dtype of the piece it
+    starts from. ``schedule`` is the leg's walk in order (:class:`_Walk`): per step the view its
+    hop starts with (on the hop's first step), its move and whether that is local; a hop of no
+    steps is an entry of its view alone (no move, local). ``positions`` maps (hop, step) to the
+    step's entry."""
+
+    leg: Leg
+    moves: tuple[tuple[CollectiveMove | RankExchange | None, ...], ...]
+    source_shape: tuple[int, ...]
+    dtype: torch.dtype  # the leg's, as torch names it
+    schedule: tuple[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool], ...]
+    positions: Mapping[tuple[int, int], int]
+
+
+@attrs.frozen(eq=False)
+class BucketProgram:
+    """A bucket as one rank runs it: per member its leg, move, chunk and offset in each peer's
+    part of the buffer, and the buffer's per-peer length."""
+
+    index: int
+    bucket: Bucket
+    members: tuple[tuple[int, CollectiveMove, int, int], ...]  # (leg, move, chunk, offset)
+    total: int
+    per_peer: bool  # the send buffer has one row per peer (reduce_scatter, all_to_all)
+    final: tuple[bool, ...]  # per member: its step is the last move of its leg (views may follow)
+    positions: tuple[int, ...]  # per member: its step's entry in its leg's schedule
+    # Where its result (and gloo's reduce_scatter workspace) lie in the kept buffer of its
+    # dtype: (offset, elements); see :func:`_lay_out`.
+    result: tuple[int, int] = (0, 0)
+    workspace: tuple[int, int] | None = None
+    send: int = 0  # where its send buffer starts in the shared one
+
+    @property
+    def send_numel(self) -> int:
+        """Elements of the send buffer: a row per peer of ``total``, or one row."""
+        return (self.members[0][1].n if self.per_peer else 1) * self.total
+
+
+@attrs.frozen(eq=False)
+class StepProgram:
+    """A step plan compiled for one rank: built once per plan, as ``compile_plan`` is for a
+    plan, so that the step itself only moves data."""
+
+    plan: StepPlan
+    rank: int
+    legs: tuple[LegProgram, ...]
+    buckets: tuple[BucketProgram, ...]
+    # Per wire dtype: elements of the shared send buffer and of the kept buffer.
+    send_numel: Mapping[str, int] = attrs.field(factory=dict)
+    kept_numel: Mapping[str, int] = attrs.field(factory=dict)
+    # Per leg whose first entry is a bucket's step: (bucket, member) (:meth:`StageRun.places`).
+    opened_by: Mapping[int, tuple[int, int]] = attrs.field(factory=dict)
+    # Views of the kept buffers that every step makes alike (:meth:`StageRun._memo`).
+    views: KeptViews = attrs.field(factory=KeptViews, repr=False)
+    # The buckets after the update launched in step() share one result region: the stage must
+    # run with StageRun's ``write_to`` (compile_step's ``write_through``).
+    shared_after: bool = False
+
+
+def compile_step(plan: StepPlan, rank: int, *, write_through: bool = False) -> StepProgram:
+    """``rank``'s part of every leg and bucket of ``plan``. ``write_through``: the caller runs
+    the stage after the update with :class:`StageRun`'s ``write_to`` (every result written where
+    it is kept as soon as its bucket lands), so its buckets launched in ``step()`` may share one
+    result region (:func:`_lay_out`)."""
+    legs = []
+    for leg in plan.legs:
+        source = leg.hops[0].plan
+        moves = tuple(compile_plan(hop.plan, rank) for hop in leg.hops)
+        legs.append(
+            LegProgram(
+                leg,
+                moves,
+                source.src.rank_piece(source.shape, rank).shape,
+                torch_dtype(leg.dtype),
+                *_schedule(leg, moves),
+            )
+        )
+    buckets, opened_by = [], {}
+    for index, bucket in enumerate(plan.buckets):
+        members, final, offset = [], [], 0
+        positions = tuple(legs[m.leg].positions[(m.hop, m.step)] for m in bucket.members)
+        for m, position in zip(bucket.members, positions, strict=True):
+            if position == 0:
+                opened_by[m.leg] = (index, len(members))
+            final.append(all(later is None for _, later, _ in legs[m.leg].schedule[position + 1 :]))
+            move = legs[m.leg].moves[m.hop][m.step]
+            if not isinstance(move, CollectiveMove):
+                what = (
+                    "a point-to-point step" if isinstance(move, RankExchange) else "a step on a mesh without this rank"
+                )
+                leg = plan.legs[m.leg]
+                raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' has {what}: not run in a step plan")
+            members.append((m.leg, move, move.chunk, offset))
+            offset += move.chunk
+        per_peer = bucket.op in ("reduce_scatter", "all_to_all")
+        buckets.append(BucketProgram(index, bucket, tuple(members), offset, per_peer, tuple(final), positions))
+    launches = {b.launch for b in plan.buckets if b.stage == AFTER}
+    shared = write_through and launches == {IN_STEP} and _one_bucket_each(legs, AFTER)
+    laid, send_numel, kept_numel = _lay_out(buckets, shared_after=shared)
+    return StepProgram(plan, rank, tuple(legs), tuple(laid), send_numel, kept_numel, opened_by, shared_after=shared)
+
+
+def _one_bucket_each(legs: Sequence[LegProgram], stage: str) -> bool:
+    """Whether every leg of ``stage`` communicates in at most one step: then a bucket's results
+    are final pieces, written out when it lands, and nothing of it is read once the next bucket
+    of the stage starts."""
+    return all(
+        sum(move is not None and not local for _, move, local in leg.schedule) <= 1
+        for leg in legs
+        if leg.leg.stage == stage
+    )
+
+
+def _schedule(
+    leg: Leg, moves: Sequence[Sequence[CollectiveMove | RankExchange | None]]
+) -> tuple[tuple[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool], ...], dict]:
+    """A leg's ``schedule`` and ``positions`` (:class:`LegProgram`)."""
+    entries: list[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool]] = []
+    positions: dict[tuple[int, int], int] = {}
+    for h, (hop, hop_moves) in enumerate(zip(leg.hops, moves, strict=True)):
+        if not hop_moves:
+            entries.append((hop.view, None, True))
+        for k, move in enumerate(hop_moves):
+            positions[(h, k)] = len(entries)
+            local = isinstance(move, CollectiveMove) and move.is_local
+            entries.append((hop.view if k == 0 else None, move, local))
+    return tuple(entries), positions
+
+
+def _lay_out(
+    buckets: Sequence[BucketProgram], *, shared_after: bool = False
+) -> tuple[list[BucketProgram], dict[str, int], dict[str, int]]:
+    """Place every bucket's buffers, per wire dtype: send buffers, and one kept buffer holding,
+    in order, the results of the buckets before the update (read by the math), then those after
+    it (read at the commit). A gloo reduce_scatter's all_to_all workspace is alive only while its
+    collective runs, before the update, so it shares the space of the later results.
+
+    An all_gather sends from its own row of its result (in place: ``runtime.comm``), an
+    all_reduce reduces its result in place, so neither takes send space. Buckets launched in
+    ``step()`` run one at a time: they share one send buffer (the largest bucket's) and one
+    workspace. Buckets launched during backward or after the step are in
+    flight together, so each gets its own send region and workspace; the two stages never are
+    (the gathers after a step are waited on before the next backward), so their send regions
+    share one buffer.
+
+    E.g. ZeRO-2 on 4 ranks, buckets of ``T`` elements per rank run in ``step()``: the
+    reduce_scatter's result takes ``[0, T)``, its workspace ``[T, 5T)``, the all_gather's
+    result ``[T, 5T)`` too, its send buffer its row ``[T + rT, T + (r+1)T)`` there on rank ``r``;
+    the kept buffer has ``5T`` elements and the send buffer ``4T``.
+    Launched during backward, buckets are in flight together, at most :data:`IN_FLIGHT` of them:
+    they take that many slots of send space and workspace in turn, so that the stage holds a
+    few buckets' buffers, not the model's. Two such reduce_scatters take the send regions
+    ``[0, 4T)`` and ``[4T, 8T)`` and the workspaces ``[2T, 6T)`` and ``[6T, 10T)`` of the kept
+    buffer; a third takes the first ones again, once the first bucket has landed. Launched after
+    the step (gathers waited on by forward), each bucket has regions of its own.
+
+    ``shared_after``: the buckets after the update launched in ``step()`` are written out as each
+    lands (``StageRun``'s ``write_to``), so they all take the same region, the largest one's: the
+    kept buffer is then the results before the update plus one bucket, not the whole model's
+    gathered parameters. With ``k`` all_gather buckets of ``T`` per rank above, every one's result
+    takes ``[T, 5T)``."""
+    laid: list[BucketProgram] = []
+    send: dict[str, int] = {}
+    kept: dict[str, int] = {}
+    for dtype in dict.fromkeys(b.bucket.dtype for b in buckets):
+        mine = [b for b in buckets if b.bucket.dtype == dtype]
+        offset, places, later = 0, {}, 0
+        for stage in (BEFORE, AFTER):
+            shared = 0  # the largest result of the buckets sharing one region (shared_after)
+            for b in mine:
+                if b.bucket.stage == stage:
+                    n = b.members[0][1].n
+                    numel = n * b.total if b.bucket.op in ("all_gather", "all_to_all") else b.total
+                    if shared_after and stage == AFTER and b.bucket.launch == IN_STEP:
+                        places[b.index] = (later, numel)
+                        shared = max(shared, numel)
+                        continue
+                    places[b.index] = (offset + (shared if stage == AFTER else 0), numel)
+                    offset += numel
+            if stage == BEFORE:
+                later = offset
+            else:
+                offset += shared
+        end = offset
+        workspace_at = {BEFORE: later, AFTER: offset}
+        send_at = dict.fromkeys((BEFORE, AFTER), 0)
+        send_numel = 0
+        # Buckets launched during backward take IN_FLIGHT slots in turn, each of the largest one's
+        # size (StageRun starts one only when the one before it in its slot has landed).
+        ring = [b for b in mine if b.bucket.launch == DURING_BACKWARD]
+        slot_numel = max((b.send_numel for b in ring), default=0)
+        turn = {b.index: k % IN_FLIGHT for k, b in enumerate(ring)}
+        for b in mine:
+            stage, together = b.bucket.stage, b.bucket.launch == AFTER_STEP
+            workspace = None
+            sent = 0
+            if b.index in turn:
+                at = turn[b.index] * slot_numel
+                if b.bucket.op == "reduce_scatter":
+                    workspace = (workspace_at[stage] + at, b.send_numel)
+                    end = max(end, workspace_at[stage] + at + b.send_numel)
+                if b.bucket.op not in ("all_reduce", "all_gather"):
+                    sent = at
+                    send_numel = max(send_numel, sent + b.send_numel)
+                laid.append(attrs.evolve(b, result=places[b.index], workspace=workspace, send=sent))
+                continue
+            if b.bucket.op == "reduce_scatter":
+                workspace = (workspace_at[stage], b.send_numel)
+                end = max(end, workspace_at[stage] + b.send_numel)
+                if together:
+                    workspace_at[stage] += b.send_numel
+            if b.bucket.op not in ("all_reduce", "all_gather"):
+                sent = send_at[stage]
+                send_numel = max(send_numel, sent + b.send_numel)
+                if together:
+                    send_at[stage] += b.send_numel
+            laid.append(attrs.evolve(b, result=places[b.index], workspace=workspace, send=sent))
+        send[dtype] = send_numel
+        kept[dtype] = end
+    laid.sort(key=lambda b: b.index)
+    return laid, send, kept
