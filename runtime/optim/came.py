@@ -157,8 +157,8 @@ class RunStats:
             start = 0
             for shard, at in zip(shards, offsets, strict=True):
                 n = math.prod(shard.local_shape)
-                if at is not None and shard.row_index is not None:
-                    local = (shard.row_index, shard.col_index, shard.batch_index)
+                local = shard.flat_indices() if at is not None else (None,)
+                if local[0] is not None:
                     for indices, piece, offset in zip(whole, local, at, strict=True):
                         assert piece is not None
                         indices[start : start + n] = piece + offset

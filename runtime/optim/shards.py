@@ -52,16 +52,20 @@ class StateShard:
         return cls(shape=shape, layout=layout, bounds=bounds, flat_axis=flat_axis, flat_range=(lo, hi))
 
     # --- flat only: for every local element, its row, column and matrix in the base block ----
-    # Made on first use (CAME's and Adafactor's statistics): three int64 per element, six times
-    # an f32 state's bytes, which optimizers without factored statistics never need.
-    @functools.cached_property
-    def _indices(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    def flat_indices(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Made anew on every call: three int64 per element, six times an f32 state's bytes
+        (CAME copies them into its run's own narrower indices; ``row_sums`` and the rest keep
+        them, made on their first use: Adafactor's)."""
         if self.flat_range is None or len(self.shape) < 2 or self.flat_range[1] <= self.flat_range[0]:
             return None, None, None  # a non-empty range implies h, w > 0
         lo, hi = self.flat_range
         h, w = self.block_shape[-2], self.block_shape[-1]
         flat = torch.arange(lo, hi, dtype=torch.int64)
         return flat // w, (flat // (h * w)) * w + flat % w, flat // (h * w)
+
+    @functools.cached_property
+    def _indices(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        return self.flat_indices()
 
     @property
     def row_index(self) -> torch.Tensor | None:
