@@ -53,14 +53,10 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-import results  # noqa: E402  (bench/results.py, found through the path above)
+import bench_step  # noqa: E402  (bench/, found through the path above)
+import results  # noqa: E402
 
-VARIANTS = {
-    "ddp": "DDP + AdamW(foreach)",
-    "zero": "DDP + ZeroRedundancyOptimizer(AdamW)",
-    "fsdp2": "FSDP2 fully_shard + AdamW(foreach)",
-    "sharded": "ShardedAdamW, ZeRO-2 spec",
-    "sharded-flat": "ShardedAdamW, flat ZeRO",
+VARIANTS = {key: bench_step.VARIANTS[key] for key in ("ddp", "zero", "fsdp2", "sharded", "sharded-flat")} | {
     "sharded-overlap": "ShardedAdamW, ZeRO-2 spec, overlap + free_grads",
     "sharded-overlap-prefetch": "ShardedAdamW, ZeRO-2 spec, overlap + free_grads + prefetch_params",
     "sharded-fsdp2": "ShardedAdamW over FSDP2's parameters",
@@ -73,7 +69,7 @@ PEERS = {"sharded": "zero", "sharded-fsdp2": "fsdp2", "sharded-came": "ddp-came"
 WIDTH, LAYERS, FEED_FORWARD = 512, 6, 2048
 STEPS = 5
 MMAP_THRESHOLD = 64 * 1024
-LOSS_RTOL = 1e-3
+LOSS_RTOL = bench_step.LOSS_RTOL
 MiB = 2**20
 
 
