@@ -98,14 +98,22 @@ def adamw_in_place(
         averages, squares = [a.view(p.shape) for a, p in zip(exp_avgs, params, strict=True)], list(exp_avg_sqs)
     correction = (1 - beta2**step) ** 0.5
     step_size = -(lr / (1 - beta1**step))
+    flat = len(exp_avg_sqs) == 1 and len(params) != 1
+    at = 0  # where the group starts in the flat states
     for start, end, numel in denom_groups([p.numel() for p in params]):
         buffer = scratch.take("denom", numel, params[start].dtype, params[start].device)
-        denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
-        for denom, square in zip(denoms, squares[start:end], strict=True):
-            torch.sqrt(square.view(denom.shape), out=denom)
-        torch._foreach_div_(denoms, correction)
-        torch._foreach_add_(denoms, eps)
+        if flat:  # three whole-range ops for the group
+            torch.sqrt(exp_avg_sqs[0][at : at + numel], out=buffer)
+            buffer.div_(correction).add_(eps)
+            denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
+        else:
+            denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
+            for denom, square in zip(denoms, squares[start:end], strict=True):
+                torch.sqrt(square.view(denom.shape), out=denom)
+            torch._foreach_div_(denoms, correction)
+            torch._foreach_add_(denoms, eps)
         torch._foreach_addcdiv_(list(params[start:end]), averages[start:end], denoms, value=step_size)
+        at += numel
 
 
 def denom_groups(numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:
