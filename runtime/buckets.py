@@ -15,6 +15,7 @@ Without it every bucket allocates both. Results are views of bucket results or o
 leg that never communicates returns a view of its input), valid until the next run with the
 same ``buffers``: callers copy what they keep, or give ``write_to``.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -786,7 +786,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         n = len(self._members(slots))
         if not self.all_ranks_commit or n < 2 or not dist.is_initialized():
             return 0, 0
-        flags = 1 if self.transactional else 2  # in place: before the math and after it (_commit_in_place)
+        flags = 1 if self.transactional else 2  # in place: before the math and after it (_staged_in_place)
         return flags * 2 * (n - 1) * 4, flags
 
     def _agree(self, members: tuple[int, ...], *, ok: bool) -> bool:
@@ -1150,8 +1150,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not self._agree(members, ok=failure is None) or failure is not None:
                 if self._prefetch:
                     after.drain()
-                where = f"rank {self.rank}: {_first_line(failure)}" if failure else "another rank of "
-                where += "" if failure else _ranks_text(members)
+                where = (
+                    f"rank {self.rank}: {_first_line(failure)}"
+                    if failure is not None
+                    else f"another rank of {_ranks_text(members)}"
+                )
                 self._gather_failure = (
                     f"step {step_number} failed after its commit point on {where}; the optimizer states and "
                     "parameters may hold this step in part on every rank: load a checkpoint to go on"
