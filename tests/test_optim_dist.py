@@ -480,23 +480,26 @@ def _run_training(
     max_grad_norm: float | None = None,
     clip_method: bool = False,
     overlap: bool = False,
+    free_grads: bool = False,
 ) -> dict[str, Any]:
     """10 steps of an MLP; every rank trains on its 3 of the 12 samples; the global gradient
     norm of every step when clipping (``max_grad_norm``, or ``optimizer.clip_grad_norm_`` before
     each step with ``clip_method``). ``overlap``: buckets of 256 bytes started during backward,
     ``prefetch_params`` of both layers, and every bucket's result landing late
-    (``tests.late_results``)."""
+    (``tests.late_results``). ``free_grads``: gradients freed once their buckets took them (the
+    run records whether any was left after backward and after the step)."""
     from shardlang import parse_spec
     from tests.late_results import LateResults
 
     model = mlp(seed)
     options: dict[str, Any] = {"flat_axis": flat_axis, "max_grad_norm": None if clip_method else max_grad_norm}
+    options["free_grads"] = free_grads
     if overlap:
         options |= {"overlap": True, "bucket_bytes": 256}
     optimizer = _optimizer(kind, list(model.named_parameters()), parse_spec(MLP_SPEC), **options)
     if overlap:
         optimizer.prefetch_params(model[0], model[2])
-    norms, started = [], []
+    norms, started, left = [], [], []
     results = LateResults()
     with results.installed(), results.delayed() if overlap else contextlib.nullcontext():
         for step in range(10):
@@ -507,12 +510,13 @@ def _run_training(
             started.append(optimizer.buckets_started)
             returned = optimizer.clip_grad_norm_(max_grad_norm) if clip_method else None
             optimizer.step()
+            left.append(sum(p.grad is not None for p in model.parameters()))
             norms.append(None if optimizer.last_grad_norm is None else float(optimizer.last_grad_norm))
             if returned is not None:
                 assert float(returned) == norms[-1], (float(returned), norms[-1])
         optimizer.wait_params()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"params": params, "norms": norms, "started": started}
+    return {"params": params, "norms": norms, "started": started, "left": left}
 
 
 def _run_nonfinite(rank: int, seed: int) -> dict[str, Any]:
@@ -562,6 +566,9 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         )
         out[("clip_method_overlap", kind, flat_axis)] = _run_training(
             rank, kind, flat_axis, seed=14, max_grad_norm=CLIP, clip_method=True, overlap=True
+        )
+        out[("clip_method_free", kind, flat_axis)] = _run_training(
+            rank, kind, flat_axis, seed=14, max_grad_norm=CLIP, clip_method=True, free_grads=True
         )
     out["nonfinite"] = _run_nonfinite(rank, seed=15)
     out["smaller_mesh"] = _run_smaller_mesh(rank)
@@ -840,7 +847,7 @@ def test_clipping_equals_torch_clip_grad_norm_in_single_process_training(
     """``max_grad_norm`` (and ``optimizer.clip_grad_norm_`` before each step, which returns the
     norm) on the reduced gradients against ``torch.nn.utils.clip_grad_norm_`` on the whole batch:
     the same norm every step, clipping at the same steps (some, not all), the same parameters;
-    also with overlap and ``prefetch_params``."""
+    also with overlap and ``prefetch_params``, and with ``free_grads``."""
     model = mlp(14)
     params = [p for _, p in model.named_parameters()]
     hyper = ADAMW if kind == "adamw" else CAME
@@ -857,8 +864,10 @@ def test_clipping_equals_torch_clip_grad_norm_in_single_process_training(
     clipped = [n > CLIP for n in norms]
     assert any(clipped) and not all(clipped), norms
     for rank, result in enumerate(ranks):
-        for how in ("clipped", "clip_method", "clip_method_overlap"):
+        for how in ("clipped", "clip_method", "clip_method_overlap", "clip_method_free"):
             got = result[(how, kind, flat_axis)]
+            # free_grads (without overlap: in clip_grad_norm_): no gradient left after the step.
+            assert all(n == (0 if how.endswith("free") else len(params)) for n in got["left"]), (how, got["left"])
             assert [n > CLIP for n in got["norms"]] == clipped, (rank, how, got["norms"], norms)
             if how == "clip_method_overlap":  # every step's buckets started during backward
                 assert all(n > 1 for n in got["started"]), (rank, got["started"])

@@ -169,7 +169,11 @@ class ShardedAdamW(ShardedOptimizer):
     ``no_sync()`` and ``prefetch_params``). ``reduce_dtype``: reduce lower-precision gradients
     in this dtype (``torch.float32`` for bf16 ones). ``cost``: the cost model the step is planned
     under (``planner.CostModel.from_file`` of ``shardlang calibrate``'s hints), instead of the
-    spec's hints.
+    spec's hints. ``transactional``: keep the whole step on spare buffers, committed when every
+    rank finished it (by default states and parameter shards are updated in place once every
+    rank has agreed: docs/memory.md). ``free_grads``: free each gradient once its bucket has
+    packed it (during backward with ``overlap``, in ``step()`` without): ``.grad`` is then
+    ``None``, and only the optimizer's clipping sees the gradients (ZeRO-2 proper).
     """
 
     def __init__(

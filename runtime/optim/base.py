@@ -440,9 +440,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # In place behind an early commit point, or the whole step on spare buffers, swapped in
         # when every rank finished it (docs/memory.md, "The commit point").
         self.transactional = bool(transactional) or not self.updates_in_place
-        if free_grads and not overlap:
-            raise OptimizerError("free_grads=True needs overlap=True: gradients are freed as their buckets take them")
-        # ZeRO-2 proper: each gradient freed once its bucket packed it (docs/memory.md).
+        # ZeRO-2 proper: each gradient freed once its bucket packed it, during backward with
+        # overlap, in step() without (docs/memory.md).
         self.free_grads = bool(free_grads)
         if reduce_dtype is not None and reduce_dtype not in (torch.float32, torch.float64):
             raise OptimizerError(f"reduce_dtype must be torch.float32 or torch.float64, got {reduce_dtype!r}")
@@ -896,6 +895,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if before is not None:
                 before.drain()
             raise
+        grads = [slot.local_grad() for slot in slots]  # with free_grads, the stand-ins of those freed
         self._reduced = _Reduced(
             compiled, slots, _grad_versions(grads), arrived, waited, norm, (norm_bytes, norm_collectives), max_norm
         )
@@ -924,6 +924,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             arrived = before.finish()
         except ShardlangError as e:
             raise _failed(step_number, BEFORE, e) from e
+        if self.free_grads:
+            for slot, (_, layout) in zip(slots, grads, strict=True):
+                if legs[(slot.name, "grad -> state")] in before.packed:
+                    _take_grad(slot, layout)
         if backward is not None and backward.error is not None:
             raise _failed(step_number, BEFORE, backward.error) from backward.error
         return arrived, before.waited
@@ -1274,12 +1278,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for leg in backward.run.packed - backward.freed:
             slot = backward.grad_legs.get(leg)
             backward.freed.add(leg)
-            if slot is None or slot.param.grad is None:
-                continue
-            grad, layout = slot.local_grad()
-            slot.taken = (torch.empty(0, dtype=grad.dtype, device=grad.device), layout)
-            slot.param.grad = None
-            backward.fed[slot.index] = _memory_and_version(slot.taken[0])
+            if slot is not None and slot.param.grad is not None:
+                _take_grad(slot, slot.local_grad()[1])
+                backward.fed[slot.index] = _memory_and_version(slot.local_grad()[0])
 
     def _started(
         self,
@@ -1783,6 +1784,15 @@ def _memory_and_version(tensor: torch.Tensor) -> tuple[int, int]:
 def _grad_versions(grads: Sequence[tuple[torch.Tensor, Layout]]) -> tuple[tuple[int, int], ...]:
     """Which gradient tensors, and how often changed in place: a kept reduction's key."""
     return tuple(_memory_and_version(grad) for grad, _ in grads)
+
+
+def _take_grad(slot: Slot, layout: Layout) -> None:
+    """Free the slot's gradient, a bucket having packed it (``free_grads``): an empty tensor of
+    its dtype stands in for it until the step."""
+    grad = slot.param.grad
+    assert grad is not None
+    slot.taken = (torch.empty(0, dtype=grad.dtype, device=grad.device), layout)
+    slot.param.grad = None
 
 
 def _grad_key(slot: Slot) -> tuple[Layout, torch.dtype]:
