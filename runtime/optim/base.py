@@ -926,7 +926,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise _failed(step_number, BEFORE, e) from e
         if self.free_grads:
             for slot, (_, layout) in zip(slots, grads, strict=True):
-                if legs[(slot.name, "grad -> state")] in before.packed:
+                taken = slot.taken is not None  # during backward already (overlap)
+                if not taken and legs[(slot.name, "grad -> state")] in before.packed:
                     _take_grad(slot, layout)
         if backward is not None and backward.error is not None:
             raise _failed(step_number, BEFORE, backward.error) from backward.error
