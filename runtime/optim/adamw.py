@@ -86,29 +86,27 @@ def adamw_in_place(
     beta1, beta2 = betas
     if weight_decay != 0:
         torch._foreach_mul_(list(params), 1 - lr * weight_decay)
-    if len(grads) == 1 and len(params) != 1:  # whole ranges
+    flat = len(grads) == 1 and len(params) != 1  # whole ranges of flat states
+    if flat:
         exp_avgs[0].lerp_(grads[0], 1 - beta1)
         exp_avg_sqs[0].mul_(beta2).addcmul_(grads[0], grads[0], value=1 - beta2)
         averages = pieces_of(exp_avgs[0], [p.shape for p in params])
-        squares = pieces_of(exp_avg_sqs[0], [p.shape for p in params])
     else:
         torch._foreach_lerp_(list(exp_avgs), list(grads), 1 - beta1)
         torch._foreach_mul_(list(exp_avg_sqs), beta2)
         torch._foreach_addcmul_(list(exp_avg_sqs), list(grads), list(grads), value=1 - beta2)
-        averages, squares = [a.view(p.shape) for a, p in zip(exp_avgs, params, strict=True)], list(exp_avg_sqs)
+        averages = [a.view(p.shape) for a, p in zip(exp_avgs, params, strict=True)]
     correction = (1 - beta2**step) ** 0.5
     step_size = -(lr / (1 - beta1**step))
-    flat = len(exp_avg_sqs) == 1 and len(params) != 1
     at = 0  # where the group starts in the flat states
     for start, end, numel in denom_groups([p.numel() for p in params]):
         buffer = scratch.take("denom", numel, params[start].dtype, params[start].device)
+        denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
         if flat:  # three whole-range ops for the group
             torch.sqrt(exp_avg_sqs[0][at : at + numel], out=buffer)
             buffer.div_(correction).add_(eps)
-            denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
         else:
-            denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
-            for denom, square in zip(denoms, squares[start:end], strict=True):
+            for denom, square in zip(denoms, exp_avg_sqs[start:end], strict=True):
                 torch.sqrt(square.view(denom.shape), out=denom)
             torch._foreach_div_(denoms, correction)
             torch._foreach_add_(denoms, eps)
