@@ -142,7 +142,8 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
         argv[0] = str(script.relative_to(REPO))
     return {
         "command": " ".join([".venv/bin/python", *(shlex.quote(a) for a in argv)]),
-        "commit": _git("rev-parse", "HEAD") or None,
+        # A copy of the tree without its .git (the GPU machine's) names its commit in SHARDLANG_COMMIT.
+        "commit": _git("rev-parse", "HEAD") or os.environ.get("SHARDLANG_COMMIT") or None,
         # Tracked files changed and not committed: the numbers are of a tree no commit names.
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),

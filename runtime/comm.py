@@ -34,6 +34,15 @@ cancels its message, so that later messages between the same ranks no longer mat
 of a gather's messages are kept here (:data:`_MESSAGES_IN_FLIGHT`) until they complete,
 whatever its caller does.
 
+On NCCL with CUDA tensors a wait is stream-ordered (``Work.wait()`` without a timeout): the
+current stream waits for the collective's stream and the host goes on queueing work, as DDP
+and FSDP2 wait. With a timeout NCCL would block the host until the collective completes, a
+synchronization per bucket. A peer that never arrives is then caught by the process group's
+own timeout (NCCL's watchdog), which the runtime sets to the caller's ``timeout`` where it
+creates groups (``runtime.groups``). A buffer a collective still reads or writes is reused
+only after its wait: the wait orders the reuse after the collective on the GPU too
+(docs/gpu.md).
+
 ``avg`` is computed as a sum followed by a division by the group size on every backend:
 gloo lacks ``ReduceOp.AVG`` on some builds and for some collectives, and the sum-then-divide
 result is the same on all of them. An integer tensor cannot be averaged (rejected earlier).
@@ -80,6 +89,7 @@ class PendingCollective:
     reduce_op: str | None
     works: tuple[dist.Work, ...]  # one, or on gloo an all_gather's messages
     blocks: torch.Tensor | None = None  # gloo's reduce_scatter: the blocks the all_to_all receives
+    stream_ordered: bool = False  # NCCL on CUDA: waiting orders the streams, the host goes on
 
     def wait(self, timeout: datetime.timedelta) -> torch.Tensor:
         """Wait at most ``timeout`` (for all of its works together); raises
@@ -87,7 +97,10 @@ class PendingCollective:
         deadline = time.monotonic() + timeout.total_seconds()
         for work in self.works:
             try:
-                wait(work, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                if self.stream_ordered:
+                    work.wait()
+                else:
+                    wait(work, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             except RuntimeError as e:
                 raise DistributedError(_reason(e, timeout)) from e
         if self.blocks is not None:
@@ -145,7 +158,7 @@ def start_collective(
             works = [dist.all_to_all_single(received, send, group=group, async_op=True)]
     except RuntimeError as e:
         raise DistributedError(_reason(e, None)) from e
-    return PendingCollective(op, received, n, reduce_op, tuple(works), blocks)
+    return PendingCollective(op, received, n, reduce_op, tuple(works), blocks, not gloo and send.is_cuda)
 
 
 def gather_messages_from(group: dist.ProcessGroup | None = None) -> int | None:
@@ -241,7 +254,7 @@ def wait_point_to_point(works: list[tuple[str, dist.Work]], timeout: datetime.ti
 def default_device() -> torch.device:
     """Where a rank that holds no piece yet allocates what it receives: the current CUDA device
     when the default process group runs NCCL, else the CPU."""
-    if "nccl" in dist.get_backend() and torch.cuda.is_available():
+    if dist.is_initialized() and "nccl" in dist.get_backend() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -98,6 +98,7 @@ def _worker(
     args: tuple[Any, ...],
     results: Any,
     wait_for_peers: bool,
+    backend: str,
 ) -> None:
     # One intra-op thread per rank, as torchrun starts each process (OMP_NUM_THREADS=1): the
     # variable is read when torch is imported, before this runs, so the count is set directly.
@@ -105,7 +106,14 @@ def _worker(
     try:
         timeout = datetime.timedelta(seconds=collective_timeout)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        if backend == "nccl":  # one device per rank, set before NCCL's first call (docs/gpu.md)
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            dist.init_process_group(
+                "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device
+            )
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             value = fn(rank, world_size, *args)
             # Serialized: tensors sent through the queue as shared memory vanish when the
@@ -129,15 +137,18 @@ def run_ranks(
     timeout: float = 180.0,
     collective_timeout: float = 60.0,
     allow_missing: tuple[int, ...] = (),
+    backend: str = "gloo",
 ) -> list[Any]:
     """``fn``'s return value per rank. Ranks in ``allow_missing`` may exit without reporting
-    (fault tests); their entry is ``None``, and the others then skip the closing barrier."""
+    (fault tests); their entry is ``None``, and the others then skip the closing barrier.
+    ``backend="nccl"`` gives rank ``r`` CUDA device ``r`` (modulo the devices there are) as its
+    current device; return CPU tensors from ``fn`` then, which the caller can load anywhere."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read once, when the server starts
     results = ctx.Queue()
     store = _rendezvous_store(timeout)
     port = store.port
-    worker_args = (world_size, port, collective_timeout, fn, args, results, not allow_missing)
+    worker_args = (world_size, port, collective_timeout, fn, args, results, not allow_missing, backend)
     procs = [ctx.Process(target=_worker, args=(r, *worker_args), daemon=True) for r in range(world_size)]
     with _server_path():
         for p in procs:

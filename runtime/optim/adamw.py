@@ -12,7 +12,7 @@ that a failed step can be dropped.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Unpack
 
 import torch
@@ -87,14 +87,15 @@ def adamw_in_place(
     if weight_decay != 0:
         torch._foreach_mul_(list(params), 1 - lr * weight_decay)
     flat = len(grads) == 1 and len(params) != 1  # whole ranges of flat states
+    # Whole ranges go through the _foreach_ kernels too (lists of one): on CUDA a plain
+    # ``div_`` by a Python number multiplies by its reciprocal, which the _foreach_ kernels of
+    # ``torch.optim.AdamW(foreach=True)`` do not (docs/gpu.md).
+    torch._foreach_lerp_(list(exp_avgs), list(grads), 1 - beta1)
+    torch._foreach_mul_(list(exp_avg_sqs), beta2)
+    torch._foreach_addcmul_(list(exp_avg_sqs), list(grads), list(grads), value=1 - beta2)
     if flat:
-        exp_avgs[0].lerp_(grads[0], 1 - beta1)
-        exp_avg_sqs[0].mul_(beta2).addcmul_(grads[0], grads[0], value=1 - beta2)
         averages = pieces_of(exp_avgs[0], [p.shape for p in params])
     else:
-        torch._foreach_lerp_(list(exp_avgs), list(grads), 1 - beta1)
-        torch._foreach_mul_(list(exp_avg_sqs), beta2)
-        torch._foreach_addcmul_(list(exp_avg_sqs), list(grads), list(grads), value=1 - beta2)
         averages = [a.view(p.shape) for a, p in zip(exp_avgs, params, strict=True)]
     correction = (1 - beta2**step) ** 0.5
     step_size = -(lr / (1 - beta1**step))
@@ -104,7 +105,8 @@ def adamw_in_place(
         denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
         if flat:  # three whole-range ops for the group
             torch.sqrt(exp_avg_sqs[0][at : at + numel], out=buffer)
-            buffer.div_(correction).add_(eps)
+            torch._foreach_div_([buffer], correction)
+            torch._foreach_add_([buffer], eps)
         else:
             for denom, square in zip(denoms, exp_avg_sqs[start:end], strict=True):
                 torch.sqrt(square.view(denom.shape), out=denom)
@@ -112,6 +114,43 @@ def adamw_in_place(
             torch._foreach_add_(denoms, eps)
         torch._foreach_addcdiv_(list(params[start:end]), averages[start:end], denoms, value=step_size)
         at += numel
+
+
+def fused_adamw(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """:func:`adamw_in_place` as one fused kernel (``torch._fused_adamw_``, the kernel of
+    ``torch.optim.AdamW(fused=True)``, on CUDA and on the CPU), so the same bits as that
+    optimizer: every list is per tensor (views of flat buffers are fine), all on one device, of
+    one dtype. The step count goes in as a tensor on that device, as torch keeps it, so that the
+    kernel reads no host value."""
+    steps = torch.full((), step, dtype=torch.float32, device=params[0].device)
+    torch._fused_adamw_(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        [],
+        [steps] * len(params),
+        amsgrad=False,
+        lr=lr,
+        beta1=betas[0],
+        beta2=betas[1],
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
+    )
 
 
 def denom_groups(numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -129,6 +168,19 @@ def denom_groups(numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:
             end += 1
         yield start, end, numel
         start = end
+
+
+def _per_tensor(
+    flat: torch.Tensor | None,
+    shapes: Sequence[torch.Size],
+    run: Sequence[int],
+    tensor: Callable[[int], torch.Tensor],
+) -> list[torch.Tensor]:
+    """One view per tensor of ``shapes``: pieces of ``flat``, or else ``tensor(i)`` for each slot
+    ``i`` of ``run``."""
+    if flat is not None:
+        return pieces_of(flat, shapes)
+    return [tensor(i).view(shape) for i, shape in zip(run, shapes, strict=True)]
 
 
 def decay(param: torch.Tensor, out: torch.Tensor, *, lr: float, weight_decay: float) -> None:
@@ -183,12 +235,19 @@ class ShardedAdamW(ShardedOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        fused: bool = False,
         **options: Unpack[StepOptions],
     ) -> None:
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0 or not all(0 <= b < 1 for b in betas):
             raise OptimizerError(
                 f"invalid AdamW hyperparameters: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
             )
+        if fused and options.get("transactional", False):
+            raise OptimizerError(
+                "fused=True updates the states in place; it cannot run a transactional step "
+                "(drop transactional=True or fused=True)"
+            )
+        self.fused = fused
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(named_params, spec, defaults, **options)
 
@@ -260,6 +319,20 @@ class ShardedAdamW(ShardedOptimizer):
             params = [work.params[i] for i in run]
             states = [work.states_of(run, name) for name in ADAMW_STATES]
             grads = as_flat([work.grads[i] for i in run])
+            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+            if self.fused and all(p.dtype == slot.dtype and p.is_contiguous() for p in params):
+                shapes = [p.shape for p in params]
+                fused_adamw(
+                    params,
+                    [as_dtype(g, slot.dtype) for g in _per_tensor(grads, shapes, run, lambda i: work.grads[i])],
+                    *(
+                        _per_tensor(flat, shapes, run, lambda i, name=name: work.state(i, name))
+                        for flat, name in zip(states, ADAMW_STATES, strict=True)
+                    ),
+                    slot.step + 1,
+                    **hyper,
+                )
+                continue
             if grads is not None and grads.dtype == slot.dtype and all(s is not None for s in states):
                 flat_grads, flat_states = [grads], [[s] for s in states]
             else:
@@ -272,10 +345,7 @@ class ShardedAdamW(ShardedOptimizer):
                 flat_states[1],
                 slot.step + 1,
                 self._scratch,
-                lr=group["lr"],
-                betas=group["betas"],
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
+                **hyper,
             )
 
     def _scratch_bytes(self, slots: Sequence[Slot]) -> int:
@@ -283,6 +353,8 @@ class ShardedAdamW(ShardedOptimizer):
         largest tensor's shard, per dtype of the math."""
         if self.transactional:
             return super()._scratch_bytes(slots)
+        if self.fused:  # the kernel needs no scratch
+            return 0
         total = 0
         for dtype in {slot.dtype for slot in slots}:
             numels = [math.prod(slot.shard.local_shape) for slot in slots if slot.dtype == dtype and slot.shard]

@@ -766,6 +766,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     "parameters and optimizer states are unchanged on every rank"
                 )
             staged.commit()
+            if self.free_grads:  # those no bucket packed, which the math read where they were
+                for slot in slots:
+                    slot.param.grad = None
         finally:
             for slot in slots:  # freed gradients are used once, by this step, whatever it did
                 slot.taken = None
@@ -882,7 +885,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         slots = self._stepped()
         backward, self._backward = self._backward, None
         if not slots:
-            return torch.zeros(())
+            return torch.zeros((), device=default_device())
         grads = [slot.local_grad() for slot in slots]
         compiled = self._compiled(slots, [(layout, grad.dtype) for grad, layout in grads])
         step_number = min(s.step for s in slots) + 1
@@ -995,7 +998,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 return self._skip(norm, step_number)
             if max_norm is not None:
                 coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-                if bool(coefficient < 1):  # as torch.nn.utils.clip_grad_norm_ scales them
+                # As torch.nn.utils.clip_grad_norm_ scales them. On the CPU, asking whether to
+                # saves a copy; on CUDA the question would be a host sync, and a product with
+                # 1.0 leaves the bits as they are (docs/gpu.md).
+                if coefficient.is_cuda or bool(coefficient < 1):
                     reduced = [g * coefficient.to(g.dtype) for g in reduced]
         else:
             norm = None
@@ -1264,8 +1270,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except ReshardError as e:  # a piece of the wrong shape: sent as zeros, raised in step()
             backward.error = backward.error or e
             if leg not in backward.run.legs:
-                zeros = torch.zeros(backward.run.source_shape(leg), dtype=self._wire_dtype(grad.dtype))
-                backward.run.feed({leg: zeros})
+                shape, dtype = backward.run.source_shape(leg), self._wire_dtype(grad.dtype)
+                backward.run.feed({leg: torch.zeros(shape, dtype=dtype, device=grad.device)})
         except ShardlangError as e:  # a collective failed to start: raised in step()
             backward.error = backward.error or e
 
