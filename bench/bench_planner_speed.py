@@ -34,8 +34,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import planner
 from planner import bound, search
-from planner.cost import integer_rates
 from planner.model import plan_spec
+from planner.units import integer_rates
 from shardlang import InteropError, Layout, Mesh, load_spec
 from shardlang.interop import to_dtensor_placements
 

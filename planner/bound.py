@@ -1,6 +1,6 @@
 """An admissible lower bound on the cost of finishing a plan (the A* heuristic).
 
-Costs are in the search's integer units (``planner.cost.integer_rates``): a step on axis
+Costs are in the search's integer units (``planner.units.integer_rates``): a step on axis
 ``a`` of size ``n`` costs ``rounds * R[a] + bytes * B[a]``. The bound adds a rounds part and
 a bytes part, each a lower bound on its term of the steps still to take.
 

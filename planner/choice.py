@@ -46,7 +46,7 @@ import itertools
 
 import attrs
 
-from planner.cost import COPY, DEFAULT_COST, STEP, CostModel, OpUnits, collective_rounds, priced_as
+from planner.cost import COPY, DEFAULT_COST, STEP, CostModel, collective_rounds, priced_as
 from planner.errors import PlanBudgetError, PlanError
 from planner.p2p import Links, PlannedExchange, message_count, time_lower_bound
 from planner.records import Plan
@@ -58,6 +58,7 @@ from planner.search import (
     collective_outcome,
     collective_plan,
 )
+from planner.units import OpUnits
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
 

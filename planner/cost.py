@@ -16,40 +16,9 @@ slice, partial  0                                                         0
 Step time = rounds * alpha[a] + bytes / bandwidth[a] + overhead + copied / copy_bandwidth; plan
 time = sum of step times.
 
-Local copies (``copied``, :func:`copy_elements` times the itemsize). A collective's blocks must
-lie in one contiguous buffer, one block per peer; the executor (``runtime/program.py``,
-``CollectiveMove.send`` and ``finish``) makes that buffer a view of the piece where it can and
-copies otherwise. With ``P`` the padded local shape before the step and ``Q`` after it, ``d``
-the step's dim, ``j`` an all_to_all's ``to_dim``, and "``k`` leads ``S``" meaning
-``prod(S[:k]) == 1`` (every dim before ``k`` has length 1, so ``S``'s blocks along ``k`` are runs
-of memory), the elements copied are (0 on an axis of size 1, which sends nothing):
-
-=============== ============================================================ ========================
-op              pack, before the collective                                  unpack, after it
-=============== ============================================================ ========================
-all_gather      prod(P) if Q[d] != n * P[d] (a short piece is padded)        prod(Q) unless d leads P
-reduce_scatter  n * prod(Q) unless P[d] == n * Q[d] and d leads P            0 (a view of the result)
-all_to_all      n * prod(B), B = P with B[j] = Q[j], unless P[j] == n * Q[j] prod(Q) unless d leads B
-                and Q[d] == n * P[d] and j leads P
-all_reduce      0 (reduced in place)                                         0
-=============== ============================================================ ========================
-
-Example: ``R,R | P0 -> R,R`` of 765x1024 f32 on [4]. One all_reduce copies nothing by the table.
-A reduce_scatter of dim 1 (1024 columns split evenly, but 765 rows before them) packs
-``4 * 765 * 256`` elements (3,133,440 bytes: every row's four column blocks apart), and the
-all_gather of dim 1 back unpacks as many; the same two of dim 0 pack 786,432 elements (765 rows
-pad to 768) and 196,608 (the short last piece), and unpack nothing (dim 0 leads). At a copy
-bandwidth of 2 GB/s that is 3.13 ms for the pair of dim 1 and 1.97 ms for the pair of dim 0.
-
-What the rule leaves out, and why. It is the copies of the rank at coordinate 0's group, whose
-pieces are the padded shapes the table counts (a group of another coordinate, with a shorter
-piece, may pad where this one does not). It takes the step's input to be contiguous, as the
-caller's piece and every collective's result are; a slice of a dim that does not lead, or a
-reduce_scatter or all_to_all whose short last piece is cut from a dim that does not lead, leaves
-a strided view, which whatever reads it next copies (the next pack, or the executor's copy of
-its result), unpriced. The all_reduce of the caller's own piece (no collective before it) copies
-it first, because the caller's tensor is never written: that copy is in the fitted all_reduce
-line, since the calibration's all_reduce is such a step (docs/calibration.md).
+Local copies (``copied``): the elements a collective step copies to pack its blocks and unpack
+its result, by the copy table of ``planner.copies`` (:func:`~planner.copies.copy_elements`),
+times the itemsize.
 
 Executor terms (both measured by ``shardlang calibrate``, both free in the default model;
 docs/calibration.md says what they stand for and how they are fitted). ``overhead`` is the
@@ -87,7 +56,7 @@ pseudo-kind on the integer scale, :func:`large_key`), its lower bound (``planner
 least rates of every regime) and its pruning rules (``planner.space``: a rule holds on an axis
 only if it holds for every pair of regimes). Point-to-point steps have one regime.
 
-The search compares times exactly: :func:`integer_rates` scales the model so that
+The search compares times exactly: :func:`planner.units.integer_rates` scales the model so that
 every step time is an integer, so equal-time plans compare equal whatever the order of their
 steps, and the fewer-steps rule decides between them. The overhead and the margin are on the
 same scale (the pseudo-kind :data:`STEP` of :meth:`CostModel.figures`): every move of the search
@@ -102,16 +71,13 @@ communicates and writes a buffer at least as large as the target piece (docs/cal
 
 from __future__ import annotations
 
-import functools
-import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
 
 from planner.errors import PlanError
-from shardlang.box import Box
 from shardlang.mesh import Mesh
 from shardlang.spec import CostHints
 
@@ -130,12 +96,6 @@ def _per_axis(value: object) -> float | tuple[float, ...]:
 
 # The collective kinds a model may price apart; slice and partial steps send nothing.
 PRICED_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point")
-# The fields of a hints file (``CostModel.from_file``); "mesh" and "calibration" are notes.
-# Readers ignore nothing: a field that is not here is an error, so a new term is added here
-# (with its check in ``CostModel.from_json`` and its docs in docs/calibration.md).
-HINTS_FIELDS = (
-    "mesh", "alpha", "bandwidth", "ops", "overhead", "copy_bandwidth", "margin", "calibration", "flops_per_second"
-)  # fmt: skip
 # The pseudo-kind of :meth:`CostModel.figures` whose per-round figure is the per-step overhead
 # and choice margin.
 STEP = "step"
@@ -261,35 +221,6 @@ def priced_as(op: str, axis: int, nbytes: int, large_from: Mapping[str, tuple[in
     return op if starts is None or nbytes < starts[axis] else large_key(op)
 
 
-def _hint_figure(value: object, field: str, where: str, latency: bool) -> float | tuple[float, ...]:
-    """One alpha or bandwidth field of a hints file, checked, or a PlanError naming the field."""
-    values = value if isinstance(value, list) else [value]
-    if not values:
-        raise PlanError(f"{where}: field '{field}': give one number or one per mesh axis, not an empty list")
-    for i, v in enumerate(values):
-        name = f"{field}[{i}]" if isinstance(value, list) else field
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise PlanError(f"{where}: field '{name}': expected a number, got {json.dumps(v)}")
-        if not math.isfinite(v) or v < 0 or (v == 0 and not latency):
-            want = "zero or a positive number of seconds" if latency else "a positive number of bytes per second"
-            raise PlanError(f"{where}: field '{name}': expected {want}, got {v}")
-    return tuple(float(v) for v in values) if isinstance(value, list) else float(value)  # type: ignore[arg-type]
-
-
-def _hint_figures(data: Mapping[str, object], prefix: str, where: str) -> dict[str, float | tuple[float, ...]]:
-    return {
-        key: _hint_figure(data[key], prefix + key, where, latency=key == "alpha")
-        for key in ("alpha", "bandwidth")
-        if key in data
-    }
-
-
-def _hint_object(value: object, field: str, where: str) -> Mapping[str, object]:
-    if not isinstance(value, dict):
-        raise PlanError(f"{where}: field '{field}': expected an object, got {json.dumps(value)[:60]}")
-    return value
-
-
 @attrs.frozen
 class CostModel:
     """Latency ``alpha`` (seconds per round) and ``bandwidth`` (bytes/s), each one number for
@@ -323,6 +254,28 @@ class CostModel:
             and self.flops_per_second > 0
         ):
             raise PlanError(f"flops_per_second must be a positive number, got {self.flops_per_second!r}")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> CostModel:
+        """The model of a hints file (JSON; docs/reference/cost-model.md), read and checked by
+        :func:`planner.hints.read_hints`: a :class:`PlanError` naming the file and the field when
+        it is unreadable or a value is bad."""
+        from planner.hints import read_hints  # the reader builds CostModels: imported when used
+
+        return read_hints(path)
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "the cost hints") -> CostModel:
+        """The model of a hints file's parsed JSON (:func:`planner.hints.hints_model`); errors name ``where``."""
+        from planner.hints import hints_model
+
+        return hints_model(data, where)
+
+    def to_json(self) -> dict[str, object]:
+        """The JSON form, as a hints file holds it (:func:`planner.hints.hints_json`)."""
+        from planner.hints import hints_json
+
+        return hints_json(self)
 
     @classmethod
     def from_hints(cls, hints: CostHints) -> CostModel:
@@ -403,128 +356,6 @@ class CostModel:
         that sends nothing."""
         return 0.0 if self.copy_bandwidth is None else nbytes / self.copy_bandwidth
 
-    @classmethod
-    def from_file(cls, path: str | Path) -> CostModel:
-        """The model of a hints file (JSON; docs/reference/cost-model.md): optional ``alpha`` and
-        ``bandwidth`` (one number or one per mesh axis; defaults where absent) and ``ops``, an
-        object from collective kinds to their own ``alpha`` and ``bandwidth``; optional
-        ``overhead`` (seconds per step) and ``copy_bandwidth`` (bytes/s), one number each. A
-        :class:`PlanError` naming the file and the field when it is unreadable or a value is bad."""
-        where = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
-            raise PlanError(f"{where}: cannot read the cost hints: {reason}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{where}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
-        return cls.from_json(data, where)
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "the cost hints") -> CostModel:
-        """The model of a hints file's parsed JSON (:meth:`from_file`); errors name ``where``."""
-        data = _hint_object(data, "(top level)", where)
-        unknown = sorted(set(data) - set(HINTS_FIELDS))
-        if unknown:
-            raise PlanError(f"{where}: unknown field '{unknown[0]}' (fields: {', '.join(HINTS_FIELDS)})")
-        if not isinstance(data.get("mesh", ""), str):
-            raise PlanError(f"{where}: field 'mesh': expected a mesh declaration as text")
-        _hint_object(data.get("calibration", {}), "calibration", where)
-        ops = {}
-        for op, figures in _hint_object(data.get("ops", {}), "ops", where).items():
-            if op not in PRICED_OPS:
-                raise PlanError(f"{where}: field 'ops.{op}': no such collective kind (kinds: {', '.join(PRICED_OPS)})")
-            figures = _hint_object(figures, f"ops.{op}", where)
-            extra = sorted(set(figures) - {"alpha", "bandwidth", "large"})
-            if extra:
-                raise PlanError(f"{where}: field 'ops.{op}.{extra[0]}': unknown (fields: alpha, bandwidth, large)")
-            ops[op] = _hint_figures(figures, f"ops.{op}.", where)
-            if "large" in figures and op == "point_to_point":
-                raise PlanError(f"{where}: field 'ops.{op}.large': point-to-point steps have one regime")
-            if "large" in figures:
-                ops[op]["large"] = _hint_regime(figures["large"], f"ops.{op}.large", where)  # type: ignore[assignment]
-        top: dict[str, object] = dict(_hint_figures(data, "", where))
-        for key in ("overhead", "copy_bandwidth", "margin"):
-            if key in data:
-                if isinstance(data[key], list):
-                    raise PlanError(f"{where}: field '{key}': expected one number, got {json.dumps(data[key])[:60]}")
-                top[key] = _hint_figure(data[key], key, where, latency=key != "copy_bandwidth")
-        model = cls(**top, flops_per_second=_hint_rate(data.get("flops_per_second"), where))  # type: ignore[arg-type]
-        ops_costs = [OpCost(op, **{"alpha": model.alpha, "bandwidth": model.bandwidth, **f}) for op, f in ops.items()]
-        regimes = [c.large for c in ops_costs if c.large is not None]
-        values = [v for c in (model, *ops_costs) for v in (c.alpha, c.bandwidth)]
-        values += [v for r in regimes for v in (r.from_bytes, r.alpha, r.bandwidth)]
-        lengths = {len(v) for v in values if isinstance(v, tuple)}
-        if len(lengths) > 1:
-            raise PlanError(f"{where}: per-axis lists of different lengths {sorted(lengths)}: give one per mesh axis")
-        return attrs.evolve(model, ops=ops_costs)
-
-    def to_json(self) -> dict[str, object]:
-        """The JSON form (``ops`` only when the model has per-kind figures, other terms only
-        when they are not their defaults), as a hints file holds it."""
-        out: dict[str, object] = _figures_json(self.alpha, self.bandwidth)
-        if self.ops:
-            out["ops"] = {c.op: _op_json(c) for c in self.ops}
-        if self.flops_per_second is not None:
-            out["flops_per_second"] = self.flops_per_second
-        if self.overhead:
-            out["overhead"] = self.overhead
-        if self.copy_bandwidth is not None:
-            out["copy_bandwidth"] = self.copy_bandwidth
-        if self.margin:
-            out["margin"] = self.margin
-        return out
-
-
-def _hint_rate(value: object, where: str) -> float | None:
-    """A hints file's ``flops_per_second``: absent, or a positive number."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise PlanError(f"{where}: field 'flops_per_second': expected a positive number of flops per second")
-    return float(value)
-
-
-def _op_json(cost: OpCost) -> dict[str, object]:
-    out = _figures_json(cost.alpha, cost.bandwidth)
-    if cost.large is not None:
-        starts = cost.large.from_bytes
-        out["large"] = {
-            "from_bytes": list(starts) if isinstance(starts, tuple) else starts,
-            **_figures_json(cost.large.alpha, cost.large.bandwidth),
-        }
-    return out
-
-
-def _hint_regime(value: object, field: str, where: str) -> Regime:
-    """A hints file's ``ops.<kind>.large`` (``from_bytes``, ``alpha``, ``bandwidth``, all
-    required), checked, or a PlanError naming the field."""
-    data = _hint_object(value, field, where)
-    fields = ("from_bytes", "alpha", "bandwidth")
-    extra = sorted(set(data) - set(fields))
-    if extra:
-        raise PlanError(f"{where}: field '{field}.{extra[0]}': unknown (fields: {', '.join(fields)})")
-    missing = [f for f in fields if f not in data]
-    if missing:
-        raise PlanError(f"{where}: field '{field}.{missing[0]}': missing (a regime gives {', '.join(fields)})")
-    raw = data["from_bytes"]
-    for i, v in enumerate(raw if isinstance(raw, list) else [raw]):
-        name = f"{field}.from_bytes[{i}]" if isinstance(raw, list) else f"{field}.from_bytes"
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PlanError(f"{where}: field '{name}': expected a positive whole number of bytes, got {json.dumps(v)}")
-    if raw == []:
-        raise PlanError(f"{where}: field '{field}.from_bytes': give one number or one per mesh axis, not an empty list")
-    return Regime(raw, **_hint_figures(data, f"{field}.", where))  # type: ignore[arg-type]
-
-
-def _figures_json(alpha: float | tuple[float, ...], bandwidth: float | tuple[float, ...]) -> dict[str, object]:
-    return {
-        "alpha": list(alpha) if isinstance(alpha, tuple) else alpha,
-        "bandwidth": list(bandwidth) if isinstance(bandwidth, tuple) else bandwidth,
-    }
-
 
 # Shared by every request that names no model (building one runs its checks; plans are memoized).
 DEFAULT_COST = CostModel()
@@ -535,92 +366,3 @@ def collective_rounds(op: str, n: int) -> int:
     if op in LOCAL_OPS:
         return 0
     return 2 * (n - 1) if op == "all_reduce" else n - 1
-
-
-def copy_elements(
-    op: str, n: int, dim: int | None, to_dim: int | None, before: Sequence[int], after: Sequence[int]
-) -> int:
-    """The elements a collective step copies locally to pack its blocks and unpack its result
-    (module docstring): ``op`` on an axis of size ``n``, of ``dim`` (and ``to_dim``), between
-    the padded local shapes ``before`` and ``after``; 0 for other steps."""
-    if n == 1 or op not in ("all_gather", "reduce_scatter", "all_to_all"):
-        return 0
-    assert dim is not None
-    if op == "all_gather":
-        pack = math.prod(before) if after[dim] != n * before[dim] else 0
-        return pack + (0 if _leads(dim, before) else math.prod(after))
-    if op == "reduce_scatter":
-        even = before[dim] == n * after[dim] and _leads(dim, before)
-        return 0 if even else n * math.prod(after)
-    assert to_dim is not None
-    block = [*before]
-    block[to_dim] = after[to_dim]
-    fit = before[to_dim] == n * after[to_dim] and after[dim] == n * before[dim] and _leads(to_dim, before)
-    return (0 if fit else n * math.prod(block)) + (0 if _leads(dim, block) else math.prod(after))
-
-
-def exchange_copy_elements(
-    transfers: Iterable[tuple[int, int, Box]], source_piece: Callable[[int], Box], target_piece: Callable[[int], Box]
-) -> dict[int, int]:
-    """Per rank, the elements a point-to-point step copies locally (``runtime/exchange.py``), from
-    its ``(sender, receiver, box)`` transfers and each rank's source and target piece: every box it
-    keeps (sender and receiver alike, never sent), and on each side of a message (all the boxes
-    between one pair of ranks) the whole message, unless it is one box that is a contiguous run
-    of that side's piece (sent from it, or received into it, in place). Empty boxes move nothing.
-    E.g. ``S0,R -> R,S0`` of 4x4 on [2]: rank 0 keeps rows 0-1 x columns 0-1 (4 elements copied),
-    packs rows 0-1 x columns 2-3 for rank 1 (not a run of its rows: 4 more), and receives rows 2-3
-    x columns 0-1 into its columns in place (a run of them): 8 in all."""
-    source_piece, target_piece = functools.cache(source_piece), functools.cache(target_piece)  # per message
-    copied: dict[int, int] = {}
-    messages: dict[tuple[int, int], list[Box]] = {}
-    for sender, receiver, box in transfers:
-        if box.empty:
-            continue
-        if sender == receiver:
-            copied[sender] = copied.get(sender, 0) + box.numel
-        else:
-            messages.setdefault((sender, receiver), []).append(box)
-    for (sender, receiver), boxes in messages.items():
-        elements = sum(box.numel for box in boxes)
-        for rank, piece in ((sender, source_piece(sender)), (receiver, target_piece(receiver))):
-            if len(boxes) > 1 or not piece.is_run(boxes[0]):
-                copied[rank] = copied.get(rank, 0) + elements
-    return copied
-
-
-def _leads(dim: int, shape: Sequence[int]) -> bool:
-    """Whether blocks of ``shape`` along ``dim`` are runs of its memory: no dim before it is longer than 1."""
-    return math.prod(shape[:dim]) == 1
-
-
-@functools.lru_cache(maxsize=256)
-def integer_rates(alpha: tuple[float, ...], bandwidth: tuple[float, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per-axis (units per round, units per byte): the integers ``alpha[a] * D`` and
-    ``D / bandwidth[a]`` for one common scale ``D``, so that a step's time times ``D`` is the
-    integer ``rounds * units_per_round[a] + bytes * units_per_byte[a]``, exactly."""
-    # Floats are exact ratios of integers: alpha = p / q, and 1 / bandwidth = q / p.
-    ratios = {value: value.as_integer_ratio() for value in {*alpha, *bandwidth}}
-    scale = math.lcm(*{ratios[a][1] for a in alpha}, *{ratios[b][0] for b in bandwidth})
-    per_round = tuple(ratios[a][0] * (scale // ratios[a][1]) for a in alpha)
-    per_byte = tuple(ratios[b][1] * (scale // ratios[b][0]) for b in bandwidth)
-    return per_round, per_byte
-
-
-# Per op: per-axis integer units per round, and per byte.
-OpUnits = tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]
-
-
-def integer_op_rates(*figures: Mapping[str, tuple[tuple[float, ...], tuple[float, ...]]]) -> list[OpUnits]:
-    """:func:`integer_rates` of several :meth:`CostModel.figures` at once, on one common scale:
-    for each, per op, the per-axis (units per round, units per byte)."""
-    keys = [(i, op) for i, f in enumerate(figures) for op in f]
-    alpha = tuple(v for i, op in keys for v in figures[i][op][0])
-    bandwidth = tuple(v for i, op in keys for v in figures[i][op][1])
-    per_round, per_byte = integer_rates(alpha, bandwidth)
-    out: list[OpUnits] = [({}, {}) for _ in figures]
-    start = 0
-    for i, op in keys:
-        end = start + len(figures[i][op][0])
-        out[i][0][op], out[i][1][op] = per_round[start:end], per_byte[start:end]
-        start = end
-    return out

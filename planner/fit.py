@@ -20,7 +20,7 @@ more than three times the median one (and over 10%) are dropped and the line fit
 twice at most, which discards a repetition series that the machine's noise hit. A negative
 intercept refits through zero; a slope of zero or less (time flat in bytes) gives
 :data:`MAX_BANDWIDTH`. Figures are rounded to three significant digits, which keeps the
-planner's exact integer scale small (``planner.cost.integer_rates``).
+planner's exact integer scale small (``planner.units.integer_rates``).
 
 Axes that cannot be told apart share one line. Two axes of one size (the same rounds) whose
 lines for a kind differ by no more than their samples' own scatter explains (a symmetric machine:

@@ -35,7 +35,7 @@ at the slowest bandwidth and largest alpha of all axes of both meshes, as nothin
 axis joins them.
 
 Local copies. Where the model prices them (``copy_bandwidth``), ``time_r`` also pays the bytes
-rank ``r`` copies (``planner.cost.exchange_copy_elements``: the boxes it keeps, the messages it
+rank ``r`` copies (``planner.copies.exchange_copy_elements``: the boxes it keeps, the messages it
 packs or places), added: the executor packs before posting and places after waiting (its kept
 boxes, copied while the messages travel, are counted the same way).
 """
@@ -44,11 +44,13 @@ from __future__ import annotations
 
 import attrs
 
-from planner.cost import COPY, DEFAULT_COST, STEP, CostModel, exchange_copy_elements, integer_op_rates
+from planner.copies import exchange_copy_elements
+from planner.cost import COPY, DEFAULT_COST, STEP, CostModel
 from planner.errors import PlanError
 from planner.holdings import blocks_of
 from planner.records import Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, budget_error, check_budget, check_request
+from planner.units import integer_op_rates
 from shardlang.box import Box
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
@@ -184,7 +186,7 @@ class PlannedExchange:
                 traffic.setdefault(sender, _Traffic()).add(link, nbytes, receiving=False)
                 traffic.setdefault(receiver, _Traffic()).add(link, nbytes, receiving=True)
         copied = {}
-        if links.copy_units:  # priced: every rank's local copies (planner.cost.exchange_copy_elements)
+        if links.copy_units:  # priced: every rank's local copies (planner.copies.exchange_copy_elements)
             elements = exchange_copy_elements(
                 slots, lambda r: before.rank_piece(shape, r), lambda r: after.rank_piece(shape, r)
             )

@@ -7,7 +7,8 @@ from typing import Any, Literal, get_args
 
 import attrs
 
-from planner.cost import CostModel, copy_elements, exchange_copy_elements
+from planner.copies import copy_elements, exchange_copy_elements
+from planner.cost import CostModel
 from planner.errors import PlanError
 from planner.holdings import receive_lower_bound
 from shardlang.box import Box
@@ -133,8 +134,8 @@ class Plan:
 
     def copied_bytes(self) -> tuple[int, ...]:
         """Per step, the most bytes a rank copies locally: a collective to pack its blocks and
-        unpack its result (``planner.cost.copy_elements``), a point-to-point step its kept boxes
-        and the messages it packs or places (``planner.cost.exchange_copy_elements``); 0 for
+        unpack its result (``planner.copies.copy_elements``), a point-to-point step its kept boxes
+        and the messages it packs or places (``planner.copies.exchange_copy_elements``); 0 for
         local steps."""
         copied = []
         for before, step in zip(self.layouts(), self.steps, strict=False):

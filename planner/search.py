@@ -4,7 +4,7 @@ A* over the move graph of :mod:`planner.space`, with the lower bound of :mod:`pl
 Plans are compared by (time, steps): the cheapest plan, and among plans of equal time one
 with the fewest steps; the time compared is the model's with its choice margin on every step
 (``planner.cost``: 0 but in a calibrated model), the plan's seconds the model's alone. Times
-are compared exactly, as integers (``planner.cost.integer_rates``), so summation order never
+are compared exactly, as integers (``planner.units.integer_rates``), so summation order never
 decides a tie. Moves are generated in a fixed order and ties in the queue are broken by
 insertion order, so equal inputs always give the same plan.
 
@@ -29,10 +29,11 @@ import math
 import attrs
 
 from planner.bound import LowerBound, Terms, cheapest_rates
-from planner.cost import COPY, DEFAULT_COST, LOCAL_OPS, STEP, CostModel, integer_op_rates, large_key, priced_as
+from planner.cost import COPY, DEFAULT_COST, LOCAL_OPS, STEP, CostModel, large_key, priced_as
 from planner.errors import PlanBudgetError, PlanError
 from planner.records import Plan, Step
 from planner.space import Fields, PackedMove, Space, pruning, roles_of
+from planner.units import integer_op_rates
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout

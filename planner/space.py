@@ -43,7 +43,7 @@ per-collective figures (``planner.cost``) each holds on an axis only where the k
 so (:func:`pruning`), and the search does not apply it elsewhere.
 
 Local copies. A model with a copy bandwidth prices the bytes each collective copies to pack
-its blocks and unpack its result (``planner.cost``, :func:`~planner.cost.copy_elements`),
+its blocks and unpack its result (``planner.cost``, :func:`~planner.copies.copy_elements`),
 which depend on the move's op, dims and the local lengths around it, all fixed by the state
 and the move. Rules 1-3 and three cases of rule 4 still hold: the plans they map to pass
 through states of the same local lengths (partial steps and no-op splits change none), so
@@ -67,7 +67,8 @@ import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from planner.cost import COPY, copy_elements, large_key
+from planner.copies import copy_elements
+from planner.cost import COPY, large_key
 from shardlang.layout import REDUCE_OPS, padded_length, reduce_ops_commute
 
 Dims = tuple[tuple[int, ...], ...]
@@ -353,7 +354,7 @@ class Space:
     def _copied(
         self, op: str, n: int, dim: int, to_dim: int | None, lengths: list[int], changed: tuple[tuple[int, int], ...]
     ) -> int:
-        """The bytes a move copies locally (``planner.cost.copy_elements``) from the local
+        """The bytes a move copies locally (``planner.copies.copy_elements``) from the local
         ``lengths``, whose dims ``changed`` take new lengths; 0 when copies are free."""
         if not self.copies:
             return 0

@@ -15,7 +15,8 @@ import torch
 
 import planner
 from cli.main import main
-from planner.cost import LOCAL_OPS, exchange_copy_elements
+from planner.copies import exchange_copy_elements
+from planner.cost import LOCAL_OPS
 from planner.fit import LOCAL, Sample, fit_model
 from runtime.calibrate import SWEEP_BYTES, sample_bytes, step_plans
 from runtime.exchange import compile_exchange
@@ -101,7 +102,7 @@ def exchange_copied(plan: planner.Plan, index: int) -> dict[int, int]:
 
 def test_the_exchange_copies_are_what_the_runtime_copies():
     """Point-to-point steps of random pairs, on one mesh and across meshes (other shapes, other
-    ranks, overlapping or not): ``planner.cost.exchange_copy_elements`` (what the model prices,
+    ranks, overlapping or not): ``planner.copies.exchange_copy_elements`` (what the model prices,
     and ``Plan.copied_bytes`` reports) is, rank by rank, what the runtime's exchange copies."""
     rng = random.Random(11)
     meshes = (Mesh((4,)), Mesh((2, 2)), Mesh((2, 2), ranks=(2, 0, 3, 1)), Mesh((2,), ranks=(4, 5)), Mesh((3,)))

@@ -21,8 +21,8 @@ import pytest
 
 import planner
 from planner.bound import LowerBound
-from planner.cost import integer_rates
 from planner.space import Space, roles_of
+from planner.units import integer_rates
 from shardlang import Layout, Mesh
 
 OPS = ("sum", "avg", "max", "min")
