@@ -104,7 +104,7 @@ def _add_cost_options(p: argparse.ArgumentParser, memory: bool = True) -> None:
             "--max-states",
             type=max_states_arg,
             metavar="N",
-            help=f"a pair of layouts: the search budget in states (default {DEFAULT_MAX_STATES})",
+            help=f"the search budget in states of each pair of layouts (default {DEFAULT_MAX_STATES})",
         )
 
 
@@ -257,8 +257,6 @@ def _target(args: argparse.Namespace) -> Pair | Spec:
                 "with a spec file, --shape and --dtype describe a tensor that a rule matches: "
                 "give --tensor NAME --shape L0xL1... [--dtype DTYPE]"
             )
-        if args.max_states is not None:  # the step plan takes no budget of its own (planner.step)
-            raise UsageError("--max-states applies to a pair of layouts; a spec file plans under the default budget")
         return read_spec(args.targets[0])
     raise UsageError(f"give two layouts (SRC DST) with --shape, or one spec file; got {len(args.targets)} arguments")
 
@@ -324,6 +322,7 @@ def _plan_spec(spec: Spec, args: argparse.Namespace) -> SpecPlan:
             else args.bucket_bytes,
             overlap=args.overlap,
             prefetch=args.prefetch,
+            max_states=DEFAULT_MAX_STATES if args.max_states is None else args.max_states,
         ),
         args.p2p,
         sys.stderr,

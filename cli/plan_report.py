@@ -336,8 +336,8 @@ def with_collective_fallback(run: Callable[[bool], T], p2p: bool, note: TextIO) 
     meshes plans point to point either way), the first error stands."""
     try:
         return run(p2p)
-    except PlanError as e:
-        if not p2p or not _over_budget(e):
+    except PlanBudgetError as e:
+        if not p2p:
             raise
         try:
             result = run(False)
@@ -345,16 +345,6 @@ def with_collective_fallback(run: Callable[[bool], T], p2p: bool, note: TextIO) 
             raise e from None
         print(f"note: --p2p: {e.message}\nnote: planned with collectives instead (as without --p2p)", file=note)
         return result
-
-
-def _over_budget(error: BaseException | None) -> bool:
-    """Whether ``error`` is, or was raised while handling, a :class:`PlanBudgetError` (the step
-    plan names the tensor in a ``PlanError`` of its own, raised from the budget's)."""
-    while error is not None:
-        if isinstance(error, PlanBudgetError):
-            return True
-        error = error.__context__
-    return False
 
 
 # --- chunk padding ------------------------------------------------------------------------

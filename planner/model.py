@@ -17,6 +17,7 @@ import attrs
 from planner.cost import CostModel
 from planner.errors import PlanError
 from planner.records import Plan
+from planner.search import DEFAULT_MAX_STATES
 from planner.step import Leg, StepPlan, StepTensor, plan_step
 from shardlang.errors import ShardlangError
 from shardlang.spec import STATE_DEFAULT, Spec, TensorSpec
@@ -132,6 +133,7 @@ def plan_spec(
     prefetch: bool = False,
     rank: int = 0,
     on_tensor: Callable[[TensorSpec], None] | None = None,
+    max_states: int = DEFAULT_MAX_STATES,
 ) -> SpecPlan:
     """The step plan of every declared tensor, or of ``tensors``: names of declared tensors,
     or tensor specs the caller resolved (``Spec.resolve``, rules included), as seen by ``rank``
@@ -142,7 +144,7 @@ def plan_spec(
     which the optimizers run). ``cost`` replaces the spec's hints for every mesh (one model for
     choosing the plans and for running them: give the optimizers the same one). ``flat_axis``,
     ``bucket_bytes`` and ``overlap`` are the optimizers' options, ``prefetch`` stands for their
-    ``prefetch_params``.
+    ``prefetch_params``. ``max_states`` is the search budget of every hop (:func:`planner.plan`).
     ``on_tensor`` is called with each tensor before it is planned (progress display).
 
     Plans are memoized by :func:`planner.plan`, so tensors with equal layouts, shape and
@@ -168,6 +170,7 @@ def plan_spec(
         point_to_point=point_to_point,
         overlap=overlap,
         prefetch=prefetch,
+        max_states=max_states,
     )
     plans = tuple(
         TensorPlans(tensor=t, legs=step.legs_of(t.name), cost=item.cost) for t, item in zip(chosen, inputs, strict=True)

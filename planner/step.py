@@ -46,6 +46,7 @@ from planner.choice import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
 from planner.records import Plan
+from planner.search import DEFAULT_MAX_STATES
 from shardlang.errors import SourcePosition
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
@@ -400,11 +401,14 @@ def plan_step(
     point_to_point: bool = False,
     overlap: bool = False,
     prefetch: bool = False,
+    max_states: int = DEFAULT_MAX_STATES,
 ) -> StepPlan:
     """The step plan of ``rank`` for ``tensors`` (in the order given, which must be the same on
     every rank). ``bucket_bytes`` caps a bucket's buffer (default :data:`DEFAULT_BUCKET_BYTES`;
-    1 puts every step in a bucket of its own); ``max_local_bytes`` and ``point_to_point`` are
-    passed to :func:`planner.plan` for every hop.
+    1 puts every step in a bucket of its own); ``max_local_bytes``, ``point_to_point`` and
+    ``max_states`` (the search budget of each hop) are passed to :func:`planner.plan` for every
+    hop. A hop's error is raised as its own type (:class:`~planner.errors.PlanBudgetError` stays
+    one) with the tensor's name in front.
 
     ``overlap``: the buckets before the update are launched during backward, so they take the
     tensors in reverse order (the order in which backward finishes their gradients, as DDP
@@ -415,9 +419,9 @@ def plan_step(
     legs: list[Leg] = []
     for tensor in tensors:
         try:
-            legs += _legs(tensor, rank, max_local_bytes, point_to_point)
+            legs += _legs(tensor, rank, max_local_bytes, point_to_point, max_states)
         except PlanError as e:
-            raise PlanError(f"tensor '{tensor.name}': {e.message}", tensor.position or e.position) from None
+            raise type(e)(f"tensor '{tensor.name}': {e.message}", tensor.position or e.position) from None
     costs = {t.name: t.cost for t in tensors}
     launch = {BEFORE: DURING_BACKWARD if overlap else IN_STEP, AFTER: AFTER_STEP if prefetch else IN_STEP}
     buckets = [
@@ -430,10 +434,19 @@ def plan_step(
     )
 
 
-def _legs(tensor: StepTensor, rank: int, max_local_bytes: int | None, point_to_point: bool) -> list[Leg]:
+def _legs(
+    tensor: StepTensor, rank: int, max_local_bytes: int | None, point_to_point: bool, max_states: int
+) -> list[Leg]:
     def hop(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, view: tuple[int, ...] | None = None) -> Hop:
         planned = plan_pair(
-            src, dst, shape, dtype, tensor.cost, max_local_bytes=max_local_bytes, point_to_point=point_to_point
+            src,
+            dst,
+            shape,
+            dtype,
+            tensor.cost,
+            max_local_bytes=max_local_bytes,
+            point_to_point=point_to_point,
+            max_states=max_states,
         )
         return Hop(planned, view)
 

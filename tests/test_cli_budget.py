@@ -1,6 +1,6 @@
 """``shardlang plan`` and the search budget: ``--p2p`` past the budget falls back to the
 collective plans with a note (what the command prints without ``--p2p``), and ``--max-states``
-sets the budget of a pair's plan."""
+sets the budget of a pair's plan, or of each pair in a spec file's step plan."""
 
 from __future__ import annotations
 
@@ -50,10 +50,17 @@ def test_max_states_is_the_budget_of_a_pair() -> None:
     assert run("plan", *CROSS, "--shape", "8x8", "--max-states", "100000").returncode == 0
 
 
-def test_max_states_is_refused_for_a_spec_file_and_for_nonsense(tmp_path: Path) -> None:
+def test_max_states_is_the_budget_of_each_pair_of_a_spec_file(tmp_path: Path) -> None:
     spec = tmp_path / "big.shard"
     spec.write_text(BIG)
-    result = run("plan", str(spec), "--max-states", "100")
-    assert result.returncode == 2 and "--max-states applies to a pair of layouts" in result.stderr
+    refused = run("plan", str(spec), "--max-states", "1")
+    no_traceback(refused)
+    assert refused.returncode == 1 and "tensor 'w':" in refused.stderr and "max_states=1 " in refused.stderr
+    # --p2p falls back to the collective plan only where that fits the budget; here it does not
+    assert run("plan", str(spec), "--max-states", "1", "--p2p").returncode == 1
+    assert run("plan", str(spec), "--max-states", "100000").stdout == run("plan", str(spec)).stdout
+
+
+def test_max_states_refuses_nonsense() -> None:
     for bad in ("0", "many"):
         assert run("plan", *SAME_MESH, "--shape", "8x8", "--max-states", bad).returncode == 2

@@ -201,3 +201,26 @@ def test_check_refuses_the_eleven_axis_spec_within_the_budget(tmp_path, searches
     err = capsys.readouterr().err
     assert "search budget of max_states=50000" in err and "Traceback" not in err
     assert searches.states and searches.within(), searches.states
+
+
+def test_a_step_plan_keeps_the_budget_error_and_takes_the_budget(searches: Searches) -> None:
+    from planner.model import plan_spec
+    from shardlang import parse_spec
+
+    spec = parse_spec(
+        "mesh world = [dp=512, tp=8]\n"
+        "tensor w : bf16[4096, 64] {\n"
+        "  param = S(tp),R over world\n"
+        "  grad  = S(tp),R | P(dp):avg over world\n"
+        "  state = S(tp,dp),R over world\n"
+        "}\n",
+        "big.shard",
+    )
+    with pytest.raises(planner.PlanBudgetError) as refused:
+        plan_spec(spec, max_states=1)
+    assert refused.value.message.startswith("tensor 'w': ") and "max_states=1 " in refused.value.message
+    assert refused.value.position is not None and refused.value.position.line == 2
+    assert searches.within(1)
+    searches.cold()
+    planned = plan_spec(spec, max_states=10_000)
+    assert searches.within(10_000) and planned.step == plan_spec(spec).step
