@@ -29,6 +29,7 @@ import datetime
 import gc
 import statistics
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,7 @@ def run_variant(
         if step >= 2:
             times.append(begin.elapsed_time(end))
     torch.cuda.synchronize()
+    syncs = host_syncs(optimizer.step)
     report = optimizer.memory_report() if hasattr(optimizer, "memory_report") else None
     result = {
         "variant": name,
@@ -112,11 +114,25 @@ def run_variant(
         "held_bytes": torch.cuda.memory_allocated() - base,
         "predicted_bytes": None if report is None else report.total_bytes - report.params - report.grads,
         "params": {n: p.detach() for n, p in params.items()},
+        "host_syncs": syncs,
     }
     del optimizer, params
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def host_syncs(call: Callable[[], Any]) -> int:
+    """How many times ``call`` made the host wait for the device, as torch's sync debug mode
+    counts them (each warns once)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], relative: bool = False) -> float:
@@ -172,6 +188,7 @@ def main() -> None:
                 name,
                 f"{run['step_ms']:.2f}",
                 f"{run['step_ms'] / fused_ms:.2f}",
+                str(run["host_syncs"]),
                 f"{run['peak_bytes'] / MiB:.0f}",
                 "" if predicted is None else f"{predicted / MiB:.0f}",
                 "" if predicted is None else f"{run['peak_bytes'] / predicted:.3f}",
@@ -180,10 +197,19 @@ def main() -> None:
         )
     adamw_table = bench_results.table(
         f"AdamW step on one H200, {numel / 1e9:.2f}B f32 parameters ({len(shapes)} tensors), median of {args.steps}",
-        ["optimizer", "step ms", "x fused", "peak MiB", "predicted MiB", "peak / predicted", "largest difference"],
+        [
+            "optimizer",
+            "step ms",
+            "x fused",
+            "host syncs",
+            "peak MiB",
+            "predicted MiB",
+            "peak / predicted",
+            "largest difference",
+        ],
         rows,
         "peak: torch.cuda.max_memory_allocated over the steps less the parameters and gradients; "
-        "predicted: memory_report() less the same",
+        "predicted: memory_report() less the same; host syncs: in one step, by torch.cuda's sync debug mode",
     )
     del runs
     gc.collect()

@@ -261,8 +261,9 @@ class StageRun:
             else:
                 copies = [(out, unpacking.finish(x).reshape(out.shape))]
             for target, source in copies:
-                targets.append(target)
-                sources.append(source)
+                if not _same_memory(target, source):  # updated where it lies (one rank holds it all)
+                    targets.append(target)
+                    sources.append(source)
         if targets:
             torch._foreach_copy_(targets, sources)
 
@@ -504,3 +505,9 @@ def _result_parts(bucket: BucketProgram, received: torch.Tensor) -> list[torch.T
 def _describe(bucket: Bucket, names: Sequence[str]) -> str:
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return f"{bucket.describe()} of {shown}"
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of the same elements (a copy between them would change
+    nothing, and cost a read and a write of them all)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype

@@ -31,9 +31,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import inspect
 import itertools
 from collections.abc import Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
@@ -150,10 +152,22 @@ def _cache() -> dict[tuple, dist.ProcessGroup]:
     return _groups
 
 
+# Whether this torch's new_group can keep the ranks in the order given (newer releases); older
+# ones always sort them, which is the same group where the members come in increasing order.
+_KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
 def _new_group(members: tuple[int, ...], timeout: datetime.timedelta | None) -> dist.ProcessGroup:
+    order = {"sort_ranks": False} if _KEEPS_ORDER else {}
+    if not _KEEPS_ORDER and list(members) != sorted(members):
+        raise DistributedError(
+            f"the ranks {list(members)} of a mesh axis are not in increasing order, and torch "
+            f"{torch.__version__} can only make groups of sorted ranks (new_group has no sort_ranks): "
+            "upgrade torch, or give the mesh its ranks in increasing order along every axis"
+        )
     try:
         with _member_named_groups():
-            return dist.new_group(list(members), timeout=timeout, use_local_synchronization=True, sort_ranks=False)
+            return dist.new_group(list(members), timeout=timeout, use_local_synchronization=True, **order)
     except (RuntimeError, ValueError) as e:
         raise DistributedError(f"cannot create the process group of ranks {list(members)}: {e}") from e
 

@@ -87,9 +87,10 @@ def adamw_in_place(
     if weight_decay != 0:
         torch._foreach_mul_(list(params), 1 - lr * weight_decay)
     flat = len(grads) == 1 and len(params) != 1  # whole ranges of flat states
-    # Whole ranges go through the _foreach_ kernels too (lists of one): on CUDA a plain
-    # ``div_`` by a Python number multiplies by its reciprocal, which the _foreach_ kernels of
-    # ``torch.optim.AdamW(foreach=True)`` do not (docs/gpu.md).
+    # Whole ranges go through the _foreach_ kernels too (lists of one), and the division and the
+    # step take lists of numbers, as ``torch.optim.AdamW(foreach=True)`` passes them: on CUDA a
+    # division by one number multiplies by its reciprocal, which differs in the last bit from the
+    # division that a list of numbers runs (docs/gpu.md).
     torch._foreach_lerp_(list(exp_avgs), list(grads), 1 - beta1)
     torch._foreach_mul_(list(exp_avg_sqs), beta2)
     torch._foreach_addcmul_(list(exp_avg_sqs), list(grads), list(grads), value=1 - beta2)
@@ -105,14 +106,14 @@ def adamw_in_place(
         denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
         if flat:  # three whole-range ops for the group
             torch.sqrt(exp_avg_sqs[0][at : at + numel], out=buffer)
-            torch._foreach_div_([buffer], correction)
+            torch._foreach_div_([buffer], [correction])
             torch._foreach_add_([buffer], eps)
         else:
             for denom, square in zip(denoms, exp_avg_sqs[start:end], strict=True):
                 torch.sqrt(square.view(denom.shape), out=denom)
-            torch._foreach_div_(denoms, correction)
+            torch._foreach_div_(denoms, [correction] * len(denoms))
             torch._foreach_add_(denoms, eps)
-        torch._foreach_addcdiv_(list(params[start:end]), averages[start:end], denoms, value=step_size)
+        torch._foreach_addcdiv_(list(params[start:end]), averages[start:end], denoms, [step_size] * len(denoms))
         at += numel
 
 
