@@ -14,12 +14,10 @@ from cli.summary import TensorGroup, group_tensors, largest_first
 from cli.tables import format_bytes, format_seconds, format_table
 from cli.terminal import Style
 from planner import COMMUNICATING_OPS, CostModel, Plan, Step
-from planner.bound import structural_receive_lower_bound
 from planner.errors import PlanBudgetError, PlanError
 from planner.messages import step_messages
 from planner.model import SpecPlan, TensorPlans
 from shardlang import Layout, Mesh
-from shardlang.dtypes import itemsize
 from shardlang.spec import STATE_DEFAULT
 
 T = TypeVar("T")
@@ -29,8 +27,7 @@ PLAN_KEYS = ("src", "dst", "shape", "dtype", "steps", "total_bytes", "total_seco
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
-    """The keys of :data:`PLAN_KEYS`, as ``Plan.to_json`` writes them (the bound as
-    :func:`lower_bound_bytes` finds it)."""
+    """The keys of :data:`PLAN_KEYS`, as ``Plan.to_json`` writes them."""
     return {
         "src": str(plan.src),
         "dst": str(plan.dst),
@@ -39,15 +36,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "steps": [s.to_json() for s in plan.steps],
         "total_bytes": plan.total_bytes,
         "total_seconds": plan.total_seconds,
-        "lower_bound_bytes": lower_bound_bytes(plan),
+        "lower_bound_bytes": plan.lower_bound_bytes,
     }
-
-
-def lower_bound_bytes(plan: Plan) -> int:
-    """The plan's receive lower bound, from the layouts' structure where that decides it
-    (``planner.bound``: no walk over the ranks), else ``Plan.lower_bound_bytes``."""
-    found = structural_receive_lower_bound(plan.src, plan.dst, plan.shape, itemsize(plan.dtype))
-    return plan.lower_bound_bytes if found is None else found
 
 
 def tensor_json(tp: TensorPlans) -> dict[str, Any]:
@@ -220,7 +210,7 @@ def message_lines(plan: Plan, indent: str = "  ", most_pairs: int = 12) -> list[
 
 def lower_bound_text(plan: Plan) -> str:
     """The receive lower bound: what the busiest target rank lacks of its target piece."""
-    return f"receive lower bound: {format_bytes(lower_bound_bytes(plan))} per rank"
+    return f"receive lower bound: {format_bytes(plan.lower_bound_bytes)} per rank"
 
 
 def format_plan(plan: Plan, style: Style, heading: str = "plan") -> str:

@@ -54,13 +54,11 @@ copies locally add to a step's cost and are never negative, and the bound leaves
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-from collections.abc import Sequence
 
 from planner.cost import PRICED_OPS, large_key
 from planner.space import REPLICATED, role_code
-from shardlang.layout import REDUCE_OPS, Layout
+from shardlang.layout import REDUCE_OPS
 
 Terms = tuple[int, int, int, int]
 LARGE_KEYS = frozenset(large_key(op) for op in PRICED_OPS)
@@ -213,71 +211,3 @@ def _least(floors: list[tuple[int, int]], growth: int, now: int, target: int) ->
         if best < 0 or value < best:
             best = value
     return best
-
-
-# --- the receive lower bound, from the mesh's structure -------------------------------------
-def _chunk_lengths(length: int, n: int) -> frozenset[int]:
-    """The piece lengths that occur when ``length`` is cut in ``n`` as torch.chunk does
-    (``shardlang.layout.chunk_bounds``): full pieces, one remainder, empty ones."""
-    size = -(-length // n)
-    if size == 0:
-        return frozenset({0})
-    full = min(length // size, n)
-    rest = length - full * size
-    out = {size} if full else set()
-    if rest and full < n:
-        out.add(rest)
-    if full + (1 if rest else 0) < n:
-        out.add(0)
-    return frozenset(out)
-
-
-def _nested_lengths(length: int, sizes: Sequence[int]) -> frozenset[int]:
-    """The piece lengths of a dim cut successively in ``sizes`` parts."""
-    lengths = frozenset({length})
-    for n in sizes:
-        lengths = frozenset(x for piece in lengths for x in _chunk_lengths(piece, n))
-    return lengths
-
-
-def structural_receive_lower_bound(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int) -> int | None:
-    """The receive lower bound (``planner.holdings``: the most bytes of its target piece a target
-    rank lacks) computed from the layouts' structure instead of rank by rank; ``None`` where
-    this structure does not decide it (two meshes; an axis splitting different dims in the two
-    layouts; a dim that both split over axes neither of which lists the other's as its outer
-    ones), and the caller walks the ranks.
-
-    Each dim then contributes a (target, held) pair of piece lengths that depends only on the
-    coordinates of its own axes: the target's piece and, where the source holds final values,
-    its intersection with the source's, which is the finer of the two nested pieces. Dims use
-    disjoint axes, so every combination of the pairs each dim can show occurs on some rank,
-    and the bound is the largest product of targets less the product of helds over them. The
-    work is a few lengths per dim and axis, whatever the rank count."""
-    if not src.mesh.same_geometry(dst.mesh):
-        return None
-    holds = all(src.mesh.shape[a] == 1 for a, _ in src.partial)
-    used: dict[int, int] = {}
-    per_dim: list[frozenset[tuple[int, int]]] = []
-    for d, length in enumerate(shape):
-        t_axes, s_axes = dst.dims[d], src.dims[d]
-        for a in (*t_axes, *s_axes):
-            if used.setdefault(a, d) != d:
-                return None
-        sizes = dst.mesh.shape
-        if not holds:
-            per_dim.append(frozenset((t, 0) for t in _nested_lengths(length, [sizes[a] for a in t_axes])))
-        elif s_axes[: len(t_axes)] == t_axes:  # the source piece lies inside the target's
-            pairs = set()
-            for t in _nested_lengths(length, [sizes[a] for a in t_axes]):
-                pairs.update((t, s) for s in _nested_lengths(t, [sizes[a] for a in s_axes[len(t_axes) :]]))
-            per_dim.append(frozenset(pairs))
-        elif t_axes[: len(s_axes)] == s_axes:  # the target piece lies inside the source's: all held
-            per_dim.append(frozenset((t, t) for t in _nested_lengths(length, [sizes[a] for a in t_axes])))
-        else:
-            return None
-    best = 0
-    for combo in itertools.product(*per_dim):
-        target = math.prod(t for t, _ in combo)
-        held = math.prod(h for _, h in combo) if holds else 0
-        best = max(best, target - held)
-    return best * itemsize

@@ -8,7 +8,9 @@ The ranks that differ only on axes splitting no dim hold the same block: its hol
 Receive lower bound: a target rank must receive every element of its target piece that it
 does not already hold. It holds an element when it is in the source mesh, the element is in
 its source piece, and the source holds final values (no pending reduction over an axis of size
-greater than 1). The bound of a pair is the largest, over the target ranks, of those bytes.
+greater than 1). The bound of a pair is the largest, over the target ranks, of those bytes;
+where the layouts' structure decides it, it is computed from that, whatever the rank count
+(:func:`structural_receive_lower_bound`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import bisect
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 
 from shardlang.box import Box
@@ -91,5 +93,79 @@ def missing_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str) 
 
 def receive_lower_bound(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str = "f32") -> int:
     """The largest, over target ranks, of the bytes a target rank must receive to go from
-    ``src`` to ``dst`` (same mesh or not): any plan has a rank that receives at least this."""
-    return max(missing_bytes(src, dst, tuple(int(s) for s in shape), dtype).values(), default=0)
+    ``src`` to ``dst`` (same mesh or not): any plan has a rank that receives at least this.
+    From the layouts' structure where it decides the bound (:func:`structural_receive_lower_bound`,
+    no walk over the ranks), else rank by rank (:func:`missing_bytes`)."""
+    shape = tuple(int(s) for s in shape)
+    found = structural_receive_lower_bound(src, dst, shape, dtype_itemsize(dtype))
+    if found is not None:
+        return found
+    return max(missing_bytes(src, dst, shape, dtype).values(), default=0)
+
+
+def _chunk_lengths(length: int, n: int) -> frozenset[int]:
+    """The piece lengths that occur when ``length`` is cut in ``n`` as torch.chunk does
+    (``shardlang.layout.chunk_bounds``): full pieces, one remainder, empty ones."""
+    size = -(-length // n)
+    if size == 0:
+        return frozenset({0})
+    full = min(length // size, n)
+    rest = length - full * size
+    out = {size} if full else set()
+    if rest and full < n:
+        out.add(rest)
+    if full + (1 if rest else 0) < n:
+        out.add(0)
+    return frozenset(out)
+
+
+def _nested_lengths(length: int, sizes: Sequence[int]) -> frozenset[int]:
+    """The piece lengths of a dim cut successively in ``sizes`` parts."""
+    lengths = frozenset({length})
+    for n in sizes:
+        lengths = frozenset(x for piece in lengths for x in _chunk_lengths(piece, n))
+    return lengths
+
+
+def structural_receive_lower_bound(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int) -> int | None:
+    """The receive lower bound (module docstring: the most bytes of its target piece a target
+    rank lacks) computed from the layouts' structure instead of rank by rank; ``None`` where
+    this structure does not decide it (two meshes; an axis splitting different dims in the two
+    layouts; a dim that both split over axes neither of which lists the other's as its outer
+    ones), and :func:`receive_lower_bound` walks the ranks.
+
+    Each dim then contributes a (target, held) pair of piece lengths that depends only on the
+    coordinates of its own axes: the target's piece and, where the source holds final values,
+    its intersection with the source's, which is the finer of the two nested pieces. Dims use
+    disjoint axes, so every combination of the pairs each dim can show occurs on some rank,
+    and the bound is the largest product of targets less the product of helds over them. The
+    work is a few lengths per dim and axis, whatever the rank count."""
+    if not src.mesh.same_geometry(dst.mesh):
+        return None
+    holds = all(src.mesh.shape[a] == 1 for a, _ in src.partial)
+    used: dict[int, int] = {}
+    per_dim: list[frozenset[tuple[int, int]]] = []
+    for d, length in enumerate(shape):
+        t_axes, s_axes = dst.dims[d], src.dims[d]
+        for a in (*t_axes, *s_axes):
+            if used.setdefault(a, d) != d:
+                return None
+        sizes = dst.mesh.shape
+        if not holds:
+            per_dim.append(frozenset((t, 0) for t in _nested_lengths(length, [sizes[a] for a in t_axes])))
+        elif s_axes[: len(t_axes)] == t_axes:  # the source piece lies inside the target's
+            pairs = set()
+            for t in _nested_lengths(length, [sizes[a] for a in t_axes]):
+                pairs.update((t, s) for s in _nested_lengths(t, [sizes[a] for a in s_axes[len(t_axes) :]]))
+            per_dim.append(frozenset(pairs))
+        elif t_axes[: len(s_axes)] == s_axes:  # the target piece lies inside the source's: all held
+            per_dim.append(frozenset((t, t) for t in _nested_lengths(length, [sizes[a] for a in t_axes])))
+        else:
+            return None
+    best = 0
+    for combo in itertools.product(*per_dim):
+        target = math.prod(t for t, _ in combo)
+        held = math.prod(h for _, h in combo) if holds else 0
+        best = max(best, target - held)
+    return best * itemsize
+

@@ -1,5 +1,5 @@
-"""The receive lower bound from the layouts' structure (``planner.bound``) equals the rank by
-rank one of ``planner.holdings`` wherever it answers, on random pairs of one mesh (uneven
+"""The receive lower bound from the layouts' structure (``planner.holdings``) equals the rank by
+rank one (``planner.holdings.missing_bytes``) wherever it answers, on random pairs of one mesh (uneven
 lengths, empty pieces, nested splits, partial sources), and answers for the pairs step plans
 are made of; it needs no walk over the ranks, so a million-rank mesh is as quick as four."""
 
@@ -9,8 +9,7 @@ import random
 
 import pytest
 
-from planner.bound import structural_receive_lower_bound
-from planner.holdings import receive_lower_bound
+from planner.holdings import missing_bytes, receive_lower_bound, structural_receive_lower_bound
 from shardlang import Layout, Mesh, parse_layout
 from shardlang.mesh import RowMajorRanks
 
@@ -52,7 +51,8 @@ def test_equals_the_rank_by_rank_bound_on_random_pairs() -> None:
         dtype = {1: "i8", 2: "bf16", 4: "f32"}[itemsize]
         if got is not None:
             answered += 1
-            assert got == receive_lower_bound(src, dst, shape, dtype), (src, dst, shape)
+            walked = max(missing_bytes(src, dst, shape, dtype).values(), default=0)
+            assert got == walked == receive_lower_bound(src, dst, shape, dtype), (src, dst, shape)
     assert answered > 300
 
 
@@ -94,3 +94,18 @@ def test_a_million_ranks_are_never_walked(monkeypatch: pytest.MonkeyPatch) -> No
         parse_layout(f"S(tp,dp),R {mesh}"), parse_layout(f"S(tp),R {mesh}"), (10**6, 7), 4
     )
     assert got == 977 * 7 * 4  # and back: dp ranks past 977 held no row
+
+
+def test_a_plans_json_at_a_million_ranks_walks_no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import planner
+
+    mesh = "over mesh[dp=1024,tp=1024]"
+    plan = planner.plan(parse_layout(f"S(tp),R | P(dp):avg {mesh}"), parse_layout(f"S(tp,dp),R {mesh}"), (10**6, 7))
+
+    def refuse(self: RowMajorRanks) -> None:
+        raise AssertionError("walked the ranks")
+
+    monkeypatch.setattr(RowMajorRanks, "__iter__", refuse)
+    # by hand: pieces of 977 rows over tp, then of 1 row (or none) over dp; the source is
+    # partial, so a rank lacks its whole target piece: 1 row of 7 f32
+    assert plan.to_json()["lower_bound_bytes"] == plan.lower_bound_bytes == 7 * 4
