@@ -142,10 +142,11 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
         argv[0] = str(script.relative_to(REPO))
     return {
         "command": " ".join([".venv/bin/python", *(shlex.quote(a) for a in argv)]),
-        # A copy of the tree without its .git (the GPU machine's) names its commit in SHARDLANG_COMMIT.
-        "commit": _git("rev-parse", "HEAD") or os.environ.get("SHARDLANG_COMMIT") or None,
+        # A copy of the tree made with git archive (the GPU machine's) names its commit in
+        # SHARDLANG_COMMIT: git there would find whatever repository holds the copy.
+        "commit": os.environ.get("SHARDLANG_COMMIT") or _git("rev-parse", "HEAD") or None,
         # Tracked files changed and not committed: the numbers are of a tree no commit names.
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "dirty": "SHARDLANG_COMMIT" not in os.environ and bool(_git("status", "--porcelain", "--untracked-files=no")),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {
             "platform": platform.platform(),

@@ -225,6 +225,9 @@ class ShardedAdamW(ShardedOptimizer):
     rank has agreed: docs/memory.md). ``free_grads``: free each gradient once its bucket has
     packed it (during backward with ``overlap``, in ``step()`` without): ``.grad`` is then
     ``None``, and only the optimizer's clipping sees the gradients (ZeRO-2 proper).
+    ``fused``: run torch's fused AdamW kernel (CUDA or CPU) on the shards, equal bit for bit to
+    ``torch.optim.AdamW(fused=True)``; it updates in place, so not with ``transactional``
+    (docs/gpu.md).
     """
 
     def __init__(
