@@ -154,7 +154,7 @@ class Rule:
             return Layout(dims=dims, mesh=layout.mesh, partial=layout.partial)
 
         layouts = self.layouts
-        states = tuple((k, fill(state_key(k), v)) for k, v in layouts.states)
+        states = tuple((k, fill(state_entry_key(k), v)) for k, v in layouts.states)
         return Layouts(param=fill("param", layouts.param), grad=fill("grad", layouts.grad), states=states)
 
 
@@ -298,12 +298,12 @@ class Spec:
         raise SpecError(f"tensor '{name}' is not declared and no rule matches it in {self.filename or 'the spec'}")
 
 
-def state_key(name: str) -> str:
+def state_entry_key(name: str) -> str:
     """The entry key of a state layout: ``state`` for the default, else ``state.NAME``."""
     return "state" if name == STATE_DEFAULT else f"state.{name}"
 
 
 def _named_layouts(layouts: Layouts) -> list[tuple[str, Layout]]:
     named = [("param", layouts.param), ("grad", layouts.grad)]
-    named += [(state_key(k), v) for k, v in layouts.states]
+    named += [(state_entry_key(k), v) for k, v in layouts.states]
     return named

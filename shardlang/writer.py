@@ -16,7 +16,7 @@ from decimal import Decimal
 from shardlang.layout import Layout, format_layout
 from shardlang.mesh import RowMajorRanks, format_ranks
 from shardlang.parser import parse_duration
-from shardlang.spec import STATE_DEFAULT, Layouts, MeshDecl, Rule, Spec, TensorSpec, expand_braces, state_key
+from shardlang.spec import STATE_DEFAULT, Layouts, MeshDecl, Rule, Spec, TensorSpec, expand_braces, state_entry_key
 
 _INT = re.compile(r"(0|[1-9][0-9]*)\Z")
 Comment = Callable[[TensorSpec, int], str | None]  # a group's first tensor and its size -> a comment
@@ -120,7 +120,7 @@ def format_entries(layouts: Layouts, indent: str = "  ", ellipses: Sequence[tupl
         lines.append(f"state = {text('state', default)}")
     for name, layout in layouts.states:
         if name != STATE_DEFAULT:
-            lines.append(f"{state_key(name)} = {text(state_key(name), layout)}")
+            lines.append(f"{state_entry_key(name)} = {text(state_entry_key(name), layout)}")
     return [indent + line for line in lines]
 
 
