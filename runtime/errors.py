@@ -17,3 +17,8 @@ class DistributedError(ShardlangError):
 
 class PlanMismatchError(DistributedError):
     """``verify=True`` found ranks of one mesh holding different plans."""
+
+
+class ReplicaMismatchError(DistributedError):
+    """Ranks that a layout declares replicas of each other hold different values
+    (``runtime.replicas``)."""

@@ -1,0 +1,154 @@
+"""Declared replication, verified: where a layout leaves a mesh axis out (neither split nor
+partial over it), the ranks along that axis must hold the same values. A forgotten seed, a
+model not broadcast, gradients declared ``R`` that no DDP reduced: each trains silently wrong
+otherwise (docs/design/failures.md, "Replicas").
+
+Each tensor's piece is summarized by a fingerprint: the sum, modulo 2**64, of every element's
+bits times a weight that depends on its position. Equal pieces give equal fingerprints on every
+device; two pieces that differ in one element, or hold the same elements in another order,
+give different ones except by a 1 in 2**64 chance. The fingerprints of all the tensors that
+share a group of replicas go in one small all-gather per group, and one all-reduce of the
+mismatch count over every rank involved makes all of them raise together:
+
+    verify_replicas([("w", w, layout), ...], rank, what="parameters", cause=PARAMETERS_CAUSE)
+
+Its cost: one pass over the pieces (in chunks of :data:`CHUNK` elements, so the scratch is
+bounded) and two collectives of a few bytes per tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+
+from runtime.comm import collective, default_device
+from runtime.errors import DistributedError, ReplicaMismatchError
+from runtime.groups import axis_ranks, group_for, ranks_group
+from shardlang.layout import Layout
+from shardlang.mesh import Mesh
+
+# Elements fingerprinted at once: bounds the int64 scratch to 16 MiB.
+CHUNK = 1 << 20
+# The weights cycle through this prime's residues (1 ... PRIME), so that a swap of two
+# elements less than PRIME apart always changes the sum.
+PRIME = 1_000_003
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+PARAMETERS_CAUSE = (
+    "the ranks started from different values: seed every rank alike before building the model, "
+    "or broadcast the parameters from one rank first"
+)
+GRADIENTS_CAUSE = (
+    "gradients declared replicated were not reduced across these ranks: wrap the model in DDP "
+    "(or reduce them yourself), or declare the gradient as a pending mean, e.g. 'R,R | P(dp):avg'"
+)
+
+
+def fingerprint(piece: torch.Tensor) -> int:
+    """The piece's fingerprint (module docstring): an integer of 64 bits, the same for equal
+    values whatever the device, strides or summation order.
+
+    >>> a = torch.tensor([1.0, 2.0, 3.0])
+    >>> fingerprint(a) == fingerprint(a.clone()) != fingerprint(a.flip(0))
+    True
+    """
+    return int(_fingerprint(piece).item())
+
+
+def _fingerprint(piece: torch.Tensor) -> torch.Tensor:
+    """:func:`fingerprint` as a 0-d int64 tensor on the piece's device (no host round trip)."""
+    flat = piece.detach().reshape(-1)
+    if flat.dtype.is_complex:
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    bits = flat.view(_BITS[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, bits.numel(), CHUNK):
+        chunk = bits[start : start + CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=flat.device) % PRIME + 1
+        # Integer products and sums wrap modulo 2**64 alike on every device and in any order.
+        total += (chunk * weights).sum()
+    return total
+
+
+def verify_replicas(
+    pieces: Sequence[tuple[str, torch.Tensor, Layout]],
+    rank: int,
+    *,
+    what: str,
+    cause: str,
+    timeout: datetime.timedelta,
+) -> None:
+    """Check that the ranks along every replicated axis of each layout hold equal pieces.
+
+    ``pieces``: ``(tensor name, this rank's piece, its layout)``; every rank of the layouts'
+    meshes calls with the same tensors in the same order (a rank outside a tensor's mesh leaves
+    it out). ``what`` names the pieces in the error ("parameters", "gradients"), ``cause`` says
+    what usually makes them differ and how to fix it. Raises :class:`ReplicaMismatchError` on
+    every rank involved when any group differs (naming the tensors, axes and ranks where it can
+    see them), :class:`DistributedError` when a peer does not arrive within ``timeout``."""
+    groups: dict[tuple[Mesh, tuple[int, ...]], list[tuple[str, torch.Tensor]]] = {}
+    involved: set[int] = set()
+    for name, piece, layout in pieces:
+        axes = layout.replicated_axes()
+        if rank not in layout.mesh.ranks or not any(layout.mesh.shape[a] > 1 for a in axes):
+            continue
+        groups.setdefault((layout.mesh, axes), []).append((name, _fingerprint(piece)))
+        involved.update(layout.mesh.ranks)
+    found: list[str] = []
+    counted = 0  # the differing tensors of the groups this rank comes first in: each once
+    device = default_device()
+    try:
+        for (mesh, axes), entries in groups.items():
+            members = axis_ranks(mesh, axes, rank)
+            mine = torch.stack([value for _, value in entries]).to(device)
+            group = group_for(mesh, axes, members, timeout=timeout)
+            gathered = collective("all_gather", mine, len(members), None, group, timeout).view(len(members), -1)
+            differ = _differences(entries, gathered, members, mesh, axes)
+            found += differ
+            counted += len(differ) if members[0] == rank else 0
+        if not involved:
+            return
+        count = torch.tensor([counted], dtype=torch.int64, device=device)
+        everyone = tuple(sorted(involved))
+        total = collective("all_reduce", count, len(everyone), "sum", ranks_group(everyone, timeout=timeout), timeout)
+    except DistributedError as e:
+        raise DistributedError(f"verifying that the replicated {what} agree: {e.message}") from e
+    if found:
+        shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+        raise ReplicaMismatchError(f"{what} declared replicated differ across ranks: {shown}. Usual cause: {cause}")
+    if int(total.item()):
+        raise ReplicaMismatchError(
+            f"{what} declared replicated differ across other ranks ({_tensors(int(total.item()))}; their "
+            f"errors name them). Usual cause: {cause}"
+        )
+
+
+def _tensors(n: int) -> str:
+    return f"{n} tensor" if n == 1 else f"{n} tensors"
+
+
+def _differences(
+    entries: list[tuple[str, torch.Tensor]],
+    gathered: torch.Tensor,
+    members: tuple[int, ...],
+    mesh: Mesh,
+    axes: tuple[int, ...],
+) -> list[str]:
+    """One line per tensor whose fingerprints differ in ``gathered`` (a row per member): the
+    tensor, the axes, and the ranks grouped by the value they hold."""
+    out = []
+    labels = ",".join(mesh.axis_label(a) for a in axes)
+    for column, (name, _) in enumerate(entries):
+        values = gathered[:, column].tolist()
+        if len(set(values)) == 1:
+            continue
+        holders: dict[int, list[int]] = {}
+        for member, value in zip(members, values, strict=True):
+            holders.setdefault(value, []).append(member)
+        sides = " vs ".join(f"ranks {ranks}" for ranks in holders.values())
+        out.append(f"'{name}' along {labels} ({sides} hold different values)")
+    return out
