@@ -28,6 +28,7 @@ from runtime.checkpoint.items import (
     wanted_piece,
 )
 from runtime.checkpoint.metadata import METADATA_FILE, Metadata, StoredTensor, read_metadata
+from runtime.checkpoint.objects import Stateful, to_load
 from runtime.checkpoint.reader import RangeReader
 from runtime.comm import timeout_of
 from runtime.dtypes import torch_dtype
@@ -53,16 +54,18 @@ def load(
     tensors: Mapping[str, LocalPiece] | None = None,
     optimizer: ShardedOptimizer | None = None,
     *,
+    objects: Mapping[str, Stateful] | None = None,
     timeout: float | datetime.timedelta | None = None,
 ) -> LoadReport:
     """Fill ``tensors`` (this rank's pieces, in any layouts) and ``optimizer`` (parameters and
-    states, in its own layouts) from the checkpoint at ``path``. Every rank of the job calls
-    it; ranks outside a tensor's mesh pass ``None`` for it or leave it out. Returns what this
+    states, in its own layouts) from the checkpoint at ``path``, and give ``objects`` (an lr
+    scheduler, a data loader) the states saved for them (``load_state_dict``, last). Every
+    rank of the job calls it; ranks outside a tensor's mesh pass ``None`` for it or leave it out. Returns what this
     rank read. A :class:`CheckpointError` on every rank, with nothing changed, if any rank
     cannot read its part; a ``DistributedError`` if a rank does not arrive within
     ``timeout`` (seconds or a timedelta; default the runtime's)."""
     directory = Path(path)
-    rank = agree.rank_and_size()[0]
+    rank, size = agree.rank_and_size()
     changes: list[Callable[[], object]] = []
     report: list[LoadReport] = []
 
@@ -77,6 +80,8 @@ def load(
                 changes.append(lambda piece=piece, item=item: piece.tensor.copy_(item.data))
         if optimizer is not None:
             items += _optimizer_targets(metadata, source, optimizer, changes)
+        for obj, state in to_load(metadata.objects, objects or {}, rank, size, source):
+            changes.append(lambda obj=obj, state=state: obj.load_state_dict(state))
         reader = RangeReader(directory, metadata.data, metadata.files, metadata.block_bytes)
         try:
             for item in items:

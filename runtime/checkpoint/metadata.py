@@ -36,6 +36,7 @@ from typing import Any
 
 import attrs
 
+from runtime.checkpoint import objects
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.fields import Fields, field, too_deep
 from runtime.checkpoint.paths import open_inside
@@ -152,6 +153,8 @@ class Metadata:
     tensors: Mapping[str, StoredTensor]
     optimizer: StoredOptimizer | None
     block_bytes: int = BLOCK_BYTES
+    # Objects' encoded states (``objects``): {name: {"same": state} or {"ranks": [state, ...]}}.
+    objects: Mapping[str, Mapping[str, object]] = attrs.field(factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         raw = {
@@ -163,6 +166,8 @@ class Metadata:
             "tensors": {k: t.to_json() for k, t in self.tensors.items()},
             "optimizer": None if self.optimizer is None else self.optimizer.to_json(),
         }
+        if self.objects:  # absent from checkpoints without objects (and those saved before them)
+            raw["objects"] = dict(self.objects)
         return raw | {"checksum": metadata_checksum(raw)}
 
     def dumps(self) -> str:
@@ -217,6 +222,7 @@ def parse_metadata(raw: object, source: str) -> Metadata:
         tensors[key] = reader.tensor(fields.object(entry, reader.path))
     optimizer = fields.get(raw, "optimizer", "")
     stored = None if optimizer is None else _stored_optimizer(fields, fields.object(optimizer, "optimizer"), tensors)
+    stored_objects = objects.parse(raw.get("objects", {}), fields, world_size)
     # Last, so that a field of the wrong kind is named as such rather than as a mismatch.
     if checksum is not None and checksum != metadata_checksum(raw):
         raise CheckpointError(
@@ -224,7 +230,7 @@ def parse_metadata(raw: object, source: str) -> Metadata:
             "(a tensor, box, shape or setting changed), and cannot be edited by hand: restore the file as it "
             "was saved, or save the checkpoint again"
         )
-    return Metadata(data, world_size, files, tensors, stored, block_bytes)
+    return Metadata(data, world_size, files, tensors, stored, block_bytes, stored_objects)
 
 
 @attrs.frozen

@@ -48,6 +48,7 @@ from runtime.checkpoint.metadata import (
     StoredTensor,
     piece_identity,
 )
+from runtime.checkpoint.objects import Stateful, merged, states_of
 from runtime.comm import timeout_of
 from runtime.optim.base import HeldTensor, ShardedOptimizer
 from shardlang.parser import parse_layout
@@ -60,13 +61,15 @@ def save(
     tensors: Mapping[str, LocalPiece] | None = None,
     optimizer: ShardedOptimizer | None = None,
     *,
+    objects: Mapping[str, Stateful] | None = None,
     timeout: float | datetime.timedelta | None = None,
     block_bytes: int = BLOCK_BYTES,
 ) -> None:
-    """Save ``tensors`` (this rank's pieces, by name) and ``optimizer`` (its parameters and
-    states) to the checkpoint at ``path``, replacing the one there only once every rank has
-    written its part. Every rank of the job calls it, with the same ``block_bytes`` (bytes
-    per checksum block); ranks outside a tensor's mesh pass ``None`` for it or leave it out.
+    """Save ``tensors`` (this rank's pieces, by name), ``optimizer`` (its parameters and
+    states) and ``objects`` (an lr scheduler, a data loader: their ``state_dict()``, stored
+    as ``runtime.checkpoint.objects`` says) to the checkpoint at ``path``, replacing the one
+    there only once every rank has written its part. Every rank of the job calls it, with the
+    same ``block_bytes`` (bytes per checksum block); ranks outside a tensor's mesh pass ``None`` for it or leave it out.
     A :class:`CheckpointError` on every rank left if any rank fails or does not arrive
     within ``timeout`` (seconds or a timedelta; default the runtime's); its message says
     whether the new checkpoint was committed."""
@@ -78,9 +81,11 @@ def save(
     rank, size = agree.rank_and_size()
     token = secrets.token_hex(8) if rank == 0 else ""
     pieces: dict[str, LocalPiece] = {}
+    encoded: dict[str, object] = {}
 
     def prepare() -> None:
         pieces.update(_held_pieces(tensors or {}, optimizer, rank))
+        encoded.update(states_of(objects))
         if rank == 0:  # before any rank may write or give up (commit)
             staging_folder(directory, token).mkdir(parents=True)
 
@@ -100,7 +105,7 @@ def save(
             record = _optimizer_record(optimizer, held)
         if not staging.is_dir():
             raise CheckpointError(f"{staging}: rank 0's staging folder is not here (all ranks must see one directory)")
-        index = _write_part(staging / _rank_file(rank), items, block_bytes) | {"optimizer": record}
+        index = _write_part(staging / _rank_file(rank), items, block_bytes) | {"optimizer": record, "objects": encoded}
         (staging / _index_file(rank)).write_text(json.dumps(index))
 
     def given_up() -> str:  # this rank lost touch with the others
@@ -223,7 +228,8 @@ def _merge(indexes: list[dict[str, Any]], data: str, size: int, block_bytes: int
                 + (f"; ranks {missing} of its mesh did not save it" if missing else "")
             )
         tensors[key] = stored
-    return Metadata(data, size, files, tensors, _merge_optimizers([i["optimizer"] for i in indexes]), block_bytes)
+    optimizer = _merge_optimizers([i["optimizer"] for i in indexes])
+    return Metadata(data, size, files, tensors, optimizer, block_bytes, merged([i["objects"] for i in indexes]))
 
 
 def _merge_optimizers(records: list[dict[str, Any] | None]) -> StoredOptimizer | None:
