@@ -322,9 +322,6 @@ class StageRun:
         self._in_flight.clear()
 
     def _start(self, bucket: BucketProgram, deadline: float | None = None) -> None:
-        program, buffers = self.program, self._buffers
-        plan = program.plan
-        first_leg, first, _, _ = bucket.members[0]
         # Buckets of a step share their send buffer and workspace, so one runs at a time; any
         # bucket waits for one in flight that holds the previous step of one of its legs.
         launch = bucket.bucket.launch
@@ -334,6 +331,14 @@ class StageRun:
             or any(self._walks[leg].x is None for leg, *_ in bucket.members)
         ):
             self._wait_oldest(deadline)
+        with _profiled(self, bucket, "start"):
+            self._pack_and_start(bucket)
+
+    def _pack_and_start(self, bucket: BucketProgram) -> None:
+        """Pack the bucket's members into its send buffer and start its collective."""
+        program, buffers = self.program, self._buffers
+        plan = program.plan
+        first_leg, first, _, _ = bucket.members[0]
         n, op, total = first.n, bucket.bucket.op, bucket.total
         sample = self._walks[first_leg].x
         shape = (n, total) if bucket.per_peer else (total,)
@@ -400,6 +405,13 @@ class StageRun:
 
     def _wait_oldest(self, deadline: float | None) -> None:
         bucket, pending, started = self._in_flight.pop(0)
+        with _profiled(self, bucket, "wait"):
+            self._finish(bucket, pending, started, deadline)
+
+    def _finish(
+        self, bucket: BucketProgram, pending: PendingCollective, started: float, deadline: float | None
+    ) -> None:
+        """Wait for the bucket's collective and hand each member its result."""
         left = self.timeout.total_seconds() if deadline is None else max(deadline - time.monotonic(), 0.001)
         blocked = time.perf_counter()
         try:
@@ -467,6 +479,16 @@ class StageRun:
     def _where(self, bucket: BucketProgram) -> str:
         names = [self.program.plan.legs[leg].tensor for leg, *_ in bucket.members]
         return f"bucket {bucket.index + 1} of {len(self.program.plan.buckets)} ({_describe(bucket.bucket, names)})"
+
+
+def _profiled(run: StageRun, bucket: BucketProgram, what: str) -> contextlib.AbstractContextManager[object]:
+    """A named range of ``torch.profiler`` traces for one bucket's start or wait
+    (``shardlang before: start bucket 2 of 5 (reduce_scatter over dp of 'w1', 'b1')``), as DDP
+    and FSDP2 name theirs; nothing when no profiler runs, since building the name costs more
+    than the rest of a small bucket's bookkeeping (docs/reference/runtime.md, "Profiling")."""
+    if not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"shardlang {run.stage}: {what} {run._where(bucket)}")
 
 
 def _advanced_view(walk: _Walk, until: int | None) -> list[torch.Tensor] | None:
