@@ -143,7 +143,8 @@ def start_collective(
     gloo = _is_gloo(group)
     try:
         big = received.numel() * received.element_size() >= GATHER_MESSAGES_BYTES
-        if op == "all_gather" and gloo and waited_at_once and big:
+        # gloo's messages send from host memory: CUDA tensors take its collective (docs/gpu.md).
+        if op == "all_gather" and gloo and waited_at_once and big and not send.is_cuda:
             works = _all_gather_messages(received, send, group)
         elif op == "all_gather":
             works = [all_gather_single(received, send, group=group, async_op=True)]
