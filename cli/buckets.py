@@ -11,8 +11,9 @@ import attrs
 from cli.summary import fold_names
 from cli.tables import format_bytes, format_seconds, format_table
 from cli.terminal import Style
+from planner.bucket_cap import SLACK, BucketCap, far_from, step_bucket_cap
 from planner.model import SpecPlan
-from planner.step import IN_STEP, Bucket, StepPlan
+from planner.step import DURING_BACKWARD, IN_STEP, Bucket, StepPlan
 
 # The tensors column lists names (folded per declaration) up to about this many characters.
 NAMES_WIDTH = 48
@@ -148,3 +149,39 @@ def format_buckets(spec_plan: SpecPlan, style: Style, flat_axis: str | int | Non
     headers = ["#", "stage", "collective", "mesh", "count", "tensors (buffer order)", "bytes/rank", "buffer", "time"]
     table = format_table(headers, rows, "><<<><>>>", "  ")
     return "\n".join([title, table, f"  {summary_line(step)}", f"  {buffer_line(step)}"])
+
+
+def bucket_cap_warnings(spec_plan: SpecPlan) -> list[str]:
+    """A line where the step's bucket cap is far from the cost model's (``planner.bucket_cap``):
+    too small (the step slower) or too large (bucket memory for a step at most 5% faster). None
+    with overlap: the model does not know how much of the buckets backward hides."""
+    step = spec_plan.step
+    if any(b.launch == DURING_BACKWARD for b in step.buckets):
+        return []
+    model = step_bucket_cap(step, {tp.tensor.name: tp.cost for tp in spec_plan.tensors})
+    in_use = (step.total_seconds, step.max_buffer_bytes)
+    return cap_warning(
+        step.bucket_bytes, in_use, model, "--bucket-bytes auto takes it (bucket_bytes in the optimizers)"
+    )
+
+
+def cap_warning(cap: int, in_use: tuple[float, int], model: BucketCap, advice: str) -> list[str]:
+    """The warning line (none where the cap is not far from the model's): ``in_use`` is the
+    step's (seconds, largest bucket buffer) under ``cap``."""
+    far = far_from(in_use, model)
+    if far is None:
+        return []
+    theirs = (
+        f"the cost model's cap, {format_bytes(model.bytes)} ({format_seconds(model.seconds)}, buckets of up to "
+        f"{format_bytes(model.buffer_bytes)} per rank)"
+    )
+    seconds, buffer = in_use
+    if far == "slower":
+        return [
+            f"warning: the {format_bytes(cap)} bucket cap makes this step {seconds / model.seconds:.1f}x slower "
+            f"({format_seconds(seconds)}) than {theirs}: {advice}"
+        ]
+    return [
+        f"warning: the {format_bytes(cap)} bucket cap holds buckets of up to {format_bytes(buffer)} per rank, "
+        f"{buffer / model.buffer_bytes:.1f}x those of {theirs}, for a step at most {SLACK:.0%} faster: {advice}"
+    ]

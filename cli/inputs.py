@@ -12,6 +12,7 @@ from pathlib import Path
 
 import attrs
 
+from planner.bucket_cap import AUTO
 from shardlang import Layout, Spec, TensorSpec, load_spec, parse_layout
 from shardlang.errors import ShardlangError
 from shardlang.parser import MAX_INT, parse_duration
@@ -99,6 +100,11 @@ def axis_arg(text: str) -> str | int:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise argparse.ArgumentTypeError(f"'{text}' is not a mesh axis; give its name (dp) or index (0)")
     return name
+
+
+def bucket_cap_arg(text: str) -> int | str:
+    """:func:`bucket_bytes_arg`, or ``auto``: the cost model's cap (``planner.bucket_cap``)."""
+    return AUTO if text == AUTO else bucket_bytes_arg(text)
 
 
 def bucket_bytes_arg(text: str) -> int:

@@ -28,7 +28,7 @@ from cli.inputs import (
     UsageError,
     axis_arg,
     bandwidth_arg,
-    bucket_bytes_arg,
+    bucket_cap_arg,
     bytes_arg,
     check_flat_axis,
     duration_arg,
@@ -120,10 +120,10 @@ def _add_step_options(p: argparse.ArgumentParser, buckets: bool = True) -> None:
     if buckets:
         p.add_argument(
             "--bucket-bytes",
-            type=bucket_bytes_arg,
+            type=bucket_cap_arg,
             metavar="N",
             help="with a spec file: the most buffer bytes a bucket holds per rank (default 32MiB, 4MiB with "
-            "--overlap; 1 puts every step in a bucket of its own)",
+            "--overlap; 1 puts every step in a bucket of its own; auto: the cost model's cap)",
         )
         p.add_argument(
             "--overlap",

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Any, TextIO, TypeVar
 
-from cli.buckets import format_buckets
+from cli.buckets import bucket_cap_warnings, format_buckets
 from cli.messages import describe_messages
 from cli.summary import TensorGroup, group_tensors, largest_first
 from cli.tables import format_bytes, format_seconds, format_table
@@ -61,7 +61,7 @@ def spec_plan_json(spec_plan: SpecPlan) -> dict[str, Any]:
         "total_bytes": spec_plan.total_bytes,
         "total_seconds": spec_plan.total_seconds,
         "step": spec_plan.step.to_json(),
-        "warnings": padding_warnings(spec_plan),
+        "warnings": padding_warnings(spec_plan) + bucket_cap_warnings(spec_plan),
     }
 
 
@@ -304,7 +304,7 @@ def format_spec_report(
         tensors = "\n\n".join(format_tensor_plans(tp, style) for tp in spec_plan.tensors)
     else:
         tensors = format_spec_summary(spec_plan, style)
-    warnings = "".join(f"\n{style(w, 'yellow')}" for w in padding_warnings(spec_plan))
+    warnings = "".join(f"\n{style(w, 'yellow')}" for w in padding_warnings(spec_plan) + bucket_cap_warnings(spec_plan))
     return f"{tensors}\n\n{format_buckets(spec_plan, style, flat_axis)}" + (f"\n{warnings}" if warnings else "")
 
 

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
-
+from cli.buckets import cap_warning
 from cli.init import named_tensors
 from cli.inputs import UsageError, bucket_bytes_arg, bytes_arg, read_spec, shape_arg
 from cli.tables import format_bytes, format_seconds
+from planner.bucket_cap import choose_cap
 from planner.knapsack import better, fixed_choices, smallest_memory, suggest_best
 from planner.suggest import OPTIMIZERS, Choice, Problem, SuggestError, Suggestion, build_problems
 from shardlang import Spec, TensorSpec, format_spec
@@ -31,8 +31,6 @@ from shardlang.writer import fold_names
 
 _FRONTIER_POINTS = 16
 _WORTH = 1e-3  # the main job mentions a change that saves at least this share of the time
-_CAP_WARNING = 1.25  # a cap that slows the suggested step more than this is warned about
-_UNCAPPED = 2**62  # bucket bytes: one bucket per collective kind
 
 
 def add_suggest_parser(sub: Any) -> None:
@@ -182,19 +180,16 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
 
 
 def cap_lines(problem: Problem, choice: Choice) -> list[str]:
-    """A warning where the bucket cap makes the chosen layouts more than :data:`_CAP_WARNING`
-    times slower than buckets of any size would (their latencies, one per bucket; the cap
-    buys the memory of smaller buffers)."""
-    if not choice.seconds or problem.bucket_bytes >= _UNCAPPED:
+    """A warning where the bucket cap is far from the cost model's for the chosen layouts
+    (``planner.bucket_cap``: the step and the loop slower than under the model's cap, or
+    buckets far larger for at most 5% of the time), naming the model's cap."""
+    if not choice.seconds:
         return []
-    uncapped = attrs.evolve(problem, bucket_bytes=_UNCAPPED).evaluate(choice.picks).seconds
-    if choice.seconds <= _CAP_WARNING * uncapped:
-        return []
-    return [
-        f"warning: the {format_bytes(problem.bucket_bytes)} bucket cap makes this step "
-        f"{choice.seconds / uncapped:.1f}x slower than buckets of any size ({format_seconds(uncapped)}): a larger "
-        "--bucket-bytes (here and in the optimizers) trades buffer memory for latency"
-    ]
+    price = problem.priced(choice.picks)
+    model = choose_cap(price)
+    in_use = price(problem.bucket_bytes)
+    advice = f"--bucket-bytes {format_bytes(model.bytes).replace(' ', '')} (here and in the optimizers) takes it"
+    return cap_warning(problem.bucket_bytes, in_use, model, advice)
 
 
 def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str, Any]:

@@ -11,9 +11,11 @@ optimizers take it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
+from planner.bucket_cap import AUTO, plan_step_with_model_cap
 from planner.cost import CostModel
 from planner.errors import PlanError
 from planner.records import Plan
@@ -128,7 +130,7 @@ def plan_spec(
     max_local_bytes: int | None = None,
     point_to_point: bool = False,
     flat_axis: str | int | None = None,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int | str | None = None,
     overlap: bool = False,
     prefetch: bool = False,
     rank: int = 0,
@@ -143,7 +145,8 @@ def plan_spec(
     cheaper (:func:`planner.plan`); by default hops are collective plans (the baseline move set,
     which the optimizers run). ``cost`` replaces the spec's hints for every mesh (one model for
     choosing the plans and for running them: give the optimizers the same one). ``flat_axis``,
-    ``bucket_bytes`` and ``overlap`` are the optimizers' options, ``prefetch`` stands for their
+    ``bucket_bytes`` and ``overlap`` are the optimizers' options (``bucket_bytes``
+    :data:`planner.bucket_cap.AUTO`: the cost model's cap), ``prefetch`` stands for their
     ``prefetch_params``. ``max_states`` is the search budget of every hop (:func:`planner.plan`).
     ``on_tensor`` is called with each tensor before it is planned (progress display).
 
@@ -162,16 +165,17 @@ def plan_spec(
         if mesh not in costs:
             costs[mesh] = cost_for(spec, t, alpha=alpha, bandwidth=bandwidth, cost=cost)
         inputs.append(step_tensor(t, costs[mesh], flat_axis))
-    step = plan_step(
-        inputs,
-        rank,
-        bucket_bytes=bucket_bytes,
-        max_local_bytes=max_local_bytes,
-        point_to_point=point_to_point,
-        overlap=overlap,
-        prefetch=prefetch,
-        max_states=max_states,
-    )
+    options: dict[str, Any] = {
+        "max_local_bytes": max_local_bytes,
+        "point_to_point": point_to_point,
+        "overlap": overlap,
+        "prefetch": prefetch,
+        "max_states": max_states,
+    }
+    if bucket_bytes == AUTO:
+        step = plan_step_with_model_cap(inputs, rank, **options)
+    else:
+        step = plan_step(inputs, rank, bucket_bytes=bucket_bytes, **options)  # type: ignore[arg-type]
     plans = tuple(
         TensorPlans(tensor=t, legs=step.legs_of(t.name), cost=item.cost) for t, item in zip(chosen, inputs, strict=True)
     )

@@ -66,6 +66,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from planner.bucket_cap import Priced
 from planner.choice import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
@@ -178,7 +179,12 @@ class Problem:
     def evaluate(self, picks: Sequence[Sequence[int]]) -> Choice:
         """Memory as the integer program counts it; time as the step plan buckets the chosen
         legs (module doc): what ``shardlang plan`` models for the chosen spec, plus the loop."""
-        memory = self.memory_of(picks)
+        seconds, _ = self.priced(picks)(self.bucket_bytes)
+        return Choice(picks=tuple(tuple(p) for p in picks), memory=self.memory_of(picks), seconds=seconds)
+
+    def priced(self, picks: Sequence[Sequence[int]]) -> Priced:
+        """A choice's step and loop under a bucket cap: (modeled seconds, largest bucket
+        buffer), for ``planner.bucket_cap``'s rule."""
         chosen: dict[str, Candidate] = {}
         costs: dict[str, CostModel] = {}  # by the name the legs carry: their group's first tensor's
         for group, picked in zip(self.groups, picks, strict=True):
@@ -190,11 +196,16 @@ class Problem:
         for t in self.tensors:  # in the spec's order, as the step plan takes them
             legs += chosen[t.name].legs
             loop += chosen[t.name].loop
-        seconds = 0.0
-        for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1)):
-            buckets = bucket_stage(legs if stage in STAGES else loop, stage, costs, self.bucket_bytes, reverse=False)
-            seconds += times * sum(b.seconds for b in buckets)
-        return Choice(picks=tuple(tuple(p) for p in picks), memory=memory, seconds=seconds)
+
+        def price(cap: int) -> tuple[float, int]:
+            seconds, buffer = 0.0, 0
+            for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1)):
+                buckets = list(bucket_stage(legs if stage in STAGES else loop, stage, costs, cap, reverse=False))
+                seconds += times * sum(b.seconds for b in buckets)
+                buffer = max((buffer, *(b.buffer_bytes for b in buckets)))
+            return seconds, buffer
+
+        return price
 
     def memory_of(self, picks: Sequence[Sequence[int]]) -> int:
         """The memory per rank of a choice (module doc): its tensors' and the largest transient."""
