@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	# The stacks' extras (docs/stacks/): their tests skip, saying so, where they are missing.
+	$(PY) -m pip install -q -e '.[test,hf]'
 	@command -v dot >/dev/null 2>&1 || ./.ci/install-graphviz
 	touch $(STAMP)
 

@@ -1,0 +1,128 @@
+"""The Hugging Face Trainer and accelerate with ShardedAdamW (examples/train_hf_trainer.py,
+examples/train_accelerate.py, runtime/stacks/hf.py).
+
+Four gloo ranks (with the environment torchrun would give them) run the example's ``main`` and
+train a tiny GPT-2 for 3 steps through the Trainer, which wraps it in DDP: once with ShardedAdamW on a ZeRO-1 spec and a
+warm-up schedule, once with torch.optim.AdamW and the same schedule. The gradients are DDP's
+in both, so the parameters must be equal bit for bit. The sharded run checkpoints at step 2;
+two ranks resume from it: the optimizer's whole states, its step count and the schedule must
+be those saved, and training goes on to step 3. The same four ranks run the accelerate loop
+(DDP again) with ShardedAdamW and with torch.optim.AdamW: equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.testing import run_ranks
+from tests.conftest import EXAMPLES
+
+pytest.importorskip("transformers", reason="the Hugging Face stack is an optional extra: pip install -e '.[hf]'")
+pytest.importorskip("accelerate", reason="the Hugging Face stack is an optional extra: pip install -e '.[hf]'")
+
+
+def example(name: str = "train_hf_trainer.py") -> ModuleType:
+    """examples/train_hf_trainer.py or examples/train_accelerate.py, imported."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), EXAMPLES / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def as_torchrun(rank: int, world_size: int) -> None:
+    """The environment torchrun gives a rank, which accelerate reads (the group is up already)."""
+    os.environ |= {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",
+    }
+
+
+def whole_states(optimizer: Any) -> dict[str, torch.Tensor]:
+    from runtime.stacks.hf import sharded_optimizer
+
+    full = sharded_optimizer(optimizer).full_state_dict()  # every rank calls it
+    return {f"{i}.{k}": v.clone() for i, entry in full["state"].items() for k, v in entry.items()}
+
+
+def _train_on_four(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from transformers import TrainerCallback
+
+    as_torchrun(rank, world_size)
+    module = example()
+    saved: dict[str, Any] = {}
+
+    class AtSave(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            saved[state.global_step] = {
+                "states": whole_states(kwargs["optimizer"]),
+                "lr": kwargs["lr_scheduler"].get_last_lr(),
+            }
+
+    trainer = module.main(["--output-dir", f"{folder}/sharded", "--steps", "3"], callbacks=[AtSave()])
+    reference = module.torch_trainer(f"{folder}/torch", 3)
+    reference.train()
+    names = [n for n, _ in trainer.model.named_parameters()]
+    assert names == [n for n, _ in reference.model.named_parameters()]
+    loop = example("train_accelerate.py")
+    ours, _ = loop.train(loop.sharded_adamw, 3)
+    theirs, _ = loop.train(lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2), 3)
+    pairs = zip(ours.parameters(), theirs.parameters(), strict=True)
+    return {
+        "accelerate": [(a.detach().clone(), b.detach().clone()) for a, b in pairs],
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "sharded": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        "torch": {n: p.detach().clone() for n, p in reference.model.named_parameters()},
+        "saved": saved,
+    }
+
+
+def _resume_on_two(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from transformers import TrainerCallback
+
+    as_torchrun(rank, world_size)
+    module = example()
+    resumed: dict[str, Any] = {}
+
+    class AtBegin(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            resumed["states"] = whole_states(kwargs["optimizer"])
+            resumed["lr"] = kwargs["lr_scheduler"].get_last_lr()
+            resumed["global_step"] = state.global_step
+
+    argv = ["--output-dir", f"{folder}/sharded", "--steps", "3", "--resume", f"{folder}/sharded/checkpoint-2"]
+    trainer = module.main(argv, callbacks=[AtBegin()])
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return resumed | {"finished": trainer.state.global_step, "finite": all(p.isfinite().all() for p in params.values())}
+
+
+@pytest.mark.slow
+def test_trainer_with_sharded_adamw_equals_its_adamw_and_resumes_on_two_ranks(tmp_path: Path) -> None:
+    four = run_ranks(_train_on_four, 4, (str(tmp_path),), timeout=240)
+    for out in four:
+        assert out["wrapped"] == "DistributedDataParallel"
+        for name, want in out["torch"].items():
+            assert torch.equal(out["sharded"][name], want), f"{name} differs from the Trainer's AdamW run"
+        for ours, theirs in out["accelerate"]:
+            assert torch.equal(ours, theirs), "accelerate: ShardedAdamW differs from torch.optim.AdamW"
+    assert sorted(four[0]["saved"]) == [2, 3]  # every 2 steps and at the end
+    saved = four[0]["saved"][2]
+    assert (tmp_path / "sharded" / "checkpoint-2" / "shardlang" / "metadata.json").is_file()
+    two = run_ranks(_resume_on_two, 2, (str(tmp_path),), timeout=240)
+    for out in two:
+        assert out["global_step"] == 2 and out["finished"] == 3 and out["finite"]
+        assert out["lr"] == saved["lr"]
+        assert out["states"].keys() == saved["states"].keys() and saved["states"]
+        for key, want in saved["states"].items():
+            assert torch.equal(out["states"][key], want), key
