@@ -1,7 +1,7 @@
 """Predicted against measured plan time, with the default cost model and a calibrated one.
 
     .venv/bin/python bench/bench_calibration.py                 # 4 gloo ranks, [4] and [2,2], 32 pairs each
-    .venv/bin/python bench/bench_calibration.py --pairs 40 --reps 7 --json out/calibration.json   # rows and sweeps
+    .venv/bin/python bench/bench_calibration.py --pairs 40 --reps 7 --json docs/benchmarks/data/calibration.json
 
 On each mesh: first ``runtime.calibrate.sweep`` and ``planner.fit`` (what ``shardlang calibrate``
 runs) give the calibrated model; then random pairs (``runtime.calibrate.sample_pairs``: f32 tensors
@@ -37,7 +37,6 @@ work a matter of scheduling.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -47,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attrs
+import results as bench_results
 import torch
 from scipy.stats import wilcoxon
 
@@ -192,14 +192,19 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=32, help="random pairs per mesh")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--budget", type=float, default=40.0, help="seconds of calibration sweep per mesh")
-    parser.add_argument("--json", help="also write every row, and the sweeps' samples, here")
+    bench_results.add_json_option(parser)  # the tables, and every row and the sweeps' samples as data
     args = parser.parse_args()
     result = run_ranks(_rank, 4, (args.pairs, args.reps, args.budget), timeout=3600, collective_timeout=600)[0]
+    with bench_results.printed() as shown:
+        _report(result, args.reps)
+    tables = bench_results.markdown_tables(shown.getvalue())
+    bench_results.write(args.json, "Calibration", tables, data=result)
+
+
+def _report(result: dict, reps: int) -> None:
+    """The tables of a run (``result`` as ``--json`` keeps it under ``data``)."""
     rows = result["pairs"]
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    print(f"4 gloo ranks, {len(rows)} pairs, median of {args.reps} runs of the slowest rank")
+    print(f"4 gloo ranks, {len(rows)} pairs, median of {reps} runs of the slowest rank")
     print("| mesh | pairs | model | Spearman | median abs rel error |")
     print("|---|---|---|---|---|")
     for shape in [*MESHES, None]:
@@ -214,8 +219,8 @@ def main() -> None:
     print("\n".join(_by_kind(rows)))
     differ = [r for r in rows if r["default_steps"] != r["calibrated_steps"]]
     print(
-        f"\n{len(differ)} pairs where the models choose different plans: median ms over {args.reps} runs, "
-        f"then the two re-timed over {RETIME * args.reps} paired runs (Wilcoxon signed-rank, p < {LEVEL})"
+        f"\n{len(differ)} pairs where the models choose different plans: median ms over {reps} runs, "
+        f"then the two re-timed over {RETIME * reps} paired runs (Wilcoxon signed-rank, p < {LEVEL})"
     )
     print(
         "| mesh | pair | shape | default plan | calibrated plan | ms | re-timed ms | ratio | p | verdict "
@@ -227,8 +232,9 @@ def main() -> None:
     family = [_verdict(ratio, q) for (ratio, _, _), q in zip(compared, adjusted, strict=True)]
     for r, (ratio, p, verdict), q, whole in zip(differ, compared, adjusted, family, strict=True):
         again = [statistics.median(r[f"{w}_runs"]) * 1e3 for w in ("default", "calibrated")]
+        pair = r["pair"].replace("|", "\\|")  # a cell of a markdown table
         print(
-            f"| {r['mesh']} | {r['pair']} | {'x'.join(map(str, r['shape']))} | {'; '.join(r['default_steps'])} | "
+            f"| {r['mesh']} | {pair} | {'x'.join(map(str, r['shape']))} | {'; '.join(r['default_steps'])} | "
             f"{'; '.join(r['calibrated_steps'])} | {r['default_measured'] * 1e3:.2f} / "
             f"{r['calibrated_measured'] * 1e3:.2f} | {again[0]:.2f} / {again[1]:.2f} | {ratio:.2f} | {p:.3g} | "
             f"{verdict} | {q:.3g} | {whole} |"
@@ -237,7 +243,7 @@ def main() -> None:
     kinds = ("faster", "level", "slower")
     print("calibrated choice: " + ", ".join(f"{verdicts.count(v)} {v}" for v in kinds), end="")
     print("; the run as one family (Holm): " + ", ".join(f"{family.count(v)} {v}" for v in kinds))
-    print(f"\n{ALL_REDUCE[0]} -> {ALL_REDUCE[1]}: every candidate, {RETIME * args.reps} paired runs (median ms)")
+    print(f"\n{ALL_REDUCE[0]} -> {ALL_REDUCE[1]}: every candidate, {RETIME * reps} paired runs (median ms)")
     print("| shape | hierarchical | two all_reduces | calibrated's own | faster | calibrated picks | p | verdict |")
     print("|---|---|---|---|---|---|---|---|")
     for c in result["all_reduce"]:

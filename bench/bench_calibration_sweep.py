@@ -1,7 +1,7 @@
 """The calibration sweep at dense sizes: where a kind's time departs from one line.
 
     .venv/bin/python bench/bench_calibration_sweep.py                       # [4], 256 KiB .. 16 MiB, 8 sizes an octave
-    .venv/bin/python bench/bench_calibration_sweep.py --per-octave 4 --repeat 3 --json out/sweep.json
+    .venv/bin/python bench/bench_calibration_sweep.py --per-octave 4 --repeat 3 --json data/sweep.json
 
 ``--repeat`` times runs ``runtime.calibrate.sweep`` (what ``shardlang calibrate`` measures: each
 kind by a plan of one step through ``runtime.reshard``, the kinds interleaved repetition by
@@ -18,7 +18,6 @@ sweep").
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import results as bench_results
 import torch
 import torch.distributed as dist
 
@@ -82,15 +82,20 @@ def main() -> None:
     parser.add_argument("--per-octave", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=2, help="sweeps, one after the other")
     parser.add_argument("--reps", type=int, default=7, help="per pass, as the calibration")
-    parser.add_argument("--json", help="also write every sample here")
+    bench_results.add_json_option(parser)  # the tables, and every sample as data
     args = parser.parse_args()
     sizes = [round(2**18 * 2 ** (k / args.per_octave)) // 4096 * 4096 for k in range(6 * args.per_octave + 1)]
     started = time.perf_counter()
     runs = run_ranks(_rank, 4, (sizes, args.repeat, args.reps), timeout=3600, collective_timeout=600)[0]
-    print(f"{args.repeat} sweeps of {len(sizes)} sizes in {time.perf_counter() - started:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"sizes": sizes, "runs": runs}, indent=1))
+    with bench_results.printed() as shown:
+        print(f"{args.repeat} sweeps of {len(sizes)} sizes in {time.perf_counter() - started:.0f} s")
+        _report(runs)
+    tables = bench_results.markdown_tables(shown.getvalue())
+    bench_results.write(args.json, "Calibration sweep", tables, data={"sizes": sizes, "runs": runs})
+
+
+def _report(runs: list[dict]) -> None:
+    """Per kind, the median time at each size and its residual off one line."""
     kinds = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point", "slice"]
     for kind in [*kinds, RAW]:
         per_run = []
@@ -104,6 +109,7 @@ def main() -> None:
         one = _residuals(xs, ts)
         print(f"\n{kind}")
         print("| table KiB | " + " | ".join(f"run {k + 1} ms" for k in range(len(runs))) + " | median | one line |")
+        print("|" + "---|" * (len(runs) + 3))
         for i, x in enumerate(xs):
             cells = " | ".join(f"{r[i][1] * 1e3:.2f}" for r in per_run)
             print(f"| {x / 1024:.0f} | {cells} | {ts[i] * 1e3:.2f} | {one[i]:+.0%} |")

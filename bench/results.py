@@ -25,6 +25,7 @@ import io
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -78,19 +79,34 @@ def printed() -> Iterator[io.StringIO]:
 
 
 def markdown_tables(text: str) -> list[dict[str, Any]]:
-    """The markdown tables in ``text``, each titled by the nearest non-empty line before it."""
-    tables, lines = [], text.splitlines()
+    """The markdown tables in ``text``, each titled by the nearest non-empty line before it; the
+    lines after a table, up to the next one's title, are its note. A cell may hold ``\\|``."""
+    found, lines = [], text.splitlines()
     i = 0
     while i < len(lines):
         if not (lines[i].startswith("|") and i + 1 < len(lines) and set(lines[i + 1]) <= set("|-: ")):
             i += 1
             continue
-        title = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-        cells = [[c.strip() for c in row.strip().strip("|").split(" | ")] for row in _rows(lines, i)]
-        rows = [row for row in cells[2:] if len(row) == len(cells[0])]
-        tables.append(table(title.replace("**", "").strip().rstrip(":"), cells[0], rows))
-        i += len(cells)
+        at = next((j for j in range(i - 1, -1, -1) if lines[j].strip()), None)
+        rows = _rows(lines, i)
+        found.append((at, i, i + len(rows), rows))
+        i += len(rows)
+    tables = []
+    for k, (at, _, end, rows) in enumerate(found):
+        title = "" if at is None else lines[at].strip()
+        cells = [[_unescape(c.strip()) for c in _CELL.split(row.strip().strip("|"))] for row in rows]
+        body = [row for row in cells[2:] if len(row) == len(cells[0])]
+        stop = found[k + 1][0] if k + 1 < len(found) and found[k + 1][0] is not None else len(lines)
+        note = " ".join(line.strip() for line in lines[end:stop] if line.strip())
+        tables.append(table(title.replace("**", "").strip().rstrip(":"), cells[0], body, note))
     return tables
+
+
+_CELL = re.compile(r"(?<!\\) \| ")
+
+
+def _unescape(cell: str) -> str:
+    return cell.replace("\\|", "|")
 
 
 def _rows(lines: list[str], start: int) -> list[str]:
