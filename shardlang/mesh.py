@@ -22,16 +22,25 @@ def _as_int_tuple(values: object) -> tuple[int, ...]:
 
 
 class RowMajorRanks(Sequence[int]):
-    """The ranks ``0..n-1`` in order, as a sequence that holds only ``n``: the ranks of a mesh
-    declared without a ``ranks`` clause, so that a mesh of a million ranks costs O(axes)
-    memory. It compares equal to any sequence of the same ranks in the same order (a tuple
-    included); its hash is its own, so a :class:`Mesh` always stores row-major ranks this
-    way (its converter turns such a tuple into one) and meshes hash as they compare."""
+    """The ranks ``start..start+n-1`` in order (``0..n-1`` by default), as a sequence that holds
+    only ``n`` and ``start``: the ranks of a mesh declared without a ``ranks`` clause, or with a
+    range (``ranks 4096..8191``), so that a mesh of a million ranks costs O(axes) memory and
+    prints in O(1). It compares equal to any sequence of the same ranks in the same order (a
+    tuple included); its hash is its own, so a :class:`Mesh` always stores an ascending run of
+    ranks this way (its converter turns such a tuple into one) and meshes hash as they compare."""
 
-    __slots__ = ("_n",)
+    __slots__ = ("_n", "_start")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, start: int = 0) -> None:
         self._n = int(n)
+        self._start = int(start)
+
+    @property
+    def start(self) -> int:
+        return self._start
+
+    def _range(self) -> range:
+        return range(self._start, self._start + self._n)
 
     def __len__(self) -> int:
         return self._n
@@ -42,21 +51,21 @@ class RowMajorRanks(Sequence[int]):
     def __getitem__(self, index: slice) -> tuple[int, ...]: ...
     def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
         if isinstance(index, slice):
-            return tuple(range(self._n)[index])
-        return range(self._n)[index]
+            return tuple(self._range()[index])
+        return self._range()[index]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self._n))
+        return iter(self._range())
 
     def __reversed__(self) -> Iterator[int]:
-        return reversed(range(self._n))
+        return reversed(self._range())
 
     def __contains__(self, rank: object) -> bool:
-        return rank in range(self._n)
+        return rank in self._range()
 
     def index(self, rank: object, start: int = 0, stop: int | None = None) -> int:
         stop = self._n if stop is None else stop
-        found = range(self._n).index(rank) if rank in self else -1
+        found = self._range().index(rank) if rank in self else -1
         if not max(start, 0) <= found < min(stop, self._n):
             raise ValueError(f"{rank!r} is not in the ranks")
         return found
@@ -66,28 +75,29 @@ class RowMajorRanks(Sequence[int]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RowMajorRanks):
-            return other._n == self._n
+            return other._n == self._n and (other._start == self._start or not self._n)
         if isinstance(other, (tuple, list, range)):
-            return len(other) == self._n and all(r == i for i, r in enumerate(other))
+            return len(other) == self._n and all(r == self._start + i for i, r in enumerate(other))
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((RowMajorRanks, self._n))
+        return hash((RowMajorRanks, self._n, self._start if self._n else 0))
 
     def __repr__(self) -> str:
-        return f"RowMajorRanks({self._n})"
+        return f"RowMajorRanks({self._n})" if self._start == 0 else f"RowMajorRanks({self._n}, {self._start})"
 
-    def __reduce__(self) -> tuple[type, tuple[int]]:
-        return RowMajorRanks, (self._n,)
+    def __reduce__(self) -> tuple[type, tuple[int, int]]:
+        return RowMajorRanks, (self._n, self._start)
 
 
 def _as_ranks(values: object) -> tuple[int, ...] | RowMajorRanks:
-    """A mesh's ranks as stored: :class:`RowMajorRanks` when they are ``0..n-1`` in order."""
+    """A mesh's ranks as stored: :class:`RowMajorRanks` when they are an ascending run."""
     if isinstance(values, RowMajorRanks):
         return values
     ranks = _as_int_tuple(values)
-    if all(r == i for i, r in enumerate(ranks)):
-        return RowMajorRanks(len(ranks))
+    start = ranks[0] if ranks else 0
+    if all(r == start + i for i, r in enumerate(ranks)):
+        return RowMajorRanks(len(ranks), start)
     return ranks
 
 
@@ -101,8 +111,8 @@ class Mesh:
 
     ``axis_names`` is ``None`` for an anonymous mesh (axes are referred to by number), and
     ``name`` is set for a mesh declared in a spec file (``mesh world = [dp=2, tp=2]``), which
-    layouts print as ``over world``. ``ranks`` is a tuple, or for the ranks ``0..n-1`` in
-    order a :class:`RowMajorRanks` (the same sequence, without a per-rank table).
+    layouts print as ``over world``. ``ranks`` is a tuple, or for an ascending run of ranks
+    (``0..n-1`` by default) a :class:`RowMajorRanks` (the same sequence, without a per-rank table).
     """
 
     shape: tuple[int, ...] = attrs.field(converter=_as_int_tuple)
@@ -178,7 +188,8 @@ class Mesh:
     def _position(self, rank: int) -> int | None:
         """The row-major position of ``rank`` in ``ranks``, ``None`` if it is not there."""
         if self._flat_index is None:
-            return rank if rank in self.ranks else None
+            start = self.ranks.start  # type: ignore[union-attr]
+            return rank - start if rank in self.ranks else None
         return self._flat_index.get(rank)
 
     def rank_at(self, coordinate: tuple[int, ...]) -> int:
@@ -223,7 +234,7 @@ class Mesh:
         else:
             axes = ",".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
         text = f"mesh[{axes}]"
-        if not isinstance(self.ranks, RowMajorRanks):
+        if not numbered_from_zero(self.ranks):
             text += " ranks " + format_ranks(self.ranks)
         return text
 
@@ -251,8 +262,16 @@ def _index(ranks: tuple[int, ...]) -> dict[int, int]:
     return flat_index
 
 
+def numbered_from_zero(ranks: Sequence[int]) -> bool:
+    """Whether a mesh's stored ranks are ``0..n-1`` in order (its text needs no ``ranks`` clause)."""
+    return isinstance(ranks, RowMajorRanks) and ranks.start == 0
+
+
 def format_ranks(ranks: Sequence[int]) -> str:
-    """``4..7`` for an ascending run of two or more ranks, else ``[3,1]``."""
+    """``4..7`` for an ascending run of two or more ranks, else ``[3,1]``; O(1) for a
+    :class:`RowMajorRanks`."""
+    if isinstance(ranks, RowMajorRanks) and len(ranks) >= 2:
+        return f"{ranks[0]}..{ranks[-1]}"
     if len(ranks) >= 2 and all(b == a + 1 for a, b in itertools.pairwise(ranks)):
         return f"{ranks[0]}..{ranks[-1]}"
     return "[" + ",".join(str(r) for r in ranks) + "]"

@@ -21,7 +21,7 @@ from lark import Token, Tree
 from shardlang.dtypes import itemsize
 from shardlang.errors import LayoutError, LineIndex, ParseError, ShardlangError, SourcePosition, SpecError
 from shardlang.layout import Layout, axis_used_twice, check_reduce_op
-from shardlang.mesh import Mesh, check_identifier
+from shardlang.mesh import Mesh, RowMajorRanks, check_identifier
 from shardlang.spec import (
     STATE_DEFAULT,
     CostHints,
@@ -98,7 +98,7 @@ class _Reader:
             raise LayoutError(f"a mesh of {math.prod(sizes)} ranks is larger than {MAX_MESH_SIZE}", self.pos(tree))
         return tuple(sizes), (tuple(names) if names else None)
 
-    def ranks(self, tree: Tree) -> tuple[int, ...]:
+    def ranks(self, tree: Tree) -> tuple[int, ...] | RowMajorRanks:
         values = [self.int(t) for t in tree.children]  # type: ignore[arg-type]
         if tree.data == "rank_range":
             lo, hi = values
@@ -106,7 +106,7 @@ class _Reader:
                 raise LayoutError(f"rank range {lo}..{hi} is empty", self.pos(tree))
             if hi - lo + 1 > MAX_MESH_SIZE:
                 raise LayoutError(f"rank range {lo}..{hi} is larger than {MAX_MESH_SIZE}", self.pos(tree))
-            return tuple(range(lo, hi + 1))
+            return RowMajorRanks(hi - lo + 1, lo)  # O(1), whatever the range's length
         return tuple(values)
 
     def mesh(self, axes: Tree, ranks: Tree | None, name: str | None, at: Tree | Token) -> Mesh:

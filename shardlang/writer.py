@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from decimal import Decimal
 
 from shardlang.layout import Layout, format_layout
-from shardlang.mesh import RowMajorRanks, format_ranks
+from shardlang.mesh import format_ranks, numbered_from_zero
 from shardlang.parser import parse_duration
 from shardlang.spec import STATE_DEFAULT, Layouts, MeshDecl, Rule, Spec, TensorSpec, expand_braces, state_entry_key
 
@@ -85,7 +85,7 @@ def format_mesh_decl(decl: MeshDecl) -> str:
     else:
         axes = ", ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.shape, strict=True))
     text = f"mesh {mesh.name} = [{axes}]"
-    if not isinstance(mesh.ranks, RowMajorRanks):
+    if not numbered_from_zero(mesh.ranks):
         text += " ranks " + format_ranks(mesh.ranks)
     hints = decl.hints
     if hints.bandwidth is not None:

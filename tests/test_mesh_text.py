@@ -101,3 +101,37 @@ def test_plan_json_names_each_mesh_by_its_text() -> None:
     assert back == plan and back.src.mesh.name == "world"
     with pytest.raises(planner.PlanError, match="the mesh under 'world' is 'mesh other = "):
         planner.Plan.from_json({**data, "meshes": {"world": "mesh other = [dp=2,tp=2] ranks [3,2,1,0]"}})
+
+
+def test_a_rank_range_is_held_and_printed_by_its_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardlang.mesh import RowMajorRanks
+
+    ranged = parse_mesh("mesh[dp=4096,tp=8] ranks 32768..65535")
+    listed = Mesh((4096, 8), tuple(range(32768, 65536)), ("dp", "tp"))
+    assert isinstance(ranged.ranks, RowMajorRanks) and isinstance(listed.ranks, RowMajorRanks)
+    assert ranged == listed and hash(ranged) == hash(listed)
+    assert ranged.ranks == tuple(range(32768, 65536)) and ranged.ranks != tuple(range(32768))
+    assert ranged != Mesh((4096, 8), axis_names=("dp", "tp"))  # the same length from 0
+    assert ranged.coordinate(32768 + 8 * 5 + 3) == (5, 3) and ranged.rank_at((4095, 7)) == 65535
+    assert 32767 not in ranged.ranks and ranged.ranks.index(32770) == 2
+    assert eval(repr(ranged), {"Mesh": Mesh, "RowMajorRanks": RowMajorRanks}) == ranged
+    assert str(Mesh((1,), (7,))) == "mesh[1] ranks [7]"  # one rank: a list of one
+
+    def refuse(self: RowMajorRanks) -> None:
+        raise AssertionError("walked the ranks")
+
+    monkeypatch.setattr(RowMajorRanks, "__iter__", refuse)
+    assert ranged.describe() == "mesh[dp=4096,tp=8] ranks 32768..65535"
+    assert parse_mesh(ranged.text()) == ranged
+
+
+def test_a_cross_mesh_request_over_many_axes_is_refused_within_its_budget() -> None:
+    import time
+
+    # 196,608 ranks a mesh: every leg's message named the target mesh by walking its ranks
+    # (30 s of CPU before the refusal); now printed by the range's ends
+    mesh = "mesh[3,2,4,2,2,4,8,1,2,4,8,1]"
+    started = time.process_time()
+    with pytest.raises(planner.PlanBudgetError):
+        planner.plan(parse_layout(f"S(0,9,5) over {mesh}"), parse_layout(f"R over {mesh} ranks 196608..393215"), (95,))
+    assert time.process_time() - started < 5
