@@ -53,8 +53,8 @@ from cli.suggest import add_suggest_parser, cmd_suggest, suggest_line
 from cli.summary import TensorGroup, group_tensors, plan_spec_with_progress
 from cli.terminal import Progress, Style
 from planner import DEFAULT_MAX_STATES, CostModel, Plan, plan
+from planner.legs import DEFAULT_OVERLAP_BUCKET_BYTES
 from planner.model import SpecPlan
-from planner.step import DEFAULT_OVERLAP_BUCKET_BYTES
 from shardlang import Spec, TensorSpec, load_spec, parse_layout
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError, SpecError

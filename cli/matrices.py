@@ -12,10 +12,10 @@ import attrs
 from cli.plan_report import leg_ops
 from cli.tables import format_bytes, format_seconds, format_table
 from cli.terminal import Style
+from planner.legs import Bucket
 from planner.matrices import TO, MatrixPlan, plan_matrices
 from planner.model import SpecPlan, step_tensor
 from planner.owners import DEFAULT_FLOPS_PER_SECOND, PLACEMENTS
-from planner.step import Bucket
 
 OPTIMIZERS = ("adamw", "came", "adafactor", "muon")
 

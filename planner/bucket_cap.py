@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from planner.cost import CostModel
-from planner.step import STAGES, Leg, StepPlan, StepTensor, bucket_stage, plan_step
+from planner.legs import STAGES, Leg, StepTensor, bucket_stage
+from planner.step import StepPlan, plan_step
 
 AUTO = "auto"  # bucket_bytes: the cost model's cap
 CAPS = tuple(2**k for k in range(20, 41))  # 1 MiB ... 1 TiB

@@ -78,117 +78,20 @@ from pathlib import Path
 import attrs
 
 from planner.errors import PlanError
+from planner.hints import hints_json, hints_model, read_hints
+from planner.op_costs import PRICED_OPS, OpCost, Regime, check_figures, op_costs, per_axis
 from shardlang.mesh import Mesh
 from shardlang.spec import CostHints
 
 DEFAULT_ALPHA = 5e-6
 DEFAULT_BANDWIDTH = 1e11
 
-
-def _per_axis(value: object) -> float | tuple[float, ...]:
-    try:
-        if isinstance(value, (int, float)):
-            return float(value)
-        return tuple(float(v) for v in value)  # type: ignore[union-attr]
-    except (TypeError, ValueError):
-        raise PlanError(f"a latency or bandwidth is a number or one number per mesh axis, not {value!r}") from None
-
-
-# The collective kinds a model may price apart; slice and partial steps send nothing.
-PRICED_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point")
 # The pseudo-kind of :meth:`CostModel.figures` whose per-round figure is the per-step overhead
 # and choice margin.
 STEP = "step"
 # The pseudo-kind whose bandwidth is the copy bandwidth (only in a model that prices copies).
 COPY = "copy"
 LOCAL_OPS = ("slice", "partial")
-
-
-def _check_figures(alpha: float | tuple[float, ...], bandwidth: float | tuple[float, ...], of: str) -> None:
-    alphas = alpha if isinstance(alpha, tuple) else (alpha,)
-    betas = bandwidth if isinstance(bandwidth, tuple) else (bandwidth,)
-    if not alphas or not all(math.isfinite(a) and a >= 0 for a in alphas):
-        raise PlanError(f"{of}latency (alpha) must be finite and zero or positive, got {alpha}")
-    if not betas or not all(math.isfinite(b) and b > 0 for b in betas):
-        raise PlanError(f"{of}bandwidth must be finite and positive, got {bandwidth}")
-
-
-def _byte_counts(value: object) -> int | tuple[int, ...]:
-    try:
-        if isinstance(value, (int, float)):
-            return int(value)
-        return tuple(int(v) for v in value)  # type: ignore[union-attr]
-    except (TypeError, ValueError):
-        raise PlanError(f"from_bytes is a byte count or one per mesh axis, not {value!r}") from None
-
-
-@attrs.frozen
-class Regime:
-    """A collective kind's figures for steps of at least ``from_bytes`` bytes (the table's,
-    per rank; module docstring): ``from_bytes``, ``alpha`` and ``bandwidth`` each one number
-    for every mesh axis or one per axis."""
-
-    from_bytes: int | tuple[int, ...] = attrs.field(converter=_byte_counts)
-    alpha: float | tuple[float, ...] = attrs.field(converter=_per_axis)
-    bandwidth: float | tuple[float, ...] = attrs.field(converter=_per_axis)
-
-    def __attrs_post_init__(self) -> None:
-        counts = self.from_bytes if isinstance(self.from_bytes, tuple) else (self.from_bytes,)
-        if not counts or min(counts) < 1:
-            raise PlanError(f"a large-message regime starts at 1 byte or more, got from_bytes={self.from_bytes}")
-        _check_figures(self.alpha, self.bandwidth, "large messages: ")
-
-
-def _regime(value: object) -> Regime | None:
-    if value is None or isinstance(value, Regime):
-        return value
-    if isinstance(value, Mapping):
-        try:
-            return Regime(**value)
-        except TypeError:
-            pass
-    raise PlanError(f"large messages are a Regime or {{from_bytes, alpha, bandwidth}}, not {value!r}")
-
-
-def _op_cost_repr(cost: OpCost) -> str:
-    """An OpCost's repr, ``large`` only where it has one (so older reprs read the same)."""
-    large = "" if cost.large is None else f", large={cost.large!r}"
-    return f"OpCost(op={cost.op!r}, alpha={cost.alpha!r}, bandwidth={cost.bandwidth!r}{large})"
-
-
-@attrs.frozen(repr=False)
-class OpCost:
-    """One collective kind's own latency ``alpha`` (seconds per round) and ``bandwidth``
-    (bytes/s), each one number for every mesh axis or one per axis; ``large``: its figures for
-    large messages (:class:`Regime`), if they differ."""
-
-    op: str
-    alpha: float | tuple[float, ...] = attrs.field(converter=_per_axis)
-    bandwidth: float | tuple[float, ...] = attrs.field(converter=_per_axis)
-    large: Regime | None = attrs.field(default=None, converter=lambda v: _regime(v))
-
-    def __attrs_post_init__(self) -> None:
-        if self.op not in PRICED_OPS:
-            raise PlanError(f"no collective kind '{self.op}' to price (kinds: {', '.join(PRICED_OPS)})")
-        _check_figures(self.alpha, self.bandwidth, f"{self.op}: ")
-        if self.large is not None and self.op == "point_to_point":
-            raise PlanError("point_to_point steps have one regime (planner.p2p prices them message by message)")
-
-    __repr__ = _op_cost_repr
-
-
-def _op_costs(value: object) -> tuple[OpCost, ...]:
-    """``ops`` as OpCosts in :data:`PRICED_OPS` order, from OpCosts or ``{op: {alpha, bandwidth}}``."""
-    if isinstance(value, Mapping):
-        try:
-            items = [v if isinstance(v, OpCost) else OpCost(op, **v) for op, v in value.items()]
-        except TypeError:
-            raise PlanError(f"ops maps a collective kind to its alpha and bandwidth, not {value!r}") from None
-    else:
-        items = list(value)  # type: ignore[call-overload]
-    if not all(isinstance(c, OpCost) for c in items) or len({c.op for c in items}) != len(items):
-        raise PlanError(f"ops gives each collective kind at most one OpCost, got {value!r}")
-    return tuple(sorted(items, key=lambda c: PRICED_OPS.index(c.op)))
 
 
 def _axis_values(what: str, value: float | tuple[float, ...], mesh: Mesh) -> tuple[float, ...]:
@@ -226,10 +129,10 @@ class CostModel:
     """Latency ``alpha`` (seconds per round) and ``bandwidth`` (bytes/s), each one number for
     every mesh axis or a tuple with one number per axis."""
 
-    alpha: float | tuple[float, ...] = attrs.field(default=DEFAULT_ALPHA, converter=_per_axis)
-    bandwidth: float | tuple[float, ...] = attrs.field(default=DEFAULT_BANDWIDTH, converter=_per_axis)
+    alpha: float | tuple[float, ...] = attrs.field(default=DEFAULT_ALPHA, converter=per_axis)
+    bandwidth: float | tuple[float, ...] = attrs.field(default=DEFAULT_BANDWIDTH, converter=per_axis)
 
-    ops: tuple[OpCost, ...] = attrs.field(default=(), converter=_op_costs)
+    ops: tuple[OpCost, ...] = attrs.field(default=(), converter=op_costs)
     # Matrix-product flops per second of one rank (``shardlang calibrate``'s timed matmuls),
     # which prices compute beside communication (Muon's iterations, ``planner.matrices``);
     # ``None``: the stated default rate of ``planner.owners``.
@@ -241,7 +144,7 @@ class CostModel:
     margin: float = attrs.field(default=0.0, converter=float)
 
     def __attrs_post_init__(self) -> None:
-        _check_figures(self.alpha, self.bandwidth, "")
+        check_figures(self.alpha, self.bandwidth, "")
         if not math.isfinite(self.overhead) or self.overhead < 0:
             raise PlanError(f"the step overhead must be finite and zero or positive, got {self.overhead}")
         if not math.isfinite(self.margin) or self.margin < 0:
@@ -260,21 +163,15 @@ class CostModel:
         """The model of a hints file (JSON; docs/reference/cost-model.md), read and checked by
         :func:`planner.hints.read_hints`: a :class:`PlanError` naming the file and the field when
         it is unreadable or a value is bad."""
-        from planner.hints import read_hints  # the reader builds CostModels: imported when used
-
-        return read_hints(path)
+        return read_hints(path, cls)
 
     @classmethod
     def from_json(cls, data: object, where: str = "the cost hints") -> CostModel:
         """The model of a hints file's parsed JSON (:func:`planner.hints.hints_model`); errors name ``where``."""
-        from planner.hints import hints_model
-
-        return hints_model(data, where)
+        return hints_model(data, cls, where)
 
     def to_json(self) -> dict[str, object]:
         """The JSON form, as a hints file holds it (:func:`planner.hints.hints_json`)."""
-        from planner.hints import hints_json
-
         return hints_json(self)
 
     @classmethod

@@ -8,11 +8,15 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
-from planner.cost import PRICED_OPS, CostModel, OpCost, Regime
 from planner.errors import PlanError
+from planner.op_costs import PRICED_OPS, OpCost, Regime
+
+if TYPE_CHECKING:
+    from planner.cost import CostModel
 
 # The fields of a hints file (``CostModel.from_file``); "mesh" and "calibration" are notes.
 # Readers ignore nothing: a field that is not here is an error, so a new term is added here
@@ -22,7 +26,7 @@ HINTS_FIELDS = (
 )  # fmt: skip
 
 
-def read_hints(path: str | Path) -> CostModel:
+def read_hints(path: str | Path, model: type[CostModel]) -> CostModel:
     """The model of a hints file: optional ``alpha`` and ``bandwidth`` (one number or one per mesh
     axis; defaults where absent) and ``ops``, an object from collective kinds to their own
     ``alpha`` and ``bandwidth``; optional ``overhead`` (seconds per step) and ``copy_bandwidth``
@@ -38,11 +42,13 @@ def read_hints(path: str | Path) -> CostModel:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanError(f"{where}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
-    return hints_model(data, where)
+    return hints_model(data, model, where)
 
 
-def hints_model(data: object, where: str = "the cost hints") -> CostModel:
-    """The model of a hints file's parsed JSON (:func:`read_hints`); errors name ``where``."""
+def hints_model(data: object, model: type[CostModel], where: str = "the cost hints") -> CostModel:
+    """The ``model`` (the class :class:`~planner.cost.CostModel`, passed in so that this
+    module need not import it) of a hints file's parsed JSON (:func:`read_hints`); errors name
+    ``where``."""
     data = _hint_object(data, "(top level)", where)
     unknown = sorted(set(data) - set(HINTS_FIELDS))
     if unknown:
@@ -69,15 +75,15 @@ def hints_model(data: object, where: str = "the cost hints") -> CostModel:
             if isinstance(data[key], list):
                 raise PlanError(f"{where}: field '{key}': expected one number, got {json.dumps(data[key])[:60]}")
             top[key] = _hint_figure(data[key], key, where, latency=key != "copy_bandwidth")
-    model = CostModel(**top, flops_per_second=_hint_rate(data.get("flops_per_second"), where))  # type: ignore[arg-type]
-    ops_costs = [OpCost(op, **{"alpha": model.alpha, "bandwidth": model.bandwidth, **f}) for op, f in ops.items()]
+    built = model(**top, flops_per_second=_hint_rate(data.get("flops_per_second"), where))  # type: ignore[arg-type]
+    ops_costs = [OpCost(op, **{"alpha": built.alpha, "bandwidth": built.bandwidth, **f}) for op, f in ops.items()]
     regimes = [c.large for c in ops_costs if c.large is not None]
-    values = [v for c in (model, *ops_costs) for v in (c.alpha, c.bandwidth)]
+    values = [v for c in (built, *ops_costs) for v in (c.alpha, c.bandwidth)]
     values += [v for r in regimes for v in (r.from_bytes, r.alpha, r.bandwidth)]
     lengths = {len(v) for v in values if isinstance(v, tuple)}
     if len(lengths) > 1:
         raise PlanError(f"{where}: per-axis lists of different lengths {sorted(lengths)}: give one per mesh axis")
-    return attrs.evolve(model, ops=ops_costs)
+    return attrs.evolve(built, ops=ops_costs)
 
 
 def hints_json(model: CostModel) -> dict[str, object]:

@@ -168,4 +168,3 @@ def structural_receive_lower_bound(src: Layout, dst: Layout, shape: Sequence[int
         held = math.prod(h for _, h in combo) if holds else 0
         best = max(best, target - held)
     return best * itemsize
-

@@ -17,7 +17,7 @@ The pieces' layout is the state layout; for flat chunks of a whole matrix (flat 
 own 1-d layout of the matrix flattened; for flat chunks of a block, the block's layout.
 
 **Buckets.** Collective steps share one collective per kind and group, as in the step plan
-(:func:`planner.step.bucket_stage`, under the same byte cap). The point-to-point steps of one
+(:func:`planner.legs.bucket_stage`, under the same byte cap). The point-to-point steps of one
 stage, for all matrices of one state mesh and one dtype, share one exchange: every pair of
 ranks sends one message, the members' blocks for that peer one after another in member order.
 Its modeled time is the busiest rank's: one latency per peer it sends to (or receives from)
@@ -43,17 +43,7 @@ import attrs
 from planner.choice import plan as plan_pair
 from planner.cost import CostModel
 from planner.errors import PlanError
-from planner.owners import (
-    DEFAULT_FLOPS_PER_SECOND,
-    PLACEMENTS,
-    Matrix,
-    gather_plan,
-    newton_schulz_flops,
-    owner_plans,
-    place_matrices,
-)
-from planner.p2p import Links
-from planner.step import (
+from planner.legs import (
     Bucket,
     Hop,
     Leg,
@@ -67,6 +57,16 @@ from planner.step import (
     leg_meshes,
     without_axis,
 )
+from planner.owners import (
+    DEFAULT_FLOPS_PER_SECOND,
+    PLACEMENTS,
+    Matrix,
+    gather_plan,
+    newton_schulz_flops,
+    owner_plans,
+    place_matrices,
+)
+from planner.p2p import Links
 from shardlang.dtypes import ITEMSIZE
 from shardlang.layout import Layout
 

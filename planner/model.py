@@ -18,9 +18,10 @@ import attrs
 from planner.bucket_cap import AUTO, plan_step_with_model_cap
 from planner.cost import CostModel
 from planner.errors import PlanError
+from planner.legs import Leg, StepTensor
 from planner.records import Plan
 from planner.search import DEFAULT_MAX_STATES
-from planner.step import Leg, StepPlan, StepTensor, plan_step
+from planner.step import StepPlan, plan_step
 from shardlang.errors import ShardlangError
 from shardlang.spec import STATE_DEFAULT, Spec, TensorSpec
 

@@ -16,259 +16,42 @@ all_gather) and ``base block -> layout``. The flat hop's shape is the rank's bas
 plan with a flat axis is the plan of one rank (``StepPlan.rank``); ranks that share a flat
 group share it exactly.
 
-**Buckets.** Every communicating step of every leg is put in a bucket: steps that run the same
-collective (op, reduce op) over the same process group (mesh and mesh axis) on the same wire
-dtype share one collective, each tensor's per-peer chunk packed peer-major into one buffer (as
-FSDP2's ``foreach_reduce`` and Megatron's grad buffers do). Buckets are scheduled per stage
-(before, then after the update) and per mesh (meshes in one global order, so ranks in several
-meshes never wait on each other in a cycle). Within a mesh, a leg's steps must run in order;
-the schedule repeatedly takes the collective kind whose waiting legs have the most steps left
-(a weighted majority merge, the usual heuristic for the shortest common supersequence of the
-legs' step sequences; legs of one pattern take one bucket per step) and runs all legs waiting
-on it. A bucket holds at most ``bucket_bytes`` of buffer per rank (see
-:data:`DEFAULT_BUCKET_BYTES`); a kind with more is cut into several buckets, in leg order.
-Point-to-point steps are never merged (each is its own bucket).
-
-Modeled time of a bucket: the rounds of its collective times the axis latency, plus its bytes
-over the axis bandwidth, plus the cost model's per-step executor overhead (``planner.cost``):
-merging ``k`` steps saves ``k - 1`` latencies and overheads.
+The legs and their buckets are ``planner.legs``'s (its docstring says how steps are bucketed);
+this module plans a step's legs and holds the step plan.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
 from planner.choice import plan as plan_pair
-from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
-from planner.records import Plan
+from planner.legs import (
+    AFTER,
+    AFTER_STEP,
+    BEFORE,
+    DEFAULT_BUCKET_BYTES,
+    DURING_BACKWARD,
+    IN_STEP,
+    STAGES,
+    Bucket,
+    Hop,
+    Leg,
+    LegsInBuckets,
+    StepTensor,
+    bucket_from_json,
+    bucket_stage,
+    flat_view,
+    leg_from_json,
+    leg_meshes,
+)
+from planner.matrices import MatrixPlan
 from planner.search import DEFAULT_MAX_STATES
-from shardlang.errors import SourcePosition
 from shardlang.layout import Layout
-from shardlang.mesh import Mesh
-
-if TYPE_CHECKING:
-    from planner.matrices import MatrixPlan
-
-# Extra buffer memory a bucket may hold per rank. 32 MiB: under the default cost model (5 us a
-# round, 100 GB/s) a bucket of this size on an axis of up to 8 ranks spends under 5% of its
-# time in latency, so larger buckets gain little and cost memory linearly; DDP's 25 MB and
-# Megatron's 40M-element buckets are of the same order (README, "Buckets").
-DEFAULT_BUCKET_BYTES = 32 * 2**20
-# With overlap a bucket starts when backward has finished its last gradient, and only the
-# collectives started last are not hidden behind the rest of backward: smaller buckets start
-# sooner and leave less exposed, at a latency per bucket (README, "Overlap").
-DEFAULT_OVERLAP_BUCKET_BYTES = 4 * 2**20
-
-BEFORE, AFTER = "before the update", "after the update"
-STAGES = (BEFORE, AFTER)
-# When a bucket's collective is started (README, "Overlap"): inside ``optimizer.step()``; during
-# backward, once the last gradient it packs has been accumulated; after ``step()`` returned,
-# waited on before the forward that reads the parameters it brings.
-IN_STEP, DURING_BACKWARD, AFTER_STEP = "in step", "during backward", "after step"
-LAUNCHES = (IN_STEP, DURING_BACKWARD, AFTER_STEP)
-
-
-def flat_view(layout: Layout, axis: int, rank: int) -> tuple[Layout, Layout]:
-    """The 1-d layouts of ``rank``'s flattened base block: as it arrives (partial over ``axis``
-    when ``layout`` is, else replicated) and as the state holds it (split over ``axis``), on
-    the mesh of the rank's flat group (:func:`flat_group`)."""
-    mesh = flat_group(layout.mesh, axis, rank)
-    partial = tuple((a, op) for a, op in layout.partial if a == axis)
-    return Layout(dims=((),), mesh=mesh, partial=partial), Layout(dims=((axis,),), mesh=mesh)
-
-
-def flat_group(mesh: Mesh, axis: int, rank: int) -> Mesh:
-    """The ranks of ``mesh`` along ``axis`` through ``rank``, as a mesh of the same axes with
-    every other axis of size 1 (``mesh`` itself when there are no others). Ranks that differ
-    along an axis the base layout splits hold different blocks, so the 1-d view of a block is
-    not replicated over that axis: on the whole mesh a plan could mix pieces of different
-    blocks (e.g. slice over a fast ``tp``, reduce over ``dp``, gather over ``tp``). On this mesh
-    the search sees ``axis`` alone (size-1 axes drop out) and axis numbers, hence cost figures,
-    stay those of ``mesh``; every rank of the group plans the same."""
-    if all(n == 1 for a, n in enumerate(mesh.shape) if a != axis):
-        return mesh
-    coordinate = list(mesh.coordinate(rank))
-    ranks = []
-    for k in range(mesh.shape[axis]):
-        coordinate[axis] = k
-        ranks.append(mesh.rank_at(tuple(coordinate)))
-    shape = tuple(n if a == axis else 1 for a, n in enumerate(mesh.shape))
-    return Mesh(shape=shape, ranks=tuple(ranks), axis_names=mesh.axis_names)
-
-
-def without_axis(layout: Layout, axis: int) -> Layout:
-    """``layout``'s dims with ``axis`` taken out (the base of flat sharding over ``axis``)."""
-    return Layout(dims=tuple(tuple(a for a in axes if a != axis) for axes in layout.dims), mesh=layout.mesh)
-
-
-@attrs.frozen
-class StepTensor:
-    """What the step plan needs of one tensor: its whole shape, layouts, dtypes (language
-    names: ``f32``, ``bf16``), the states kept in a layout of their own, the flat axis (an
-    index into the state mesh) and whether the step fetches the parameter's state-layout shard
-    (no fp32 master yet). ``cost`` is the model its reshards are planned under."""
-
-    name: str
-    shape: tuple[int, ...] = attrs.field(converter=lambda s: tuple(int(x) for x in s))
-    param: Layout
-    grad: Layout
-    state: Layout
-    param_dtype: str = "f32"
-    grad_dtype: str = "f32"
-    state_dtype: str = "f32"
-    own_states: tuple[tuple[str, Layout], ...] = ()
-    flat_axis: int | None = None
-    fetch_param: bool = True
-    cost: CostModel = attrs.field(factory=CostModel)
-    # Where a spec file declares the tensor (errors point there).
-    position: SourcePosition | None = attrs.field(default=None, eq=False)
-
-    @property
-    def base(self) -> Layout:
-        """The layout of the block the rank's state covers (flat: before it is cut)."""
-        return self.state if self.flat_axis is None else without_axis(self.state, self.flat_axis)
-
-
-@attrs.frozen
-class Hop:
-    """One planned reshard of a leg; ``view`` is the local shape the piece is viewed as before
-    it (``None``: as it comes)."""
-
-    plan: Plan
-    view: tuple[int, ...] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"view": None if self.view is None else list(self.view), "plan": self.plan.to_json()}
-
-
-@attrs.frozen
-class Leg:
-    """One route of one tensor: ``what`` is ``grad -> state``, ``param -> state``,
-    ``state.X -> state``, ``state -> state.X`` or ``state -> param``; ``dtype`` is what travels."""
-
-    tensor: str
-    what: str
-    stage: str
-    dtype: str
-    hops: tuple[Hop, ...]
-
-    @property
-    def communicating(self) -> tuple[tuple[int, int], ...]:
-        """``(hop, step)`` of every step that communicates, in order."""
-        return tuple(
-            (h, k) for h, hop in enumerate(self.hops) for k, step in enumerate(hop.plan.steps) if _communicates(step)
-        )
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(hop.plan.total_bytes for hop in self.hops)
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(hop.plan.total_seconds for hop in self.hops)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "tensor": self.tensor,
-            "leg": self.what,
-            "stage": self.stage,
-            "dtype": self.dtype,
-            "hops": [h.to_json() for h in self.hops],
-        }
-
-
-def _communicates(step: Any) -> bool:
-    """A step that moves data between ranks: not local, and on an axis of more than one rank."""
-    if step.op in ("slice", "partial"):
-        return False
-    return step.axis is None or step.layout.mesh.shape[step.axis] > 1
-
-
-@attrs.frozen
-class Member:
-    """One step of one leg inside a bucket: ``leg`` indexes ``StepPlan.legs``."""
-
-    leg: int
-    hop: int
-    step: int
-
-    def to_json(self) -> dict[str, int]:
-        return {"leg": self.leg, "hop": self.hop, "step": self.step}
-
-
-@attrs.frozen
-class Bucket:
-    """One collective of the step: ``members`` are the leg steps it runs together, in the
-    order their chunks lie in each peer's part of the buffer. ``bytes`` are sent per rank (the
-    members' planned bytes), ``buffer_bytes`` the larger of the buffers a rank passes in or gets
-    back, ``seconds`` the modeled time of the one collective."""
-
-    stage: str
-    op: str
-    mesh: Mesh
-    axis: int | None
-    reduce_op: str | None
-    dtype: str
-    members: tuple[Member, ...]
-    bytes: int
-    buffer_bytes: int
-    seconds: float
-    launch: str = IN_STEP
-
-    def describe(self) -> str:
-        """``reduce_scatter(axis=dp, op=avg) f32``: the collective and its wire dtype."""
-        args = [] if self.axis is None else [f"axis={self.mesh.axis_label(self.axis)}"]
-        if self.reduce_op is not None:
-            args.append(f"op={self.reduce_op}")
-        return f"{self.op}({', '.join(args)}) {self.dtype}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "op": self.op,
-            "mesh": self.mesh.describe(),
-            "axis": self.axis,
-            "reduce_op": self.reduce_op,
-            "dtype": self.dtype,
-            "members": [m.to_json() for m in self.members],
-            "bytes": self.bytes,
-            "buffer_bytes": self.buffer_bytes,
-            "seconds": self.seconds,
-            "launch": self.launch,
-        }
-
-
-class LegsInBuckets:
-    """The totals of a plan whose ``legs`` move in ``buckets`` (a step plan, and its matrices'
-    part in ``planner.matrices``): bytes and collectives as bucketed, and the time and
-    collectives were every step its own."""
-
-    __slots__ = ()
-    legs: tuple[Leg, ...]
-    buckets: tuple[Bucket, ...]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(b.bytes for b in self.buckets)
-
-    @property
-    def unbucketed_seconds(self) -> float:
-        """Modeled time were every step its own collective (the legs' plans summed)."""
-        return sum(leg.total_seconds for leg in self.legs)
-
-    @property
-    def collectives(self) -> int:
-        """Collectives (and exchanges) run: one per bucket."""
-        return len(self.buckets)
-
-    @property
-    def unbucketed_collectives(self) -> int:
-        return sum(len(leg.communicating) for leg in self.legs)
 
 
 @attrs.frozen
@@ -340,58 +123,9 @@ class StepPlan(LegsInBuckets):
 
 
 def _matrix_plan_from_json(data: Mapping[str, Any]) -> MatrixPlan:
-    from planner.matrices import MatrixPlan  # it builds on this module's legs and buckets
-
     return MatrixPlan.from_json(data)
 
 
-def leg_from_json(data: Mapping[str, Any]) -> Leg:
-    """A leg of :meth:`Leg.to_json`."""
-    return Leg(
-        tensor=str(data["tensor"]),
-        what=str(data["leg"]),
-        stage=str(data["stage"]),
-        dtype=str(data["dtype"]),
-        hops=tuple(
-            Hop(Plan.from_json(h["plan"]), None if h["view"] is None else tuple(h["view"])) for h in data["hops"]
-        ),
-    )
-
-
-def leg_meshes(legs: Iterable[Leg]) -> dict[str, Mesh]:
-    """Every mesh the legs' plans start from or step on, by its text (buckets name theirs so)."""
-    meshes = {}
-    for leg in legs:
-        for hop in leg.hops:
-            meshes[hop.plan.src.mesh.describe()] = hop.plan.src.mesh
-            meshes.update((step.layout.mesh.describe(), step.layout.mesh) for step in hop.plan.steps)
-    return meshes
-
-
-def bucket_from_json(data: Mapping[str, Any], meshes: Mapping[str, Mesh]) -> Bucket:
-    """A bucket of :meth:`Bucket.to_json`, its mesh one of ``meshes`` (:func:`leg_meshes`)."""
-    return Bucket(
-        stage=str(data["stage"]),
-        op=str(data["op"]),
-        mesh=meshes[data["mesh"]],
-        axis=None if data["axis"] is None else int(data["axis"]),
-        reduce_op=data["reduce_op"],
-        dtype=str(data["dtype"]),
-        members=tuple(Member(int(m["leg"]), int(m["hop"]), int(m["step"])) for m in data["members"]),
-        bytes=int(data["bytes"]),
-        buffer_bytes=int(data["buffer_bytes"]),
-        seconds=float(data["seconds"]),
-        launch=_launch(data["launch"]),
-    )
-
-
-def _launch(value: object) -> str:
-    if value not in LAUNCHES:
-        raise ValueError(f"a bucket's launch is one of {', '.join(LAUNCHES)}, not {value!r}")
-    return str(value)
-
-
-# --- building it -----------------------------------------------------------------------------
 def plan_step(
     tensors: Sequence[StepTensor],
     rank: int,
@@ -484,116 +218,3 @@ def _legs(
     for state, layout in tensor.own_states:
         legs.append(Leg(name, f"state -> state.{state}", AFTER, state_dtype, out_of_state(layout, state_dtype)))
     return legs
-
-
-def _mesh_key(mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return mesh.shape, mesh.ranks
-
-
-def bucket_stage(
-    legs: Sequence[Leg],
-    stage: str,
-    costs: Mapping[str, CostModel],
-    cap: int,
-    *,
-    reverse: bool,
-    skip: Collection[int] = (),
-) -> Iterable[Bucket]:
-    """The buckets of one stage (see the module doc), mesh by mesh in one global order; the
-    legs in reverse order when ``reverse``; the legs ``skip`` (indices) left out."""
-    chains: dict[tuple, list[tuple[int, list[tuple[int, int]]]]] = {}
-    for index, leg in enumerate(legs):
-        if leg.stage != stage or not leg.communicating or index in skip:
-            continue
-        first_hop, first_step = leg.communicating[0]
-        mesh = leg.hops[first_hop].plan.steps[first_step].layout.mesh
-        chains.setdefault(_mesh_key(mesh), []).append((index, list(leg.communicating)))
-    for key in sorted(chains):
-        yield from _merge(legs, stage, chains[key][::-1] if reverse else chains[key], costs, cap)
-
-
-def _kind(leg: Leg, where: tuple[int, int], cost: CostModel) -> tuple:
-    """What a step must share with others to run in one collective with them."""
-    step = leg.hops[where[0]].plan.steps[where[1]]
-    if step.op == "point_to_point":  # never merged
-        return (1, step.op, id(step), leg.dtype)
-    return (0, step.op, step.axis, step.reduce_op or "", leg.dtype, _mesh_key(step.layout.mesh), cost)
-
-
-def _merge(
-    legs: Sequence[Leg],
-    stage: str,
-    chains: list[tuple[int, list[tuple[int, int]]]],
-    costs: Mapping[str, CostModel],
-    cap: int,
-) -> Iterable[Bucket]:
-    """Weighted majority merge of the legs' step sequences on one mesh."""
-    position = [0] * len(chains)
-    order: dict[tuple, int] = {}  # kinds in the order first met, to break ties the same way everywhere
-    while True:
-        waiting: dict[tuple, list[int]] = {}
-        weight: dict[tuple, int] = {}
-        for c, (index, steps) in enumerate(chains):
-            if position[c] == len(steps):
-                continue
-            leg = legs[index]
-            kind = _kind(leg, steps[position[c]], costs[leg.tensor])
-            order.setdefault(kind, len(order))
-            waiting.setdefault(kind, []).append(c)
-            weight[kind] = weight.get(kind, 0) + len(steps) - position[c]
-        if not waiting:
-            return
-        chosen = max(waiting, key=lambda k: (weight[k], -order[k]))
-        group: list[tuple[Member, Any]] = []
-        held = 0
-        for c in waiting[chosen]:
-            index, steps = chains[c]
-            h, k = steps[position[c]]
-            position[c] += 1
-            step = legs[index].hops[h].plan.steps[k]
-            size = _buffer_bytes(step)
-            if group and (held + size > cap or chosen[0] == 1):
-                yield _bucket(legs, stage, group, costs)
-                group, held = [], 0
-            group.append((Member(index, h, k), step))
-            held += size
-        yield _bucket(legs, stage, group, costs)
-
-
-def _buffer_bytes(step: Any) -> int:
-    """The larger buffer (in or out) a rank passes to the step's collective: ``n`` padded blocks
-    (all_gather, reduce_scatter, all_to_all) or the whole piece (all_reduce), from the step's
-    bytes (``planner.cost``'s table)."""
-    if step.axis is None:
-        return step.bytes
-    n = step.layout.mesh.shape[step.axis]
-    if step.op == "all_reduce":
-        return step.bytes // (2 * (n - 1)) * n
-    return step.bytes // (n - 1) * n
-
-
-def _bucket(legs: Sequence[Leg], stage: str, group: list[tuple[Member, Any]], costs: Mapping[str, CostModel]) -> Bucket:
-    first_member, first = group[0]
-    leg = legs[first_member.leg]
-    total = sum(step.bytes for _, step in group)
-    if first.axis is None:  # point_to_point: its own plan's time
-        seconds = first.seconds
-    else:
-        cost = costs[leg.tensor]
-        # The regime of the bucket's bytes: it is one collective of them (planner.cost).
-        alpha, bandwidth = cost.figures_at(first.op, first.layout.mesh, first.axis, total)
-        rounds = collective_rounds(first.op, first.layout.mesh.shape[first.axis])
-        # One collective: one executor overhead per bucket, as a plan pays one per step.
-        seconds = rounds * alpha + total / bandwidth + cost.overhead
-    return Bucket(
-        stage=stage,
-        op=first.op,
-        mesh=first.layout.mesh,
-        axis=first.axis,
-        reduce_op=first.reduce_op,
-        dtype=leg.dtype,
-        members=tuple(m for m, _ in group),
-        bytes=total,
-        buffer_bytes=sum(_buffer_bytes(step) for _, step in group),
-        seconds=seconds,
-    )

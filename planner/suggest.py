@@ -33,7 +33,7 @@ and ``zero2 flat``.
 
 Modeled time of a choice (README, "Choosing layouts"): the optimizer step's collectives as the
 step plan runs them (``planner.step``: its buckets, capped at ``bucket_bytes`` as ``shardlang plan``
-caps them, :data:`planner.step.DEFAULT_BUCKET_BYTES` by default), plus the training loop's
+caps them, :data:`planner.legs.DEFAULT_BUCKET_BYTES` by default), plus the training loop's
 collectives a choice implies, bucketed by the same rule: a parameter not in ``C`` is gathered
 into ``C`` twice (forward and backward), a gradient not in ``G0`` is reduced from ``G0`` in
 backward. A choice's time (:meth:`Problem.evaluate`) is that schedule's, exactly; the integer
@@ -70,18 +70,9 @@ from planner.bucket_cap import Priced
 from planner.choice import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
+from planner.legs import AFTER, BEFORE, DEFAULT_BUCKET_BYTES, STAGES, Hop, Leg, bucket_stage, without_axis
 from planner.model import cost_for, step_tensor
-from planner.step import (
-    AFTER,
-    BEFORE,
-    DEFAULT_BUCKET_BYTES,
-    STAGES,
-    Hop,
-    Leg,
-    bucket_stage,
-    plan_step,
-    without_axis,
-)
+from planner.step import plan_step
 from shardlang.dtypes import itemsize
 from shardlang.errors import ShardlangError
 from shardlang.generate import split_dim
@@ -475,7 +466,7 @@ def build_problem(
 ) -> Problem:
     """The candidates of ``tensors`` (default: the declared ones), priced (module doc); with
     ``flat_axis``, as the optimizers run them with flat sharding over that axis; buckets capped
-    at ``bucket_bytes`` (default :data:`planner.step.DEFAULT_BUCKET_BYTES`, as ``plan`` does)."""
+    at ``bucket_bytes`` (default :data:`planner.legs.DEFAULT_BUCKET_BYTES`, as ``plan`` does)."""
     if optimizer not in OPTIMIZERS:
         raise SuggestError(f"unknown optimizer '{optimizer}' (expected one of {', '.join(OPTIMIZERS)})")
     chosen = tuple(spec.tensors if tensors is None else tensors)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.step import AFTER, DURING_BACKWARD, IN_STEP, Bucket
+from planner.legs import AFTER, DURING_BACKWARD, IN_STEP, Bucket
 from runtime import stats
 from runtime.buffers import Scratch
 from runtime.comm import PendingCollective, start_collective
@@ -385,7 +385,7 @@ class StageRun:
             torch._foreach_copy_(targets, sources)
         device_mesh = self._device_meshes.get(plan.legs[first_leg].tensor)
         if device_mesh is not None and tuple(device_mesh.shape) != bucket.bucket.mesh.shape:
-            device_mesh = None  # a flat group's mesh (planner.step.flat_group): a group of its own
+            device_mesh = None  # a flat group's mesh (planner.legs.flat_group): a group of its own
         started = time.perf_counter()
         try:
             group = group_for(bucket.bucket.mesh, (first.step.axis,), first.members, device_mesh, timeout=self.timeout)

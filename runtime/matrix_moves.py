@@ -21,8 +21,9 @@ import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from planner.legs import BEFORE, Bucket
 from planner.matrices import TO, MatrixPlan
-from planner.step import BEFORE, Bucket, StepPlan
+from planner.step import StepPlan
 from runtime import stats
 from runtime.buckets import run_stage
 from runtime.buffers import Scratch

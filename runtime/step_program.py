@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from planner.step import AFTER, AFTER_STEP, BEFORE, DURING_BACKWARD, IN_STEP, Bucket, Leg, StepPlan
+from planner.legs import AFTER, AFTER_STEP, BEFORE, DURING_BACKWARD, IN_STEP, Bucket, Leg
+from planner.step import StepPlan
 from runtime.buffers import KeptViews
 from runtime.dtypes import torch_dtype
 from runtime.errors import ReshardError

@@ -19,7 +19,8 @@ import io
 import pytest
 import torch
 
-from planner.step import BEFORE, StepTensor, plan_step
+from planner.legs import BEFORE, StepTensor
+from planner.step import plan_step
 from runtime import recording, torch_dtype, unshard
 from runtime.buckets import StageRun, run_stage
 from runtime.buffers import Scratch

@@ -67,7 +67,7 @@ def _train(rank: int, kind: str, dtype: torch.dtype, *, fsdp: bool, overlap: boo
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from planner.step import BEFORE
+    from planner.legs import BEFORE
     from shardlang import parse_spec
     from tests.late_results import LateResults
 

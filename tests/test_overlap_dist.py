@@ -83,7 +83,7 @@ class Pieces(torch.nn.Module):
 def _run(
     rank: int, config: str, kind: str, dtype: torch.dtype, mode: str, seed: int, changed: str | None = None
 ) -> dict[str, Any] | None:
-    from planner.step import BEFORE, DURING_BACKWARD
+    from planner.legs import BEFORE, DURING_BACKWARD
 
     overlap, prefetch, micro, late, free = MODES[mode]
     mesh, layouts_of, flat_axis = CONFIGS[config]

@@ -8,7 +8,8 @@ import attrs
 import pytest
 
 import planner
-from planner.step import AFTER, BEFORE, DEFAULT_BUCKET_BYTES, StepPlan, StepTensor, plan_step
+from planner.legs import AFTER, BEFORE, DEFAULT_BUCKET_BYTES, StepTensor
+from planner.step import StepPlan, plan_step
 from shardlang import parse_layout
 from tests.test_runtime_support import random_layout
 

@@ -262,7 +262,7 @@ def test_tensors_a_rule_matches_are_chosen_for_and_declared(tmp_path: Path, caps
 
 def test_flat_over_dp_is_offered_where_other_axes_split_the_blocks() -> None:
     # On dp=4, tp=8 the flat hops of a tp-split tensor stay among the ranks holding its block
-    # (planner.step.flat_group), so flat over dp is a problem of its own beside the plain one.
+    # (planner.legs.flat_group), so flat over dp is a problem of its own beside the plain one.
     problems = build_problems(load_spec(REPO / "examples" / "llama7b_dp4_tp8.shard"))
     assert [p.flat_axis for p in problems] == [None, "dp"]
 

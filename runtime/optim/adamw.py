@@ -204,7 +204,7 @@ class ShardedAdamW(ShardedOptimizer):
     precision parameters keep a master shard. ``timeout``: how long any collective may wait
     (seconds or a timedelta; default the runtime's, 5 minutes). ``bucket_bytes``: the most
     buffer one bucket's collective may hold per rank (default
-    :data:`planner.step.DEFAULT_BUCKET_BYTES`). ``verify``: check once per step plan that the
+    :data:`planner.legs.DEFAULT_BUCKET_BYTES`). ``verify``: check once per step plan that the
     ranks of every group hold the same buckets (a :class:`~runtime.PlanMismatchError`
     otherwise, instead of a hang or a wrong result). ``max_grad_norm``: clip the gradients to
     this global 2-norm, computed on the reduced gradients in their state layout with one small

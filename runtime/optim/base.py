@@ -42,15 +42,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.cost import CostModel
-from planner.step import (
-    AFTER,
-    BEFORE,
-    DEFAULT_OVERLAP_BUCKET_BYTES,
-    StepPlan,
-    StepTensor,
-    plan_step,
-    without_axis,
-)
+from planner.legs import AFTER, BEFORE, DEFAULT_OVERLAP_BUCKET_BYTES, StepTensor, without_axis
+from planner.step import StepPlan, plan_step
 from runtime import stats
 from runtime.buckets import StageRun
 from runtime.buffers import KeptViews, Scratch

@@ -33,9 +33,10 @@ import torch.distributed as dist
 # torch's own iteration and learning-rate rule, so that the sharded step equals torch's bit for bit
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
+from planner.legs import DEFAULT_BUCKET_BYTES, StepTensor
 from planner.matrices import BACK, TO, MatrixPlan, joins, pieces, plan_matrices
 from planner.owners import PLACEMENTS
-from planner.step import DEFAULT_BUCKET_BYTES, StepPlan, StepTensor
+from planner.step import StepPlan
 from runtime.buffers import Scratch
 from runtime.comm import collective
 from runtime.dtypes import dtype_name
