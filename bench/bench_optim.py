@@ -217,29 +217,44 @@ def main() -> None:
     ranks = [
         torch.load(io.BytesIO(r), weights_only=False) for r in run_ranks(sharded, 4, (shapes, args.steps), timeout=1800)
     ]
-    header = f"{'optimizer':<40} {'step ms':>8} {'comm ms':>8} {'state MiB/rank':>15} {'x 1-proc':>8}"
-    header += f" {'sent B/step':>12} {'planned':>12} {'colls':>6} {'sums':>5}"
-    print(header)
+    print()
+    print(
+        f"{len(shapes)} tensors, {numel:,} f32 parameters; median step of {args.steps}; 4 ranks: rank 0's step "
+        "and the largest state over ranks"
+    )
+    print("| optimizer | step ms | comm ms | state MiB/rank | x 1-proc | sent B/step | planned | colls | sums |")
+    print("|" + "---|" * 9)
     for kind, label in (("adamw", "torch.optim.AdamW(foreach=True)"), ("came", "came_pytorch.CAME")):
         ref_seconds, ref_bytes = reference[kind]["ref"]
-        print(f"{label + ', 1 process':<40} {ref_seconds * 1e3:>8.2f} {'':>8} {ref_bytes / 2**20:>15.2f} {1:>8.2f}")
+        _row(f"{label}, 1 process", f"{ref_seconds * 1e3:.2f}", "", f"{ref_bytes / 2**20:.2f}", "1.00")
         seconds, state = reference[kind]["ours"]
         name = f"Sharded{'AdamW' if kind == 'adamw' else 'CAME'}, 1 process (mesh[1])"
-        print(f"{name:<40} {seconds * 1e3:>8.2f} {'':>8} {state / 2**20:>15.2f} {state / ref_bytes:>8.2f}")
+        _row(name, f"{seconds * 1e3:.2f}", "", f"{state / 2**20:.2f}", f"{state / ref_bytes:.2f}")
         if kind == "adamw":
             for peer, name in (("ddp", "hand-written DDP + AdamW, 4 ranks"), ("zero2", "hand-written ZeRO-2, 4 ranks")):
-                print(f"{name:<40} {ranks[0][('hand', peer)]['seconds'] * 1e3:>8.2f}")
+                _row(name, f"{ranks[0][('hand', peer)]['seconds'] * 1e3:.2f}")
         for states in STATES:
             cases = [r[(kind, states)] for r in ranks]
             state = max(c["state_bytes"] for c in cases)
             sent, planned, collectives, sums = cases[0]["traffic"][-1]
             agree = all(s == p for s, p, _, _ in cases[0]["traffic"])
             name = f"Sharded{'AdamW' if kind == 'adamw' else 'CAME'}, 4 ranks, {states}"
-            print(
-                f"{name:<40} {cases[0]['seconds'] * 1e3:>8.2f} {cases[0]['comm_seconds'] * 1e3:>8.2f} "
-                f"{state / 2**20:>15.2f} {state / ref_bytes:>8.2f} {sent:>12,} {planned:>12,} {collectives:>6} "
-                f"{sums:>5}" + ("" if agree else "  MEASURED != PLANNED")
+            _row(
+                name,
+                f"{cases[0]['seconds'] * 1e3:.2f}",
+                f"{cases[0]['comm_seconds'] * 1e3:.2f}",
+                f"{state / 2**20:.2f}",
+                f"{state / ref_bytes:.2f}",
+                f"{sent:,}",
+                f"{planned:,}" + ("" if agree else " (MEASURED != PLANNED)"),
+                str(collectives),
+                str(sums),
             )
+
+
+def _row(*cells: str) -> None:
+    """A row of the markdown table ``main`` prints; cells left out are empty."""
+    print("| " + " | ".join([*cells, *[""] * (9 - len(cells))]) + " |")
 
 
 if __name__ == "__main__":

@@ -199,19 +199,22 @@ def main() -> None:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # inherited by the spawned ranks
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = run_ranks(_bench_rank, 4, (sizes, args.reps, args.uneven), timeout=3600, collective_timeout=600)[0]
-    header = (
-        f"{'pair':<52} {'MB':>3} {'coll':>4} {'ours ms':>8} {'DTensor':>8} {'ours/DT':>7} {'hand ms':>8} "
-        f"{'ours/hand':>9} {'peak MB ours/DT/hand':>21} agree"
+    print(f"4 gloo ranks, median of {args.reps} runs{', every tensor one row short' if args.uneven else ''}")
+    print(
+        "| pair | MB | collectives | ours ms | DTensor ms | ours/DTensor | hand ms | ours/hand "
+        "| peak MB ours/DTensor/hand | agree |"
     )
-    print(header)
+    print("|" + "---|" * 10)
     for r in rows:
-        hand = f"{r['hand_ms']:>8.2f} {r['ours_ms'] / r['hand_ms']:>9.3f}" if "hand_ms" in r else f"{'-':>8} {'-':>9}"
+        hand = f"{r['hand_ms']:.2f} | {r['ours_ms'] / r['hand_ms']:.3f}" if "hand_ms" in r else "- | -"
+        pair = r["pair"].replace("|", "\\|")  # a cell of a markdown table
         print(
-            f"{r['pair']:<52} {r['mb']:>3} {r['steps']:>4} {r['ours_ms']:>8.2f} {r['dtensor_ms']:>8.2f} "
-            f"{r['ours_ms'] / r['dtensor_ms']:>7.2f} {hand} "
-            f"{r['ours_peak_mb']:>7.1f}/{r['dtensor_peak_mb']:.1f}/{r.get('hand_peak_mb', float('nan')):.1f} "
-            f"{r['agree']}"
+            f"| {pair} | {r['mb']} | {r['steps']} | {r['ours_ms']:.2f} | {r['dtensor_ms']:.2f} "
+            f"| {r['ours_ms'] / r['dtensor_ms']:.2f} | {hand} "
+            f"| {r['ours_peak_mb']:.1f}/{r['dtensor_peak_mb']:.1f}/{r.get('hand_peak_mb', float('nan')):.1f} "
+            f"| {r['agree']} |"
         )
+    print()
     for mb in sizes:
         chosen = [r for r in rows if r["mb"] == mb]
         versus_dtensor = statistics.geometric_mean([r["ours_ms"] / r["dtensor_ms"] for r in chosen])

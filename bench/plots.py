@@ -276,3 +276,28 @@ def planner_speed(records: dict[str, Record]) -> Any:
     figure = _hbars(groups, "median ms per pair", "Planner speed per mesh")
     figure.axes[0].set_xscale("log")
     return figure
+
+
+@needs("optimizer")
+def optimizer_step(records: dict[str, Record]) -> Any:
+    """bench_optim: the optimizer step's median time per optimizer and layout."""
+    table = next((t for t in records["optimizer"]["tables"] if "step ms" in t["columns"]), None)
+    if table is None:
+        return None
+    bars = [(label, ms) for label, ms in _column(table, "step ms") if ms is not None]
+    return _hbars([("step ms", bars)], "median step ms", "Optimizer step")
+
+
+@needs("reshard")
+def reshard(records: dict[str, Record]) -> Any:
+    """bench_reshard: each pair's reshard time against DTensor's, per tensor size."""
+    table = next((t for t in records["reshard"]["tables"] if "ours/DTensor" in t["columns"]), None)
+    if table is None:
+        return None
+    mb, ratio = table["columns"].index("MB"), table["columns"].index("ours/DTensor")
+    sizes = list(dict.fromkeys(row[mb] for row in table["rows"]))
+    groups = [
+        (f"{size} MB", [(row[0], number(row[ratio]) or 0.0) for row in table["rows"] if row[mb] == size])
+        for size in sizes
+    ]
+    return _hbars(groups, "reshard time, x DTensor's (lower is faster)", "Reshard, 4 gloo ranks", line=1.0)

@@ -79,6 +79,7 @@ PAGES: tuple[Page, ...] = (
         "The optimizer step alone against torch's optimizers (`bench/bench_optim.py`), and Muon's "
         "placements and bucketed matrix moves (`bench/bench_muon.py`).",
         ("optimizer", "muon"),
+        {"optimizer_step": plots.optimizer_step},
     ),
     Page(
         "history/planner.md",
@@ -96,7 +97,7 @@ PAGES: tuple[Page, ...] = (
         "point-to-point reshards (`bench/bench_p2p_reshard.py`), checkpoints "
         "(`bench/bench_checkpoint.py`) and gloo's collectives (`bench/bench_collectives.py`).",
         ("reshard", "p2p_reshard", "checkpoint", "collectives"),
-        {"collectives": plots.collectives},
+        {"reshard": plots.reshard, "collectives": plots.collectives},
         anchors={"reshard": "reshard-wall-time"},
         unmeasured={"start-up": "Start-up"},  # the CLI's start-up times (tests/test_startup.py): no bench script
     ),
@@ -325,10 +326,11 @@ def draw(data: Path, into: Path = PLOTS) -> list[Path]:
     written = []
     for path, (make, stamp) in plot_jobs(data).items():
         figure = make(records)
-        if figure is not None:
-            target = into / path.name
-            plots.save(figure, target, stamp)
-            written.append(target)
+        if figure is None:  # the page links to it: a stored run without the table it reads is an error
+            raise ValueError(f"{path.name}: the stored runs {make.needs} lack what {make.__name__} draws")
+        target = into / path.name
+        plots.save(figure, target, stamp)
+        written.append(target)
     return written
 
 

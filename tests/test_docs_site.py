@@ -56,7 +56,9 @@ def test_the_readme_stays_short() -> None:
 
 
 def test_the_generated_benchmark_page_is_what_the_data_gives() -> None:
-    """``make bench-docs`` was run after the last change to docs/benchmarks/data/ (or the renderer)."""
+    """``make bench-docs`` was run after the last change to docs/benchmarks/data/ (or the renderer):
+    the benchmark pages, the README's and the index's generated blocks, and the plots (by the
+    inputs each records; tests/test_bench_docs.py draws them)."""
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "render_docs.py"), "--check"], capture_output=True, text=True, timeout=60
     )
