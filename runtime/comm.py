@@ -17,9 +17,12 @@ received blocks: gloo's own reduce_scatter costs as much as an all-reduce of the
 with ``bench/bench_collectives.py``), while the all_to_all sends exactly the ring
 reduce_scatter's ``(n-1)`` blocks.
 
-On gloo an all_gather of a result of :data:`GATHER_MESSAGES_BYTES` or more that its caller
-waits on before returning (``waited_at_once``) runs as point-to-point messages: each rank sends
-its block to every peer at once and receives theirs straight into their rows of the result.
+On gloo an all_gather of a result of :data:`GATHER_MESSAGES_BYTES` or more over a group of at
+most :data:`GATHER_MESSAGES_MAX_RANKS` ranks that its caller waits on before returning
+(``waited_at_once``) runs as point-to-point messages: each rank sends its block to every peer at
+once and receives theirs straight into their rows of the result. A rank posts ``2 (n - 1)``
+messages from Python for it, so in larger groups each step's work would grow with the ranks
+(docs/memory.md, "At scale"); there gloo's ring, whose rounds run in its own threads, is kept.
 gloo's own all_gather is a ring of ``n - 1`` rounds, one after another, and took 1.35-1.9x as
 long for results of 1-16 MiB on 4 CPU ranks (``bench/bench_collectives.py``, docs/benchmarks); below
 1 MiB the two were level or the ring faster, depending on the run. The messages carry a tag of
@@ -70,6 +73,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 GATHER_TAG = 7  # the tag of an all_gather's messages on gloo (module docstring)
 GATHER_MESSAGES_BYTES = 2**20  # gloo all_gathers of results this large run as messages
+GATHER_MESSAGES_MAX_RANKS = 8  # ... over groups of at most this many ranks (measured on 4)
 # The works of gathers' messages not known to be complete (module docstring), oldest first.
 _MESSAGES_IN_FLIGHT: list[dist.Work] = []
 _GLOO: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()  # see _is_gloo
@@ -144,7 +148,8 @@ def start_collective(
     try:
         big = received.numel() * received.element_size() >= GATHER_MESSAGES_BYTES
         # gloo's messages send from host memory: CUDA tensors take its collective (docs/gpu.md).
-        if op == "all_gather" and gloo and waited_at_once and big and not send.is_cuda:
+        few = n <= GATHER_MESSAGES_MAX_RANKS
+        if op == "all_gather" and gloo and waited_at_once and big and few and not send.is_cuda:
             works = _all_gather_messages(received, send, group)
         elif op == "all_gather":
             works = [all_gather_single(received, send, group=group, async_op=True)]
@@ -162,10 +167,14 @@ def start_collective(
     return PendingCollective(op, received, n, reduce_op, tuple(works), blocks, not gloo and send.is_cuda)
 
 
-def gather_messages_from(group: dist.ProcessGroup | None = None) -> int | None:
-    """The result bytes from which an all_gather over ``group`` (default: the default group)
-    waited on at once runs as messages, not the backend's own (module docstring); None where it
-    never does (not gloo). ``runtime.calibrate`` fits a regime from there (docs/calibration.md)."""
+def gather_messages_from(group: dist.ProcessGroup | None = None, *, ranks: int | None = None) -> int | None:
+    """The result bytes from which an all_gather over ``group`` (default: the default group's
+    backend), of ``ranks`` ranks when given, waited on at once runs as messages, not the
+    backend's own (module docstring); None where it never does (not gloo, or more than
+    :data:`GATHER_MESSAGES_MAX_RANKS` ranks). ``runtime.calibrate`` fits a regime from there
+    (docs/calibration.md)."""
+    if ranks is not None and ranks > GATHER_MESSAGES_MAX_RANKS:
+        return None
     return GATHER_MESSAGES_BYTES if dist.get_backend(group) == "gloo" else None
 
 

@@ -32,7 +32,7 @@ import contextlib
 import datetime
 import hashlib
 import inspect
-import itertools
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -41,11 +41,14 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 from runtime.errors import DistributedError, ReshardError
-from shardlang.mesh import Mesh
+from shardlang.mesh import Mesh, RowMajorRanks
 
 # Keyed by the ordered member ranks, or by (DeviceMesh, mesh, axis) for a user's groups.
 _groups: dict[tuple, dist.ProcessGroup] = {}
 _groups_world: object = None
+# id(members) -> (members, its group): ranks_group's lookup without hashing the members.
+_by_identity: dict[int, tuple[tuple[int, ...], dist.ProcessGroup]] = {}
+_BY_IDENTITY_MAX = 1024  # entries, then emptied (callers that build a new tuple every call)
 
 
 def normalize_axes(mesh: Mesh, axes: int | Sequence[int]) -> tuple[int, ...]:
@@ -62,14 +65,28 @@ def normalize_axes(mesh: Mesh, axes: int | Sequence[int]) -> tuple[int, ...]:
 
 
 def axis_ranks(mesh: Mesh, axes: tuple[int, ...], rank: int) -> tuple[int, ...]:
-    """The global ranks of ``rank``'s group along ``axes``, in mesh coordinate order."""
-    coordinate = list(mesh.coordinate(rank))
-    members = []
-    for position in itertools.product(*(range(mesh.shape[a]) for a in axes)):
-        for a, c in zip(axes, position, strict=True):
-            coordinate[a] = c
-        members.append(mesh.rank_at(tuple(coordinate)))
-    return tuple(members)
+    """The global ranks of ``rank``'s group along ``axes``, in mesh coordinate order.
+
+    Computed from the mesh's row-major strides as ranges, not rank by rank through
+    ``Mesh.rank_at``: a group of 8,192 ranks costs about a millisecond (docs/memory.md, "At
+    scale")."""
+    coordinate = mesh.coordinate(rank)
+    strides = [math.prod(mesh.shape[a + 1 :]) for a in range(mesh.ndim)]
+    base = sum(c * s for a, (c, s) in enumerate(zip(coordinate, strides, strict=True)) if a not in axes)
+    ranks = mesh.ranks
+    start = ranks.start if isinstance(ranks, RowMajorRanks) else 0
+    first = start + base
+    # Row-major over ``axes`` in the order given: the first axis outermost.
+    if len(axes) == 1:
+        positions: Sequence[int] = range(first, first + mesh.shape[axes[0]] * strides[axes[0]], strides[axes[0]])
+    else:
+        positions = [first]
+        for a in axes:
+            offsets = range(0, mesh.shape[a] * strides[a], strides[a])
+            positions = [p + offset for p in positions for offset in offsets]
+    if isinstance(ranks, RowMajorRanks):
+        return tuple(positions)
+    return tuple(ranks[p] for p in positions)
 
 
 def axis_group(
@@ -118,10 +135,18 @@ def ranks_group(members: tuple[int, ...], *, timeout: datetime.timedelta | None 
     """The process group of exactly ``members`` (global ranks; group rank ``i`` is
     ``members[i]``), created by the members alone on first use, then cached."""
     cache = _cache()
+    # Steps ask again and again with the same tuple (a bucket's members, the commit flag's
+    # ranks): found by identity, without hashing thousands of ranks on every call.
+    seen = _by_identity.get(id(members))
+    if seen is not None and seen[0] is members:
+        return seen[1]
     key = (members,)
     group = cache.get(key)
     if group is None:
         group = cache[key] = _new_group(members, timeout)
+    if len(_by_identity) >= _BY_IDENTITY_MAX:
+        _by_identity.clear()
+    _by_identity[id(members)] = (members, group)  # holding ``members`` keeps its id unique
     return group
 
 
@@ -136,6 +161,7 @@ def shutdown() -> None:
     dist.barrier()
     groups = list(_cache().values())
     _groups.clear()
+    _by_identity.clear()
     for group in dict.fromkeys(groups):
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
@@ -148,6 +174,7 @@ def _cache() -> dict[tuple, dist.ProcessGroup]:
     world = dist.group.WORLD
     if world is not _groups_world:
         _groups.clear()
+        _by_identity.clear()
         _groups_world = world
     return _groups
 
