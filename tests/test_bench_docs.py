@@ -132,3 +132,16 @@ def test_the_plots_show_the_stored_numbers() -> None:
     held = [b.get_width() for b in figure.axes[0].patches]
     memory = next(t for t in records["memory"]["tables"] if t["title"].startswith("4 ranks"))
     assert held[: len(memory["rows"])] == [float(row[1]) for row in memory["rows"]]
+
+
+MEASURED = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|us|s|MiB|GiB|KiB|MB|GB/s|x|%)(?!\w)")
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/index.md", "docs/benchmarks/index.md"])
+def test_no_measured_number_is_typed_outside_the_generated_blocks(name: str) -> None:
+    """Times, sizes, rates and ratios on these pages come from stored runs, inside the blocks."""
+    text = (REPO / name).read_text(encoding="utf-8")
+    text = re.sub(r"<!-- bench:(\S+) -->.*?<!-- /bench:\1 -->", "", text, flags=re.DOTALL)
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)  # commands and transcripts (checked elsewhere)
+    typed = [line for line in text.splitlines() if MEASURED.search(line)]
+    assert not typed, f"{name}: numbers typed by hand (render them from docs/benchmarks/data/): {typed}"
