@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	# The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	# The stacks' extras (docs/stacks/): their tests skip, saying so, where they are missing.
-	$(PY) -m pip install -q -e '.[test,hf]'
+	$(PY) -m pip install -q -e '.[test,hf,lightning]'
 	@command -v dot >/dev/null 2>&1 || ./.ci/install-graphviz
 	touch $(STAMP)
 
