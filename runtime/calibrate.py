@@ -114,11 +114,14 @@ def known_breaks(mesh: Mesh) -> dict[tuple[str, int], int]:
     another algorithm on this backend, for ``planner.fit.fit_model``: on gloo an all_gather whose
     result has ``G`` bytes or more (:func:`runtime.comm.gather_messages_from`). A result is ``n``
     padded pieces of ``b`` bytes, and the table counts ``(n-1) * b``, so the result reaches ``G``
-    exactly when the table's bytes reach ``(n-1) * ceil(G / n)``. none on other backends (NCCL)."""
-    result = gather_messages_from()
-    if result is None:
-        return {}
-    return {("all_gather", axis): (n - 1) * -(-result // n) for axis, n in enumerate(mesh.shape)}
+    exactly when the table's bytes reach ``(n-1) * ceil(G / n)``. None on other backends (NCCL),
+    nor on axes of more ranks than gloo's messages serve."""
+    breaks = {}
+    for axis, n in enumerate(mesh.shape):
+        result = gather_messages_from(ranks=n)
+        if result is not None:
+            breaks[("all_gather", axis)] = (n - 1) * -(-result // n)
+    return breaks
 
 
 def sweep(
