@@ -29,10 +29,14 @@ from typing import Any, Unpack
 import attrs
 import torch
 
-from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StateWhere, StepOptions, StepWork, Update
+from runtime.optim.base import ShardedOptimizer, StepOptions
 from runtime.optim.came import rows_span_ranks
 from runtime.optim.errors import OptimizerError
+from runtime.optim.phases import StepWork, Update
+from runtime.optim.records import StateWhere
 from runtime.optim.shards import StateShard
+from runtime.optim.slots import Slot, SpecLike
+from runtime.optim.states import statistic_where
 from runtime.optim.sums import SumSpec
 
 PHASES = ("the second-moment sums and the parameter's norm", "the update's RMS")
@@ -177,12 +181,8 @@ class ShardedAdafactor(ShardedOptimizer):
         return adafactor_sum_specs(slot.shard, slot.dtype, slot.name)
 
     def _where(self, slot: Slot, name: str) -> StateWhere:
-        assert slot.shard is not None
-        if name == "row_var":
-            return StateWhere(*slot.shard.row_stat_layout(), None, slot.shard.row_stat_shape)
-        if name == "col_var":
-            return StateWhere(*slot.shard.col_stat_layout(), None, slot.shard.col_stat_shape)
-        return super()._where(slot, name)
+        where = statistic_where(slot, name, ("row_var",), ("col_var",))
+        return where if where is not None else super()._where(slot, name)
 
     def _updates(self, work: StepWork) -> list[Update]:
         updates = []

@@ -19,9 +19,11 @@ import torch
 
 from runtime.buffers import Scratch
 from runtime.dtypes import as_dtype
-from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StepOptions, StepWork, Update, done
+from runtime.optim.base import ShardedOptimizer, StepOptions
 from runtime.optim.errors import OptimizerError
 from runtime.optim.flat import as_flat, flat_or_copy, pieces_of, scatter_back
+from runtime.optim.phases import StepWork, Update, done
+from runtime.optim.slots import Slot, SpecLike
 
 ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 

@@ -34,13 +34,20 @@ import attrs
 import torch
 
 from runtime.buffers import KeptViews, Scratch
-from runtime.optim.base import ShardedOptimizer, Slot, SpecLike, StateWhere, StepOptions, StepWork, Update
+from runtime.optim.base import ShardedOptimizer, StepOptions
 from runtime.optim.errors import OptimizerError
 from runtime.optim.flat import as_flat, flat_or_copy, pieces_of, scatter_back
+from runtime.optim.phases import StepWork, Update
+from runtime.optim.records import StateWhere
 from runtime.optim.shards import StateShard
+from runtime.optim.slots import Slot, SpecLike
+from runtime.optim.states import statistic_where
 from runtime.optim.sums import SumSpec
 
 PHASES = ("the second-moment sums", "the update's RMS", "the instability sums")
+# The row and column statistics of a factored tensor (runtime.optim.states.statistic_where).
+ROW_STATES = ("exp_avg_sq_row", "exp_avg_res_row")
+COL_STATES = ("exp_avg_sq_col", "exp_avg_res_col")
 
 
 @attrs.frozen
@@ -511,12 +518,8 @@ class ShardedCAME(ShardedOptimizer):
         return cached[2]
 
     def _where(self, slot: Slot, name: str) -> StateWhere:
-        assert slot.shard is not None
-        if name in ("exp_avg_sq_row", "exp_avg_res_row"):
-            return StateWhere(*slot.shard.row_stat_layout(), None, slot.shard.row_stat_shape)
-        if name in ("exp_avg_sq_col", "exp_avg_res_col"):
-            return StateWhere(*slot.shard.col_stat_layout(), None, slot.shard.col_stat_shape)
-        return super()._where(slot, name)
+        where = statistic_where(slot, name, ROW_STATES, COL_STATES)
+        return where if where is not None else super()._where(slot, name)
 
     def _run_stats(self, work: StepWork, run: Sequence[int]) -> RunStats:
         """The run's :class:`RunStats`, kept while its slots' shards, dtype and device are the same."""

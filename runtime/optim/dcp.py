@@ -28,12 +28,13 @@ from torch.distributed.tensor import DTensor
 
 from runtime.optim.errors import OptimizerError
 from runtime.optim.full_state import FORMATS
+from runtime.optim.records import HeldTensor, StateWhere
 from shardlang.errors import InteropError
 from shardlang.interop import to_dtensor_placements
 from shardlang.mesh import Mesh
 
 if TYPE_CHECKING:
-    from runtime.optim.base import HeldTensor, ShardedOptimizer, StateWhere
+    from runtime.optim.base import ShardedOptimizer
 
 # Name components that wrappers add and DCP's canonical names leave out: anywhere, and DDP's
 # ``module`` in front.

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from runtime.optim.errors import OptimizerError
+from runtime.optim.records import STATE_DICT_FORMAT, HeldTensor, StateWhere
 from shardlang.layout import chunk_bounds
 
 if TYPE_CHECKING:
-    from runtime.optim.base import HeldTensor, ShardedOptimizer, StateWhere
+    from runtime.optim.base import ShardedOptimizer
 
 
 @attrs.frozen
@@ -176,8 +177,6 @@ def full_state_dict(optimizer: ShardedOptimizer) -> dict[str, Any]:
 
 def load_full_state_dict(optimizer: ShardedOptimizer, state_dict: Mapping[str, Any]) -> None:
     """Load whole states in the reference optimizer's format, sliced to this rank's pieces."""
-    from runtime.optim.base import STATE_DICT_FORMAT
-
     form = _format(optimizer)
     where_from = f"the {form.reference} state dict"
     if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:

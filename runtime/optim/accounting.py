@@ -1,0 +1,92 @@
+"""What a sharded optimizer's step will communicate and what its rank holds, predicted from the
+layouts and the step plan (``planned_traffic``, ``memory_report``) or read from the buffers it
+keeps (``work_bytes``, ``bucket_buffer_bytes``); docs/memory.md says what each part is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from runtime.buffers import Scratch
+from runtime.optim.clipping import Clipping
+from runtime.optim.compiler import StepCompiler
+from runtime.optim.memory import MemoryReport
+from runtime.optim.phases import PhaseDriver
+from runtime.optim.records import StepTraffic
+from runtime.optim.slots import Slot, Slots, expected_grad, grad_key
+from runtime.optim.states import StateStore
+from runtime.optim.sums import plan_collectives
+from runtime.optim.transaction import CommitFlag
+from shardlang.dtypes import ITEMSIZE
+
+
+class Accounting:
+    """Reads the owners of a step (no state of its own): the slots, their states, the step
+    compiler and its buffers, the phase driver's and the norm's sums, the commit flag, and the
+    math's working buffers (``scratch``)."""
+
+    def __init__(
+        self,
+        slots: Slots,
+        store: StateStore,
+        compiler: StepCompiler,
+        driver: PhaseDriver,
+        clipping: Clipping,
+        flag: CommitFlag,
+        scratch: Scratch,
+        *,
+        transactional: bool,
+        free_grads: bool,
+    ) -> None:
+        self._slots, self._store, self._compiler, self._driver = slots, store, compiler, driver
+        self._clipping, self._flag, self._scratch = clipping, flag, scratch
+        self._transactional, self._free_grads = transactional, free_grads
+
+    def planned_traffic(self) -> StepTraffic:
+        """What the next step will communicate on this rank (see
+        ``ShardedOptimizer.planned_traffic``)."""
+        slots = self._slots.stepped()
+        if not slots:
+            return StepTraffic()
+        plan = self._compiler.compiled(slots, [grad_key(s) for s in slots]).plan
+        phases = self._driver.phase_specs(slots)
+        if self._clipping.every_step:
+            phases.append(self._clipping.norm_specs(slots))
+        sum_bytes = sum_collectives = 0
+        for phase in phases:
+            collectives = plan_collectives(phase, self._slots.rank)
+            sum_bytes += sum(c.bytes for c in collectives)
+            sum_collectives += len(collectives)
+        flag = self._flag.traffic(self._slots.members(slots))
+        return StepTraffic(plan.total_bytes, plan.collectives, sum_bytes, sum_collectives, *flag)
+
+    @property
+    def bucket_buffer_bytes(self) -> int:
+        return self._compiler.buffers.nbytes
+
+    @property
+    def work_bytes(self) -> int:
+        return self._store.spare_bytes + self._scratch.nbytes + self._compiler.buffers.nbytes
+
+    def memory_report(self, scratch_bytes: Callable[[Sequence[Slot]], int]) -> MemoryReport:
+        """What this rank holds for the parameters it steps (see
+        ``ShardedOptimizer.memory_report``); ``scratch_bytes``: the math's working buffers for
+        a step of the given slots."""
+        slots = self._slots.held()
+        stepped = self._slots.stepped()
+        keys = [grad_key(s) for s in stepped] if stepped else [expected_grad(s) for s in slots]
+        buffers = self._compiler.buffers.nbytes
+        if (stepped or slots) and all(key is not None for key in keys):
+            program = self._compiler.compiled(stepped or slots, keys).program  # type: ignore[arg-type]
+            numels = (program.kept_numel, program.send_numel)
+            buffers = sum(n * ITEMSIZE[dtype] for kind in numels for dtype, n in kind.items())
+        params = grads = flat = own = masters = 0
+        for slot in slots:
+            local = slot.local_param()
+            params += local.numel() * local.element_size()
+            grads += local.numel() * local.element_size() if slot.param.requires_grad and not self._free_grads else 0
+            slot_flat, slot_own, slot_master = self._store.predicted_bytes(slot)
+            flat, own, masters = flat + slot_flat, own + slot_own, masters + slot_master
+        states = flat + own
+        spare = flat + masters if self._transactional else 0  # the flat buffers' second set
+        return MemoryReport(params, grads, states, masters, buffers, spare, scratch_bytes(slots))

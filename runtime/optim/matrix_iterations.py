@@ -1,0 +1,175 @@
+"""Iterations over whole matrices whose pieces lie on many ranks (Muon's Newton-Schulz).
+
+The step plan's matrix part (``planner.matrices``) says, per matrix, where it is iterated and
+how its pieces move there and back; :class:`MatrixIterations` plans it once per set of slots,
+compiles this rank's program of it (``runtime.matrix_moves``), checks once per plan that the
+ranks of every state mesh agree on it, and runs the moves around the optimizer's iteration.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from planner.legs import DEFAULT_BUCKET_BYTES, StepTensor
+from planner.matrices import BACK, TO, MatrixPlan, joins, pieces, plan_matrices
+from runtime.buffers import Scratch
+from runtime.dtypes import dtype_name
+from runtime.errors import DistributedError, PlanMismatchError
+from runtime.groups import ranks_group
+from runtime.matrix_moves import MatrixProgram, compile_matrices, run_matrix_stage
+from runtime.optim.compiler import differing_ranks
+from runtime.optim.errors import OptimizerError, OptimizerStepError
+from runtime.optim.slots import Slot
+from runtime.packing import region
+from shardlang.errors import ShardlangError
+from shardlang.layout import Layout
+
+# The iteration of one matrix: the slot, the whole matrix in its pieces' shape, and that shape.
+Iterate = Callable[[Slot, torch.Tensor, tuple[int, ...]], torch.Tensor]
+
+
+class MatrixIterations:
+    """The matrix plans of a rank and their programs, per set of 2-d slots (``ns_steps`` from
+    each slot's group); ``placement`` and ``flops_per_second`` as ``ShardedMuon`` takes them."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        timeout: datetime.timedelta,
+        verify: bool,
+        bucket_bytes: int | None,
+        placement: str,
+        flops_per_second: float | None,
+    ) -> None:
+        self.rank, self.timeout, self._verify = rank, timeout, verify
+        self._bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self._placement, self._flops_per_second = placement, flops_per_second
+        self._plans: dict[tuple, tuple[MatrixPlan, MatrixProgram]] = {}
+        self._buffers = Scratch()  # the matrices' bucket buffers, kept between steps
+        self._agreed: set[int] = set()  # ids of the matrix plans the ranks have agreed on
+
+    def plan(self, slots: list[Slot]) -> tuple[MatrixPlan, MatrixProgram]:
+        """The matrix plan of the 2-d tensors among ``slots`` and this rank's program of it;
+        built once per set of slots."""
+        matrices = [s for s in slots if len(s.shape) == 2]
+        key = tuple((s.index, s.group["ns_steps"]) for s in matrices)
+        cached = self._plans.get(key)
+        if cached is None:
+            tensors = [tensor_view(s) for s in matrices]
+            try:
+                plan = plan_matrices(
+                    tensors,
+                    self.rank,
+                    ns_steps={s.name: s.group["ns_steps"] for s in matrices},
+                    placement=self._placement,
+                    flops_per_second=self._flops_per_second,
+                    bucket_bytes=self._bucket_bytes,
+                )
+                cached = self._plans[key] = (plan, compile_matrices(plan, self.rank))
+            except ShardlangError as e:
+                raise OptimizerError(e.message) from None
+        return cached
+
+    def run(self, slots: list[Slot], updates: Mapping[str, torch.Tensor], iterate: Iterate) -> dict[str, torch.Tensor]:
+        """This rank's piece (block or flat chunk) of every matrix's iteration result, the
+        matrices moved and iterated as the step plan's matrix part says."""
+        plan, program = self.plan(slots)
+        by_name = {s.name: s for s in slots}
+        if self._verify and id(plan) not in self._agreed:
+            self._agree(plan, by_name)
+            self._agreed.add(id(plan))
+        device = slots[0].local_param().device
+        run = functools.partial(
+            run_matrix_stage,
+            program,
+            device=device,
+            device_meshes={s.name: s.device_mesh for s in slots},
+            timeout=self.timeout,
+            buffers=self._buffers,
+        )
+        step_number = slots[0].step + 1
+        try:
+            arrived = run(TO, dict(updates))
+            results: dict[str, torch.Tensor | None] = {}
+            for matrix in plan.matrices:
+                slot, whole = by_name[matrix.name], arrived[matrix.name]
+                layout, shape = _pieces_of(slot)
+                if matrix.owner is None:  # gathered: every rank iterates and keeps its piece
+                    assert whole is not None
+                    results[matrix.name] = region(iterate(slot, whole, shape), layout.rank_piece(shape, self.rank))
+                else:  # the owner iterates; the others receive their pieces
+                    results[matrix.name] = None if whole is None else iterate(slot, whole, shape)
+            owned = {m.name: results[m.name] for m in plan.matrices if m.owner is not None}
+            if owned:
+                results |= run(BACK, owned)
+        except ShardlangError as e:
+            names = ", ".join(f"'{m.name}'" for m in plan.matrices)
+            raise OptimizerStepError(
+                f"step {step_number} failed moving tensors {names} for their Newton-Schulz iteration: {e.message}; "
+                "parameters and optimizer states are unchanged"
+            ) from e
+        out = {}
+        for name, result in results.items():
+            assert result is not None
+            slot = by_name[name]
+            if slot.shard is not None and slot.shard.flat_range is not None and joins(tensor_view(slot)):
+                lo, hi = slot.shard.flat_range  # the block's flat chunk
+                result = result.reshape(-1)[lo:hi]
+            out[name] = result
+        return out
+
+    def _agree(self, plan: MatrixPlan, slots: dict[str, Slot]) -> None:
+        """Every rank of a state mesh holds the same placements and buckets of its matrices: a
+        digest per mesh, all-gathered once per plan (as the step plan's buckets are checked), so
+        that ranks configured apart (``placement``, ``flops_per_second``, ``ns_steps``) fail
+        here, naming the ranks, instead of waiting on messages no peer sends."""
+        records: dict[tuple, list[object]] = {}
+        for m in plan.matrices:
+            mesh = slots[m.name].state_layout.mesh
+            records.setdefault((mesh.shape, tuple(mesh.ranks)), []).append([m.name, m.owner, m.flops])
+        for b in plan.buckets:  # rank-free: the members, not their (per-rank) sizes
+            members = [[plan.legs[m.leg].tensor, plan.legs[m.leg].what] for m in b.members]
+            records.setdefault((b.mesh.shape, tuple(b.mesh.ranks)), []).append(
+                [b.stage, b.op, b.axis, b.dtype, members]
+            )
+        device = next(iter(slots.values())).local_param().device
+        for (_, ranks), record in sorted(records.items()):
+            if len(ranks) < 2 or not dist.is_initialized():
+                continue
+            try:
+                group = ranks_group(ranks, timeout=self.timeout)
+                differ = differing_ranks(record, ranks, group, device, self.timeout)
+            except DistributedError as e:
+                raise OptimizerStepError(
+                    f"checking the matrices' plan on ranks {list(ranks)} failed: {e.message}"
+                ) from e
+            if differ:
+                raise PlanMismatchError(
+                    f"the ranks {list(ranks)} disagree on where the matrices' Newton-Schulz iterations run: rank "
+                    f"{self.rank}'s placements and buckets differ from those of ranks {differ}; every rank must give "
+                    "ShardedMuon the same placement, flops_per_second, ns_steps and cost model"
+                )
+
+
+def tensor_view(slot: Slot) -> StepTensor:
+    """What ``planner.matrices`` reads of a slot: its shape and state layout, flat axis, dtype."""
+    return StepTensor(
+        name=slot.name,
+        shape=slot.shape,
+        param=slot.param_layout,
+        grad=slot.state_layout,  # not moved here: the step plan brings the gradient
+        state=slot.state_layout,
+        state_dtype=dtype_name(slot.dtype),
+        flat_axis=slot.flat_axis,
+        cost=slot.cost,
+    )
+
+
+def _pieces_of(slot: Slot) -> tuple[Layout, tuple[int, ...]]:
+    return pieces(tensor_view(slot))

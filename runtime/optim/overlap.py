@@ -1,0 +1,326 @@
+"""Communication overlapped with the training step: buckets started during backward
+(:class:`OverlapController`, ``overlap=True``) and parameters gathered while forward runs
+(:class:`ParamGathers`, ``prefetch_params``), as FSDP2 overlaps its reduce-scatters and
+all-gathers (docs/tutorials/overlap.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from planner.legs import BEFORE
+from runtime.buckets import StageRun
+from runtime.dtypes import as_dtype
+from runtime.errors import ReshardError
+from runtime.optim.compiler import CompiledStep, StepCompiler
+from runtime.optim.errors import OptimizerError, OptimizerStepError
+from runtime.optim.slots import (
+    Slot,
+    Slots,
+    expected_grad,
+    grad_versions,
+    memory_and_version,
+    names_text,
+    take_grad,
+)
+from runtime.optim.states import StateStore
+from shardlang.errors import ShardlangError
+from shardlang.layout import Layout
+
+
+@attrs.define(eq=False)
+class Gathers:
+    """The gathers after a committed step (``prefetch_params``): which legs bring each slot's
+    parameter, and the slots not yet written."""
+
+    run: StageRun
+    legs: Mapping[int, int]  # slot index -> its "state -> param" leg
+    waiting: dict[int, Slot]
+    step: int
+    # Per slot index, its parameter's memory and version at the commit: a parameter written
+    # since (``model.load_state_dict``) is not overwritten by its gather.
+    written: Mapping[int, tuple[int, int]]
+
+
+class ParamGathers:
+    """The parameters' gathers a committed step leaves in flight (``prefetch_params``), written
+    into the parameters unit by unit as forward reaches them; and ``broken``, why every later
+    step refuses to run: a gather that failed, or a step that failed after its commit point
+    (the parameters may then hold part of a step)."""
+
+    def __init__(self, slots: Slots) -> None:
+        self._slots = slots
+        self._pending: Gathers | None = None
+        self.broken: str | None = None
+        self._hooks: list[Any] = []
+
+    def register(self, units: Sequence[torch.nn.Module]) -> None:
+        """Give each unit's forward a pre-hook that writes its parameters (see
+        ``ShardedOptimizer.prefetch_params``); nothing is registered unless every held
+        parameter belongs to a unit."""
+        slots = {id(s.param): s for s in self._slots.held()}
+        taken: set[int] = set()
+        owned = []
+        for unit in units:
+            mine = [slots[id(p)] for p in unit.parameters() if id(p) in slots and id(p) not in taken]
+            taken |= {id(s.param) for s in mine}
+            if mine:
+                owned.append((unit, mine))
+        missing = [s.name for s in slots.values() if id(s.param) not in taken]
+        if missing:  # before any hook is registered: a refused call changes nothing
+            raise OptimizerError(f"prefetch_params: no unit given holds tensor {names_text(missing)}")
+        for unit, mine in owned:
+            self._hooks.append(unit.register_forward_pre_hook(lambda *_, mine=mine: self.gather_for(mine)))
+
+    def hand(self, run: StageRun, legs: Mapping[int, int], slots: Sequence[Slot], step: int) -> None:
+        """The gathers of a step that committed, left to run (``legs``: per slot its "state ->
+        param" leg)."""
+        written = {s.index: memory_and_version(s.local_param()) for s in slots}
+        self._pending = Gathers(run, legs, {s.index: s for s in slots}, step, written)
+
+    def wait(self) -> None:
+        """Wait for every gather of the last step and write the parameters."""
+        if self._pending is not None:
+            self.gather_for(list(self._pending.waiting.values()))
+
+    def gather_for(self, slots: Sequence[Slot]) -> None:
+        """Wait for the gathers of ``slots``' parameters (and those started before them) and
+        write the parameters; raises ``OptimizerError`` for parameters written since the step
+        (keeping what was written there), after writing the others."""
+        gathers = self._pending
+        if gathers is None:
+            return
+        waiting = [s for s in slots if s.index in gathers.waiting]
+        if not waiting:
+            return
+        written = [s for s in waiting if memory_and_version(s.local_param()) != gathers.written[s.index]]
+        try:
+            gathers.run.write({gathers.legs[s.index]: s.local_param() for s in waiting if s not in written})
+        except ShardlangError as e:
+            self._fail(e)
+        for slot in waiting:
+            del gathers.waiting[slot.index]
+        if not gathers.waiting:
+            gathers.run.drain()  # the gathers of written parameters: the next step reuses their buffers
+            self._pending = None
+        if written:
+            raise OptimizerError(
+                f"parameter {names_text([s.name for s in written])}"
+                f" written while the gather of step {gathers.step}'s value was in flight (prefetch_params): "
+                "what was written is kept, not the step's value; call optimizer.wait_params() before "
+                "writing parameters (model.load_state_dict)"
+            )
+
+    def _fail(self, error: ShardlangError) -> None:
+        gathers = self._pending
+        assert gathers is not None
+        gathers.run.drain()
+        self._pending = None
+        names = sorted(s.name for s in gathers.waiting.values())
+        self.broken = (
+            f"step {gathers.step}: gathering the updated parameters failed: {error.message}; the optimizer "
+            f"states hold step {gathers.step}, but {len(names)} parameters (first '{names[0]}') still hold "
+            f"step {gathers.step - 1}'s values: load a checkpoint to go on"
+        )
+        raise OptimizerStepError(self.broken) from error
+
+
+@attrs.define(eq=False)
+class Backward:
+    """The buckets before the update of the coming step, started during backward (``overlap``):
+    the slots and plan they were started for (``run`` is None when the plan is not known yet:
+    a DTensor whose gradient has not been seen), the first error met (raised in ``step()``,
+    after every bucket has run, so that no peer waits for this rank), whether a gradient
+    arrived in another layout than planned (then ``step()`` waits the buckets out and runs
+    without them), and each gradient given to them as it was then (``fed``: per slot index
+    its memory and version, ``slots.memory_and_version``)."""
+
+    slots: list[Slot]
+    compiled: CompiledStep | None
+    run: StageRun | None
+    error: ShardlangError | None = None
+    stale: bool = False
+    fed: dict[int, tuple[int, int]] = attrs.field(factory=dict)
+    # free_grads: the gradient legs by their index, and those whose packed gradient was freed.
+    grad_legs: dict[int, Slot] | None = None
+    freed: set[int] = attrs.field(factory=set)
+
+
+class OverlapController:
+    """The buckets before the update, started by gradient hooks as backward makes the
+    gradients (``overlap``), and handed to the step that follows (:meth:`take`,
+    :meth:`started`); ``free_grads`` frees each gradient once its bucket packed it."""
+
+    def __init__(
+        self,
+        slots: Slots,
+        compiler: StepCompiler,
+        store: StateStore,
+        gathers: ParamGathers,
+        *,
+        free_grads: bool,
+        owner: str,
+    ) -> None:
+        self._slots, self._compiler, self._store, self._gathers = slots, compiler, store, gathers
+        self._free_grads, self._owner = free_grads, owner
+        self._sync = True  # False inside no_sync()
+        self._backward: Backward | None = None
+        self._said: set[str] = set()  # the warnings said so far (each once)
+        self._hooks: list[Any] = []
+
+    def hook(self, slots: Sequence[Slot]) -> None:
+        for slot in slots:
+            if slot.shard is not None and slot.param.requires_grad:
+                hook = slot.param.register_post_accumulate_grad_hook(lambda _, slot=slot: self._grad_ready(slot))
+                self._hooks.append(hook)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def take(self) -> Backward | None:
+        """The buckets started during the last backward, for the step (or clipping) now."""
+        backward, self._backward = self._backward, None
+        return backward
+
+    def drop(self) -> None:
+        """Forget a backward whose step will not come: its buckets waited out, the stand-ins of
+        the gradients it freed forgotten."""
+        backward = self.take()
+        if backward is not None and backward.run is not None:
+            backward.run.drain()
+        for slot in self._slots:
+            slot.taken = None
+
+    @property
+    def buckets_started(self) -> int:
+        backward = self._backward
+        return 0 if backward is None or backward.run is None else backward.run.started
+
+    def _grad_ready(self, slot: Slot) -> None:
+        """A gradient hook: put the slot's gradient into the buckets before the update,
+        starting each as soon as every tensor it packs is ready."""
+        if not self._sync or slot.shard is None:
+            return
+        self._gathers.wait()  # the gathers' buffers are reused by these buckets
+        backward = self._backward
+        if backward is None:
+            backward = self._backward = self._begin()
+        if backward.run is None or backward.stale or slot not in backward.slots:
+            return
+        assert backward.compiled is not None
+        grad, layout = slot.local_grad()
+        if (layout, grad.dtype) != expected_grad(slot):
+            backward.stale = True
+            return
+        leg = backward.compiled.legs[(slot.name, "grad -> state")]
+        if leg in backward.run.legs or (backward.error is not None and not isinstance(backward.error, ReshardError)):
+            return
+        wire = self._compiler.wire_dtype(grad.dtype)
+        try:
+            backward.run.feed({leg: as_dtype(grad, wire)})
+            backward.fed[slot.index] = memory_and_version(grad)
+            if self._free_grads:
+                self._free_packed(backward)
+        except ReshardError as e:  # a piece of the wrong shape: sent as zeros, raised in step()
+            backward.error = backward.error or e
+            if leg not in backward.run.legs:
+                shape = backward.run.source_shape(leg)
+                backward.run.feed({leg: torch.zeros(shape, dtype=wire, device=grad.device)})
+        except ShardlangError as e:  # a collective failed to start: raised in step()
+            backward.error = backward.error or e
+
+    def _free_packed(self, backward: Backward) -> None:
+        """Free the gradients whose buckets have packed them (``free_grads``): each parameter's
+        ``.grad`` becomes ``None`` and an empty stand-in keeps its dtype and layout for the step."""
+        assert backward.compiled is not None and backward.run is not None
+        if backward.grad_legs is None:
+            legs = backward.compiled.legs
+            backward.grad_legs = {legs[(s.name, "grad -> state")]: s for s in backward.slots}
+        for leg in backward.run.packed - backward.freed:
+            slot = backward.grad_legs.get(leg)
+            backward.freed.add(leg)
+            if slot is not None and slot.param.grad is not None:
+                take_grad(slot, slot.local_grad()[1])
+                backward.fed[slot.index] = memory_and_version(slot.local_grad()[0])
+
+    def _begin(self) -> Backward:
+        """The buckets of the coming step, for every slot this rank steps, with its non-gradient
+        inputs given at once (they do not change during backward)."""
+        slots = [s for s in self._slots if s.shard is not None and s.param.requires_grad]
+        keys = [expected_grad(slot) for slot in slots]
+        if any(key is None for key in keys):  # a DTensor's gradient layout shows at its first step
+            return Backward(slots, None, None)
+        compiled = self._compiler.compiled(slots, keys)  # type: ignore[arg-type]
+        run = self._compiler.stage(compiled, BEFORE, slots)
+        backward = Backward(slots, compiled, run)
+        rank = self._slots.rank
+        try:
+            for slot in slots:
+                run.feed(compiled.before_inputs(slot, self._store.own(slot), rank, slot.local_param().device))
+        except ShardlangError as e:
+            backward.error = e
+        return backward
+
+    def started(
+        self,
+        backward: Backward | None,
+        compiled: CompiledStep,
+        slots: Sequence[Slot],
+        grads: Sequence[tuple[torch.Tensor, Layout]],
+        step_number: int,
+    ) -> StageRun | None:
+        """The buckets started during backward, if they were planned for these gradients and
+        were given them as they are now; else ``None``, after waiting out any that were not (the
+        step then reduces the gradients as they are). A gradient changes after its bucket took it
+        when a second backward accumulates into it outside ``no_sync()``, or when it is changed
+        in place after backward (``GradScaler.unscale_``); parameters that got no gradient leave
+        the buckets planned for them unfed. The step then runs without overlap, and says why
+        (once each)."""
+        if backward is None or backward.run is None:
+            return None
+        if backward.stale or backward.compiled is not compiled or backward.slots != list(slots):
+            backward.run.drain()
+            stepped = {s.index for s in slots}
+            unused = [s.name for s in backward.slots if s.index not in stepped]
+            if unused and not backward.stale:
+                self._say(
+                    "unused",
+                    f"{self._owner}: step {step_number}: {names_text(unused)} got no gradient in backward, so the"
+                    " buckets started during backward (planned for every parameter that requires a gradient)"
+                    " were waited out and the step reduced every gradient anew, without overlap; set"
+                    " requires_grad=False on parameters the model does not use, or leave them out of the"
+                    " optimizer (said once)",
+                )
+            return None
+        changed = [
+            slot.name
+            for slot, key in zip(slots, grad_versions(grads), strict=True)
+            if backward.fed.get(slot.index, key) != key
+        ]
+        if changed:
+            backward.run.drain()
+            self._say(
+                "changed",
+                f"{self._owner}: step {step_number}: the gradients of {names_text(changed)} changed"
+                " after backward had started reducing them, so the step reduced the gradients again, without"
+                " overlap; accumulate micro-batches inside no_sync() and clip with the optimizer's"
+                " clip_grad_norm_ to keep the overlap (said once)",
+            )
+            return None
+        return backward.run
+
+    def _say(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            warnings.warn(message, stacklevel=4)

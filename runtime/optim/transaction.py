@@ -1,0 +1,535 @@
+"""One optimizer step as a transaction: stage, agree, then commit or abandon.
+
+:meth:`StepTransaction.stage` runs everything of a step that can fail on its input or
+disagree between ranks without changing anything (the buckets before the update, the norm,
+the non-finite test; for a transactional step the math into spare buffers and the gathers
+too) and returns what commits it (:class:`Staged`). The ranks then agree with one all-reduce
+of a flag (:class:`CommitFlag`): every rank commits or none does. An update in place runs
+its math and gathers after that point, and a second flag raises a later failure everywhere
+(docs/memory.md, "The commit point"; docs/design/failures.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from planner.legs import AFTER, BEFORE
+from runtime import stats
+from runtime.buckets import StageRun
+from runtime.buffers import Scratch
+from runtime.comm import collective, default_device
+from runtime.dtypes import as_dtype
+from runtime.errors import DistributedError
+from runtime.groups import ranks_group
+from runtime.optim.clipping import Clipping, Reduced
+from runtime.optim.compiler import CompiledStep, StepCompiler
+from runtime.optim.errors import OptimizerError, OptimizerStepError
+from runtime.optim.overlap import Backward, OverlapController, ParamGathers
+from runtime.optim.phases import PhaseDriver, StepWork, UpdateFailed
+from runtime.optim.records import StepTraffic
+from runtime.optim.slots import Slot, Slots, grad_versions, names_text, ranks_text, take_grad
+from runtime.optim.states import MASTER, StateStore
+from shardlang.errors import ShardlangError
+from shardlang.interop import is_dtensor
+from shardlang.layout import Layout
+
+# How long a rank whose step failed waits to tell the others (see CommitFlag.agree).
+FAILURE_NOTICE = datetime.timedelta(seconds=2)
+
+
+@attrs.frozen(eq=False)
+class Staged:
+    """A step run on this rank without changing anything: ``commit`` makes it take effect;
+    ``abandon``, when another rank failed it, waits out the collectives it left in flight
+    (``prefetch_params``' gathers), whose buffers the next step reuses."""
+
+    commit: Callable[[], None]
+    abandon: Callable[[], None] = lambda: None
+
+
+@attrs.define
+class LastStep:
+    """What the last committed step did: its traffic, its gradients' norm (with
+    ``max_grad_norm``, ``skip_nonfinite`` or ``clip_grad_norm_``), whether it was skipped for a
+    NaN or inf in them, and the seconds it spent blocked on its buckets' collectives."""
+
+    traffic: StepTraffic = attrs.field(factory=StepTraffic)
+    grad_norm: torch.Tensor | None = None
+    skipped: bool = False
+    wait_seconds: float = 0.0
+
+
+class CommitFlag:
+    """The commit point: one bounded all-reduce of a flag over the ranks of the meshes of the
+    tensors stepped (``all_ranks_commit``), ``flags`` per step (2 for an update in place: one
+    before its math, one after it)."""
+
+    def __init__(self, *, timeout: datetime.timedelta, enabled: bool, flags: int) -> None:
+        self.timeout, self.enabled, self._flags = timeout, enabled, flags
+        self._flag: torch.Tensor | None = None  # reduced in place
+
+    def traffic(self, members: Sequence[int]) -> tuple[int, int]:
+        """Bytes and collectives of a step's flags (the cost model's all_reduce row for one
+        int32: ``2 (n-1)`` elements sent)."""
+        n = len(members)
+        if not self.enabled or n < 2 or not dist.is_initialized():
+            return 0, 0
+        return self._flags * 2 * (n - 1) * 4, self._flags
+
+    def agree(self, members: tuple[int, ...], *, ok: bool) -> bool:
+        """Whether every rank of ``members`` finished its step: a rank that cannot reach the
+        others counts as failed. A rank that failed only tells the others, and waits for them
+        briefly (:data:`FAILURE_NOTICE`): whether it reaches them or not, none of them commits,
+        since success needs every rank's flag."""
+        if not self.enabled or len(members) < 2 or not dist.is_initialized():
+            return ok
+        if self._flag is None:
+            self._flag = torch.empty(1, dtype=torch.int32, device=default_device())
+        flag = self._flag.fill_(1 if ok else 0)
+        wait = self.timeout if ok else min(self.timeout, FAILURE_NOTICE)
+        started = time.perf_counter()
+        try:
+            group = ranks_group(members, timeout=self.timeout)
+            agreed = collective("all_reduce", flag, len(members), "min", group, wait)
+        except DistributedError:
+            return False
+        if stats.is_recording():
+            n = len(members)
+            stats.record(
+                stats.CommRecord(
+                    tensor=None,
+                    step=0,
+                    op="all_reduce",
+                    axis=None,
+                    ranks=members,
+                    bytes_sent=2 * (n - 1) * 4,
+                    planned_bytes=2 * (n - 1) * 4,
+                    seconds=time.perf_counter() - started,
+                )
+            )
+        return bool(agreed.item() == 1)
+
+
+class StepTransaction:
+    """The steps of one optimizer (see the module doc): it reads the slots' gradients, runs
+    the compiled buckets (``compiler``) with the ones started during backward (``overlap``),
+    the norm (``clipping``) and the math (``driver``) on the states (``store``), and hands the
+    gathers of a prefetching step to ``gathers``. ``scratch``: the math's working buffers, where
+    new parameters go that have no place of their own."""
+
+    def __init__(
+        self,
+        slots: Slots,
+        store: StateStore,
+        compiler: StepCompiler,
+        overlap: OverlapController,
+        gathers: ParamGathers,
+        clipping: Clipping,
+        driver: PhaseDriver,
+        flag: CommitFlag,
+        scratch: Scratch,
+        *,
+        transactional: bool,
+        free_grads: bool,
+        owner: str,
+    ) -> None:
+        self._slots, self._store, self._compiler, self._overlap = slots, store, compiler, overlap
+        self._gathers, self._clipping, self._driver, self.flag = gathers, clipping, driver, flag
+        self._scratch, self.transactional, self._free_grads, self._owner = scratch, transactional, free_grads, owner
+        self.rank = slots.rank
+        self.last = LastStep()
+        # _fresh_flat's views per set of slots stepped, with the buffers they are views of.
+        self._fresh_views: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], list[tuple[Any, int, int]]]] = {}
+
+    def run(self, slots: list[Slot], stage: Callable[[], Staged]) -> None:
+        """Stage a step of ``slots``, agree, and commit it on every rank or on none."""
+        members = self._slots.members(slots)
+        try:
+            try:
+                staged = stage()
+            except Exception:
+                self.flag.agree(members, ok=False)  # the others must not commit either
+                raise
+            if not self.flag.agree(members, ok=True):
+                staged.abandon()
+                raise OptimizerStepError(
+                    f"step {min(s.step for s in slots) + 1} failed on another rank of {ranks_text(members)}; "
+                    "parameters and optimizer states are unchanged on every rank"
+                )
+            staged.commit()
+            if self._free_grads:  # those no bucket packed, which the math read where they were
+                for slot in slots:
+                    slot.param.grad = None
+        finally:
+            for slot in slots:  # freed gradients are used once, by this step, whatever it did
+                slot.taken = None
+
+    def stage(self, slots: list[Slot], backward: Backward | None) -> Staged:
+        """Run the step's communication and math without changing anything; returns what
+        commits it. ``backward``: the buckets already started during backward."""
+        again = [s.name for s in slots if s.taken is not None and s.param.grad is not None]
+        if again:
+            if backward is not None and backward.run is not None:
+                backward.run.drain()
+            raise OptimizerError(
+                f"the gradient of {names_text(again)} was accumulated again after its bucket had taken and "
+                "freed it (free_grads=True): accumulate micro-batches inside optimizer.no_sync(), or pass "
+                "free_grads=False"
+            )
+        grads = [slot.local_grad() for slot in slots]
+        compiled = self._compiler.compiled(slots, [(layout, grad.dtype) for grad, layout in grads])
+        for slot, (grad, layout) in zip(slots, grads, strict=True):
+            if is_dtensor(slot.param):
+                slot.seen_grad = (layout, grad.dtype)
+        step_number = min(s.step for s in slots) + 1
+        kept = self._clipping.take(compiled, slots, grads)  # the gradients changed since: reduced again
+        before = self._overlap.started(backward, compiled, slots, grads, step_number)
+        try:
+            return self._staged(slots, grads, compiled, step_number, before, backward, kept)
+        except Exception:
+            if before is not None:
+                before.drain()
+            raise
+
+    def clip(self, slots: list[Slot], backward: Backward | None, max_norm: float) -> torch.Tensor:
+        """``clip_grad_norm_``: the buckets before the update and the norm of their results,
+        kept for the step that follows."""
+        grads = [slot.local_grad() for slot in slots]
+        compiled = self._compiler.compiled(slots, [(layout, grad.dtype) for grad, layout in grads])
+        step_number = min(s.step for s in slots) + 1
+        before = self._overlap.started(backward, compiled, slots, grads, step_number)
+        try:
+            arrived, waited = self._reduce_before(slots, grads, compiled, step_number, before, backward)
+            reduced = [arrived[compiled.legs[(s.name, "grad -> state")]] for s in slots]
+            norm, norm_bytes, norm_collectives = self._clipping.grad_norm(slots, reduced, step_number)
+        except Exception:
+            if before is not None:
+                before.drain()
+            raise
+        grads = [slot.local_grad() for slot in slots]  # with free_grads, the stand-ins of those freed
+        traffic = (norm_bytes, norm_collectives)
+        self._clipping.keep(Reduced(compiled, slots, grad_versions(grads), arrived, waited, norm, traffic, max_norm))
+        return norm
+
+    def _reduce_before(
+        self,
+        slots: list[Slot],
+        grads: list[tuple[torch.Tensor, Layout]],
+        compiled: CompiledStep,
+        step_number: int,
+        before: StageRun | None,
+        backward: Backward | None,
+    ) -> tuple[dict[int, torch.Tensor], float]:
+        """The buckets before the update not started during backward, then all waited on: every
+        leg's piece in the state layout, and the seconds spent waiting."""
+        legs = compiled.legs
+        inputs: dict[int, torch.Tensor] = {}
+        for slot, (grad, _) in zip(slots, grads, strict=True):
+            inputs[legs[(slot.name, "grad -> state")]] = as_dtype(grad, self._compiler.wire_dtype(grad.dtype))
+            inputs |= compiled.before_inputs(slot, self._store.own(slot), self.rank, grad.device)
+        if before is None:
+            before = self._compiler.stage(compiled, BEFORE, slots)
+        try:
+            before.feed({i: x for i, x in inputs.items() if i not in before.legs})
+            arrived = before.finish()
+        except ShardlangError as e:
+            raise _failed(step_number, BEFORE, e) from e
+        if self._free_grads:
+            for slot, (_, layout) in zip(slots, grads, strict=True):
+                taken = slot.taken is not None  # during backward already (overlap)
+                if not taken and legs[(slot.name, "grad -> state")] in before.packed:
+                    take_grad(slot, layout)
+        if backward is not None and backward.error is not None:
+            raise _failed(step_number, BEFORE, backward.error) from backward.error
+        return arrived, before.waited
+
+    def _staged(
+        self,
+        slots: list[Slot],
+        grads: list[tuple[torch.Tensor, Layout]],
+        compiled: CompiledStep,
+        step_number: int,
+        before: StageRun | None,
+        backward: Backward | None,
+        kept: Reduced | None,
+    ) -> Staged:
+        plan, legs = compiled.plan, compiled.legs
+        flat = self._store.flat()
+
+        # 1. Before the update (unless clip_grad_norm_ did it): the gradients into the state layout.
+        if kept is None:
+            arrived, waited = self._reduce_before(slots, grads, compiled, step_number, before, backward)
+        else:
+            arrived, waited = kept.arrived, kept.waited
+        reduced = [arrived[legs[(s.name, "grad -> state")]] for s in slots]
+        clipped = self._clipping.clip(slots, reduced, kept, step_number)
+        if clipped.skip:
+            return self._skip(clipped.norm, step_number)
+        reduced, norm = clipped.grads, clipped.norm
+        if not self.transactional:
+            return self._staged_in_place(slots, compiled, arrived, reduced, norm, step_number, waited, clipped.traffic)
+
+        # 2. The math, into new buffers; new parameters where their gathers send them from.
+        param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
+        after = self._compiler.stage(compiled, AFTER, slots, deliver=frozenset(param_legs.values()))
+        new_buffers = flat.fresh(s.index for s in slots)
+        fresh_params = self._fresh_params(slots, after, param_legs)
+        params, new_params, own = [], [], {}
+        for i, slot in enumerate(slots):
+            fetch = legs.get((slot.name, "param -> state"))
+            params.append(as_dtype(arrived[fetch], slot.dtype) if fetch is not None else flat.view(slot.index, MASTER))
+            new_params.append(
+                flat.view(slot.index, MASTER, new_buffers) if slot.needs_master else fresh_params[slot.index]
+            )
+            for state in slot.own_layouts:
+                own[(i, state)] = arrived[legs[(slot.name, f"state.{state} -> state")]]
+        work = StepWork(slots, reduced, params, new_params, flat, new_buffers, own)
+        try:
+            sum_bytes, sum_collectives = self._driver.run(work, step_number)
+        except UpdateFailed as failed:
+            self._join_after(after, compiled, slots)
+            where = "every rank" if self.flag.enabled else "this rank"
+            raise OptimizerStepError(
+                f"step {step_number} failed in the update on rank {self.rank}: {_first_line(failed.error)}; "
+                f"parameters and optimizer states are unchanged on {where}"
+            ) from failed.error
+
+        # 3. After the update; with prefetch_params the parameters' gathers are waited on later.
+        prefetch = self._compiler.prefetch
+        inputs = {}
+        for i, (slot, param) in enumerate(zip(slots, new_params, strict=True)):
+            inputs[legs[(slot.name, "state -> param")]] = as_dtype(param, slot.param.dtype)
+            for state in slot.own_layouts:
+                inputs[legs[(slot.name, f"state -> state.{state}")]] = work.own_new[(i, state)]
+        own_legs = [legs[(s.name, f"state -> state.{state}")] for s in slots for state in s.own_layouts]
+        try:
+            after.feed(inputs)
+            back = after.wait_for(own_legs) if prefetch else after.finish()
+        except ShardlangError as e:
+            after.drain()
+            raise _failed(step_number, AFTER, e) from e
+        self.last.wait_seconds = waited + after.waited
+        norm_bytes, norm_collectives = clipped.traffic
+        traffic = StepTraffic(
+            plan.total_bytes,
+            plan.collectives,
+            sum_bytes + norm_bytes,
+            sum_collectives + norm_collectives,
+            *self.flag.traffic(self._slots.members(slots)),
+        )
+
+        def commit() -> None:
+            for slot in slots:
+                for state in slot.own_layouts:
+                    self._store.own(slot)[state] = back[legs[(slot.name, f"state -> state.{state}")]].clone()
+                slot.step += 1
+            if prefetch:
+                self._gathers.hand(after, param_legs, slots, step_number)
+            else:
+                after.write({param_legs[s.index]: s.local_param() for s in slots})
+            flat.replace(new_buffers)
+            self.last.traffic = traffic
+            self.last.grad_norm, self.last.skipped = norm, False
+
+        return Staged(commit, after.drain)
+
+    def _staged_in_place(
+        self,
+        slots: list[Slot],
+        compiled: CompiledStep,
+        arrived: Mapping[int, torch.Tensor],
+        reduced: Sequence[torch.Tensor],
+        norm: torch.Tensor | None,
+        step_number: int,
+        waited: float,
+        norm_traffic: tuple[int, int],
+    ) -> Staged:
+        """A step whose every check passed (the buckets before the update, the norm, the
+        nonfinite test) and that has written nothing: its ``commit``, run once the ranks agreed,
+        updates states and parameter shards in place and gathers the parameters
+        (docs/memory.md, "The commit point")."""
+        legs, flat, store = compiled.legs, self._store.flat(), self._store
+        params: list[torch.Tensor] = []
+        first_masters: list[tuple[torch.Tensor, torch.Tensor]] = []  # (master, parameter shard)
+        own: dict[tuple[int, str], torch.Tensor] = {}
+        for i, slot in enumerate(slots):
+            fetch = legs.get((slot.name, "param -> state"))
+            if slot.needs_master:
+                params.append(flat.view(slot.index, MASTER))
+                if fetch is not None:  # its first step: the master starts as the parameter
+                    first_masters.append((params[-1], arrived[fetch]))
+            else:
+                assert fetch is not None
+                params.append(arrived[fetch])  # a view of the parameter where its layout allows
+            for state in slot.own_layouts:
+                own[(i, state)] = arrived[legs[(slot.name, f"state.{state} -> state")]]
+                held = store.own(slot)
+                if state not in held:  # where the stage after the update writes it
+                    held[state] = torch.zeros(
+                        slot.own_piece_shape(state, self.rank), dtype=slot.dtype, device=params[-1].device
+                    )
+        param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
+        members = self._slots.members(slots)
+        prefetch = self._compiler.prefetch
+
+        def commit() -> None:
+            failure: Exception | None = None
+            try:
+                for master, shard in first_masters:
+                    master.copy_(shard)
+                sums = self._driver.run(StepWork.in_place_of(slots, reduced, params, flat, own), step_number)
+            except UpdateFailed as e:  # after the commit point: joined below, then raised everywhere
+                failure, sums = e.error, (0, 0)
+            except Exception as e:
+                failure, sums = e, (0, 0)
+            inputs = {}
+            for i, slot in enumerate(slots):
+                inputs[param_legs[slot.index]] = as_dtype(params[i], slot.param.dtype)
+                for state in slot.own_layouts:
+                    inputs[legs[(slot.name, f"state -> state.{state}")]] = own[(i, state)]
+            if prefetch:
+                after = self._compiler.stage(compiled, AFTER, slots, deliver=frozenset(param_legs.values()))
+                write_to = {}
+            else:
+                write_to = {param_legs[s.index]: s.local_param() for s in slots}
+                for slot in slots:
+                    for state in slot.own_layouts:
+                        write_to[legs[(slot.name, f"state -> state.{state}")]] = store.own(slot)[state]
+                after = self._compiler.stage(compiled, AFTER, slots, write_to=write_to)
+            try:
+                after.feed(inputs)
+                if prefetch:
+                    back = after.wait_for([leg for leg in inputs if leg not in param_legs.values()])
+                    for slot in slots:
+                        for state in slot.own_layouts:
+                            store.own(slot)[state].copy_(back[legs[(slot.name, f"state -> state.{state}")]])
+                else:
+                    after.finish()
+            except Exception as e:
+                after.drain()
+                failure = failure or e
+            if not self.flag.agree(members, ok=failure is None) or failure is not None:
+                if prefetch:
+                    after.drain()
+                where = (
+                    f"rank {self.rank}: {_first_line(failure)}"
+                    if failure is not None
+                    else f"another rank of {ranks_text(members)}"
+                )
+                self._gathers.broken = (
+                    f"step {step_number} failed after its commit point on {where}; the optimizer states and "
+                    "parameters may hold this step in part on every rank: load a checkpoint to go on"
+                )
+                raise OptimizerStepError(self._gathers.broken) from failure
+            for slot in slots:
+                slot.step += 1
+            if prefetch:
+                self._gathers.hand(after, param_legs, slots, step_number)
+            self.last.wait_seconds = waited + after.waited
+            plan = compiled.plan
+            self.last.traffic = StepTraffic(
+                plan.total_bytes,
+                plan.collectives,
+                sums[0] + norm_traffic[0],
+                sums[1] + norm_traffic[1],
+                *self.flag.traffic(members),
+            )
+            self.last.grad_norm, self.last.skipped = norm, False
+
+        return Staged(commit)
+
+    def _skip(self, norm: torch.Tensor | None, step_number: int) -> Staged:
+        """What commits a step skipped for a gradient that is NaN or inf (on every rank: the
+        norm is the same everywhere): nothing changes but the record of it."""
+
+        def commit() -> None:
+            self.last.grad_norm, self.last.skipped = norm, True
+            assert norm is not None  # a skipped step took the norm
+            warnings.warn(
+                f"{self._owner}: step {step_number} skipped: the gradients' norm is {float(norm)}", stacklevel=3
+            )
+
+        return Staged(commit)
+
+    def _join_after(self, after: StageRun, compiled: CompiledStep, slots: Sequence[Slot]) -> None:
+        """After this rank's update failed: the stage after the update runs anyway, on zeros,
+        so that the ranks it shares buckets with finish their step and learn of the failure
+        from the commit flag, instead of waiting out the timeout (and leaving their groups
+        broken) for collectives this rank never joins. Only where nobody commits without this
+        rank (``all_ranks_commit``; updates that run collectives of their own are never joined:
+        ``PhaseDriver.joinable``)."""
+        if not self.flag.enabled or len(self._slots.members(slots)) < 2:
+            return
+        device, program = slots[0].local_param().device, compiled.program
+        inputs = {
+            i: torch.zeros(after.source_shape(i), dtype=program.legs[i].dtype, device=device)
+            for i, leg in enumerate(compiled.plan.legs)
+            if leg.stage == AFTER and i not in after.legs
+        }
+        try:
+            after.feed(inputs)
+            after.finish()
+        except ShardlangError:  # the step fails anyway; what it raised is the failure to report
+            after.drain()
+
+    def _fresh_params(self, slots: Sequence[Slot], after: StageRun, legs: Mapping[int, int]) -> dict[int, torch.Tensor]:
+        """Where the new state-layout shard of every parameter without a master goes (``legs``:
+        per slot its "state -> param" leg): where its gather sends it from when it has such a
+        place (``StageRun.places``: one copy less), else a view of one flat buffer per (dtype,
+        device), in the slots' order, kept between steps (and so are the views, while the
+        buffers are the same)."""
+        plain = [s for s in slots if not s.needs_master]
+        devices = {s.local_param().device for s in plain}
+        places = after.places([legs[s.index] for s in plain], devices.pop()) if len(devices) == 1 else {}
+        if len(places) == len(plain):
+            return {s.index: places[legs[s.index]] for s in plain}
+        rest = self._fresh_flat([s for s in plain if legs[s.index] not in places])
+        return rest | {s.index: places[legs[s.index]] for s in plain if legs[s.index] in places}
+
+    def _fresh_flat(self, slots: Sequence[Slot]) -> dict[int, torch.Tensor]:
+        """The flat buffers' views of :meth:`_fresh_params` for ``slots`` (none with a master);
+        views of buffers replaced since are dropped, so that they do not keep them."""
+
+        def current(held: list[tuple[Any, int, int]]) -> bool:
+            return all(self._scratch.take("new params", n, *key).data_ptr() == at for key, n, at in held)
+
+        cached = self._fresh_views.get(tuple(s.index for s in slots))
+        if cached is not None and current(cached[1]):
+            return cached[0]
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        for slot in slots:
+            assert slot.shard is not None
+            key = (slot.dtype, slot.local_param().device)
+            sizes[key] = sizes.get(key, 0) + math.prod(slot.shard.local_shape)
+        buffers = {key: self._scratch.take("new params", n, *key) for key, n in sizes.items()}
+        out, offsets = {}, dict.fromkeys(sizes, 0)
+        for slot in slots:
+            assert slot.shard is not None
+            key = (slot.dtype, slot.local_param().device)
+            n = math.prod(slot.shard.local_shape)
+            out[slot.index] = buffers[key][offsets[key] : offsets[key] + n].view(slot.shard.local_shape)
+            offsets[key] += n
+        held = [(key, n, buffers[key].data_ptr()) for key, n in sizes.items()]
+        self._fresh_views = {k: v for k, v in self._fresh_views.items() if current(v[1])}
+        self._fresh_views[tuple(s.index for s in slots)] = (out, held)
+        return out
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _failed(step_number: int, stage: str, e: ShardlangError) -> OptimizerStepError:
+    return OptimizerStepError(
+        f"step {step_number} failed {stage}: {e.message}; parameters and optimizer states are unchanged"
+    )
