@@ -44,6 +44,8 @@ from shardlang.layout import Layout
 
 # How long a rank whose step failed waits to tell the others (see CommitFlag.agree).
 FAILURE_NOTICE = datetime.timedelta(seconds=2)
+# The own-layout states of a tensor that keeps none (read only).
+NO_STATES: Mapping[str, torch.Tensor] = {}
 
 
 @attrs.frozen(eq=False)
@@ -235,7 +237,8 @@ class StepTransaction:
         inputs: dict[int, torch.Tensor] = {}
         for slot, (grad, _) in zip(slots, grads, strict=True):
             inputs[legs[(slot.name, "grad -> state")]] = as_dtype(grad, self._compiler.wire_dtype(grad.dtype))
-            inputs |= compiled.before_inputs(slot, self._store.own(slot), self.rank, grad.device)
+            own = self._store.own(slot) if slot.own_layouts else NO_STATES  # a call less per tensor
+            inputs |= compiled.before_inputs(slot, own, self.rank, grad.device)
         if before is None:
             before = self._compiler.stage(compiled, BEFORE, slots)
         try:
