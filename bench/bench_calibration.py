@@ -3,18 +3,18 @@
     .venv/bin/python bench/bench_calibration.py                 # 4 gloo ranks, [4] and [2,2], 32 pairs each
     .venv/bin/python bench/bench_calibration.py --pairs 40 --reps 7 --json docs/benchmarks/data/calibration.json
 
-On each mesh: first ``runtime.calibrate.sweep`` and ``planner.fit`` (what ``shardlang calibrate``
-runs) give the calibrated model; then random pairs (``runtime.calibrate.sample_pairs``: f32 tensors
+On each mesh: first ``runtime.measure.calibrate.sweep`` and ``planner.fit`` (what ``shardlang calibrate``
+runs) give the calibrated model; then random pairs (``runtime.measure.calibrate.sample_pairs``: f32 tensors
 of 16 KB-16 MB, sources partial over some axes), plus ``R,R | P01 -> R,R`` on [2,2] at three
 sizes, are planned under both models, and every distinct plan is timed by
-``runtime.calibrate.time_plans`` (reshard by the plan; median over repetitions of the slowest
+``runtime.measure.calibrate.time_plans`` (reshard by the plan; median over repetitions of the slowest
 rank, plans interleaved run by run). Per model: the Spearman rank correlation and the median
 absolute relative error of its predicted time against the measured time of the plan it
 chose; each calibrated model's choice margin (``planner.fit``); the calibrated model's error by
 kind of plan (sends nothing, one step, more steps), which says where prediction and measurement
 part; and, for the pairs where the two models choose
 different plans, the measured time of each choice. Those two plans are then timed again, by
-themselves, with three times the repetitions (``runtime.calibrate.timed_runs``, interleaved run
+themselves, with three times the repetitions (``runtime.measure.calibrate.timed_runs``, interleaved run
 by run), and a difference counts as measurable only if the Wilcoxon signed-rank test on the
 runs' paired times (run ``k`` of both plans met the same load) gives p < 0.05: the verdict is
 then faster or slower (by the ratio of the medians), else level. A run compares some ten such
@@ -52,7 +52,7 @@ from scipy.stats import wilcoxon
 
 import planner
 from planner.fit import fit_model, holm, median_relative_error, spearman
-from runtime.calibrate import known_breaks, sample_pairs, sweep, time_plans, timed_runs
+from runtime.measure.calibrate import known_breaks, sample_pairs, sweep, time_plans, timed_runs
 from runtime.testing import run_ranks
 from shardlang import Mesh, parse_layout
 

@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_calibration_sweep.py                       # [4], 256 KiB .. 16 MiB, 8 sizes an octave
     .venv/bin/python bench/bench_calibration_sweep.py --per-octave 4 --repeat 3 --json data/sweep.json
 
-``--repeat`` times runs ``runtime.calibrate.sweep`` (what ``shardlang calibrate`` measures: each
+``--repeat`` times runs ``runtime.measure.calibrate.sweep`` (what ``shardlang calibrate`` measures: each
 kind by a plan of one step through ``runtime.reshard``, the kinds interleaved repetition by
 repetition, the slowest rank's time, medians of two passes) on 4 gloo ranks of one intra-op
 thread each, at sizes (the larger local buffer) from 256 KiB to 16 MiB, ``--per-octave`` an
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from planner.fit import fit_line
-from runtime.calibrate import sweep
+from runtime.measure.calibrate import sweep
 from runtime.testing import run_ranks
 from shardlang import Mesh
 

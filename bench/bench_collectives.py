@@ -11,9 +11,9 @@ rank 0's time (ranks aligned by a barrier before each) for:
 * ``all_reduce`` of ``B``;
 * gloo's own ``reduce_scatter_tensor`` of ``B`` into ``B/n``;
 * ``all_to_all_single`` of ``B`` followed by the sum of the ``n`` received blocks (what
-  ``runtime.comm.collective`` runs for a reduce_scatter on gloo);
+  ``runtime.comm.collectives.collective`` runs for a reduce_scatter on gloo);
 * gloo's own ``all_gather_into_tensor`` of ``B/n`` into ``B``;
-* the same all_gather as ``runtime.comm.collective`` runs it on gloo: every rank's block sent to
+* the same all_gather as ``runtime.comm.collectives.collective`` runs it on gloo: every rank's block sent to
   every peer at once, and received straight into its row of the result.
 
 All ways are interleaved repetition by repetition, so that noise hits them alike.
@@ -34,7 +34,7 @@ import results as bench_results
 import torch
 import torch.distributed as dist
 
-from runtime.comm import all_gather_single, collective, reduce_scatter_single
+from runtime.comm.collectives import all_gather_single, collective, reduce_scatter_single
 from runtime.testing import run_ranks
 
 WAYS = ("all_reduce", "reduce_scatter (gloo)", "all_to_all + sum", "all_gather (gloo)", "all_gather as messages")

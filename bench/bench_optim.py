@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import runtime
-from runtime.comm import all_gather_single, reduce_scatter_single
+from runtime.comm.collectives import all_gather_single, reduce_scatter_single
 from runtime.optim import ShardedAdamW, ShardedCAME
 from runtime.testing import run_ranks
 from shardlang import parse_layout, parse_spec

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 import planner
 from runtime import axis_group, reshard, shard
-from runtime.comm import all_gather_single, reduce_scatter_single
+from runtime.comm.collectives import all_gather_single, reduce_scatter_single
 from runtime.testing import run_ranks
 from shardlang import parse_layout
 from shardlang.interop import to_dtensor_placements

@@ -106,7 +106,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import runtime
-from runtime.comm import collective
+from runtime.comm.collectives import collective
 from runtime.optim import ShardedAdamW, ShardedCAME
 from runtime.testing import run_ranks
 from shardlang import parse_layout
@@ -421,7 +421,7 @@ def profile_counts(prof: profile, keys: Iterable[str]) -> dict[str, dict[str, in
         elif e.name.startswith("c10d::") and "barrier" not in e.name:
             events.append((e.start_time_ns, e.name in MESSAGES))
     events.sort()
-    # Messages posted one after another are one collective (runtime.comm: gloo's all_gather).
+    # Messages posted one after another are one collective (runtime.comm.collectives: gloo's all_gather).
     collectives = [t for k, (t, message) in enumerate(events) if not (message and k and events[k - 1][1])]
     allocations.sort()
     times = [t for t, _ in allocations]
@@ -469,7 +469,7 @@ def interleaved(variants: list[Variant], steps: int) -> dict[str, dict[str, int]
                 variant.cpu_seconds.append(time.process_time() - cpu)
         if step == PROFILED[-1]:
             assert prof is not None
-            for variant in variants:  # no gloo work in flight across the profiler's stop (runtime/comm.py)
+            for variant in variants:  # no gloo work in flight across the profiler's stop (runtime/comm/collectives.py)
                 if variant.sharded:
                     variant.optimizer.wait_params()
             prof.__exit__(None, None, None)
@@ -645,7 +645,7 @@ def report_model(name: str, steps: int, ranks: list[dict[str, Any]], keys: list[
     zero_ms = collective_ms["reduce_scatter"] + collective_ms["all_gather"]
     print(
         f"\n**{name}, the collectives alone** (one flat f32 buffer of all {numel:,} parameters through "
-        f"runtime.comm.collective, median of {COLLECTIVE_REPS}, rank 0): DDP's all_reduce "
+        f"runtime.comm.collectives.collective, median of {COLLECTIVE_REPS}, rank 0): DDP's all_reduce "
         f"{collective_ms['all_reduce']:.1f} ms; ZeRO's reduce_scatter {collective_ms['reduce_scatter']:.1f} ms + "
         f"all_gather {collective_ms['all_gather']:.1f} ms = {zero_ms:.1f} ms "
         f"({zero_ms / collective_ms['all_reduce']:.2f}x the all_reduce)"

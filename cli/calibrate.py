@@ -67,7 +67,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise UsageError("--reps and --plans are positive counts and --budget a positive number of seconds")
     world = _start(mesh)
     import runtime  # after the checks: torch is slow to import
-    from runtime.calibrate import known_breaks, sample_pairs, sweep, time_plans
+    from runtime.measure.calibrate import known_breaks, sample_pairs, sweep, time_plans
 
     try:
         if model is None:
@@ -88,9 +88,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _with_flop_rate(fitted: CostModel) -> CostModel:
-    """The model with rank 0's measured bf16 matrix-product rate (``runtime.flops``), which
+    """The model with rank 0's measured bf16 matrix-product rate (``runtime.measure.flops``), which
     prices Muon's Newton-Schulz iterations (``planner.matrices``)."""
-    from runtime.flops import matmul_rate
+    from runtime.measure.flops import matmul_rate
 
     rate = matmul_rate()
     print(f"matrix products (bf16, rank 0): {rate:.3g} flop/s", file=sys.stderr)

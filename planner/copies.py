@@ -2,7 +2,7 @@
 at its copy bandwidth; the search and the step records count them with these functions).
 
 Local copies (``copied``, :func:`copy_elements` times the itemsize). A collective's blocks must
-lie in one contiguous buffer, one block per peer; the executor (``runtime/program.py``,
+lie in one contiguous buffer, one block per peer; the executor (``runtime/execution/program.py``,
 ``CollectiveMove.send`` and ``finish``) makes that buffer a view of the piece where it can and
 copies otherwise. With ``P`` the padded local shape before the step and ``Q`` after it, ``d``
 the step's dim, ``j`` an all_to_all's ``to_dim``, and "``k`` leads ``S``" meaning
@@ -71,7 +71,7 @@ def copy_elements(
 def exchange_copy_elements(
     transfers: Iterable[tuple[int, int, Box]], source_piece: Callable[[int], Box], target_piece: Callable[[int], Box]
 ) -> dict[int, int]:
-    """Per rank, the elements a point-to-point step copies locally (``runtime/exchange.py``), from
+    """Per rank, the elements a point-to-point step copies locally (``runtime/comm/exchange.py``), from
     its ``(sender, receiver, box)`` transfers and each rank's source and target piece: every box it
     keeps (sender and receiver alike, never sent), and on each side of a message (all the boxes
     between one pair of ranks) the whole message, unless it is one box that is a contiguous run

@@ -36,7 +36,7 @@ is clear; with 7 sizes on each of two axes, ``N = 14``, they stay apart when ``R
 2.5 times ``RSS_apart``). It weighs the lines' difference against the scatter about them, the
 backend's departure from a line included, which axes alike share; so axes set apart are ones
 whose timings differ by clearly more than either's from its line. The test takes the noise as
-independent from sample to sample, which is why the sweep (``runtime.calibrate``) times every
+independent from sample to sample, which is why the sweep (``runtime.measure.calibrate``) times every
 axis at one size together: load that comes and goes, met by one axis's sizes and not the
 other's, would otherwise read as a difference between them. Sets of axes are merged a pair at
 a time, the pair with the largest p-value first, while one is at least the level.
@@ -63,7 +63,7 @@ interleaves them) is not taken for a regime. On synthetic straight timings with 
 outlier it splits about 1 kind in 1000. The break lies between two swept sizes; it is put where
 the two lines cross if they cross there (a bend), else at the sizes' geometric mean (a jump,
 whose place between them is not measured). Where the runtime says it switches algorithm at a
-size (``fit_model``'s ``breaks``: gloo's all_gather from a result of 1 MiB, ``runtime.comm``),
+size (``fit_model``'s ``breaks``: gloo's all_gather from a result of 1 MiB, ``runtime.comm.collectives``),
 that break is the kind's one candidate: tested alone, so uncorrected, at the same level and with
 the same leave-one-size-out condition, and the large regime starts exactly there. Point-to-point
 steps keep one line (:data:`ONE_REGIME`: ``planner.p2p`` prices them message by message).
@@ -446,7 +446,7 @@ def fit_model(
     executor terms (module docstring). Also the fitted lines, by (kind, axis), the executor
     terms' under (:data:`LOCAL`, -1). ``breaks``: per (kind, axis), the table bytes from which
     the backend runs that kind by another algorithm there (the runtime knows them:
-    ``runtime.calibrate.known_breaks``), each tested as the kind's one candidate break."""
+    ``runtime.measure.calibrate.known_breaks``), each tested as the kind's one candidate break."""
     by_key: dict[tuple[str, int], list[Sample]] = {}
     local: list[Sample] = []
     for s in samples:

@@ -28,7 +28,7 @@ messages to a peer joined); its ``bytes`` are the largest a rank sends or receiv
 busiest rank: the iteration's flops (:func:`planner.owners.newton_schulz_flops`) at
 ``flops_per_second``: given, else the cost model's measured rate (``CostModel.flops_per_second``,
 a hints file's field that ``shardlang calibrate`` writes from timed bf16 matrix products,
-``runtime.flops``), else the stated :data:`planner.owners.DEFAULT_FLOPS_PER_SECOND`. The
+``runtime.measure.flops``), else the stated :data:`planner.owners.DEFAULT_FLOPS_PER_SECOND`. The
 placement itself is chosen on the unbucketed costs.
 """
 

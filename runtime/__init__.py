@@ -11,14 +11,14 @@ It is the one layer that communicates; it reads layouts (``shardlang``) and plan
 * ``shutdown``: end a rank's part in the job (a final barrier, then every group destroyed).
 """
 
-from runtime.comm import DEFAULT_TIMEOUT
-from runtime.dtypes import dtype_name, torch_dtype
+from runtime.comm.collectives import DEFAULT_TIMEOUT
+from runtime.comm.groups import axis_group, shutdown
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
-from runtime.executor import plan_fingerprint, reshard
-from runtime.groups import axis_group, shutdown
-from runtime.pieces import shard, unshard
-from runtime.simulate import simulate
-from runtime.stats import CommLog, CommRecord, recording
+from runtime.execution.executor import plan_fingerprint, reshard
+from runtime.execution.simulate import simulate
+from runtime.measure.stats import CommLog, CommRecord, recording
+from runtime.memory.dtypes import dtype_name, torch_dtype
+from runtime.memory.pieces import shard, unshard
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -21,4 +21,4 @@ class PlanMismatchError(DistributedError):
 
 class ReplicaMismatchError(DistributedError):
     """Ranks that a layout declares replicas of each other hold different values
-    (``runtime.replicas``)."""
+    (``runtime.comm.replicas``)."""

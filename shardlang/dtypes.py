@@ -1,6 +1,6 @@
 """Element types a spec file or the planner may name: the one table of them, with their sizes
 in bytes and the torch dtype each stands for (by name: the language core does not import
-torch; ``runtime.dtypes`` maps the names to torch dtypes from this table)."""
+torch; ``runtime.memory.dtypes`` maps the names to torch dtypes from this table)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Bucket collectives whose results land as late as an asynchronous backend may let them.
 
 A collective started with ``async_op`` may write its result at any moment before it is waited
-on. :class:`LateResults` makes the runtime's buckets (``runtime.buckets``) meet the latest such
+on. :class:`LateResults` makes the runtime's buckets (``runtime.execution.buckets``) meet the latest such
 moment: while it is ``delaying``, a collective runs into private buffers, and its result is
 copied into the buffers it was given only when it is waited on, or, if it never is, right after
 the works of the next collective waited on (before that one's result is read: a gloo
@@ -20,8 +20,8 @@ from typing import Any
 import attrs
 import torch
 
-import runtime.buckets
-from runtime.comm import PendingCollective, start_collective
+import runtime.execution.buckets
+from runtime.comm.collectives import PendingCollective, start_collective
 
 
 @attrs.define(eq=False)
@@ -81,11 +81,11 @@ class LateResults:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[LateResults]:
-        runtime.buckets.start_collective = self.start  # type: ignore[assignment]
+        runtime.execution.buckets.start_collective = self.start  # type: ignore[assignment]
         try:
             yield self
         finally:
-            runtime.buckets.start_collective = start_collective
+            runtime.execution.buckets.start_collective = start_collective
 
     @contextlib.contextmanager
     def delayed(self) -> Iterator[None]:

@@ -22,9 +22,9 @@ import torch
 from planner.legs import BEFORE, StepTensor
 from planner.step import plan_step
 from runtime import recording, torch_dtype, unshard
-from runtime.buckets import StageRun, run_stage
-from runtime.buffers import Scratch
-from runtime.step_program import compile_step
+from runtime.execution.buckets import StageRun, run_stage
+from runtime.execution.step_program import compile_step
+from runtime.memory.buffers import Scratch
 from runtime.testing import run_ranks
 from shardlang import parse_layout
 from tests.test_reshard_dist import Case, corpus

@@ -1,4 +1,4 @@
-"""``runtime.calibrate`` on 2 gloo ranks (small sizes, few repetitions; no timing asserts) and
+"""``runtime.measure.calibrate`` on 2 gloo ranks (small sizes, few repetitions; no timing asserts) and
 the ``shardlang calibrate`` command's own checks and ``--check`` table."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import planner
 from cli.calibrate import format_check
 from cli.main import main
 from planner.fit import fit_model
-from runtime.calibrate import known_breaks, sweep, time_plans
+from runtime.measure.calibrate import known_breaks, sweep, time_plans
 from runtime.testing import run_ranks
 from shardlang import Mesh, parse_layout
 

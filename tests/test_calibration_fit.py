@@ -30,7 +30,7 @@ from planner.fit import (
     spearman,
 )
 from planner.model import plan_spec
-from runtime.calibrate import SWEEP_BYTES
+from runtime.measure.calibrate import SWEEP_BYTES
 from shardlang import Layout, Mesh, parse_layout, parse_spec
 from tests.test_planner_optimal import Reference, calibrated_looking, random_case, reference_for
 

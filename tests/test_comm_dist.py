@@ -13,7 +13,7 @@ import gc
 import torch
 import torch.distributed as dist
 
-from runtime.comm import (
+from runtime.comm.collectives import (
     GATHER_MESSAGES_BYTES,
     post_point_to_point,
     start_collective,

@@ -18,9 +18,9 @@ from cli.main import main
 from planner.copies import exchange_copy_elements
 from planner.cost import LOCAL_OPS
 from planner.fit import LOCAL, Sample, fit_model
-from runtime.calibrate import SWEEP_BYTES, sample_bytes, step_plans
-from runtime.exchange import compile_exchange
-from runtime.program import CollectiveMove, compile_plan
+from runtime.comm.exchange import compile_exchange
+from runtime.execution.program import CollectiveMove, compile_plan
+from runtime.measure.calibrate import SWEEP_BYTES, sample_bytes, step_plans
 from shardlang import Mesh, parse_layout
 from tests.test_calibration_fit import _ReferenceWithOverhead, assert_brute_force_optimal
 from tests.test_planner_optimal import OPS, calibrated_looking, random_case, random_layout, reference_for

@@ -37,7 +37,7 @@ def _bench() -> Any:
 
 def _walk_dp_group(world: int) -> Callable[[], object]:
     """What a step that computed its dp group anew would do: the group's ranks, then the world's."""
-    from runtime.groups import axis_ranks
+    from runtime.comm.groups import axis_ranks
     from shardlang.mesh import Mesh
 
     mesh = Mesh((world // 8, 8))
@@ -48,17 +48,17 @@ def _fake_worlds(rank: int, world_size: int, cases: tuple[str, ...]) -> dict[str
     """Per case, rank 0 of fake worlds of SMALL and LARGE ranks, the step altered as the case
     says: ``walk`` computes the dp group's ranks on every step; ``gloo`` takes gloo's code paths
     with every all_gather large enough for messages, ``gloo-uncapped`` in groups of any size."""
-    import runtime.comm
+    from runtime.comm import collectives
 
     fw = _bench()
-    kept = (runtime.comm._is_gloo, runtime.comm.GATHER_MESSAGES_BYTES, runtime.comm.GATHER_MESSAGES_MAX_RANKS)
+    kept = (collectives._is_gloo, collectives.GATHER_MESSAGES_BYTES, collectives.GATHER_MESSAGES_MAX_RANKS)
     got: dict[str, dict[int, dict[str, Any]]] = {}
     for case in cases:
         if case.startswith("gloo"):
-            runtime.comm._is_gloo = lambda group: True  # type: ignore[assignment]
-            runtime.comm.GATHER_MESSAGES_BYTES = 0
+            collectives._is_gloo = lambda group: True  # type: ignore[assignment]
+            collectives.GATHER_MESSAGES_BYTES = 0
         if case == "gloo-uncapped":
-            runtime.comm.GATHER_MESSAGES_MAX_RANKS = 2**31
+            collectives.GATHER_MESSAGES_MAX_RANKS = 2**31
         got[case] = {}
         for world in (SMALL, LARGE):
             fw.join_fake_world(world)
@@ -68,7 +68,7 @@ def _fake_worlds(rank: int, world_size: int, cases: tuple[str, ...]) -> dict[str
                 world, steps=STEPS, model=MODEL, around_step=around, warm_up=False, verify=not case.startswith("gloo")
             )
             got[case][world] = {k: result[k] for k in ("calls", "alloc_per_step", "step_min_s", "counted", "predicted")}
-        runtime.comm._is_gloo, runtime.comm.GATHER_MESSAGES_BYTES, runtime.comm.GATHER_MESSAGES_MAX_RANKS = kept
+        collectives._is_gloo, collectives.GATHER_MESSAGES_BYTES, collectives.GATHER_MESSAGES_MAX_RANKS = kept
     return got
 
 
@@ -110,7 +110,7 @@ def test_work_that_walks_the_ranks_is_caught(worlds: dict) -> None:
 
 
 def test_gloo_gathers_post_no_message_per_peer_in_large_groups(worlds: dict) -> None:
-    # On gloo an all_gather as messages posts two per peer (runtime.comm); over 32 and 512 dp
+    # On gloo an all_gather as messages posts two per peer (runtime.comm.collectives); over 32 and 512 dp
     # ranks it is gloo's ring, and lifting the cap shows the growth it avoids.
     assert growth(worlds["gloo"][SMALL], worlds["gloo"][LARGE]) == []
     assert growth(worlds["gloo-uncapped"][SMALL], worlds["gloo-uncapped"][LARGE]) != []

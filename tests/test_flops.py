@@ -1,4 +1,4 @@
-"""runtime.flops: the matrix-product rate the cost model's flops_per_second carries, on a
+"""runtime.measure.flops: the matrix-product rate the cost model's flops_per_second carries, on a
 clock that advances a fixed step per reading (so every timed product takes that step)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from runtime import flops
+from runtime.measure import flops
 
 
 @pytest.fixture

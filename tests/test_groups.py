@@ -1,4 +1,4 @@
-"""runtime.groups: a group's ranks from the mesh's strides (against the mesh's own coordinates,
+"""runtime.comm.groups: a group's ranks from the mesh's strides (against the mesh's own coordinates,
 rank by rank), and one cached process group per ordered set of members."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from runtime.groups import axis_ranks
+from runtime.comm.groups import axis_ranks
 from runtime.testing import run_ranks
 from shardlang.mesh import Mesh
 
@@ -50,7 +50,7 @@ def _groups_of(rank: int, world_size: int) -> dict[str, object]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import runtime.groups as groups
+    import runtime.comm.groups as groups
 
     dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1024)

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 import planner
 from planner.records import Plan, Step, Transfer
 from runtime import ReshardError, shard, simulate, torch_dtype, unshard
-from runtime.exchange import compile_exchange
-from runtime.program import bytes_sent, compile_plan
+from runtime.comm.exchange import compile_exchange
+from runtime.execution.program import bytes_sent, compile_plan
 from shardlang import Mesh, parse_layout
 from tests.test_p2p_support import CASES, Case, case_plan, hand_plan, traffic
 from tests.test_runtime_support import full_tensor, layouts, meshes, reference_piece, shapes, source_pieces

@@ -3,7 +3,7 @@ layout pair in, its exact steps and every transfer (``src -> dst box``) out.
 
 The golden text pins the planner's choices (which replica sends, in what order) so that a
 change shows up as a reviewable diff. Each case is also executed on real tensors
-(``runtime.simulate``) and checked against the full tensor sliced by hand, so a golden line
+(``runtime.execution.simulate``) and checked against the full tensor sliced by hand, so a golden line
 cannot record a plan that moves the wrong elements.
 """
 

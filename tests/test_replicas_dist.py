@@ -1,4 +1,4 @@
-"""Declared replication verified (``runtime.replicas``): fingerprints against ``torch.equal``,
+"""Declared replication verified (``runtime.comm.replicas``): fingerprints against ``torch.equal``,
 and on 4 gloo ranks of a [dp=2, tp=2] mesh, a replica that differs in one element, or holds
 the same elements swapped, raises on every rank, naming the tensor, the axis and the ranks."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.replicas import GRADIENTS_CAUSE, PARAMETERS_CAUSE, fingerprint, verify_replicas
+from runtime.comm.replicas import GRADIENTS_CAUSE, PARAMETERS_CAUSE, fingerprint, verify_replicas
 from runtime.testing import attempt, run_ranks
 from shardlang import parse_layout
 
@@ -37,7 +37,7 @@ def test_fingerprints_agree_exactly_when_the_values_do(dtype: torch.dtype) -> No
 
 
 def test_a_large_piece_is_fingerprinted_in_chunks_with_the_same_result() -> None:
-    import runtime.replicas as replicas
+    import runtime.comm.replicas as replicas
 
     a = torch.randn(3 * replicas.CHUNK + 5)
     whole = fingerprint(a)

@@ -25,7 +25,7 @@ RR = parse_layout("R,R over mesh[2,2]")
 
 
 def _phases(rank: int, world_size: int) -> dict[str, object]:
-    from runtime import executor
+    from runtime.execution import executor
 
     exchanges = []
     real = executor._verify

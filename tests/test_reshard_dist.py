@@ -72,7 +72,7 @@ def _run_batches(rank: int, world_size: int, batches: list) -> list:
                 result = reshard(piece, src, dst, global_shape=shape, mesh=device_mesh, timeout=60, name=f"case{i}")
             out.append((result, [(r.step, r.bytes_sent) for r in log.records]))
         # Serialized only after the whole batch: a result that shared memory kept by the runtime
-        # for later calls (runtime.executor: its buffers kept between calls) would differ by now.
+        # for later calls (runtime.execution.executor: its buffers kept between calls) would differ by now.
         results.append([None if kept is None else (_to_bytes(kept[0]), kept[1]) for kept in out])
     return results
 

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner
-from runtime import DistributedError, executor, reshard
-from runtime.program import bytes_sent, compile_plan
+from runtime import DistributedError, reshard
+from runtime.execution import executor
+from runtime.execution.program import bytes_sent, compile_plan
 from shardlang import parse_layout
 from shardlang.dtypes import ITEMSIZE
 from tests.test_runtime_support import layouts, meshes, shapes

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.packing import as_blocks, crop, pack, unpack
+from runtime.memory.packing import as_blocks, crop, pack, unpack
 
 
 def _pad_to(x: torch.Tensor, shape: list[int]) -> torch.Tensor:

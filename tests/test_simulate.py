@@ -1,4 +1,4 @@
-"""runtime.simulate: every plan, run for all ranks in one process, lands on the target pieces.
+"""runtime.execution.simulate: every plan, run for all ranks in one process, lands on the target pieces.
 
 Inputs are the full tensor cut by torch.chunk, or RANDOM addends for partial sources (random
 values below the full for max, above it for min). Expected outputs are the target blocks cut
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import planner
 from runtime import ReshardError, dtype_name, simulate, unshard
-from runtime.program import compile_plan
+from runtime.execution.program import compile_plan
 from shardlang import parse_layout
 from tests.test_runtime_support import (
     full_tensor,

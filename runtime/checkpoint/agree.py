@@ -1,6 +1,6 @@
 """Agreement between the ranks of a save or load: each phase runs on every rank, then every
 rank learns how every rank fared (short messages all-gathered over the default process group,
-every wait bounded by ``runtime.comm``), and all of them raise if any failed. A rank that
+every wait bounded by ``runtime.comm.collectives``), and all of them raise if any failed. A rank that
 cannot hear from the others raises too, saying what it left behind. A single process (no
 process group) is a world of one."""
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.checkpoint.errors import CheckpointError
-from runtime.comm import collective, default_device
+from runtime.comm.collectives import collective, default_device
 from runtime.errors import DistributedError
 from shardlang.errors import ShardlangError
 

@@ -30,8 +30,8 @@ import attrs
 import torch
 
 from runtime.checkpoint.errors import CheckpointError
-from runtime.dtypes import dtype_name
-from runtime.executor import reshard
+from runtime.execution.executor import reshard
+from runtime.memory.dtypes import dtype_name
 from runtime.optim.base import StateWhere
 from shardlang.box import Box
 from shardlang.errors import ShardlangError

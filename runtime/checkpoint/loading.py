@@ -30,10 +30,10 @@ from runtime.checkpoint.items import (
 from runtime.checkpoint.metadata import METADATA_FILE, Metadata, StoredTensor, read_metadata
 from runtime.checkpoint.objects import Stateful, to_load
 from runtime.checkpoint.reader import RangeReader
-from runtime.comm import timeout_of
-from runtime.dtypes import torch_dtype
+from runtime.comm.collectives import timeout_of
+from runtime.memory.dtypes import torch_dtype
+from runtime.memory.packing import region
 from runtime.optim.base import STATE_DICT_FORMAT, ShardedOptimizer
-from runtime.packing import region
 
 
 @attrs.frozen

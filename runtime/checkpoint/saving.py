@@ -49,7 +49,7 @@ from runtime.checkpoint.metadata import (
     piece_identity,
 )
 from runtime.checkpoint.objects import Stateful, merged, states_of
-from runtime.comm import timeout_of
+from runtime.comm.collectives import timeout_of
 from runtime.optim.base import HeldTensor, ShardedOptimizer
 from shardlang.parser import parse_layout
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from runtime.buffers import Scratch
+from runtime.memory.buffers import Scratch
 from runtime.optim.clipping import Clipping
 from runtime.optim.compiler import StepCompiler
 from runtime.optim.memory import MemoryReport

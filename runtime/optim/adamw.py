@@ -17,8 +17,8 @@ from typing import Any, Unpack
 
 import torch
 
-from runtime.buffers import Scratch
-from runtime.dtypes import as_dtype
+from runtime.memory.buffers import Scratch
+from runtime.memory.dtypes import as_dtype
 from runtime.optim.base import ShardedOptimizer, StepOptions
 from runtime.optim.errors import OptimizerError
 from runtime.optim.flat import as_flat, flat_or_copy, pieces_of, scatter_back

@@ -29,8 +29,8 @@ import torch
 from planner.cost import CostModel
 from planner.legs import DEFAULT_OVERLAP_BUCKET_BYTES
 from planner.step import StepPlan
-from runtime.buffers import KeptViews, Scratch
-from runtime.comm import default_device, timeout_of
+from runtime.comm.collectives import default_device, timeout_of
+from runtime.memory.buffers import KeptViews, Scratch
 from runtime.optim import full_state
 from runtime.optim.accounting import Accounting
 from runtime.optim.clipping import Clipping
@@ -144,7 +144,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Gradients in a lower precision are reduced in this one (FSDP2's MixedPrecisionPolicy).
         self.reduce_dtype = reduce_dtype
         self._scratch = Scratch()  # the math's working buffers, kept between steps
-        self._views = KeptViews()  # the math's views of kept buffers (runtime.buffers)
+        self._views = KeptViews()  # the math's views of kept buffers (runtime.memory.buffers)
         # One cost model for choosing and for running the plans (``shardlang plan --costs``); by
         # default the spec's hints for each state mesh.
         slots = self._slots = Slots(

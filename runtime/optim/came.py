@@ -33,7 +33,7 @@ from typing import Any, Unpack
 import attrs
 import torch
 
-from runtime.buffers import KeptViews, Scratch
+from runtime.memory.buffers import KeptViews, Scratch
 from runtime.optim.base import ShardedOptimizer, StepOptions
 from runtime.optim.errors import OptimizerError
 from runtime.optim.flat import as_flat, flat_or_copy, pieces_of, scatter_back

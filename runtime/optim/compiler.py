@@ -2,7 +2,7 @@
 
 A step plan (``planner.step.plan_step``) says, per tensor, its legs (``grad -> state``, ``param
 -> state``, ``state -> param``, a state kept in its own layout there and back) and puts every
-communicating step in a bucket; ``runtime.step_program.compile_step`` makes this rank's program
+communicating step in a bucket; ``runtime.execution.step_program.compile_step`` makes this rank's program
 of it. :class:`StepCompiler` builds both once per combination of slots, gradient layouts and
 dtypes, checks once per plan that the ranks of every group hold the same buckets, keeps a few
 plans (:data:`MAX_PLANS`), and owns the buffers the buckets' collectives keep between steps.
@@ -19,16 +19,16 @@ import torch
 
 from planner.legs import StepTensor
 from planner.step import StepPlan, plan_step
-from runtime.buckets import StageRun
-from runtime.buffers import Scratch
-from runtime.comm import collective
-from runtime.dtypes import dtype_name
+from runtime.comm.collectives import collective
+from runtime.comm.groups import axis_ranks, group_for
 from runtime.errors import DistributedError, PlanMismatchError
-from runtime.executor import fingerprint
-from runtime.groups import axis_ranks, group_for
+from runtime.execution.buckets import StageRun
+from runtime.execution.executor import fingerprint
+from runtime.execution.step_program import StepProgram, compile_step
+from runtime.memory.buffers import Scratch
+from runtime.memory.dtypes import dtype_name
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.slots import Slot, Slots
-from runtime.step_program import StepProgram, compile_step
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
@@ -91,7 +91,7 @@ class StepCompiler:
         self._verify_plans, self.reduce_dtype = verify, reduce_dtype
         # Whether the buckets after the update start after the step (prefetch_params).
         self.prefetch = False
-        self.buffers = Scratch()  # the buckets' buffers (``runtime.buckets``)
+        self.buffers = Scratch()  # the buckets' buffers (``runtime.execution.buckets``)
         self._plans: dict[tuple, CompiledStep] = {}  # in order of use, the last used last
         self._last: tuple[tuple, CompiledStep] | None = None  # the one the last step ran
         # Keys whose plans the ranks have compared: a plan compiled again after it left the
@@ -221,7 +221,7 @@ def differing_ranks(
     records: object, members: Sequence[int], group: Any, device: torch.device, timeout: datetime.timedelta
 ) -> list[int]:
     """The ranks of ``group`` (``members``, in its order) whose digest of their ``records``
-    (``runtime.executor.fingerprint``) differs from this rank's: one all-gather of 8 bytes.
+    (``runtime.execution.executor.fingerprint``) differs from this rank's: one all-gather of 8 bytes.
     Raises ``DistributedError`` when the all-gather fails."""
     mine = fingerprint(records)
     digest = torch.tensor([mine], dtype=torch.int64, device=device)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from runtime.buffers import KeptViews, Scratch
+from runtime.memory.buffers import KeptViews, Scratch
 
 Key = tuple[str, torch.dtype, torch.device]
 

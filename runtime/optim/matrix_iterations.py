@@ -2,7 +2,7 @@
 
 The step plan's matrix part (``planner.matrices``) says, per matrix, where it is iterated and
 how its pieces move there and back; :class:`MatrixIterations` plans it once per set of slots,
-compiles this rank's program of it (``runtime.matrix_moves``), checks once per plan that the
+compiles this rank's program of it (``runtime.execution.matrix_moves``), checks once per plan that the
 ranks of every state mesh agree on it, and runs the moves around the optimizer's iteration.
 """
 
@@ -17,15 +17,15 @@ import torch.distributed as dist
 
 from planner.legs import DEFAULT_BUCKET_BYTES, StepTensor
 from planner.matrices import BACK, TO, MatrixPlan, joins, pieces, plan_matrices
-from runtime.buffers import Scratch
-from runtime.dtypes import dtype_name
+from runtime.comm.groups import ranks_group
 from runtime.errors import DistributedError, PlanMismatchError
-from runtime.groups import ranks_group
-from runtime.matrix_moves import MatrixProgram, compile_matrices, run_matrix_stage
+from runtime.execution.matrix_moves import MatrixProgram, compile_matrices, run_matrix_stage
+from runtime.memory.buffers import Scratch
+from runtime.memory.dtypes import dtype_name
+from runtime.memory.packing import region
 from runtime.optim.compiler import differing_ranks
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.slots import Slot
-from runtime.packing import region
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
 

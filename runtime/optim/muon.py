@@ -14,7 +14,7 @@ says, per matrix, where it runs and how it moves, and the step runs exactly that
 
 Flat chunks of a whole matrix (flat ZeRO) move as the 1-d chunks they are; flat chunks of a
 block that other axes split are first all-gathered over the flat axis into the block. The moves
-of all matrices run bucketed (``runtime.optim.matrix_iterations`` over ``runtime.matrix_moves``):
+of all matrices run bucketed (``runtime.optim.matrix_iterations`` over ``runtime.execution.matrix_moves``):
 the gathers of one kind and group in one collective, the moves to owners in one exchange, the
 results back in another. The
 iteration is torch's own (``torch.optim._muon``), on the same bits, so the result equals

@@ -15,9 +15,9 @@ import attrs
 import torch
 
 from planner.legs import BEFORE
-from runtime.buckets import StageRun
-from runtime.dtypes import as_dtype
 from runtime.errors import ReshardError
+from runtime.execution.buckets import StageRun
+from runtime.memory.dtypes import as_dtype
 from runtime.optim.compiler import CompiledStep, StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.slots import (

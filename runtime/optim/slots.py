@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from planner.cost import CostModel
 from planner.legs import without_axis
-from runtime.dtypes import dtype_name
+from runtime.memory.dtypes import dtype_name
 from runtime.optim.dtensors import dtensor_grad_layout, dtensor_param_layouts
 from runtime.optim.errors import OptimizerError
 from runtime.optim.shards import StateShard
@@ -67,7 +67,7 @@ class Slot:
     def local_param(self) -> torch.Tensor:
         """The rank's piece of the parameter: a DTensor's local tensor, else the parameter
         detached, the same tensor from call to call while the parameter keeps its memory, so
-        that a step's views of it are made once (``runtime.buckets``, stable legs)."""
+        that a step's views of it are made once (``runtime.execution.buckets``, stable legs)."""
         param = self.param
         if is_dtensor(param):
             return param.to_local()

@@ -19,13 +19,13 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from runtime.buffers import KeptViews, Scratch
-from runtime.comm import collective
+from runtime.comm.collectives import collective
+from runtime.comm.groups import axis_ranks, ranks_group
 from runtime.errors import DistributedError
-from runtime.groups import axis_ranks, ranks_group
+from runtime.measure.stats import CommRecord, is_recording, record
+from runtime.memory.buffers import KeptViews, Scratch
 from runtime.optim.flat import as_flat, pieces_of
 from runtime.optim.shards import Axes
-from runtime.stats import CommRecord, is_recording, record
 from shardlang.mesh import Mesh
 
 
@@ -113,7 +113,7 @@ def plan_collectives(sums: Sequence[SumSpec], rank: int) -> tuple[Collective, ..
 
 class SumReducer:
     """Runs the all-reduces of :func:`plan_collectives` on the runtime's process groups
-    (``runtime.groups``) and collective layer (bounded waits), recording each in
+    (``runtime.comm.groups``) and collective layer (bounded waits), recording each in
     the runtime's communication log like any reshard collective."""
 
     def __init__(self, rank: int, timeout: datetime.timedelta) -> None:

@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 
 from planner.legs import AFTER, BEFORE
-from runtime import stats
-from runtime.buckets import StageRun
-from runtime.buffers import Scratch
-from runtime.comm import collective, default_device
-from runtime.dtypes import as_dtype
+from runtime.comm.collectives import collective, default_device
+from runtime.comm.groups import ranks_group
 from runtime.errors import DistributedError
-from runtime.groups import ranks_group
+from runtime.execution.buckets import StageRun
+from runtime.measure import stats
+from runtime.memory.buffers import Scratch
+from runtime.memory.dtypes import as_dtype
 from runtime.optim.clipping import Clipping, Reduced
 from runtime.optim.compiler import CompiledStep, StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError

@@ -2,7 +2,7 @@
 
 :func:`sweep` times every collective kind on every mesh axis at message sizes from 4 KiB to 16
 MiB (finer from 724 KiB, :data:`SWEEP_BYTES`), through the same calls the executor makes
-(``runtime.comm``: on gloo a reduce_scatter is an all_to_all plus a local sum), all groups of an
+(``runtime.comm.collectives``: on gloo a reduce_scatter is an all_to_all plus a local sum), all groups of an
 axis at once as in a plan's step, and a plan of one slice step, which sends nothing (the
 executor's fixed cost of a step and its copy of the result: ``planner.fit``'s executor terms).
 Each repetition starts after a barrier of the whole mesh; a repetition's time is the slowest
@@ -39,9 +39,9 @@ import torch.distributed as dist
 from planner import Plan, collective_plan, point_to_point_plan
 from planner.cost import collective_rounds
 from planner.fit import LOCAL, Sample
-from runtime.comm import default_device, gather_messages_from
-from runtime.executor import reshard
-from runtime.pieces import shard
+from runtime.comm.collectives import default_device, gather_messages_from
+from runtime.execution.executor import reshard
+from runtime.memory.pieces import shard
 from shardlang import Layout, Mesh
 
 # The larger buffer of a call: 4 KiB .. 256 KiB by factors of 4, then 724 KiB to 16 MiB by factors
@@ -110,9 +110,9 @@ def sample_bytes(op: str, plan: Plan) -> int:
 
 
 def known_breaks(mesh: Mesh) -> dict[tuple[str, int], int]:
-    """Per (kind, axis), the cost table's bytes from which ``runtime.comm`` runs that kind by
+    """Per (kind, axis), the cost table's bytes from which ``runtime.comm.collectives`` runs that kind by
     another algorithm on this backend, for ``planner.fit.fit_model``: on gloo an all_gather whose
-    result has ``G`` bytes or more (:func:`runtime.comm.gather_messages_from`). A result is ``n``
+    result has ``G`` bytes or more (:func:`runtime.comm.collectives.gather_messages_from`). A result is ``n``
     padded pieces of ``b`` bytes, and the table counts ``(n-1) * b``, so the result reaches ``G``
     exactly when the table's bytes reach ``(n-1) * ceil(G / n)``. None on other backends (NCCL),
     nor on axes of more ranks than gloo's messages serve."""

@@ -1,12 +1,12 @@
 """The distributed executor: run a plan on the calling rank with torch.distributed.
 
 Every rank of the layout's mesh calls :func:`reshard` with its own piece; each step runs on
-the process group of its mesh axis (``runtime.groups``), through the collective layer
-(``runtime.comm``), with the rank's compiled moves (``runtime.program``) doing the padding
+the process group of its mesh axis (``runtime.comm.groups``), through the collective layer
+(``runtime.comm.collectives``), with the rank's compiled moves (``runtime.execution.program``) doing the padding
 and trimming. Plans and compiled moves are cached per (src, dst, shape, dtype, rank, and
 whether point-to-point plans are allowed), so a training loop plans once.
 
-A point-to-point step (``runtime.exchange``) sends boxes between global ranks of the default
+A point-to-point step (``runtime.comm.exchange``) sends boxes between global ranks of the default
 group in one ``batch_isend_irecv``; a rank's own boxes are copied, never sent. Across meshes
 (source and target meshes of other shapes or ranks, overlapping or not) every rank of either
 mesh calls: ranks only in the source mesh run the source-mesh steps, send, and get ``None``;
@@ -19,7 +19,7 @@ the global tensor unless the state it produces is replicated. On the CPU the pad
 buffer, and the blocks gloo's reduce_scatter receives before summing them, are kept between
 calls (per thread, one of each per dtype, up to :data:`KEPT_BYTES` each; larger ones are
 allocated per call): allocated anew, such a buffer's pages fault on first touch every call,
-which costs as much as the copy into it (``runtime.buffers``). On a GPU the caching
+which costs as much as the copy into it (``runtime.memory.buffers``). On a GPU the caching
 allocator already reuses memory. A point-to-point step
 allocates its output, plus one buffer per peer whose message is not a single contiguous box
 (a message that is one is sent from the piece, or received into the output, in place).
@@ -53,14 +53,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import planner
 from planner.records import Plan
-from runtime import stats
-from runtime.buffers import Scratch
-from runtime.comm import collective, default_device, post_point_to_point, timeout_of, wait_point_to_point
-from runtime.dtypes import dtype_name, torch_dtype
+from runtime.comm.collectives import collective, default_device, post_point_to_point, timeout_of, wait_point_to_point
+from runtime.comm.exchange import RankExchange
+from runtime.comm.groups import axis_group, group_for, ranks_group
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
-from runtime.exchange import RankExchange
-from runtime.groups import axis_group, group_for, ranks_group
-from runtime.program import CollectiveMove, bytes_sent, compile_plan
+from runtime.execution.program import CollectiveMove, bytes_sent, compile_plan
+from runtime.measure import stats
+from runtime.memory.buffers import Scratch
+from runtime.memory.dtypes import dtype_name, torch_dtype
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 from shardlang.interop import is_dtensor

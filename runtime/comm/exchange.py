@@ -27,7 +27,7 @@ import torch
 
 from planner.records import Plan, Step, Transfer
 from runtime.errors import ReshardError
-from runtime.packing import region
+from runtime.memory.packing import region
 from shardlang.box import Box
 from shardlang.layout import Layout
 

@@ -42,7 +42,7 @@ current stream waits for the collective's stream and the host goes on queueing w
 and FSDP2 wait. With a timeout NCCL would block the host until the collective completes, a
 synchronization per bucket. A peer that never arrives is then caught by the process group's
 own timeout (NCCL's watchdog), which the runtime sets to the caller's ``timeout`` where it
-creates groups (``runtime.groups``). A buffer a collective still reads or writes is reused
+creates groups (``runtime.comm.groups``). A buffer a collective still reads or writes is reused
 only after its wait: the wait orders the reuse after the collective on the GPU too
 (docs/gpu.md).
 
@@ -171,7 +171,7 @@ def gather_messages_from(group: dist.ProcessGroup | None = None, *, ranks: int |
     """The result bytes from which an all_gather over ``group`` (default: the default group's
     backend), of ``ranks`` ranks when given, waited on at once runs as messages, not the
     backend's own (module docstring); None where it never does (not gloo, or more than
-    :data:`GATHER_MESSAGES_MAX_RANKS` ranks). ``runtime.calibrate`` fits a regime from there
+    :data:`GATHER_MESSAGES_MAX_RANKS` ranks). ``runtime.measure.calibrate`` fits a regime from there
     (docs/calibration.md)."""
     if ranks is not None and ranks > GATHER_MESSAGES_MAX_RANKS:
         return None

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.comm import collective, default_device
+from runtime.comm.collectives import collective, default_device
+from runtime.comm.groups import axis_ranks, group_for, ranks_group
 from runtime.errors import DistributedError, ReplicaMismatchError
-from runtime.groups import axis_ranks, group_for, ranks_group
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 

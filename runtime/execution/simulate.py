@@ -1,9 +1,9 @@
 """Execute a plan for every rank at once, in one process, with real tensors.
 
-Each rank runs its compiled moves (``runtime.program``), exactly as under
-``runtime.executor``; only the collectives are emulated, group by group, over the ranks'
+Each rank runs its compiled moves (``runtime.execution.program``), exactly as under
+``runtime.execution.executor``; only the collectives are emulated, group by group, over the ranks'
 send buffers: the same padding, the same blocks, the same trimming. A point-to-point step
-packs, receives and places the same per-peer messages as the executor (``runtime.exchange``),
+packs, receives and places the same per-peer messages as the executor (``runtime.comm.exchange``),
 and may hand the tensor to another mesh: pieces come in keyed by the source mesh's ranks and
 go out keyed by the target mesh's.
 """
@@ -15,11 +15,11 @@ from collections.abc import Mapping
 import torch
 
 from planner.records import Plan
-from runtime.dtypes import dtype_name
+from runtime.comm.exchange import RankExchange
 from runtime.errors import ReshardError
-from runtime.exchange import RankExchange
-from runtime.pieces import check_pieces, reduce_stacked
-from runtime.program import CollectiveMove, compile_plan
+from runtime.execution.program import CollectiveMove, compile_plan
+from runtime.memory.dtypes import dtype_name
+from runtime.memory.pieces import check_pieces, reduce_stacked
 
 
 def simulate(plan: Plan, pieces_by_rank: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Running a stage of a step program (``runtime.step_program``): one collective per bucket.
+"""Running a stage of a step program (``runtime.execution.step_program``): one collective per bucket.
 
 Every leg of the stage starts from the rank's piece of its tensor and walks its hops' steps in
 order; local steps (slice, partial, an axis of one rank) run on the leg alone, and each
@@ -7,9 +7,9 @@ columns of the bucket's buffer (``CollectiveMove.send_into``: the same padding a
 reshard, so uneven, empty and nested pieces stay exact), the collective runs once, and each
 member's result is a view of its columns (``CollectiveMove.finish``).
 
-Memory: with ``buffers`` (a :class:`~runtime.buffers.Scratch` kept by the caller between steps)
+Memory: with ``buffers`` (a :class:`~runtime.memory.buffers.Scratch` kept by the caller between steps)
 the buckets use the kept and send buffers where the program lays them out
-(``runtime.step_program._lay_out``: one send buffer shared by the buckets of a stage run in
+(``runtime.execution.step_program._lay_out``: one send buffer shared by the buckets of a stage run in
 ``step()``, a few slots of it for those started during backward, results in the kept buffer).
 Without it every bucket allocates both. Results are views of bucket results or of the inputs (a
 leg that never communicates returns a view of its input), valid until the next run with the
@@ -29,14 +29,14 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.legs import AFTER, DURING_BACKWARD, IN_STEP, Bucket
-from runtime import stats
-from runtime.buffers import Scratch
-from runtime.comm import PendingCollective, start_collective
-from runtime.dtypes import dtype_name
+from runtime.comm.collectives import PendingCollective, start_collective
+from runtime.comm.groups import group_for
 from runtime.errors import DistributedError, ReshardError
-from runtime.groups import group_for
-from runtime.program import CollectiveMove, bytes_sent
-from runtime.step_program import IN_FLIGHT, BucketProgram, LegProgram, StepProgram
+from runtime.execution.program import CollectiveMove, bytes_sent
+from runtime.execution.step_program import IN_FLIGHT, BucketProgram, LegProgram, StepProgram
+from runtime.measure import stats
+from runtime.memory.buffers import Scratch
+from runtime.memory.dtypes import dtype_name
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 
@@ -397,7 +397,7 @@ class StageRun:
                 group,
                 out=out,
                 workspace=workspace,
-                waited_at_once=bucket.bucket.launch == IN_STEP,  # runtime.comm: waited within step()
+                waited_at_once=bucket.bucket.launch == IN_STEP,  # runtime.comm.collectives: waited within step()
             )
         except (DistributedError, ReshardError) as e:
             raise type(e)(f"{self._where(bucket)} failed: {e.message}") from e

@@ -1,7 +1,7 @@
 """A plan compiled for one rank: what the rank does at every step, with its piece geometry.
 
-Both executors run these moves: the distributed one (``runtime.executor``) with real
-collectives between ``send`` and ``finish``, the in-process one (``runtime.simulate``) with
+Both executors run these moves: the distributed one (``runtime.execution.executor``) with real
+collectives between ``send`` and ``finish``, the in-process one (``runtime.execution.simulate``) with
 the collectives emulated over every rank's buffers. So the padding and trimming that the
 simulator checks are the runtime's own.
 
@@ -11,10 +11,10 @@ lengths on all dims but the moving one, so a group pads to its own chunk size
 (``ceil(L / n)`` of the piece being split or joined), never more than the mesh-wide padded
 size the cost model counts, and equal to it on the rank at coordinate 0.
 
-A plan may change meshes at a ``point_to_point`` step (``runtime.exchange``): the steps
+A plan may change meshes at a ``point_to_point`` step (``runtime.comm.exchange``): the steps
 before it run on the source mesh, the steps after it on the target mesh. A rank's program
 has one entry per step: a :class:`CollectiveMove` for a step on a mesh the rank is in, an
-:class:`~runtime.exchange.RankExchange` for a point-to-point step it sends or receives in (or
+:class:`~runtime.comm.exchange.RankExchange` for a point-to-point step it sends or receives in (or
 sits next to), ``None`` where it takes no part.
 """
 
@@ -27,12 +27,12 @@ import attrs
 import torch
 
 from planner.records import Plan, Step
-from runtime.buffers import Scratch
-from runtime.dtypes import torch_dtype
+from runtime.comm.exchange import RankExchange, compile_exchange
+from runtime.comm.groups import axis_ranks
 from runtime.errors import ReshardError
-from runtime.exchange import RankExchange, compile_exchange
-from runtime.groups import axis_ranks
-from runtime.packing import blocks_fit, crop, pack, unpack, unpack_copies
+from runtime.memory.buffers import Scratch
+from runtime.memory.dtypes import torch_dtype
+from runtime.memory.packing import blocks_fit, crop, pack, unpack, unpack_copies
 from shardlang.layout import padded_length
 
 
@@ -71,7 +71,7 @@ class CollectiveMove:
         if self.step.op == "slice":
             return x.narrow(self.step.dim, self.start, self.after[self.step.dim])
         # partial: sum keeps the value at coordinate 0 and zeros elsewhere; avg, max and
-        # min keep the value everywhere (see runtime.pieces.shard).
+        # min keep the value everywhere (see runtime.memory.pieces.shard).
         if self.step.reduce_op == "sum" and self.position != 0:
             return torch.zeros_like(x, memory_format=torch.contiguous_format)
         return x
@@ -79,7 +79,7 @@ class CollectiveMove:
     def send(self, x: torch.Tensor, *, writable: bool, scratch: Scratch | None = None) -> torch.Tensor:
         """The flat, contiguous buffer this rank contributes to the collective: a view of ``x``
         where its blocks are runs of its memory (:meth:`send_blocks`), else its blocks packed
-        into ``scratch``'s ``"send"`` buffer when given (kept between calls, ``runtime.buffers``)
+        into ``scratch``'s ``"send"`` buffer when given (kept between calls, ``runtime.memory.buffers``)
         or a new one. For all_reduce it is reduced in place: ``x`` itself when ``writable``,
         else a copy."""
         if self.step.op == "all_reduce":
@@ -123,7 +123,7 @@ class CollectiveMove:
     @functools.cached_property
     def _unpadded(self) -> bool:
         """Whether a contiguous piece of shape ``before`` is its blocks as they lie in memory
-        (:func:`~runtime.packing.blocks_fit`), so that sending it is one copy."""
+        (:func:`~runtime.memory.packing.blocks_fit`), so that sending it is one copy."""
         if self.step.op == "all_reduce":
             return True
         dim = self.step.to_dim if self.step.op == "all_to_all" else self.step.dim

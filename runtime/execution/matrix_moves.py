@@ -2,7 +2,7 @@
 bucket as planned.
 
 To the iteration: the collective buckets first (the joins of flat chunks and the gathers), run
-by the step plan's bucket runner (``runtime.buckets``, on a step plan of those legs alone); then each
+by the step plan's bucket runner (``runtime.execution.buckets``, on a step plan of those legs alone); then each
 exchange bucket: every member packs its blocks per peer (``RankExchange.pack``), the blocks for
 one peer are sent as one message (members in bucket order; both ends read the same plans, so
 they agree on the message's layout), and one ``batch_isend_irecv`` posts every message of the
@@ -24,15 +24,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.legs import BEFORE, Bucket
 from planner.matrices import TO, MatrixPlan
 from planner.step import StepPlan
-from runtime import stats
-from runtime.buckets import run_stage
-from runtime.buffers import Scratch
-from runtime.comm import post_point_to_point, wait_point_to_point
-from runtime.dtypes import torch_dtype
+from runtime.comm.collectives import post_point_to_point, wait_point_to_point
+from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError
-from runtime.exchange import RankExchange
-from runtime.program import CollectiveMove, compile_plan
-from runtime.step_program import StepProgram, compile_step
+from runtime.execution.buckets import run_stage
+from runtime.execution.program import CollectiveMove, compile_plan
+from runtime.execution.step_program import StepProgram, compile_step
+from runtime.measure import stats
+from runtime.memory.buffers import Scratch
+from runtime.memory.dtypes import torch_dtype
 from shardlang.dtypes import ITEMSIZE
 
 

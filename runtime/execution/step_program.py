@@ -1,10 +1,10 @@
 """A step plan (``planner.step``) compiled for one rank: its legs' moves, its buckets' members and
-offsets, and where every bucket's buffers lie (:func:`compile_step`); ``runtime.buckets`` runs it.
+offsets, and where every bucket's buffers lie (:func:`compile_step`); ``runtime.execution.buckets`` runs it.
 
 A bucket's buffer is laid out peer-major: for a reduce_scatter or all_to_all over ``n`` ranks it
 is ``[n, sum of chunks]``, row ``p`` holding every member's block for peer ``p`` one after
 another; for an all_gather or all_reduce it is the members' pieces one after another. Ranks of
-one group hold the same chunk sizes (``runtime.program``), so their buffers agree. Where the
+one group hold the same chunk sizes (``runtime.execution.program``), so their buffers agree. Where the
 buffers lie, and what shares space with what, is :func:`_lay_out`'s (docs/memory.md).
 """
 
@@ -17,11 +17,11 @@ import torch
 
 from planner.legs import AFTER, AFTER_STEP, BEFORE, DURING_BACKWARD, IN_STEP, Bucket, Leg
 from planner.step import StepPlan
-from runtime.buffers import KeptViews
-from runtime.dtypes import torch_dtype
+from runtime.comm.exchange import RankExchange
 from runtime.errors import ReshardError
-from runtime.exchange import RankExchange
-from runtime.program import CollectiveMove, compile_plan
+from runtime.execution.program import CollectiveMove, compile_plan
+from runtime.memory.buffers import KeptViews
+from runtime.memory.dtypes import torch_dtype
 
 # Buckets launched during backward that may be in flight at once: a hook that would start one
 # more first waits for the oldest (as FSDP2 bounds its reduce-scatters in flight), so their
@@ -168,7 +168,7 @@ def _lay_out(
     it (read at the commit). A gloo reduce_scatter's all_to_all workspace is alive only while its
     collective runs, before the update, so it shares the space of the later results.
 
-    An all_gather sends from its own row of its result (in place: ``runtime.comm``), an
+    An all_gather sends from its own row of its result (in place: ``runtime.comm.collectives``), an
     all_reduce reduces its result in place, so neither takes send space. Buckets launched in
     ``step()`` run one at a time: they share one send buffer (the largest bucket's) and one
     workspace. Buckets launched during backward or after the step are in
