@@ -9,13 +9,17 @@ section with its command, its commit (marked when the tree had uncommitted chang
 machine, then its tables as the script printed them, then the page's plots of it (SVG, drawn by
 ``bench/plots.py`` under ``docs/benchmarks/plots/``). Runs no page names go on the results page,
 which also lists every run. Between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` markers
-in the README and the benchmarks index, the text is generated too (:data:`BLOCKS`). Nothing on
-those pages is typed by hand; ``tests/test_docs_site.py`` checks that they match the data.
+in the README and the docs pages that quote measurements (the benchmarks index, memory, GPUs,
+limits, calibration), the text is generated too (:data:`BLOCKS`: tables of a run, or one number
+inside a sentence). No measured number on any page is typed by hand: ``tests/test_docs_site.py``
+checks that the pages match the data, ``tests/test_bench_docs.py`` that no number that looks
+measured stands outside a block.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -278,22 +282,169 @@ def pages_table(records: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-# Generated blocks inside hand-written files: file -> {marker name: text from the records}.
+def run_link(here: Path, stem: str) -> str:
+    """The link from ``here`` to the section of the page that shows run ``stem``."""
+    page = next((p for p in PAGES if stem in p.runs), None)
+    target = DOCS / (page.path if page else RESULTS_PAGE)
+    return f"{os.path.relpath(target, here.parent)}#{page.anchor(stem) if page else anchor(stem)}"
+
+
+def source_line(here: Path, records: dict[str, dict], *stems: str) -> str:
+    """The sentence under a block of numbers: each run's command, commit and date, and a link to it."""
+    parts = []
+    for stem in stems:
+        r = records[stem]
+        commit = (r["commit"] or "unknown")[:10] + (" with uncommitted changes" if r.get("dirty") else "")
+        parts.append(f"`{r['command']}` at {commit}, {r['date']} ([the run]({run_link(here, stem)}))")
+    return "From " + "; ".join(parts) + "."
+
+
+def find_table(record: dict, title: str) -> dict:
+    """The run's first table whose title holds ``title`` (an error naming the run if none does)."""
+    for t in record["tables"]:
+        if title in t["title"]:
+            return t
+    raise ValueError(f"{record['bench']}: no table titled {title!r}...")
+
+
+def cell(record: dict, title: str, row: str, column: str) -> str:
+    """One cell of a run's table, its row found by its first cell's start."""
+    t = find_table(record, title)
+    for cells in t["rows"]:
+        if cells[0].startswith(row):
+            return cells[t["columns"].index(column)]
+    raise ValueError(f"{record['bench']}: table {t['title']!r} has no row {row!r}")
+
+
+def run_tables(
+    here: Path,
+    stem: str,
+    *titles: str,
+    columns: tuple[str, ...] = (),
+    rows: tuple[str, ...] = (),
+) -> Callable[[dict[str, dict]], str | None]:
+    """A block of a run's tables (the first whose title holds each of ``titles``; all without),
+    optionally only some columns (the first always kept) and rows (by their first cell's start),
+    then where the numbers came from."""
+
+    def make(records: dict[str, dict]) -> str | None:
+        if stem not in records:
+            return None
+        tables = [find_table(records[stem], t) for t in titles] if titles else records[stem]["tables"]
+        lines: list[str] = []
+        for t in tables:
+            keep = [0, *(t["columns"].index(c) for c in columns)] if columns else range(len(t["columns"]))
+            body = [r for r in t["rows"] if not rows or any(r[0].startswith(x) for x in rows)]
+            shown = {"columns": [t["columns"][i] for i in keep], "rows": [[r[i] for i in keep] for r in body]}
+            lines += [f"**{t['title']}**", "", *markdown_table(shown), ""]
+            if t.get("note"):
+                lines += [t["note"], ""]
+        return "\n".join([*lines, source_line(here, records, stem)])
+
+    make.__name__ = f"run_tables_{stem}"
+    return make
+
+
+def inline(here: Path, stem: str, title: str, row: str, column: str, suffix: str = "") -> Callable[[dict], str | None]:
+    """One number in a sentence (``<!-- bench:NAME -->1.40x<!-- /bench:NAME -->`` on one line)."""
+
+    def make(records: dict[str, dict]) -> str | None:
+        return cell(records[stem], title, row, column) + suffix if stem in records else None
+
+    make.__name__ = f"inline_{stem}"
+    make.inline = True  # type: ignore[attr-defined]
+    return make
+
+
+def memory_goals(records: dict[str, dict]) -> str | None:
+    """The memory goals set for the sharded step at 4 ranks, each against the stored run."""
+    if "memory" not in records or "memory_free_grads" not in records:
+        return None
+    here = REPO / "docs" / "memory.md"
+    held = "4 ranks"
+    free = records["memory_free_grads"]
+    full = records["memory"]
+    goals = [
+        ("ZeRO-2 spec, `free_grads`, x DDP", "<= 0.60", cell(free, held, "ShardedAdamW, ZeRO-2 spec, free", "x DDP")),
+        ("flat ZeRO, `free_grads`, x DDP", "<= 0.55", cell(free, held, "ShardedAdamW, flat ZeRO, free", "x DDP")),
+        (
+            "ZeRO-2 spec, `free_grads`, x `ZeroRedundancyOptimizer`",
+            "<= 0.80",
+            cell(free, held, "ShardedAdamW, ZeRO-2 spec, free", "x peer").split(" ")[0],
+        ),
+        (
+            "ZeRO-2 spec, overlap + `free_grads`, x DDP",
+            "<= 0.50",
+            cell(full, held, "ShardedAdamW, ZeRO-2 spec, overlap + free_grads", "x DDP"),
+        ),
+        (
+            "over FSDP2's parameters, x FSDP2 + AdamW",
+            "<= 1.05",
+            cell(full, held, "ShardedAdamW over FSDP2", "x peer").split(" ")[0],
+        ),
+    ]
+    lines = ["| goal | set | measured | met |", "|---|---|---|---|"]
+    for what, goal, got in goals:
+        met = "yes" if float(got) <= float(goal.split()[-1]) else "**no**"
+        lines.append(f"| {what} | {goal} | {got} | {met} |")
+    return "\n".join([*lines, "", source_line(here, records, "memory", "memory_free_grads")])
+
+
+MEMORY = REPO / "docs" / "memory.md"
+GPU = REPO / "docs" / "gpu.md"
+LIMITS = REPO / "docs" / "limits.md"
+CALIBRATION = REPO / "docs" / "calibration.md"
+
+# Generated blocks inside hand-written files: file -> {marker name: text from the records}. A
+# block is `<!-- bench:NAME -->` ... `<!-- /bench:NAME -->` on lines of their own, or, for an
+# ``inline`` number, on one line inside a sentence. tests/test_bench_docs.py fails on a measured
+# number typed anywhere else on README.md or a page under docs/.
 BLOCKS: dict[Path, dict[str, Callable[[dict[str, dict]], str | None]]] = {
     REPO / "README.md": {"speed-and-memory": readme_table},
     DOCS / "index.md": {"pages": pages_table},
+    MEMORY: {
+        "memory-4-ranks": run_tables(MEMORY, "memory", "4 ranks"),
+        "memory-free-grads": run_tables(MEMORY, "memory_free_grads", "4 ranks"),
+        "memory-ranks": run_tables(
+            MEMORY, "memory_ranks", "2 ranks", "8 ranks", columns=("held MiB", "x DDP", "x peer", "predicted / held")
+        ),
+        "memory-goals": memory_goals,
+        "fake-world": run_tables(MEMORY, "fake_world"),
+    },
+    GPU: {
+        "gpu-adamw": run_tables(GPU, "gpu_check", "AdamW step"),
+        "gpu-came": run_tables(GPU, "gpu_check", "CAME step"),
+        "gpu-fused-ratio": inline(GPU, "gpu_check", "AdamW step", "ShardedAdamW fused=True", "x fused", "x"),
+    },
+    LIMITS: {
+        "planner-3d-median": inline(
+            LIMITS, "planner_speed", "Planner speed per mesh", "[4, 4, 4]", "median ms (best of 3)", " ms (best of 3)"
+        ),
+    },
+    CALIBRATION: {
+        "calibration-margin": run_tables(
+            CALIBRATION, "calibration", "choice margin", "pairs where the models choose different plans"
+        ),
+        "calibration-accuracy": run_tables(CALIBRATION, "calibration", "4 gloo ranks", "R,R | P01"),
+        "calibration-sweep": run_tables(CALIBRATION, "calibration_sweep", "all_reduce", "all_gather"),
+    },
 }
 
 
-def fill_blocks(text: str, blocks: dict[str, Callable[[dict[str, dict]], str | None]], records: dict[str, dict]) -> str:
+def fill_blocks(
+    text: str, blocks: dict[str, Callable[[dict[str, dict]], str | None]], records: dict[str, dict], where: str = "page"
+) -> str:
     for name, make in blocks.items():
         begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
         pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
         if not pattern.search(text):
-            raise ValueError(f"no {begin} ... {end} block")
+            raise ValueError(f"{where}: no {begin} ... {end} block")
         body = make(records)
-        body = "No run of the scripts it needs is stored yet." if body is None else body
-        block = f"{begin}\n{body}\n{end}"
+        if getattr(make, "inline", False):  # a number inside a sentence: no line breaks
+            block = f"{begin}{'(not measured yet)' if body is None else body}{end}"
+        else:
+            body = "No run of the scripts it needs is stored yet." if body is None else body
+            block = f"{begin}\n{body}\n{end}"
         text = pattern.sub(lambda _, block=block: block, text)
     return text
 
@@ -304,7 +455,7 @@ def outputs(data: Path) -> dict[Path, str]:
     out = {DOCS / page.path: render_page(page, records, data) for page in PAGES}
     out[DOCS / RESULTS_PAGE] = render_results(records)
     for path, blocks in BLOCKS.items():
-        out[path] = fill_blocks(path.read_text(encoding="utf-8"), blocks, records)
+        out[path] = fill_blocks(path.read_text(encoding="utf-8"), blocks, records, str(path.relative_to(REPO)))
     return out
 
 

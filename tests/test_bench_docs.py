@@ -4,6 +4,8 @@ stale when the data changes (``tests/test_docs_site.py`` runs the ``--check`` it
 
 from __future__ import annotations
 
+import datetime
+import importlib
 import json
 import re
 import shutil
@@ -134,14 +136,160 @@ def test_the_plots_show_the_stored_numbers() -> None:
     assert held[: len(memory["rows"])] == [float(row[1]) for row in memory["rows"]]
 
 
-MEASURED = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|us|s|MiB|GiB|KiB|MB|GB/s|x|%)(?!\w)")
+# A number with a unit of time, size, rate, or a ratio or percentage: what a measurement looks like.
+MEASURED = re.compile(
+    r"(?<![\w.])(?P<value>\d[\d,]*(?:\.\d+)?)\s?(?P<unit>ms|us|ns|s|[KMGT]iB|[KMG]B/s|[KMG]B|x|%)(?![\w/])"
+)
+
+# The numbers with units on the pages that are not measurements, page by page: a setting's
+# default, a limit, a test's tolerance or parameter, a figure the cost model computes. A reason
+# that starts with "=" names the constant it is (``module.NAME``, times a factor after ``*``),
+# and the test checks that the page says its value.
+NOT_MEASURED: dict[str, dict[str, str]] = {
+    "docs/calibration.md": {
+        "5 us": "=planner.cost.DEFAULT_ALPHA",
+        "100 GB/s": "=planner.cost.DEFAULT_BANDWIDTH",
+        "4 KiB": "the sweep's smallest size, runtime.measure.calibrate.SWEEP_BYTES",
+        "256 KiB": "a size of runtime.measure.calibrate.SWEEP_BYTES",
+        "724 KiB": "a size of runtime.measure.calibrate.SWEEP_BYTES",
+        "768 KiB": "the known break on an axis of 4, computed (tests/test_calibrate_dist.py)",
+        "1 MiB": "=runtime.comm.collectives.GATHER_MESSAGES_BYTES",
+        "16 MiB": "the sweep's largest size (runtime.measure.calibrate.SWEEP_BYTES), and a synthetic test's",
+        "45 s": "=runtime.measure.calibrate.DEFAULT_BUDGET",
+        "128 KiB": "torch's parallel grain of 32768 f32 elements",
+        "1%": "=planner.fit.POOL_LEVEL",
+        "10%": "the fit's outlier floor, and the noise of tests/test_calibration_fit.py's synthetic timings",
+        "3%": "tests/test_calibration_fit.py: synthetic noise",
+        "5%": "tests/test_calibration_fit.py: synthetic noise",
+        "15%": "tests/test_calibration_fit.py: a synthetic jump",
+        "16%": "tests/test_calibration_fit.py: the synthetic slopes' spread",
+        "30%": "tests/test_calibration_fit.py: its tolerance",
+        "50%": "tests/test_calibration_fit.py: a synthetic jump",
+        "2x": "tests/test_calibration_fit.py: synthetic axes",
+        "3x": "tests/test_calibration_fit.py: synthetic axes",
+        "4x": "the ratio of two sweep sizes",
+        "1 ms": "tests/test_calibration_fit.py: a synthetic axis's extra cost",
+        "2.8 MiB": "tests/test_calibration_fit.py: a synthetic sweep's end",
+    },
+    "docs/gpu.md": {"10%": "tests/test_cuda.py's memory tolerance"},
+    "docs/language.md": {"16 MiB": "=shardlang.parser.MAX_SOURCE_BYTES"},
+    "docs/memory.md": {
+        "32 MiB": "=planner.legs.DEFAULT_BUCKET_BYTES",
+        "4 MiB": "=planner.legs.DEFAULT_OVERLAP_BUCKET_BYTES",
+        "74 MiB": "the bench model's size (19.4M f32 parameters)",
+        "64 KiB": "bench/bench_memory.py's mmap threshold, a setting",
+    },
+    "docs/reference/cost-model.md": {
+        "5 us": "=planner.cost.DEFAULT_ALPHA",
+        "100 GB/s": "=planner.cost.DEFAULT_BANDWIDTH",
+        "2 x": "a formula of the cost table",
+    },
+    "docs/reference/optimizers.md": {
+        "2 s": "=runtime.optim.transaction.FAILURE_NOTICE",
+        "5 s": "=runtime.measure.flops.DEFAULT_BUDGET",
+    },
+    "docs/reference/planner.md": {
+        "5 us": "=planner.cost.DEFAULT_ALPHA",
+        "100 GB/s": "=planner.cost.DEFAULT_BANDWIDTH",
+    },
+    "docs/reference/runtime.md": {"64 MiB": "=runtime.execution.executor.KEPT_BYTES"},
+    "docs/reference/step-plans.md": {
+        "32 MiB": "=planner.legs.DEFAULT_BUCKET_BYTES",
+        "4 MiB": "=planner.legs.DEFAULT_OVERLAP_BUCKET_BYTES",
+        "1 MiB": "the least of planner.bucket_cap.CAPS",
+        "5%": "=planner.bucket_cap.SLACK",
+        "1.25x": "=planner.bucket_cap.SLOWER",
+        "4x": "=planner.bucket_cap.LARGER",
+        "16 MiB": "=planner.bucket_cap.FLOOR",
+        "25 MB": "DDP's default bucket_cap_mb",
+        "64 MiB": "the cost model's cap for 7B on [dp=4, tp=8], computed by planner.bucket_cap",
+        "2 GiB": "the cost model's cap for 7B on [dp=512, tp=8], computed",
+        "20 us": "the cost model's latency in that example",
+        "9.2x": "modeled by planner.bucket_cap",
+        "1.49 s": "modeled by planner.bucket_cap",
+        "162 ms": "modeled by planner.bucket_cap",
+    },
+    "docs/reference/suggest.md": {"32 MiB": "=planner.legs.DEFAULT_BUCKET_BYTES"},
+    "docs/tutorials/calibrating.md": {
+        "5 us": "=planner.cost.DEFAULT_ALPHA",
+        "100 GB/s": "=planner.cost.DEFAULT_BANDWIDTH",
+        "4 KiB": "the sweep's smallest size, runtime.measure.calibrate.SWEEP_BYTES",
+        "16 MiB": "the sweep's largest size, runtime.measure.calibrate.SWEEP_BYTES",
+    },
+    "docs/tutorials/first-spec.md": {
+        "5 us": "=planner.cost.DEFAULT_ALPHA",
+        "100 GB/s": "=planner.cost.DEFAULT_BANDWIDTH",
+    },
+    "docs/tutorials/overlap.md": {"4 MiB": "=planner.legs.DEFAULT_OVERLAP_BUCKET_BYTES"},
+    "docs/tutorials/specs-for-models.md": {"160 KiB": "the --memory budget the tutorial passes to suggest"},
+}
+
+UNITS = {
+    "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "%": 0.01, "x": 1.0,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9,
+    "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9,
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["README.md", "docs/index.md", "docs/benchmarks/index.md"])
-def test_no_measured_number_is_typed_outside_the_generated_blocks(name: str) -> None:
-    """Times, sizes, rates and ratios on these pages come from stored runs, inside the blocks."""
-    text = (REPO / name).read_text(encoding="utf-8")
-    text = re.sub(r"<!-- bench:(\S+) -->.*?<!-- /bench:\1 -->", "", text, flags=re.DOTALL)
-    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)  # commands and transcripts (checked elsewhere)
-    typed = [line for line in text.splitlines() if MEASURED.search(line)]
-    assert not typed, f"{name}: numbers typed by hand (render them from docs/benchmarks/data/): {typed}"
+def _blank(match: re.Match) -> str:
+    return "\n" * match[0].count("\n")  # keep the line numbers
+
+
+def typed_numbers(text: str) -> list[tuple[int, str]]:
+    """(line, phrase) of each number that looks measured, outside the generated blocks, fenced
+    code (commands and transcripts, checked by tests/test_docs_examples.py), inline code and
+    HTML comments."""
+    text = re.sub(r"<!-- bench:(\S+) -->.*?<!-- /bench:\1 -->", _blank, text, flags=re.DOTALL)
+    text = re.sub(r"^( *)(```+|~~~+).*?^\1\2", _blank, text, flags=re.DOTALL | re.MULTILINE)
+    text = re.sub(r"<!--.*?-->", _blank, text, flags=re.DOTALL)
+    text = re.sub(r"`[^`\n]*(?:\n[^`\n]*)?`", _blank, text)
+    return [(n, m[0]) for n, line in enumerate(text.splitlines(), 1) for m in MEASURED.finditer(line)]
+
+
+def _hand_written_pages() -> list[Path]:
+    """README.md and every page under docs/ but those bench/render_docs.py writes whole."""
+    whole = set(render_docs.outputs(DATA)) - set(render_docs.BLOCKS)
+    return [REPO / "README.md", *(p for p in sorted((REPO / "docs").rglob("*.md")) if p not in whole)]
+
+
+def test_no_measured_number_is_typed_outside_the_generated_blocks() -> None:
+    """Times, sizes, rates and ratios on README.md and every docs page come from stored runs,
+    inside ``<!-- bench:NAME -->`` blocks that ``make bench-docs`` fills; the others are listed
+    in :data:`NOT_MEASURED` with what they are."""
+    typed = []
+    for page in _hand_written_pages():
+        name = str(page.relative_to(REPO))
+        allowed = NOT_MEASURED.get(name, {})
+        typed += [f"{name}:{n}: {phrase!r}" for n, phrase in typed_numbers(page.read_text()) if phrase not in allowed]
+    assert not typed, (
+        "numbers typed by hand where a measurement belongs: render them from docs/benchmarks/data/ "
+        "(a block in bench/render_docs.py's BLOCKS), or, if one is a setting, a limit or a modeled "
+        "figure, list it in NOT_MEASURED with what it is:\n  " + "\n  ".join(typed)
+    )
+
+
+def test_what_is_not_measured_is_on_its_page_and_says_its_constant() -> None:
+    """Each entry of NOT_MEASURED is still on its page (no stale excuse), and one that names a
+    constant says the constant's value."""
+    for name, allowed in NOT_MEASURED.items():
+        found = {phrase for _, phrase in typed_numbers((REPO / name).read_text())}
+        assert not set(allowed) - found, f"{name}: no longer says {sorted(set(allowed) - found)}: drop them"
+        for phrase, reason in allowed.items():
+            if not reason.startswith("="):
+                continue
+            path, _, factor = reason[1:].partition("*")
+            module, _, attr = path.rpartition(".")
+            value = getattr(importlib.import_module(module), attr)
+            value = value.total_seconds() if isinstance(value, datetime.timedelta) else value
+            m = MEASURED.fullmatch(phrase)
+            said = float(m["value"].replace(",", "")) * UNITS[m["unit"]]
+            assert said == pytest.approx(value * float(factor or 1), rel=1e-9), (
+                f"{name}: {phrase!r} but {path} = {value}"
+            )
+
+
+def test_the_guard_catches_a_typed_measurement() -> None:
+    """The guard fails on a typed number, and not on one inside a block, code or a comment."""
+    page = "Took 0.93x DDP.\n<!-- bench:x -->\n1.5 ms\n<!-- /bench:x -->\n`32 MiB` and\n```\n4 s\n```\n12 GiB held\n"
+    assert typed_numbers(page) == [(1, "0.93x"), (9, "12 GiB")]
+    assert typed_numbers("an inline <!-- bench:y -->1.40x<!-- /bench:y --> ratio, 3 ranks, 2(n-1)") == []
