@@ -81,12 +81,20 @@ def main() -> None:
         per_rank = run_ranks(one_rank, WORLD, (args.n, args.reps, root), timeout=900)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    median = [statistics.median(run[i] for runs in per_rank for run in runs) for i in range(len(MEASURES))]
     print(f"[{args.n},{args.n}] f32 ({args.n * args.n * 4 / 2**20:.0f} MiB): saved as rows, loaded as columns, "
           f"{WORLD} gloo ranks, {args.reps} runs; medians over ranks and runs")  # fmt: skip
-    for i, name in enumerate(MEASURES):
-        print(f"  {name:16s} {statistics.median(run[i] for runs in per_rank for run in runs):.3f}")
+    print()
+    print("| measure | ours | DCP | ours / DCP |")
+    print("|---|---|---|---|")
+    for what, ours, theirs in (
+        ("save s", *median[0:2]),
+        ("load s", *median[2:4]),
+        ("read while loading MiB", *median[4:6]),
+    ):
+        print(f"| {what} | {ours:.3f} | {theirs:.3f} | {ours / theirs:.2f} |")
 
 
 if __name__ == "__main__":
-    # --json PATH: also write what it prints, with command, commit, date and machine (bench/results.py).
+    # --json PATH: also write its table, with command, commit, date and machine (bench/results.py).
     bench_results.main(main, "Checkpoints")

@@ -79,14 +79,24 @@ def received(plan: planner.Plan) -> int:
     )
 
 
-def describe(values: list[float]) -> str:
+def describe(values: list[float]) -> list[str]:
+    """Cells: pairs, mean, worst, and how many are exactly 1.00 (the bound met)."""
     if not values:
-        return "none"
+        return ["0", "-", "-", "-"]
     exact = sum(abs(v - 1) < 1e-12 for v in values)
-    return (
-        f"mean {statistics.fmean(values):.4f}, worst {max(values):.3f}, "
-        f"exactly 1.00 on {exact}/{len(values)} ({100 * exact / len(values):.1f}%)"
-    )
+    return [
+        str(len(values)),
+        f"{statistics.fmean(values):.4f}",
+        f"{max(values):.3f}",
+        f"{exact}/{len(values)} ({100 * exact / len(values):.1f}%)",
+    ]
+
+
+def markdown(columns: list[str], rows: list[list[object]]) -> str:
+    """A markdown table, pipes in cells escaped (bench/results.py reads it back)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -100,11 +110,6 @@ def main() -> None:
     rng = random.Random(args.seed)
     same = quality.random_pairs(rng, args.same)
     cross = cross_pairs(rng, args.cross)
-    print(f"{len(same)} same-mesh pairs (DTensor can express them), {len(cross)} cross-mesh pairs; seed {args.seed}")
-    print(
-        f"partial sources: {sum(p[0].is_partial for p in same)} same-mesh, {sum(p[0].is_partial for p in cross)} cross"
-    )
-
     timings: list[float] = []
 
     def chosen_plan(src, dst, shape, dtype, cost=None):
@@ -131,21 +136,33 @@ def main() -> None:
         total_ratio.append(p.total_bytes / bound)
         if bound >= 1 << 20:
             large_ratio.append(received(p) / bound)
-    print(f"\nchosen plans: {dict(kinds)}")
-    print("non-partial sources with a nonzero bound, bytes received by the busiest rank / lower bound:")
-    print(f"  the point-to-point step alone: {describe(step_ratio)}")
-    print(f"  the chosen plan:               {describe(plan_ratio)}")
-    print(f"  the chosen plan, bound >= 1 MiB (bandwidth-bound): {describe(large_ratio)}")
-    print(f"  chosen plan's total_bytes (per-step max of sent or received, summed) / bound: "
-          f"mean {statistics.fmean(total_ratio):.3f}")  # fmt: skip
+    print(
+        f"{len(same)} same-mesh pairs (DTensor can express them; {sum(p[0].is_partial for p in same)} partial "
+        f"sources), {len(cross)} cross-mesh pairs ({sum(p[0].is_partial for p in cross)} partial); seed {args.seed}"
+    )
+    print("\nBytes received by the busiest rank over the receive lower bound (non-partial sources, bound > 0)\n")
+    print(
+        markdown(
+            ["plan", "pairs", "mean", "worst", "exactly 1.00"],
+            [
+                ["the point-to-point step alone", *describe(step_ratio)],
+                ["the chosen plan", *describe(plan_ratio)],
+                ["the chosen plan, bound >= 1 MiB (bandwidth-bound)", *describe(large_ratio)],
+            ],
+        )
+    )
+    print(
+        f"\nChosen plans: {', '.join(f'{k} {v}' for k, v in kinds.items())}. The chosen plan's total_bytes "
+        f"(per-step max of sent or received, summed) over the bound: mean {statistics.fmean(total_ratio):.3f}."
+    )
 
     # --- modeled time: same mesh --------------------------------------------------------------
     transforms = {
         name: [quality.dtensor_transforms(src, dst, shape, dtype, graph) for src, dst, shape, dtype in same]
         for name, graph in (("greedy", False), ("graph", True))
     }
+    summary, best_cases = [], []
     for model_name, model in quality.COST_MODELS.items():
-        print(f"\n=== same mesh, cost model: {model_name}")
         ours_total = collective_total = 0.0
         cheaper, ratios = 0, []
         ours_times = []
@@ -161,32 +178,43 @@ def main() -> None:
             ratios.append((ratio, src, dst, shape, ours, collective))
             cheaper += ratio < 1 - 1e-9
         positive = [r[0] for r in ratios if r[0] > 0]
-        per_pair = 1 / statistics.geometric_mean(positive)
-        print(
-            f"collective-only / chosen: {collective_total / ours_total:.3f}x in total, geometric mean of "
-            f"per-pair ratios {per_pair:.3f}x (over the {len(positive)} pairs whose chosen plan costs "
-            f"something; the others only copy locally); chosen cheaper on "
-            f"{cheaper}/{len(same)} pairs ({100 * cheaper / len(same):.1f}%); best single case "
-            f"{min(ratios, key=lambda r: r[0])[0]:.3f} of the collective plan"
-        )
+        row = [
+            model_name,
+            f"{collective_total / ours_total:.3f}",
+            f"{1 / statistics.geometric_mean(positive):.3f} ({len(positive)})",
+            f"{cheaper}/{len(same)} ({100 * cheaper / len(same):.1f}%)",
+            f"{min(ratios, key=lambda r: r[0])[0]:.3f}",
+        ]
         for ratio, src, dst, shape, ours, collective in sorted(ratios, key=lambda r: r[0])[: args.show]:
-            print(f"  {ratio:.3f}  {src} -> {dst} [{'x'.join(map(str, shape))}]")
-            print(f"         chosen:     {', '.join(s.describe() for s in ours.steps)}")
-            print(f"         collective: {', '.join(s.describe() for s in collective.steps)}")
-        for name, sequences in transforms.items():
+            best_cases.append([
+                model_name, f"{ratio:.3f}", f"{src} -> {dst}", "x".join(map(str, shape)),
+                ", ".join(s.describe() for s in ours.steps), ", ".join(s.describe() for s in collective.steps),
+            ])  # fmt: skip
+        for sequences in transforms.values():
             theirs_total, more = 0.0, 0
             for (src, dst, shape, dtype), changes, ours in zip(same, sequences, ours_times, strict=True):
                 theirs, _ = quality.cost_steps(src, changes, shape, dtype, model(src.mesh))
                 assert ours <= theirs * (1 + 1e-9), (src, dst, shape)
                 theirs_total += theirs
                 more += theirs > ours * (1 + 1e-9)
-            print(
-                f"DTensor {name} / chosen: {theirs_total / ours_total:.3f}x in total; DTensor costs more on "
-                f"{more}/{len(same)} pairs ({100 * more / len(same):.1f}%)"
-            )
+            row += [f"{theirs_total / ours_total:.3f}", f"{more}/{len(same)} ({100 * more / len(same):.1f}%)"]
+        summary.append(row)
+    print("\nSame mesh, modeled time: the collective-only plan and DTensor's planners over the chosen plan\n")
+    print(
+        markdown(
+            [
+                "cost model", "collective-only / chosen, total", "geometric mean per pair (pairs)",
+                "chosen cheaper on", "best single case", "DTensor greedy / chosen, total", "greedy costs more on",
+                "DTensor graph / chosen, total", "graph costs more on",
+            ],
+            summary,
+        )
+    )  # fmt: skip
+    print("\nThe geometric mean leaves out the pairs whose chosen plan only copies locally (it costs 0).")
+    print(f"\nSame mesh, the {args.show} cheapest cases against the collective-only plan, per cost model\n")
+    print(markdown(["cost model", "chosen / collective", "pair", "shape", "chosen", "collective"], best_cases))
 
     # --- modeled time: cross mesh ------------------------------------------------------------
-    print("\n=== cross mesh, default cost model (DTensor cannot plan across meshes: NotImplementedError)")
     gains, total_direct, total_chosen = [], 0.0, 0.0
     for src, dst, shape, dtype in cross:
         if src.is_partial or dst.is_partial:
@@ -197,19 +225,28 @@ def main() -> None:
         total_direct += direct.total_seconds
         gains.append(direct.total_seconds / p.total_seconds if p.total_seconds else 1.0)
     better = sum(g > 1 + 1e-9 for g in gains)
+    print("\nCross mesh, default cost model: one point-to-point step over the chosen plan\n")
     print(
-        f"non-partial pairs: one point-to-point step / chosen plan: {total_direct / total_chosen:.3f}x in total; "
-        f"a mix is cheaper on {better}/{len(gains)} ({100 * better / len(gains):.1f}%), best {max(gains):.2f}x"
-    )
+        markdown(
+            ["non-partial pairs", "one step / chosen, total", "a mix cheaper on", "best"],
+            [[len(gains), f"{total_direct / total_chosen:.3f}", f"{better} ({100 * better / len(gains):.1f}%)",
+              f"{max(gains):.2f}"]],
+        )
+    )  # fmt: skip
+    print("\nDTensor cannot plan across meshes (NotImplementedError).")
 
     timings.sort()
+    print("\nPlanning time, cold (the plan caches cleared before each plan)\n")
     print(
-        f"\nplanning time, cold, {len(timings)} plans: median {1e3 * statistics.median(timings):.2f} ms, "
-        f"p99 {1e3 * timings[int(0.99 * (len(timings) - 1))]:.1f} ms, max {1e3 * timings[-1]:.1f} ms"
-    )
+        markdown(
+            ["plans", "median ms", "p99 ms", "max ms"],
+            [[len(timings), f"{1e3 * statistics.median(timings):.2f}",
+              f"{1e3 * timings[int(0.99 * (len(timings) - 1))]:.1f}", f"{1e3 * timings[-1]:.1f}"]],
+        )
+    )  # fmt: skip
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    # --json PATH: also write what it prints, with command, commit, date and machine (bench/results.py).
+    # --json PATH: also write its tables, with command, commit, date and machine (bench/results.py).
     bench_results.main(main, "Point-to-point plan quality")

@@ -132,17 +132,26 @@ def _bench_rank(rank: int, world_size: int, sizes: list[int], reps: int) -> list
     return [_measure(rank, *pair, mb, reps) for pair in PAIRS[world_size] for mb in sizes]
 
 
-def _line(world: int, r: dict[str, object]) -> str:
-    def cell(key: str, width: int = 8) -> str:
-        return f"{r[key]:>{width}.2f}" if key in r else f"{'n/a' if key == 'dtensor_ms' else '-':>{width}}"
+HEADER = (
+    "ranks", "case", "pair", "MB", "p2p ms", "coll ms", "DTensor ms", "p2p / coll", "p2p / DTensor",
+    "sent MB p2p / coll", "bound MB", "agree",
+)  # fmt: skip
 
-    ratio_coll = f"{r['p2p_ms'] / r['coll_ms']:>8.2f}" if "coll_ms" in r else f"{'-':>8}"
-    ratio_dt = f"{r['p2p_ms'] / r['dtensor_ms']:>7.2f}" if "dtensor_ms" in r else f"{'n/a':>7}"
-    sent = "/".join(f"{r[k] / 2**20:.2f}" if k in r else "-" for k in ("p2p_bytes", "coll_bytes"))
-    return (
-        f"{world:>5} {r['name']:<16} {r['pair']:<48} {r['mb']:>3} {cell('p2p_ms')} {cell('coll_ms')} "
-        f"{cell('dtensor_ms')} {ratio_coll} {ratio_dt} {sent:>16} {r['lower_bound'] / 2**20:>8.2f} {r['agree']}"
-    )
+
+def _row(world: int, r: dict[str, object]) -> str:
+    """One markdown row (the pair's pipes escaped, so the table keeps its cells)."""
+
+    def ms(key: str) -> str:
+        return f"{r[key]:.2f}" if key in r else ("n/a" if key == "dtensor_ms" else "-")
+
+    ratio_coll = f"{r['p2p_ms'] / r['coll_ms']:.2f}" if "coll_ms" in r else "-"
+    ratio_dt = f"{r['p2p_ms'] / r['dtensor_ms']:.2f}" if "dtensor_ms" in r else "n/a"
+    sent = " / ".join(f"{r[k] / 2**20:.2f}" if k in r else "-" for k in ("p2p_bytes", "coll_bytes"))
+    cells = [
+        world, r["name"], str(r["pair"]).replace("|", "\\|"), r["mb"], ms("p2p_ms"), ms("coll_ms"), ms("dtensor_ms"),
+        ratio_coll, ratio_dt, sent, f"{r['lower_bound'] / 2**20:.2f}", r["agree"],
+    ]  # fmt: skip
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def main() -> None:
@@ -153,18 +162,18 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(
-        f"{'ranks':>5} {'case':<16} {'pair':<48} {'MB':>3} {'p2p ms':>8} {'coll ms':>8} {'DTensor':>8} "
-        f"{'p2p/coll':>8} {'p2p/DT':>7} {'sent MB p2p/coll':>16} {'bound MB':>8} agree"
-    )
+    print(f"Point-to-point reshard against collectives and DTensor, f32, median of {args.reps} runs")
+    print()
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER))
     for world in (int(w) for w in args.worlds.split(",")):
         rows = run_ranks(_bench_rank, world, (sizes, args.reps), timeout=3600, collective_timeout=600)[0]
         for r in rows:
             # The plan's bytes are the largest max(sent, received): no rank sends more.
             assert r["p2p_bytes"] <= r["p2p_planned"], f"{r['pair']}: sent {r['p2p_bytes']} > {r['p2p_planned']}"
-            print(_line(world, r), flush=True)
+            print(_row(world, r), flush=True)
 
 
 if __name__ == "__main__":
-    # --json PATH: also write what it prints, with command, commit, date and machine (bench/results.py).
+    # --json PATH: also write its table, with command, commit, date and machine (bench/results.py).
     bench_results.main(main, "Point-to-point reshard wall time")

@@ -177,14 +177,16 @@ def main() -> None:
             ("3 x 2000 names against x{0..99999}.w", resolved, 5.0),
             ("6 huge literals refused (all)", huge_inputs, 6 * 1.0),
         ]
-        width = max(len(name) for name, _, _ in cases)
-        print(f"{'request':<{width}}  {'first':>9}  {'best':>9}  goal")
+        print(f"Worst cases and large inputs: ms of the first of {args.repeat} runs and of the best")
+        print()
+        print("| request | first ms | best ms | goal s | goal |")
+        print("|---|---|---|---|---|")
         for name, run, goal in cases:
             first, best = best_of(args.repeat, run)
             verdict = "met" if first <= goal else "NOT met"
-            print(f"{name:<{width}}  {first * 1e3:7.1f}ms  {best * 1e3:7.1f}ms  <= {goal:g} s: {verdict}")
+            print(f"| {name} | {first * 1e3:.1f} | {best * 1e3:.1f} | <= {goal:g} | {verdict} |", flush=True)
 
 
 if __name__ == "__main__":
-    # --json PATH: also write what it prints, with command, commit, date and machine (bench/results.py).
+    # --json PATH: also write its table, with command, commit, date and machine (bench/results.py).
     bench_results.main(main, "Budget worst cases and large inputs")

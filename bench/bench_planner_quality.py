@@ -187,6 +187,13 @@ def why_cheaper(ours: planner.Plan, theirs: list[str]) -> str:
     return "a different set of collectives"
 
 
+def markdown(columns: list[str], rows: list[list[object]]) -> str:
+    """A markdown table, pipes in cells escaped (bench/results.py reads it back)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=600)
@@ -196,15 +203,12 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     rng = random.Random(args.seed)
     pairs = random_pairs(rng, args.pairs)
-    print(f"{len(pairs)} random pairs DTensor can express, seed {args.seed}")
-    print(f"meshes: {sorted(Counter(p[0].mesh.shape for p in pairs).items())}")
-    print(f"partial sources: {sum(p[0].is_partial for p in pairs)}")
     transforms = {
         name: [dtensor_transforms(src, dst, shape, dtype, graph) for src, dst, shape, dtype in pairs]
         for name, graph in (("greedy", False), ("graph", True))
     }
+    summary, reasons, cases = [], [], []
     for model_name, model in COST_MODELS.items():
-        print(f"\n=== cost model: {model_name}")
         for name, sequences in transforms.items():
             ours_total = theirs_total = 0.0
             rows = []
@@ -220,26 +224,41 @@ def main() -> None:
                 rows.append((ours.total_seconds / theirs if theirs else 1.0, src, dst, shape, dtype, ours, their_ops))
             rows.sort(key=lambda r: r[0])
             cheaper = [r for r in rows if r[0] < 1 - 1e-9]
-            print(
-                f"DTensor {name}: ours/DTensor total {ours_total / theirs_total:.4f} "
-                f"(DTensor {theirs_total / ours_total:.3f}x ours); DTensor costs more on "
-                f"{len(cheaper)}/{len(rows)} pairs ({100 * len(cheaper) / len(rows):.1f}%)"
-            )
-            print(f"  best single case (ours/DTensor): {rows[0][0]:.3f}; worst: {rows[-1][0]:.3f}")
-            reasons = Counter(why_cheaper(r[5], r[6]) for r in cheaper)
-            for reason, count in reasons.most_common():
-                print(f"  {count:4d} x {reason}")
+            summary.append([
+                model_name, name, f"{ours_total / theirs_total:.4f}", f"{theirs_total / ours_total:.3f}",
+                f"{len(cheaper)}/{len(rows)} ({100 * len(cheaper) / len(rows):.1f}%)",
+                f"{rows[0][0]:.3f}", f"{rows[-1][0]:.3f}",
+            ])  # fmt: skip
+            for reason, count in Counter(why_cheaper(r[5], r[6]) for r in cheaper).most_common():
+                reasons.append([model_name, name, reason, count])
             for ratio, src, dst, shape, dtype, ours, their_ops in cheaper[: args.show]:
-                shape_text = "x".join(map(str, shape))
-                print(f"  {ratio:.3f}  {src} -> {dst} [{shape_text} {dtype}]")
-                print(f"         ours:    {', '.join(labels(ours))}")
-                print(f"         DTensor: {', '.join(their_ops)}   ({why_cheaper(ours, their_ops)})")
+                cases.append([
+                    model_name, name, f"{ratio:.3f}", f"{src} -> {dst}", f"{'x'.join(map(str, shape))} {dtype}",
+                    ", ".join(labels(ours)), ", ".join(their_ops), why_cheaper(ours, their_ops),
+                ])  # fmt: skip
+    print("Modeled time of our plans against DTensor's planners' (their steps costed under our model)\n")
+    print(markdown(
+        ["cost model", "DTensor planner", "ours / DTensor, total", "DTensor / ours, total", "DTensor costs more on",
+         "best single case (ours / DTensor)", "worst"],
+        summary,
+    ))  # fmt: skip
+    meshes = ", ".join(f"{list(shape)} {n}" for shape, n in sorted(Counter(p[0].mesh.shape for p in pairs).items()))
+    print(
+        f"\n{len(pairs)} random pairs DTensor can express (seed {args.seed}), "
+        f"{sum(p[0].is_partial for p in pairs)} with partial sources; pairs per mesh: {meshes}."
+    )
+    print("\nWhy ours is cheaper, pairs per reason\n")
+    print(markdown(["cost model", "DTensor planner", "reason", "pairs"], reasons))
+    print(f"\nThe {args.show} cheapest cases per comparison (steps as op(mesh axis: tensor dims))\n")
+    print(
+        markdown(["cost model", "DTensor planner", "ours / DTensor", "pair", "shape", "ours", "DTensor", "why"], cases)
+    )
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     try:
-        # --json PATH: also write what it prints, with command, commit, date and machine (bench/results.py).
+        # --json PATH: also write its tables, with command, commit, date and machine (bench/results.py).
         bench_results.main(main, "Plan quality")
     except InteropError as e:  # a layout DTensor cannot express slipped through
         raise SystemExit(f"error: {e}") from None
