@@ -22,6 +22,7 @@ merging ``k`` steps saves ``k - 1`` latencies and overheads.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from planner.cost import CostModel, collective_rounds
 from planner.records import Plan
 from shardlang.errors import SourcePosition
 from shardlang.layout import Layout
-from shardlang.mesh import Mesh
+from shardlang.mesh import Mesh, StridedRanks
 
 # Extra buffer memory a bucket may hold per rank. 32 MiB: under the default cost model (5 us a
 # round, 100 GB/s) a bucket of this size on an axis of up to 8 ranks spends under 5% of its
@@ -72,11 +73,17 @@ def flat_group(mesh: Mesh, axis: int, rank: int) -> Mesh:
     if all(n == 1 for a, n in enumerate(mesh.shape) if a != axis):
         return mesh
     coordinate = list(mesh.coordinate(rank))
+    coordinate[axis] = 0
+    first = mesh.rank_at(tuple(coordinate))
+    shape = tuple(n if a == axis else 1 for a, n in enumerate(mesh.shape))
+    if isinstance(mesh.ranks, StridedRanks):
+        # A run of ranks stays a run along any axis: O(1) however large the group is.
+        stride = math.prod(mesh.shape[axis + 1 :]) * mesh.ranks.step
+        return Mesh(shape=shape, ranks=StridedRanks(mesh.shape[axis], first, stride), axis_names=mesh.axis_names)
     ranks = []
     for k in range(mesh.shape[axis]):
         coordinate[axis] = k
         ranks.append(mesh.rank_at(tuple(coordinate)))
-    shape = tuple(n if a == axis else 1 for a, n in enumerate(mesh.shape))
     return Mesh(shape=shape, ranks=tuple(ranks), axis_names=mesh.axis_names)
 
 

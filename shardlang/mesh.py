@@ -21,26 +21,40 @@ def _as_int_tuple(values: object) -> tuple[int, ...]:
     return tuple(int(v) for v in values)  # type: ignore[union-attr]
 
 
-class RowMajorRanks(Sequence[int]):
-    """The ranks ``start..start+n-1`` in order (``0..n-1`` by default), as a sequence that holds
-    only ``n`` and ``start``: the ranks of a mesh declared without a ``ranks`` clause, or with a
-    range (``ranks 4096..8191``), so that a mesh of a million ranks costs O(axes) memory and
-    prints in O(1). It compares equal to any sequence of the same ranks in the same order (a
-    tuple included); its hash is its own, so a :class:`Mesh` always stores an ascending run of
-    ranks this way (its converter turns such a tuple into one) and meshes hash as they compare."""
+class StridedRanks(Sequence[int]):
+    """The ranks ``start, start+step, ..., start+(n-1)*step``, as a sequence that holds only
+    ``n``, ``start`` and ``step``: the ranks of one group along a mesh axis (every
+    ``tp``-th rank of a ``[dp, tp]`` mesh, say), so that a group of any size costs O(1) memory
+    and prints in O(1) (``ranks 0..4088 step 8``). It compares equal to any
+    sequence of the same ranks in the same order (a tuple included); its hash is its own, so
+    a :class:`Mesh` always stores an arithmetic run of ranks this way (its converter turns
+    such a tuple into one) and meshes hash as they compare. ``step`` is at least 1; a run of
+    consecutive ranks is a :class:`RowMajorRanks`."""
 
-    __slots__ = ("_n", "_start")
+    __slots__ = ("_n", "_start", "_step")
 
-    def __init__(self, n: int, start: int = 0) -> None:
+    def __init__(self, n: int, start: int = 0, step: int = 1) -> None:
         self._n = int(n)
         self._start = int(start)
+        self._step = int(step)
+        if self._step < 1:
+            raise LayoutError(f"a rank run's step must be at least 1, not {self._step}")
 
     @property
     def start(self) -> int:
         return self._start
 
+    @property
+    def step(self) -> int:
+        return self._step
+
     def _range(self) -> range:
-        return range(self._start, self._start + self._n)
+        return range(self._start, self._start + self._n * self._step, self._step)
+
+    def position(self, rank: int) -> int | None:
+        """Where ``rank`` is in the run, ``None`` if it is not there; O(1)."""
+        offset, off_step = divmod(rank - self._start, self._step)
+        return offset if off_step == 0 and 0 <= offset < self._n else None
 
     def __len__(self) -> int:
         return self._n
@@ -61,43 +75,66 @@ class RowMajorRanks(Sequence[int]):
         return reversed(self._range())
 
     def __contains__(self, rank: object) -> bool:
-        return rank in self._range()
+        return isinstance(rank, int) and self.position(rank) is not None
 
     def index(self, rank: object, start: int = 0, stop: int | None = None) -> int:
         stop = self._n if stop is None else stop
-        found = self._range().index(rank) if rank in self else -1
-        if not max(start, 0) <= found < min(stop, self._n):
+        found = self.position(rank) if isinstance(rank, int) else None
+        if found is None or not max(start, 0) <= found < min(stop, self._n):
             raise ValueError(f"{rank!r} is not in the ranks")
         return found
 
     def count(self, rank: object) -> int:
         return int(rank in self)
 
+    def _key(self) -> tuple[int, int, int]:
+        # Runs of at most one rank are equal whatever their step (and of none, whatever their start).
+        return (self._n, self._start if self._n else 0, self._step if self._n > 1 else 1)
+
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, RowMajorRanks):
-            return other._n == self._n and (other._start == self._start or not self._n)
+        if isinstance(other, StridedRanks):
+            return other._key() == self._key()
         if isinstance(other, (tuple, list, range)):
-            return len(other) == self._n and all(r == self._start + i for i, r in enumerate(other))
+            return len(other) == self._n and all(r == self._start + i * self._step for i, r in enumerate(other))
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((RowMajorRanks, self._n, self._start if self._n else 0))
+        return hash((StridedRanks, *self._key()))
+
+    def __repr__(self) -> str:
+        return f"StridedRanks({self._n}, {self._start}, {self._step})"
+
+    def __reduce__(self) -> tuple[type, tuple[int, ...]]:
+        return StridedRanks, (self._n, self._start, self._step)
+
+
+class RowMajorRanks(StridedRanks):
+    """The ranks ``start..start+n-1`` in order (``0..n-1`` by default): the ranks of a mesh
+    declared without a ``ranks`` clause, or with a range (``ranks 4096..8191``), so that a mesh
+    of a million ranks costs O(axes) memory and prints in O(1)."""
+
+    __slots__ = ()
+
+    def __init__(self, n: int, start: int = 0) -> None:
+        super().__init__(n, start, 1)
 
     def __repr__(self) -> str:
         return f"RowMajorRanks({self._n})" if self._start == 0 else f"RowMajorRanks({self._n}, {self._start})"
 
-    def __reduce__(self) -> tuple[type, tuple[int, int]]:
+    def __reduce__(self) -> tuple[type, tuple[int, ...]]:
         return RowMajorRanks, (self._n, self._start)
 
 
-def _as_ranks(values: object) -> tuple[int, ...] | RowMajorRanks:
-    """A mesh's ranks as stored: :class:`RowMajorRanks` when they are an ascending run."""
-    if isinstance(values, RowMajorRanks):
-        return values
+def _as_ranks(values: object) -> tuple[int, ...] | StridedRanks:
+    """A mesh's ranks as stored: :class:`RowMajorRanks` when they are an ascending run of
+    consecutive ranks, :class:`StridedRanks` when of a step of 2 or more."""
+    if isinstance(values, StridedRanks):
+        return RowMajorRanks(len(values), values.start) if values.step == 1 or len(values) < 2 else values
     ranks = _as_int_tuple(values)
     start = ranks[0] if ranks else 0
-    if all(r == start + i for i, r in enumerate(ranks)):
-        return RowMajorRanks(len(ranks), start)
+    step = ranks[1] - start if len(ranks) >= 2 else 1
+    if step >= 1 and all(r == start + i * step for i, r in enumerate(ranks)):
+        return RowMajorRanks(len(ranks), start) if step == 1 else StridedRanks(len(ranks), start, step)
     return ranks
 
 
@@ -116,12 +153,12 @@ class Mesh:
     """
 
     shape: tuple[int, ...] = attrs.field(converter=_as_int_tuple)
-    ranks: tuple[int, ...] | RowMajorRanks = attrs.field(converter=_as_ranks)
+    ranks: tuple[int, ...] | StridedRanks = attrs.field(converter=_as_ranks)
     axis_names: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_names)
     name: str | None = None
     # rank -> its row-major position in ``ranks``, built once by __attrs_post_init__ (derived, so
     # left out of equality, hashing and repr): rank lookups are on every planning and runtime
-    # path. ``None`` for row-major ranks, where a rank is its own position.
+    # path. ``None`` for a run of ranks, whose position is arithmetic.
     _flat_index: dict[int, int] | None = attrs.field(init=False, eq=False, hash=False, repr=False)
 
     @ranks.default
@@ -138,7 +175,7 @@ class Mesh:
             raise LayoutError(
                 f"mesh[{','.join(map(str, self.shape))}] holds {self.size} ranks but {len(self.ranks)} are given"
             )
-        object.__setattr__(self, "_flat_index", None if isinstance(self.ranks, RowMajorRanks) else _index(self.ranks))
+        object.__setattr__(self, "_flat_index", None if isinstance(self.ranks, StridedRanks) else _index(self.ranks))
         if self.axis_names is not None:
             if len(self.axis_names) != len(self.shape):
                 raise LayoutError(f"{len(self.axis_names)} axis names for a {len(self.shape)}-axis mesh")
@@ -188,8 +225,7 @@ class Mesh:
     def _position(self, rank: int) -> int | None:
         """The row-major position of ``rank`` in ``ranks``, ``None`` if it is not there."""
         if self._flat_index is None:
-            start = self.ranks.start  # type: ignore[union-attr]
-            return rank - start if rank in self.ranks else None
+            return self.ranks.position(rank)  # type: ignore[union-attr]
         return self._flat_index.get(rank)
 
     def rank_at(self, coordinate: tuple[int, ...]) -> int:
@@ -213,7 +249,7 @@ class Mesh:
         return tuple(groups)
 
     @property
-    def geometry(self) -> tuple[tuple[int, ...], tuple[int, ...] | RowMajorRanks]:
+    def geometry(self) -> tuple[tuple[int, ...], tuple[int, ...] | StridedRanks]:
         """The grid and its ranks, whatever the mesh and its axes are called: what planning and
         communication depend on, as a key (hashing it costs O(axes) for row-major ranks)."""
         return self.shape, self.ranks
@@ -268,13 +304,12 @@ def numbered_from_zero(ranks: Sequence[int]) -> bool:
 
 
 def format_ranks(ranks: Sequence[int]) -> str:
-    """``4..7`` for an ascending run of two or more ranks, else ``[3,1]``; O(1) for a
-    :class:`RowMajorRanks`."""
-    if isinstance(ranks, RowMajorRanks) and len(ranks) >= 2:
-        return f"{ranks[0]}..{ranks[-1]}"
-    if len(ranks) >= 2 and all(b == a + 1 for a, b in itertools.pairwise(ranks)):
-        return f"{ranks[0]}..{ranks[-1]}"
-    return "[" + ",".join(str(r) for r in ranks) + "]"
+    """``4..7`` for an ascending run of two or more consecutive ranks, ``0..56 step 8`` for one
+    of three or more of a larger step, else ``[3,1]``; O(1) for a :class:`StridedRanks`."""
+    run = ranks if isinstance(ranks, StridedRanks) else _as_ranks(ranks)
+    if not isinstance(run, StridedRanks) or len(run) < (2 if run.step == 1 else 3):
+        return "[" + ",".join(str(r) for r in ranks) + "]"
+    return f"{run[0]}..{run[-1]}" + ("" if run.step == 1 else f" step {run.step}")
 
 
 def check_identifier(name: str, what: str) -> None:

@@ -21,7 +21,7 @@ from lark import Token, Tree
 from shardlang.dtypes import itemsize
 from shardlang.errors import LayoutError, LineIndex, ParseError, ShardlangError, SourcePosition, SpecError
 from shardlang.layout import Layout, axis_used_twice, check_reduce_op
-from shardlang.mesh import Mesh, RowMajorRanks, check_identifier
+from shardlang.mesh import Mesh, RowMajorRanks, StridedRanks, check_identifier
 from shardlang.spec import (
     STATE_DEFAULT,
     CostHints,
@@ -98,15 +98,19 @@ class _Reader:
             raise LayoutError(f"a mesh of {math.prod(sizes)} ranks is larger than {MAX_MESH_SIZE}", self.pos(tree))
         return tuple(sizes), (tuple(names) if names else None)
 
-    def ranks(self, tree: Tree) -> tuple[int, ...] | RowMajorRanks:
+    def ranks(self, tree: Tree) -> tuple[int, ...] | StridedRanks:
         values = [self.int(t) for t in tree.children]  # type: ignore[arg-type]
-        if tree.data == "rank_range":
-            lo, hi = values
+        if tree.data in ("rank_range", "rank_stride"):
+            lo, hi, step = (*values, 1)[:3]
+            text = f"{lo}..{hi}" + (f" step {step}" if tree.data == "rank_stride" else "")
             if hi < lo:
-                raise LayoutError(f"rank range {lo}..{hi} is empty", self.pos(tree))
-            if hi - lo + 1 > MAX_MESH_SIZE:
-                raise LayoutError(f"rank range {lo}..{hi} is larger than {MAX_MESH_SIZE}", self.pos(tree))
-            return RowMajorRanks(hi - lo + 1, lo)  # O(1), whatever the range's length
+                raise LayoutError(f"rank range {text} is empty", self.pos(tree))
+            if step < 1 or (hi - lo) % step:
+                raise LayoutError(f"rank range {text}: {hi} is not {lo} plus a multiple of a step >= 1", self.pos(tree))
+            if (hi - lo) // step + 1 > MAX_MESH_SIZE:
+                raise LayoutError(f"rank range {text} is larger than {MAX_MESH_SIZE}", self.pos(tree))
+            # O(1), whatever the range's length
+            return RowMajorRanks(hi - lo + 1, lo) if step == 1 else StridedRanks((hi - lo) // step + 1, lo, step)
         return tuple(values)
 
     def mesh(self, axes: Tree, ranks: Tree | None, name: str | None, at: Tree | Token) -> Mesh:

@@ -19,6 +19,8 @@ WORLD = Mesh(shape=(2, 2), ranks=(3, 2, 1, 0), axis_names=("dp", "tp"), name="wo
         (Mesh(shape=(4,), ranks=(4, 5, 6, 7)), "mesh[4] ranks 4..7"),
         (Mesh(shape=(2,), axis_names=("dp",), name="pp0"), "mesh pp0 = [dp=2]"),
         (WORLD, "mesh world = [dp=2,tp=2] ranks [3,2,1,0]"),
+        (Mesh(shape=(4,), ranks=(0, 8, 16, 24)), "mesh[4] ranks 0..24 step 8"),
+        (Mesh(shape=(2,), ranks=(2, 5)), "mesh[2] ranks [2,5]"),  # two ranks: the list is shorter
     ],
 )
 def test_mesh_text_is_canonical_and_reads_back(mesh: Mesh, text: str) -> None:
@@ -39,6 +41,9 @@ def test_parse_mesh_reads_the_declaration_form_with_spaces() -> None:
         ("mesh[0]", "mesh axis size 0 must be at least 1"),
         ("mesh R = [2]", "reserved word"),
         ("mesh[2] ranks 1..0", "rank range 1..0 is empty"),
+        ("mesh[2] ranks 0..9 step 2", "9 is not 0 plus a multiple of a step"),
+        ("mesh[2] ranks 0..8 step 0", "a step >= 1"),
+        ("mesh[3] ranks 0..8 step 8", "holds 3 ranks but 2 are given"),
         ("world", "unexpected 'world'"),
     ],
 )
@@ -123,6 +128,26 @@ def test_a_rank_range_is_held_and_printed_by_its_ends(monkeypatch: pytest.Monkey
     monkeypatch.setattr(RowMajorRanks, "__iter__", refuse)
     assert ranged.describe() == "mesh[dp=4096,tp=8] ranks 32768..65535"
     assert parse_mesh(ranged.text()) == ranged
+
+
+def test_a_strided_group_is_held_printed_and_read_back_by_its_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    from planner.legs import flat_group
+    from shardlang.mesh import StridedRanks
+
+    world = parse_mesh("mesh[dp=16384,tp=8] ranks 8..131079")
+    # rank 8 + 8 * 3 + 5's group along dp: every 8th rank from 13, found without walking them
+    monkeypatch.setattr(StridedRanks, "__iter__", lambda self: (_ for _ in ()).throw(AssertionError("walked")))
+    group = flat_group(world, 0, 8 + 8 * 3 + 5)
+    assert group.describe() == "mesh[dp=16384,tp=1] ranks 13..131077 step 8"
+    assert parse_mesh(group.text()) == group and hash(parse_mesh(group.text())) == hash(group)
+    assert group.coordinate(13 + 8 * 7) == (7, 0) and group.rank_at((16383, 0)) == 131077
+    assert 14 not in group.ranks and 131085 not in group.ranks and 5 not in group.ranks
+    monkeypatch.undo()
+    # the same ranks listed: one value, one hash, whichever way they came
+    listed = Mesh((16384, 1), tuple(range(13, 131078, 8)), ("dp", "tp"))
+    assert listed == group and hash(listed) == hash(group) and isinstance(listed.ranks, StridedRanks)
+    assert list(group.ranks) == [world.rank_at((k, 5)) for k in range(16384)]
+    assert Mesh((3,), (0, 8, 17)).describe() == "mesh[3] ranks [0,8,17]"  # not a run: listed
 
 
 def test_a_cross_mesh_request_over_many_axes_is_refused_within_its_budget() -> None:
