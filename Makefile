@@ -37,8 +37,12 @@ $(DOCS_STAMP): $(STAMP)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# The benchmark tables of the docs site, from the results stored under docs/benchmarks/data/
-# (each written by a bench/ script's --json): no number on that page is typed by hand.
+# The benchmark pages under docs/benchmarks/ (every stored run, with its command, commit, date and
+# machine), their SVG plots, and the <!-- bench:NAME --> blocks of README.md and the docs pages
+# that quote measurements, rendered from the runs stored under docs/benchmarks/data/ (each written
+# by a bench/ script's --json) by bench/render_docs.py. It runs no benchmark. The tests run
+# `bench/render_docs.py --check` and fail on a page that is not what the data gives, or on a
+# measured number typed outside a block (tests/test_bench_docs.py).
 bench-docs: install
 	$(PY) bench/render_docs.py
 

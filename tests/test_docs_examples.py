@@ -300,3 +300,94 @@ if __name__ == "__main__":
     for page in WITH_TRANSCRIPTS:
         if refresh(page):
             print(f"rewrote {page_id(page)}")
+
+
+# ---- command lines and spec examples without a transcript ----
+
+# A program a command line in a block may run: shardlang (as installed, or under torchrun with
+# --no-python), or a script of the repository (under torchrun or python).
+PROGRAM = re.compile(r"^(?:\.venv/bin/)?shardlang$|^(?:examples|bench)/\w+\.py$")
+
+
+def command_lines(page: Path) -> Iterator[tuple[Block, str, list[str]]]:
+    """(block, program, its arguments) for each line of a page's plain or console blocks that runs
+    shardlang or a script of the repository, a ``torchrun`` or ``python`` in front of it skipped
+    (transcripts included: their commands are also run, by test_transcripts_match_the_command)."""
+    for block in blocks(page):
+        if block.info not in ("", "console", "shell", "bash", "sh"):
+            continue
+        for line in block.text.splitlines():
+            line = line.removeprefix("$ ").split("  #")[0].replace("[", " ").replace("]", " ")
+            try:
+                argv = shlex.split(line)
+            except ValueError:
+                continue
+            at = next((i for i, a in enumerate(argv) if PROGRAM.match(a)), None)
+            if at is None or (at > 0 and Path(argv[0]).name not in ("torchrun", "python", "python3")):
+                continue
+            program = "shardlang" if argv[at].endswith("shardlang") else argv[at]
+            yield block, program, argv[at + 1 :]
+
+
+WITH_COMMANDS = [p for p in PAGES if any(True for _ in command_lines(p))]
+
+
+@functools.cache
+def program_help(program: str, command: str) -> str:
+    argv = [str(SHARDLANG)] if program == "shardlang" else [sys.executable, str(REPO / program)]
+    done = subprocess.run(
+        [*argv, *([command] if command else []), "--help"], cwd=REPO, env=ENV, capture_output=True, text=True
+    )
+    assert done.returncode == 0, f"{program} {command} --help: {done.stderr}"
+    return done.stdout
+
+
+def test_the_command_lines_are_found() -> None:
+    """Pages whose command lines the next test checks (a parsing slip must not check nothing)."""
+    found = {(page_id(p), program) for p in WITH_COMMANDS for _, program, _ in command_lines(p)}
+    assert {
+        ("docs/tutorials/calibrating.md", "shardlang"),
+        ("docs/tutorials/training.md", "examples/train_gpt.py"),
+        ("docs/tutorials/fsdp2-tp.md", "examples/train_fsdp_tp.py"),
+        ("README.md", "shardlang"),
+    } <= found
+
+
+@pytest.mark.parametrize("page", WITH_COMMANDS, ids=page_id)
+def test_command_lines_name_real_options(page: Path) -> None:
+    """Every ``--option`` of a command line shown on a page (one that is not a transcript too: a
+    ``torchrun`` line, a summary) is in its program's ``--help``, and its subcommand exists."""
+    for block, program, argv in command_lines(page):
+        command = ""
+        if program == "shardlang" and argv and not argv[0].startswith("-") and argv[0] in SUBCOMMANDS:
+            command = argv[0]
+        text = program_help(program, command)
+        for option in (a.split("=")[0] for a in argv if a.startswith("--")):
+            assert re.search(rf"{re.escape(option)}\b", text), f"{block.where}: `{program} {command}` has no {option}"
+
+
+SPEC_START = re.compile(r"^(?:#[^\n]*\n)*(?:mesh|tensor|rule)\b", re.MULTILINE)
+
+
+def spec_blocks(page: Path) -> list[Block]:
+    """Plain blocks that are spec text (they start with ``mesh``, ``tensor`` or ``rule``, after
+    comments), shown by hand; those that include a file of the repository are that file."""
+    return [b for b in blocks(page) if not b.info and not SNIPPET.match(b.text.strip()) and SPEC_START.match(b.text)]
+
+
+SPEC_PAGES = [p for p in PAGES if spec_blocks(p)]
+WORLD = "mesh world = [dp=2, tp=2]\n"  # what a fragment that names `world` without declaring it reads
+
+
+@pytest.mark.parametrize("page", SPEC_PAGES, ids=page_id)
+def test_spec_examples_parse(page: Path) -> None:
+    """Every spec shown on a page parses, a fragment over an undeclared ``world`` under one."""
+    import shardlang
+
+    assert SPEC_PAGES, "no spec example found"
+    for block in spec_blocks(page):
+        text = block.text if re.search(r"^mesh world\b", block.text, re.MULTILINE) else WORLD + block.text
+        try:
+            shardlang.parse_spec(text, filename=block.where)
+        except shardlang.SpecError as e:
+            pytest.fail(f"{block.where}: the spec shown does not parse: {e}")
