@@ -12,7 +12,8 @@ columns, rows of cells as printed, a note) and optionally its raw numbers under 
 Scripts that print markdown tables need not build them: ``results.main(main, "Name")`` runs
 their ``main`` with ``--json PATH`` taken off the command line and keeps what they print.
 ``bench/render_docs.py`` (``make bench-docs``) turns the files stored under
-``docs/benchmarks/data/`` into ``docs/benchmarks/results.md``.
+``docs/benchmarks/data/`` into the benchmark pages under ``docs/benchmarks/``, their plots, and
+the generated blocks of README.md and the docs pages that quote them.
 """
 
 from __future__ import annotations
