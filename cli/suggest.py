@@ -17,9 +17,9 @@ from typing import Any
 
 from cli.buckets import cap_warning
 from cli.init import named_tensors
-from cli.inputs import UsageError, bucket_bytes_arg, bytes_arg, read_spec, shape_arg
+from cli.inputs import UsageError, bucket_cap_arg, bytes_arg, read_spec, shape_arg
 from cli.tables import format_bytes, format_seconds
-from planner.bucket_cap import choose_cap
+from planner.bucket_cap import AUTO
 from planner.knapsack import better, fixed_choices, smallest_memory, suggest_best
 from planner.suggest import OPTIMIZERS, Choice, Problem, SuggestError, Suggestion, build_problems
 from shardlang import Spec, TensorSpec, format_spec
@@ -59,9 +59,10 @@ def add_suggest_parser(sub: Any) -> None:
     p.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS", help="for the solver (default 10)")
     p.add_argument(
         "--bucket-bytes",
-        type=bucket_bytes_arg,
+        type=bucket_cap_arg,
         metavar="BYTES",
-        help="the most buffer bytes a bucket holds per rank, as `plan --bucket-bytes` (default 32MiB)",
+        help="the most buffer bytes a bucket holds per rank, as `plan --bucket-bytes` (default 32MiB; auto: "
+        "each choice under the cost model's cap for it, as the optimizers' default)",
     )
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("-o", "--output", metavar="OUT.shard", help="write the spec with the chosen layouts")
@@ -167,10 +168,11 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
     candidates = sum(len(g.candidates) for p in problems for g in p.groups)
     pricing = sum(p.price_seconds for p in problems)
     kinds = ", ".join("plain" if p.flat_axis is None else f"flat over {p.flat_axis}" for p in problems)
-    out.append(
-        f"modeled time: buckets of at most {format_bytes(problem.bucket_bytes)} (as `shardlang plan`), the training "
-        "loop's too; ties: less memory, then fewer changes"
-    )
+    cap = f"{format_bytes(problem.cap_of(best.picks))} (as `shardlang plan`)"
+    if problem.bucket_bytes == AUTO:
+        cap = f"{format_bytes(problem.cap_of(best.picks))}, the cost model's cap for the suggested layouts (auto)"
+    ties = "ties: less memory, then fewer changes"
+    out.append(f"modeled time: buckets of at most {cap}, the training loop's too; {ties}")
     out += cap_lines(problem, best)
     out.append(
         f"solved: {status} (HiGHS, {result.solve_seconds:.2f} s; pricing {pricing:.2f} s, "
@@ -183,11 +185,10 @@ def cap_lines(problem: Problem, choice: Choice) -> list[str]:
     """A warning where the bucket cap is far from the cost model's for the chosen layouts
     (``planner.bucket_cap``: the step and the loop slower than under the model's cap, or
     buckets far larger for at most 5% of the time), naming the model's cap."""
-    if not choice.seconds:
+    if not choice.seconds or problem.bucket_bytes == AUTO:
         return []
-    price = problem.priced(choice.picks)
-    model = choose_cap(price)
-    in_use = price(problem.bucket_bytes)
+    model = problem.model_cap(choice.picks)
+    in_use = problem.priced(choice.picks)(int(problem.bucket_bytes))
     advice = f"--bucket-bytes {format_bytes(model.bytes).replace(' ', '')} (here and in the optimizers) takes it"
     return cap_warning(problem.bucket_bytes, in_use, model, advice)
 
@@ -223,7 +224,8 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
         "optimal": result.optimal,
         "gap": result.gap,
         "solve_seconds": result.solve_seconds,
-        "bucket_bytes": problem.bucket_bytes,
+        "bucket_bytes": problem.cap_of(result.best.picks),
+        "bucket_bytes_auto": problem.bucket_bytes == AUTO,
         "tensors": tensors,
     }
 

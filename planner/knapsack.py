@@ -106,7 +106,7 @@ def _program(problem: Problem) -> _Program:
         lo.append(low)
         hi.append(high)
 
-    cap = problem.bucket_bytes / _MIB
+    cap = problem.solver_cap / _MIB
     fills: list[dict[int, float]] = [{} for _ in range(n_kinds)]
     for gi, g in enumerate(problem.groups):
         count = len(g.tensors)

@@ -33,7 +33,9 @@ and ``zero2 flat``.
 
 Modeled time of a choice (README, "Choosing layouts"): the optimizer step's collectives as the
 step plan runs them (``planner.step``: its buckets, capped at ``bucket_bytes`` as ``shardlang plan``
-caps them, :data:`planner.legs.DEFAULT_BUCKET_BYTES` by default), plus the training loop's
+caps them, :data:`planner.legs.DEFAULT_BUCKET_BYTES` by default; with ``bucket_bytes=AUTO``
+each choice under the cost model's cap for its step and loop, ``planner.bucket_cap``, the
+integer program counting buckets of any size, which that cap keeps within 5%), plus the training loop's
 collectives a choice implies, bucketed by the same rule: a parameter not in ``C`` is gathered
 into ``C`` twice (forward and backward), a gradient not in ``G0`` is reduced from ``G0`` in
 backward. A choice's time (:meth:`Problem.evaluate`) is that schedule's, exactly; the integer
@@ -66,7 +68,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from planner.bucket_cap import Priced
+from planner.bucket_cap import AUTO, UNCAPPED, BucketCap, Priced, choose_cap
 from planner.choice import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
@@ -164,14 +166,30 @@ class Problem:
     groups: tuple[Group, ...]
     price_seconds: float
     flat_axis: str | int | None = None
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    # A cap in bytes, or AUTO: each choice under the cost model's cap for it (module doc).
+    bucket_bytes: int | str = DEFAULT_BUCKET_BYTES
+
+    @property
+    def solver_cap(self) -> int:
+        """The cap the integer program counts buckets under: under AUTO, buckets of any size,
+        whose time the model's cap keeps within ``planner.bucket_cap.SLACK``."""
+        return solver_cap(self.bucket_bytes)
 
     # --- evaluating a choice ---------------------------------------------------------------
     def evaluate(self, picks: Sequence[Sequence[int]]) -> Choice:
         """Memory as the integer program counts it; time as the step plan buckets the chosen
         legs (module doc): what ``shardlang plan`` models for the chosen spec, plus the loop."""
-        seconds, _ = self.priced(picks)(self.bucket_bytes)
+        price = self.priced(picks)
+        seconds = self.model_cap(picks).seconds if self.bucket_bytes == AUTO else price(int(self.bucket_bytes))[0]
         return Choice(picks=tuple(tuple(p) for p in picks), memory=self.memory_of(picks), seconds=seconds)
+
+    def model_cap(self, picks: Sequence[Sequence[int]]) -> BucketCap:
+        """The cost model's bucket cap for a choice's step and loop (``planner.bucket_cap``)."""
+        return choose_cap(self.priced(picks))
+
+    def cap_of(self, picks: Sequence[Sequence[int]]) -> int:
+        """The cap a choice runs under: the one given, or under AUTO the model's for it."""
+        return self.model_cap(picks).bytes if self.bucket_bytes == AUTO else int(self.bucket_bytes)
 
     def priced(self, picks: Sequence[Sequence[int]]) -> Priced:
         """A choice's step and loop under a bucket cap: (modeled seconds, largest bucket
@@ -455,6 +473,11 @@ def _has_axis(mesh: Mesh, label: str | int) -> bool:
     return True
 
 
+def solver_cap(bucket_bytes: int | str) -> int:
+    """The cap the integer program counts buckets under (:attr:`Problem.solver_cap`)."""
+    return UNCAPPED if bucket_bytes == AUTO else int(bucket_bytes)
+
+
 def build_problem(
     spec: Spec,
     optimizer: str = "adamw",
@@ -462,11 +485,12 @@ def build_problem(
     states_only: bool = False,
     tensors: Sequence[TensorSpec] | None = None,
     flat_axis: str | int | None = None,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int | str | None = None,
 ) -> Problem:
     """The candidates of ``tensors`` (default: the declared ones), priced (module doc); with
     ``flat_axis``, as the optimizers run them with flat sharding over that axis; buckets capped
-    at ``bucket_bytes`` (default :data:`planner.legs.DEFAULT_BUCKET_BYTES`, as ``plan`` does)."""
+    at ``bucket_bytes`` (default :data:`planner.legs.DEFAULT_BUCKET_BYTES`, as ``plan`` does;
+    :data:`planner.bucket_cap.AUTO`: each choice under the cost model's cap for it)."""
     if optimizer not in OPTIMIZERS:
         raise SuggestError(f"unknown optimizer '{optimizer}' (expected one of {', '.join(OPTIMIZERS)})")
     chosen = tuple(spec.tensors if tensors is None else tensors)
@@ -477,9 +501,9 @@ def build_problem(
     grouped: dict[tuple, list[TensorSpec]] = {}
     for t in chosen:
         grouped.setdefault((t.shape, t.dtype, t.layouts), []).append(t)
-    cap = DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
-    if cap < 1:
-        raise SuggestError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
+    cap: int | str = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    if cap != AUTO and (not isinstance(cap, int) or cap < 1):
+        raise SuggestError(f"bucket_bytes must be at least 1 or {AUTO!r}, got {bucket_bytes!r}")
     kind_ids: dict[tuple, int] = {}  # collective kind -> its number, in the order first met
     inferred = infer_data_parallel(chosen)
     groups = []
@@ -494,7 +518,7 @@ def build_problem(
         dp = inferred[first.param.mesh.geometry]
         for layouts, strategies in _triples(first, states_only, flat, dp):
             try:
-                priced = _price(first, layouts, optimizer, cost, flat, kind_ids, cap, dp)
+                priced = _price(first, layouts, optimizer, cost, flat, kind_ids, solver_cap(cap), dp)
             except PlanError as e:
                 raise SuggestError(f"tensor '{first.name}': {e.message}", first.position) from None
             candidates.append(attrs.evolve(priced, strategies=strategies))
@@ -518,7 +542,7 @@ def build_problems(
     *,
     states_only: bool = False,
     tensors: Sequence[TensorSpec] | None = None,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int | str | None = None,
 ) -> tuple[Problem, ...]:
     """The plain problem, then one per axis the optimizers' flat sharding may use."""
     options = {"states_only": states_only, "tensors": tensors, "bucket_bytes": bucket_bytes}

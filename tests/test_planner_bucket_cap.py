@@ -92,3 +92,30 @@ def test_plan_warns_where_the_cap_is_far_and_takes_auto(tmp_path: Path) -> None:
     assert "warning: the 4 GiB bucket cap holds buckets of up to 2 GiB per rank" in huge.stdout
     assert cap > 2 * 2**20
     assert run("plan", str(spec), "--bucket-bytes", "often").returncode == 2
+
+
+def test_suggest_auto_prices_each_choice_under_the_model_cap(tmp_path: Path) -> None:
+    from planner.suggest import build_problems
+
+    # the ZeRO-2 spec's own layouts under AUTO: the step's time under the model's cap (64 MiB,
+    # by hand above), as `plan --bucket-bytes auto` and the optimizers' default take it
+    problem = build_problems(parse_spec(ZERO2), bucket_bytes=AUTO)[0]
+    own = problem.original()
+    assert problem.cap_of(own.picks) == 64 * 2**20
+    assert own.seconds == pytest.approx(_by_hand(64 * 2**20), rel=1e-9)
+    fixed = build_problems(parse_spec(ZERO2), bucket_bytes=2 * 2**20)[0]
+    assert fixed.original().seconds == pytest.approx(_by_hand(2 * 2**20), rel=1e-9)
+    spec = tmp_path / "zero2.shard"
+    spec.write_text(ZERO2.replace("latency 2us", "latency 50us"))
+    small = run("suggest", str(spec), "--memory", "1GiB", "--bucket-bytes", "2MiB")
+    no_traceback(small)
+    assert small.returncode == 0, small.stderr
+    assert "warning: the 2 MiB bucket cap makes this step" in small.stdout
+    auto = run("suggest", str(spec), "--memory", "1GiB", "--bucket-bytes", "auto", "--format", "json")
+    assert auto.returncode == 0, auto.stderr
+    data = json.loads(auto.stdout)
+    planned = json.loads(run("plan", str(spec), "--bucket-bytes", "auto", "--format", "json").stdout)
+    assert data["bucket_bytes_auto"] and data["bucket_bytes"] == planned["step"]["bucket_bytes"]
+    assert data["this_spec"]["seconds"] == pytest.approx(planned["step"]["total_seconds"], rel=1e-9)
+    text = run("suggest", str(spec), "--memory", "1GiB", "--bucket-bytes", "auto").stdout
+    assert "warning" not in text and "the cost model's cap for the suggested layouts" in text
