@@ -7,10 +7,13 @@ cost model (``Plan.total_seconds``): the cheapest plan from the state layout to 
 replicated layout for a gather, to the owner's one-rank layout and back for an owner (in
 bf16 on the way back, as the iteration's result is). Compute is the iteration's flops
 (:func:`newton_schulz_flops`) at ``flops_per_second`` (:data:`DEFAULT_FLOPS_PER_SECOND`, a
-stated rate until one is calibrated on the machine). A step's estimate is the sum of all
-communication (the moves run one after another) plus the largest compute load of any rank
-(the iterations of different ranks run at once): a gathered matrix loads every rank of its
-mesh, an owned one only its owner.
+stated rate until one is calibrated on the machine). A choice's estimate
+(:attr:`OwnerPlan.estimate`) is the sum of every matrix's moves, each priced alone (the moves
+run one after another) plus the largest compute load of any rank (the iterations of different
+ranks run at once): a gathered matrix loads every rank of its mesh, an owned one only its
+owner. That is what the choice compares; the step's modeled time, its moves bucketed as they
+run, is the matrix plan's (``planner.matrices.MatrixPlan.comm_seconds`` and ``seconds``), the
+one home of those figures.
 
 The choice (``placement="auto"``): matrices by decreasing flops (ties: name), each takes the
 option that makes the estimate least so far (ties: gather), an owner being the least loaded
@@ -105,36 +108,34 @@ class Placement:
 
     name: str
     owner: int | None
-    comm_seconds: float
+    move_seconds: float  # this matrix's moves priced alone, not bucketed (module docstring)
     compute_seconds: float
 
     def __str__(self) -> str:
         where = "gather" if self.owner is None else f"owner {self.owner}"
-        return f"{self.name}: {where}, {self.comm_seconds:.3g} s moving, {self.compute_seconds:.3g} s computing"
+        return f"{self.name}: {where}, {self.move_seconds:.3g} s moving, {self.compute_seconds:.3g} s computing"
 
 
 @attrs.frozen
 class OwnerPlan:
-    """Every matrix's placement, the compute load each rank ends with, and the step's
-    estimate (module docstring)."""
+    """Every matrix's placement, the compute load each rank ends with, and the estimate the
+    choice compares (module docstring)."""
 
     placements: tuple[Placement, ...]
     loads: tuple[tuple[int, float], ...]
     flops_per_second: float
 
     @property
-    def comm_seconds(self) -> float:
-        return sum(p.comm_seconds for p in self.placements)
-
-    @property
-    def seconds(self) -> float:
-        return self.comm_seconds + max((load for _, load in self.loads), default=0.0)
+    def estimate(self) -> float:
+        """Unbucketed moves plus the busiest rank's compute: what :func:`place_matrices`
+        minimizes, not the step's modeled time (``planner.matrices.MatrixPlan.seconds``)."""
+        return sum(p.move_seconds for p in self.placements) + max((load for _, load in self.loads), default=0.0)
 
     def of(self, name: str) -> Placement:
         return next(p for p in self.placements if p.name == name)
 
     def __str__(self) -> str:
-        lines = [f"Newton-Schulz placement: {self.seconds:.3g} s estimated at {self.flops_per_second:.3g} flop/s"]
+        lines = [f"Newton-Schulz placement: {self.estimate:.3g} s estimated at {self.flops_per_second:.3g} flop/s"]
         return "\n".join(lines + [f"  {p}" for p in self.placements])
 
 
@@ -147,12 +148,12 @@ def place_matrices(
     if placement != "auto":
         return _greedy(matrices, placement, flops_per_second)
     candidates = [_greedy(matrices, p, flops_per_second) for p in ("gather", "owner", "auto")]
-    return min(candidates, key=lambda c: c.seconds)
+    return min(candidates, key=lambda c: c.estimate)
 
 
 def _greedy(matrices: Sequence[Matrix], placement: str, flops_per_second: float) -> OwnerPlan:
     loads: dict[int, float] = {r: 0.0 for m in matrices for r in m.mesh.ranks}
-    comm = 0.0
+    moves = 0.0
     chosen: dict[str, Placement] = {}
     for m in sorted(matrices, key=lambda m: (-m.flops, m.name)):
         compute = m.flops / flops_per_second
@@ -162,15 +163,15 @@ def _greedy(matrices: Sequence[Matrix], placement: str, flops_per_second: float)
         if placement != "owner":
             seconds = m.gather_seconds()
             peak = max(max(loads.values()), max(loads[r] + compute for r in ranks))
-            options.append((comm + seconds + peak, Placement(m.name, None, seconds, compute)))
+            options.append((moves + seconds + peak, Placement(m.name, None, seconds, compute)))
         if placement != "gather" and len(ranks) > 1:
             seconds = m.owner_seconds(owner)
             peak = max(max(loads.values()), loads[owner] + compute)
-            options.append((comm + seconds + peak, Placement(m.name, owner, seconds, compute)))
+            options.append((moves + seconds + peak, Placement(m.name, owner, seconds, compute)))
         if not options:  # a one-rank mesh: the rank owns it, nothing moves
-            options.append((comm, Placement(m.name, ranks[0], 0.0, compute)))
+            options.append((moves, Placement(m.name, ranks[0], 0.0, compute)))
         _, best = min(options, key=lambda option: option[0])
-        comm += best.comm_seconds
+        moves += best.move_seconds
         for r in ranks if best.owner is None else (best.owner,):
             loads[r] += compute
         chosen[m.name] = best
