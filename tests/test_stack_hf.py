@@ -12,55 +12,24 @@ be those saved, and training goes on to step 3. The same four ranks run the acce
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
 from runtime.testing import run_ranks
-from tests.conftest import EXAMPLES
+from tests.stack_support import as_torchrun, example, parameters, whole_states
 
 pytest.importorskip("transformers", reason="the Hugging Face stack is an optional extra: pip install -e '.[hf]'")
 pytest.importorskip("accelerate", reason="the Hugging Face stack is an optional extra: pip install -e '.[hf]'")
-
-
-def example(name: str = "train_hf_trainer.py") -> ModuleType:
-    """examples/train_hf_trainer.py or examples/train_accelerate.py, imported."""
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), EXAMPLES / name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def as_torchrun(rank: int, world_size: int) -> None:
-    """The environment torchrun gives a rank, which accelerate reads (the group is up already)."""
-    os.environ |= {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "0",
-    }
-
-
-def whole_states(optimizer: Any) -> dict[str, torch.Tensor]:
-    from runtime.stacks.hf import sharded_optimizer
-
-    full = sharded_optimizer(optimizer).full_state_dict()  # every rank calls it
-    return {f"{i}.{k}": v.clone() for i, entry in full["state"].items() for k, v in entry.items()}
 
 
 def _train_on_four(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     as_torchrun(rank, world_size)
-    module = example()
+    module = example("train_hf_trainer.py")
     saved: dict[str, Any] = {}
 
     class AtSave(TrainerCallback):
@@ -82,8 +51,8 @@ def _train_on_four(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     return {
         "accelerate": [(a.detach().clone(), b.detach().clone()) for a, b in pairs],
         "wrapped": type(trainer.model_wrapped).__name__,
-        "sharded": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
-        "torch": {n: p.detach().clone() for n, p in reference.model.named_parameters()},
+        "sharded": parameters(trainer.model),
+        "torch": parameters(reference.model),
         "saved": saved,
     }
 
@@ -92,7 +61,7 @@ def _resume_on_two(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     as_torchrun(rank, world_size)
-    module = example()
+    module = example("train_hf_trainer.py")
     resumed: dict[str, Any] = {}
 
     class AtBegin(TrainerCallback):
@@ -103,7 +72,7 @@ def _resume_on_two(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
     argv = ["--output-dir", f"{folder}/sharded", "--steps", "3", "--resume", f"{folder}/sharded/checkpoint-2"]
     trainer = module.main(argv, callbacks=[AtBegin()])
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    params = parameters(trainer.model)
     return resumed | {"finished": trainer.state.global_step, "finite": all(p.isfinite().all() for p in params.values())}
 
 

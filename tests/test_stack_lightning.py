@@ -14,11 +14,8 @@ does not fit the optimizer.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -26,53 +23,18 @@ import torch
 
 from runtime.testing import run_ranks
 from tests.conftest import EXAMPLES, REPO
+from tests.stack_support import as_torchrun, example, parameters, whole_states
 
 pytest.importorskip("lightning", reason="the Lightning stack is an optional extra: pip install -e '.[lightning]'")
 
 CHECKPOINT = "epoch=0-step=2.ckpt"
 
 
-def example() -> ModuleType:
-    """examples/train_lightning.py, imported."""
-    spec = importlib.util.spec_from_file_location("train_lightning", EXAMPLES / "train_lightning.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def as_torchrun(rank: int, world_size: int) -> None:
-    """The environment torchrun gives a rank, which Lightning reads (the group is up already)."""
-    os.environ |= {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "0",
-        "TORCHELASTIC_RUN_ID": "test",
-    }
-
-
-def whole_states(optimizer: Any) -> dict[str, torch.Tensor]:
-    from runtime.stacks.lightning import sharded_optimizer
-
-    sharded = sharded_optimizer(optimizer)
-    assert sharded is not None
-    full = sharded.full_state_dict()  # every rank calls it
-    return {f"{i}.{k}": v.clone() for i, entry in full["state"].items() for k, v in entry.items()}
-
-
-def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _train_on_four(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     from lightning.pytorch import Callback
 
     as_torchrun(rank, world_size)
-    module = example()
+    module = example("train_lightning.py")
     saved: dict[int, Any] = {}
     wrapped: list[str] = []
 
@@ -105,7 +67,7 @@ def _resume_on_two(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     from runtime.testing import attempt
 
     as_torchrun(rank, world_size)
-    module = example()
+    module = example("train_lightning.py")
     resumed: dict[str, Any] = {}
 
     class AtStart(Callback):
