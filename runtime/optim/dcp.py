@@ -13,7 +13,12 @@ size, and a ``torch.optim.AdamW`` checkpoint saved with ``get_optimizer_state_di
 into :class:`ShardedAdamW` (and ours into torch's with ``set_optimizer_state_dict``). A state
 whose layout DTensor cannot express (flat ZeRO chunks, some nesting orders) is a
 :class:`DCPLayoutError` that points at ``runtime.checkpoint``, which stores any layout. fp32
-masters of bf16 parameters are saved as the state ``master`` (torch's optimizers keep none). See docs/stacks/dcp.md.
+masters of bf16 parameters are saved as the state ``master`` (torch's optimizers keep none).
+
+:func:`get_optimizer_state_dict` and :func:`set_optimizer_state_dict` are torch's functions of
+those names for sharded optimizers too (torch's own cannot read them: seeing no
+``optimizer.state``, it steps the optimizer once with zero gradients, then fails on the form of
+its state dict). See docs/stacks/dcp.md.
 """
 
 from __future__ import annotations
@@ -192,3 +197,98 @@ class OptimizerState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         load_optimizer_state_dict(self.optimizer, state_dict)
+
+
+# --- torch.distributed.checkpoint.state_dict's two functions, for sharded optimizers too --------
+def _sharded(optimizer: Any) -> ShardedOptimizer | None:
+    from runtime.optim.base import ShardedOptimizer
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate and Lightning wrap optimizers
+    return inner if isinstance(inner, ShardedOptimizer) else None
+
+
+def _split(optimizers: Any) -> tuple[list[ShardedOptimizer], list[torch.optim.Optimizer]]:
+    given = list(optimizers) if isinstance(optimizers, Sequence) else [optimizers]
+    ours = [s for s in (_sharded(o) for o in given) if s is not None]
+    if ours and len(ours) != len(given):
+        raise OptimizerError(
+            "get_optimizer_state_dict / set_optimizer_state_dict take sharded optimizers or torch's, not both in "
+            "one call: call them once for each kind"
+        )
+    return ours, given
+
+
+def _check_options(options: Any) -> None:
+    if options is None:
+        return
+    unsupported = [k for k in ("full_state_dict", "flatten_optimizer_state_dict") if getattr(options, k, False)]
+    if unsupported:
+        raise DCPLayoutError(
+            f"StateDictOptions({', '.join(f'{k}=True' for k in unsupported)}) for a sharded optimizer: its state "
+            "dict holds DTensors of the pieces each rank keeps; gather them whole with optimizer.full_state_dict() "
+            "(every rank calls it)"
+        )
+
+
+def _check_names(model: torch.nn.Module, optimizer: ShardedOptimizer) -> None:
+    names = {canonical_name(n) for n, _ in model.named_parameters()}
+    missing = [
+        n for g in optimizer.param_groups for n in (canonical_name(m) for m in g["param_names"]) if n not in names
+    ]
+    if missing:
+        raise OptimizerError(
+            f"{type(optimizer).__name__} holds parameters the model has not: {missing[:4]} (the state dict is keyed "
+            "by the model's parameter names, as torch's get_optimizer_state_dict keys it)"
+        )
+
+
+def get_optimizer_state_dict(
+    model: torch.nn.Module, optimizers: Any, *, submodules: Any = None, options: Any = None
+) -> dict[str, Any]:
+    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, which also takes
+    sharded optimizers: theirs are :func:`optimizer_state_dict` (DTensors keyed by the model's
+    parameter names), merged as torch merges several optimizers'; torch's optimizers go to
+    torch's function. torch's own function cannot read a sharded optimizer: seeing no
+    ``optimizer.state`` it steps it once with zero gradients (moving its moments and step
+    count) and then fails on its state dict's form (docs/stacks/dcp.md)."""
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    ours, given = _split(optimizers)
+    if not ours:
+        return torch_state_dict.get_optimizer_state_dict(
+            model, given if len(given) > 1 else given[0], submodules=submodules, options=options
+        )
+    _check_options(options)
+    merged: dict[str, Any] = {"state": {}, "param_groups": []}
+    for optimizer in ours:
+        _check_names(model, optimizer)
+        one = optimizer_state_dict(optimizer)
+        merged["state"].update(one["state"])
+        merged["param_groups"].extend(one["param_groups"])
+    return merged
+
+
+def set_optimizer_state_dict(
+    model: torch.nn.Module, optimizers: Any, optim_state_dict: Mapping[str, Any], *, options: Any = None
+) -> None:
+    """``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict``, which also takes
+    sharded optimizers: each loads its parameters' groups and states from ``optim_state_dict``
+    (as :func:`get_optimizer_state_dict` gave it and ``dcp.load`` filled it, or as torch's
+    function wrote it for ``torch.optim.AdamW``); torch's optimizers go to torch's function."""
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    ours, given = _split(optimizers)
+    if not ours:
+        torch_state_dict.set_optimizer_state_dict(
+            model, given if len(given) > 1 else given[0], dict(optim_state_dict), options=options
+        )
+        return
+    _check_options(options)
+    if not isinstance(optim_state_dict, Mapping) or not {"state", "param_groups"} <= set(optim_state_dict):
+        raise OptimizerError("a DCP optimizer state dict has the keys 'state' and 'param_groups'")
+    groups = list(optim_state_dict["param_groups"])
+    for optimizer in ours:
+        _check_names(model, optimizer)
+        mine = {canonical_name(n) for g in optimizer.param_groups for n in g["param_names"]}
+        own_groups = [g for g in groups if set(g["params"]) & mine]
+        load_optimizer_state_dict(optimizer, {"state": optim_state_dict["state"], "param_groups": own_groups})
