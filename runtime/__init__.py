@@ -14,7 +14,8 @@ It is the one layer that communicates; it reads layouts (``shardlang``) and plan
 from runtime.comm.collectives import DEFAULT_TIMEOUT
 from runtime.comm.groups import axis_group, shutdown
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
-from runtime.execution.executor import plan_fingerprint, reshard
+from runtime.execution.agreement import plan_fingerprint
+from runtime.execution.executor import reshard
 from runtime.execution.simulate import simulate
 from runtime.measure.stats import CommLog, CommRecord, recording
 from runtime.memory.dtypes import dtype_name, torch_dtype

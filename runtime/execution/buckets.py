@@ -29,10 +29,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.legs import AFTER, DURING_BACKWARD, IN_STEP, Bucket
-from runtime.comm.collectives import PendingCollective, start_collective
-from runtime.comm.groups import group_for
+from runtime.comm.collectives import PendingCollective
 from runtime.errors import DistributedError, ReshardError
 from runtime.execution.program import CollectiveMove, bytes_sent
+from runtime.execution.run import start_move
 from runtime.execution.step_program import IN_FLIGHT, BucketProgram, LegProgram, StepProgram
 from runtime.measure import stats
 from runtime.memory.buffers import Scratch
@@ -388,13 +388,11 @@ class StageRun:
             device_mesh = None  # a flat group's mesh (planner.legs.flat_group): a group of its own
         started = time.perf_counter()
         try:
-            group = group_for(bucket.bucket.mesh, (first.step.axis,), first.members, device_mesh, timeout=self.timeout)
-            pending = start_collective(
-                op,
+            pending = start_move(
+                first,
                 send.view(-1),
-                n,
-                bucket.bucket.reduce_op,
-                group,
+                device_mesh=device_mesh,
+                timeout=self.timeout,
                 out=out,
                 workspace=workspace,
                 waited_at_once=bucket.bucket.launch == IN_STEP,  # runtime.comm.collectives: waited within step()

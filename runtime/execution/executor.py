@@ -2,8 +2,9 @@
 
 Every rank of the layout's mesh calls :func:`reshard` with its own piece; each step runs on
 the process group of its mesh axis (``runtime.comm.groups``), through the collective layer
-(``runtime.comm.collectives``), with the rank's compiled moves (``runtime.execution.program``) doing the padding
-and trimming. Plans and compiled moves are cached per (src, dst, shape, dtype, rank, and
+(``runtime.comm.collectives``): the rank's compiled moves (``runtime.execution.program``) are walked by
+``runtime.execution.run``, which does the padding, packing and trimming, and this module only
+communicates, as the simulator only emulates. Plans and compiled moves are cached per (src, dst, shape, dtype, rank, and
 whether point-to-point plans are allowed), so a training loop plans once.
 
 A point-to-point step (``runtime.comm.exchange``) sends boxes between global ranks of the default
@@ -29,7 +30,8 @@ The result is contiguous and shares no memory with ``local`` (unless the plan is
 ``local`` itself is returned).
 
 Agreement: before a plan's first use on a group (the ranks of its mesh, or of both meshes,
-and the DeviceMesh if one is given), every rank exchanges the plan's fingerprint, which
+and the DeviceMesh if one is given), every rank exchanges the plan's fingerprint
+(``runtime.execution.agreement``), which
 covers layouts, shape, dtype and steps; ranks that disagree (a layout with the same byte
 count, another dtype) all raise :class:`PlanMismatchError` before any step runs. The
 agreement is remembered per (plan, DeviceMesh), so later calls pay one set lookup;
@@ -40,12 +42,9 @@ from __future__ import annotations
 
 import datetime
 import functools
-import hashlib
-import json
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,11 +52,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import planner
 from planner.records import Plan
-from runtime.comm.collectives import collective, default_device, post_point_to_point, timeout_of, wait_point_to_point
+from runtime.comm.collectives import default_device, timeout_of
 from runtime.comm.exchange import RankExchange
-from runtime.comm.groups import axis_group, group_for, ranks_group
+from runtime.comm.groups import axis_group, ranks_group
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
+from runtime.execution.agreement import digests
 from runtime.execution.program import CollectiveMove, bytes_sent, compile_plan
+from runtime.execution.run import Exchange, exchange, start_move, walk
 from runtime.measure import stats
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name, torch_dtype
@@ -139,39 +140,38 @@ def _execute(
     label: str,
     name: str | None,
 ) -> torch.Tensor | None:
-    if not program.plan.steps:
+    """Drive this rank's walk of the program (``runtime.execution.run``), each of its
+    communications with torch.distributed."""
+    plan = program.plan
+    if not plan.steps:
         return local
-    x, writable = local, False
-    for move in program.moves:
-        if move is None:
-            continue
-        if isinstance(move, RankExchange):
-            x, writable = _point_to_point(move, x, device, program.plan, wait, label, name), True
-            continue
-        if move.is_local:
-            x = move.local(x)
-            continue
-        scratch = _kept_buffers() if device.type == "cpu" else None
-        send = move.send(x, writable=writable, scratch=scratch)
-        x = None  # let the previous intermediate go before the collective allocates
-        started = time.perf_counter()
+    scratch = _kept_buffers() if device.type == "cpu" else None
+    run = walk(program.moves, local, dtype=torch_dtype(plan.dtype), device=device, scratch=scratch)
+    received = None
+    while True:
         try:
-            group = group_for(move.step.layout.mesh, (move.step.axis,), move.members, device_mesh, timeout=wait)
-            workspace = None
-            if scratch is not None and move.step.op == "reduce_scatter":
-                workspace = scratch.take("blocks", send.numel(), send.dtype, send.device)
-            received = collective(move.step.op, send, move.n, move.step.reduce_op, group, wait, workspace=workspace)
+            post = run.send(received)
+        except StopIteration as done:
+            return done.value
+        started = time.perf_counter()
+        move = post[0]
+        try:
+            if isinstance(post[1], Exchange):
+                exchange(post[1], wait)
+                received = None
+            else:
+                _, send, workspace = post
+                pending = start_move(
+                    move, send, device_mesh=device_mesh, timeout=wait, workspace=workspace, waited_at_once=True
+                )
+                del send, workspace
+                received = pending.wait(wait)
         except (DistributedError, ReshardError) as e:
             _THREAD.scratch = None  # a collective that failed may still use them: new ones next time
-            raise type(e)(f"{label}: {_where(move, program.plan)} failed: {e.message}") from e
-        if stats.is_recording():
-            _record(move, program.plan, name, started)
-        del send
-        x, writable = move.finish(received), True
-    if x is None:
-        return None  # a rank outside the target mesh
-    # Steps that never communicated return views of ``local``: copy them out.
-    return x.contiguous() if writable else x.clone(memory_format=torch.contiguous_format)
+            raise type(e)(f"{label}: {_where(move, plan)} failed: {e.message}") from e
+        del post  # the send buffer goes before the walk assembles the result
+        if stats.is_recording() and (not isinstance(move, RankExchange) or move.peers):
+            _record(move, plan, name, started)
 
 
 # Up to this many bytes, a padded send buffer and gloo's reduce_scatter workspace are kept
@@ -187,36 +187,6 @@ def _kept_buffers() -> Scratch:
     if scratch is None:
         scratch = _THREAD.scratch = Scratch(keep_at_most=KEPT_BYTES)
     return scratch
-
-
-def _point_to_point(
-    move: RankExchange,
-    x: torch.Tensor | None,
-    device: torch.device,
-    plan: Plan,
-    wait: datetime.timedelta,
-    label: str,
-    name: str | None,
-) -> torch.Tensor | None:
-    """Run this rank's part of a point-to-point step: its piece after the step (``None`` off
-    the target mesh). Allocates the output, and buffers only for messages that are not one
-    contiguous box (sent from, or received into, the pieces in place)."""
-    started = time.perf_counter()
-    out = None if move.after is None else torch.empty(move.after, dtype=torch_dtype(plan.dtype), device=device)
-    sends = move.pack(x) if move.sends else []
-    buffers = move.receive_buffers(out) if move.receives else []
-    try:
-        works = post_point_to_point(sends, [(peer, buffer) for peer, buffer, _ in buffers])
-        if move.copies:
-            move.copy_local(x, out)  # while the messages travel
-        wait_point_to_point(works, wait)
-    except DistributedError as e:
-        raise DistributedError(f"{label}: {_where(move, plan)} failed: {e.message}") from e
-    del sends
-    move.place(out, buffers)
-    if stats.is_recording() and move.peers:
-        _record(move, plan, name, started)
-    return out
 
 
 def _record(move: CollectiveMove | RankExchange, plan: Plan, name: str | None, started: float) -> None:
@@ -355,17 +325,6 @@ def _where(move: CollectiveMove | RankExchange, plan: Plan) -> str:
     return f"step {move.index + 1} of {len(plan.steps)} ({what})"
 
 
-def fingerprint(data: Any) -> int:
-    """A 63-bit digest of ``data``'s JSON form (what ranks all-gather to check they agree)."""
-    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
-
-
-def plan_fingerprint(plan: Plan) -> int:
-    """A 63-bit digest of the plan's JSON form (layouts, shape, dtype, steps, cost model)."""
-    return fingerprint(plan.to_json())
-
-
 def _verify(
     plan: Plan, device: torch.device, device_mesh: DeviceMesh | None, wait: datetime.timedelta, label: str
 ) -> None:
@@ -373,20 +332,16 @@ def _verify(
     # Every rank that calls: the source mesh's ranks in mesh order, then the target mesh's others.
     members = (*src.ranks, *(r for r in dst.ranks if r not in src.ranks))
     where = src.describe() if src.same_geometry(dst) else f"{src.describe()} and {dst.describe()}"
-    mine = plan_fingerprint(plan)
     try:
         if src.same_geometry(dst):
             group = axis_group(src, tuple(range(src.ndim)), device_mesh, timeout=wait)
         else:
             group = ranks_group(members, timeout=wait)
-        gathered = collective(
-            "all_gather", torch.tensor([mine], dtype=torch.int64, device=device), len(members), None, group, wait
-        )
+        mine, prints = digests(plan.to_json(), members, group, device, wait)
     except DistributedError as e:
         raise DistributedError(
             f"{label}: verifying the plan {plan.src} -> {plan.dst} on ranks {list(members)} failed: {e.message}"
         ) from e
-    prints = gathered.tolist()
     if any(p != mine for p in prints):
         by_print: dict[int, list[int]] = {}
         for r, p in zip(members, prints, strict=True):

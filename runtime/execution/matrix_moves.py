@@ -3,10 +3,9 @@ bucket as planned.
 
 To the iteration: the collective buckets first (the joins of flat chunks and the gathers), run
 by the step plan's bucket runner (``runtime.execution.buckets``, on a step plan of those legs alone); then each
-exchange bucket: every member packs its blocks per peer (``RankExchange.pack``), the blocks for
-one peer are sent as one message (members in bucket order; both ends read the same plans, so
-they agree on the message's layout), and one ``batch_isend_irecv`` posts every message of the
-bucket; received messages are cut back into the members' blocks and placed. A matrix's legs of
+exchange bucket, as the executor runs a reshard's point-to-point step
+(``runtime.execution.run.Exchange``): one message per peer for all its members, every message
+of the bucket posted in one ``batch_isend_irecv``. A matrix's legs of
 one stage run in order, each from the previous one's result (a joined block moves to its
 owner). Back from the iteration: the exchange buckets again, from the owners' results.
 """
@@ -24,11 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.legs import BEFORE, Bucket
 from planner.matrices import TO, MatrixPlan
 from planner.step import StepPlan
-from runtime.comm.collectives import post_point_to_point, wait_point_to_point
 from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError
 from runtime.execution.buckets import run_stage
 from runtime.execution.program import CollectiveMove, compile_plan
+from runtime.execution.run import Exchange, exchange
 from runtime.execution.step_program import StepProgram, compile_step
 from runtime.measure import stats
 from runtime.memory.buffers import Scratch
@@ -123,14 +122,12 @@ def _exchange(
     device: torch.device,
     timeout: datetime.timedelta,
 ) -> dict[int, torch.Tensor | None]:
-    """One exchange bucket: its members' point-to-point steps as one message per peer."""
+    """One exchange bucket: its members' point-to-point steps as one message per peer
+    (``runtime.execution.run.Exchange``)."""
     plan = program.plan
     started = time.perf_counter()
     outs: dict[int, torch.Tensor | None] = {}
-    sends: dict[int, list[torch.Tensor]] = {}
-    receives: dict[int, list[torch.Tensor]] = {}
-    placed: list[tuple[RankExchange, torch.Tensor, list[tuple[int, torch.Tensor, bool]]]] = []
-    copies: list[tuple[RankExchange, torch.Tensor | None, torch.Tensor]] = []
+    members: list[tuple[RankExchange, torch.Tensor | None, torch.Tensor | None]] = []
     after: list[tuple[int, int]] = []  # (leg, step) of members with local steps left
     for m in bucket.members:
         leg = plan.legs[m.leg]
@@ -144,64 +141,32 @@ def _exchange(
         out = None
         if move.after is not None:
             out = torch.empty(move.after, dtype=torch_dtype(leg.hops[0].plan.dtype), device=device)
-        if move.sends:
-            assert x is not None
-            for peer, message in move.pack(x):
-                sends.setdefault(peer, []).append(message)
-        if move.receives:
-            assert out is not None
-            buffers = move.receive_buffers(out)
-            for peer, buffer, _ in buffers:
-                receives.setdefault(peer, []).append(buffer)
-            placed.append((move, out, buffers))
-        if move.copies:
-            assert x is not None and out is not None
-            copies.append((move, x, out))
+        members.append((move, x, out))
         outs[m.leg] = out
         if m.step + 1 < len(moves):
             after.append((m.leg, m.step))
-    joined = [(peer, torch.cat(parts) if len(parts) > 1 else parts[0]) for peer, parts in sorted(sends.items())]
-    landing = [(peer, _landing(parts)) for peer, parts in sorted(receives.items())]
+    messages = Exchange(members)
     try:
-        works = post_point_to_point(joined, landing)
-        for move, x, out in copies:  # while the messages travel
-            move.copy_local(x, out)
-        wait_point_to_point(works, timeout)
+        exchange(messages, timeout)
     except DistributedError as e:
         names = ", ".join(f"'{plan.legs[m.leg].tensor}'" for m in bucket.members)
         raise DistributedError(f"the exchange {bucket.stage} of {names} failed: {e.message}") from e
-    for (_, message), (_, parts) in zip(landing, sorted(receives.items()), strict=True):
-        offset = 0
-        for part in parts:
-            if part.data_ptr() != message.data_ptr() + offset * message.element_size():
-                part.copy_(message[offset : offset + part.numel()])
-            offset += part.numel()
-    for move, out, buffers in placed:
-        move.place(out, buffers)
     for leg, step in after:
         outs[leg] = _local(program.exchanges[leg][step + 1 :], outs[leg])
     if stats.is_recording():
-        sent = sum(message.numel() for _, message in joined) * ITEMSIZE[bucket.dtype]
         stats.record(
             stats.CommRecord(
                 tensor=",".join(plan.legs[m.leg].tensor for m in bucket.members),
                 step=plan.buckets.index(bucket),
                 op="point_to_point",
                 axis=None,
-                ranks=tuple(sorted({peer for peer, _ in joined} | {peer for peer, _ in landing})),
-                bytes_sent=sent,
+                ranks=messages.peers,
+                bytes_sent=messages.elements_sent * ITEMSIZE[bucket.dtype],
                 planned_bytes=bucket.bytes,
                 seconds=time.perf_counter() - started,
             )
         )
     return outs
-
-
-def _landing(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Where one peer's message lands: the one buffer itself, else a buffer the parts are cut from."""
-    if len(parts) == 1:
-        return parts[0]
-    return parts[0].new_empty(sum(p.numel() for p in parts))
 
 
 def _viewed(x: torch.Tensor | None, view: tuple[int, ...] | None) -> torch.Tensor | None:

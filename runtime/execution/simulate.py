@@ -1,11 +1,12 @@
 """Execute a plan for every rank at once, in one process, with real tensors.
 
-Each rank runs its compiled moves (``runtime.execution.program``), exactly as under
-``runtime.execution.executor``; only the collectives are emulated, group by group, over the ranks'
-send buffers: the same padding, the same blocks, the same trimming. A point-to-point step
-packs, receives and places the same per-peer messages as the executor (``runtime.comm.exchange``),
-and may hand the tensor to another mesh: pieces come in keyed by the source mesh's ranks and
-go out keyed by the target mesh's.
+Every rank walks its compiled moves (``runtime.execution.program``) with the walk that
+``runtime.execution.executor`` drives (``runtime.execution.run``): the same padding, the same
+blocks, the same trimming. Only the communication is emulated, step by step over the ranks
+that wait at it: a collective group by group over its members' send buffers, a point-to-point
+step by copying every packed message into its receiver's buffer. A point-to-point step may
+hand the tensor to another mesh: pieces come in keyed by the source mesh's ranks and go out
+keyed by the target mesh's.
 """
 
 from __future__ import annotations
@@ -15,74 +16,80 @@ from collections.abc import Mapping
 import torch
 
 from planner.records import Plan
-from runtime.comm.exchange import RankExchange
 from runtime.errors import ReshardError
 from runtime.execution.program import CollectiveMove, compile_plan
-from runtime.memory.dtypes import dtype_name
+from runtime.execution.run import Exchange, Post, walk
+from runtime.memory.dtypes import dtype_name, torch_dtype
 from runtime.memory.pieces import check_pieces, reduce_stacked
 
 
 def simulate(plan: Plan, pieces_by_rank: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Every rank's piece in ``plan.dst``, keyed by the ranks of the target mesh, given every
     rank's piece in ``plan.src``, keyed by the ranks of the source mesh (each with the piece
-    shape ``plan.src`` gives it)."""
+    shape ``plan.src`` gives it). No result shares memory with an input or another result."""
     check_pieces(pieces_by_rank, plan.src, plan.shape)
-    dtype = dtype_name(next(iter(pieces_by_rank.values())).dtype)
-    if dtype != plan.dtype:
-        raise ReshardError(f"the plan {plan.src} -> {plan.dst} is for {plan.dtype} but the pieces are {dtype}")
+    like = next(iter(pieces_by_rank.values()))
+    if dtype_name(like.dtype) != plan.dtype:
+        raise ReshardError(
+            f"the plan {plan.src} -> {plan.dst} is for {plan.dtype} but the pieces are {dtype_name(like.dtype)}"
+        )
     ranks = (*plan.src.mesh.ranks, *(r for r in plan.dst.mesh.ranks if r not in plan.src.mesh.ranks))
-    programs = {rank: compile_plan(plan, rank) for rank in ranks}
-    pieces = dict(pieces_by_rank)
-    for index, step in enumerate(plan.steps):
-        moves = {rank: programs[rank][index] for rank in ranks if programs[rank][index] is not None}
-        if step.op == "point_to_point":
-            pieces = _point_to_point(moves, pieces)
-            continue
-        mesh = step.layout.mesh
-        if moves[mesh.ranks[0]].is_local:
-            pieces = {rank: moves[rank].local(pieces[rank]) for rank in mesh.ranks}
-            continue
-        for members in mesh.axis_groups(step.axis):
-            # The simulator never writes into a send buffer, so the caller's pieces are safe.
-            sends = [moves[r].send(pieces[r], writable=True) for r in members]
-            for r, received in zip(members, _exchange(moves[members[0]], sends), strict=True):
-                pieces[r] = moves[r].finish(received)
-    # Fresh tensors: no result aliases an input or another rank's result.
-    return {rank: piece.clone(memory_format=torch.contiguous_format) for rank, piece in pieces.items()}
-
-
-def _point_to_point(moves: dict[int, RankExchange], pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """The target mesh's pieces after a point-to-point step: each message copied from its
-    sender's packed buffer into its receiver's buffer, then placed as the executor does."""
-    messages = {
-        (rank, peer): message for rank, move in moves.items() if move.sends for peer, message in move.pack(pieces[rank])
+    dtype = torch_dtype(plan.dtype)
+    walks = {
+        rank: walk(compile_plan(plan, rank), pieces_by_rank.get(rank), dtype=dtype, device=like.device)
+        for rank in ranks
     }
-    like = next(iter(pieces.values()))
-    out = {}
-    for rank, move in moves.items():
-        if move.after is None:
-            continue  # only in the source mesh: it sent and holds nothing after the step
-        target = like.new_empty(move.after)
-        buffers = move.receive_buffers(target)
-        for peer, buffer, _ in buffers:
-            buffer.copy_(messages[peer, rank])
-        if move.copies:
-            move.copy_local(pieces[rank], target)
-        move.place(target, buffers)
-        out[rank] = target
-    return out
+    received: dict[int, torch.Tensor | None] = dict.fromkeys(ranks)  # what each rank resumes with
+    waiting: dict[int, Post] = {}
+    out: dict[int, torch.Tensor] = {}
+    while True:
+        for rank, result in received.items():
+            try:
+                waiting[rank] = walks[rank].send(result)
+            except StopIteration as done:
+                if done.value is not None:  # None: only in the source mesh, it sent and holds nothing
+                    out[rank] = done.value
+        if not waiting:
+            return out
+        # Ranks walk the same steps in order, so every rank of the earliest step waited at is
+        # there; the others wait on.
+        index = min(post[0].index for post in waiting.values())
+        here = {rank: post for rank, post in waiting.items() if post[0].index == index}
+        for rank in here:
+            del waiting[rank]
+        received = _emulate(here)
 
 
-def _exchange(move: CollectiveMove, sends: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What each member of a group receives from the collective of ``move``'s step."""
+def _emulate(here: dict[int, Post]) -> dict[int, torch.Tensor | None]:
+    """What each rank of ``here``, all waiting at one step, receives from its communication."""
+    if isinstance(next(iter(here.values()))[1], Exchange):
+        exchanges: dict[int, Exchange] = {rank: post[1] for rank, post in here.items()}  # type: ignore[misc]
+        messages = {(rank, peer): message for rank, ex in exchanges.items() for peer, message in ex.sends}
+        for rank, ex in exchanges.items():
+            for peer, buffer, _ in ex.receives:
+                buffer.copy_(messages[peer, rank])
+            ex.copy_local()
+            ex.land()
+        return dict.fromkeys(exchanges)
+    received: dict[int, torch.Tensor | None] = {}
+    for members in dict.fromkeys(post[0].members for post in here.values()):  # type: ignore[union-attr]
+        move = here[members[0]][0]
+        assert isinstance(move, CollectiveMove)
+        received.update(zip(members, _collective(move, [here[r][1] for r in members]), strict=True))  # type: ignore[misc]
+    return received
+
+
+def _collective(move: CollectiveMove, sends: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What each member of a group receives from the collective of ``move``'s step (a tensor
+    of its own: results never share memory)."""
     op, n = move.step.op, move.n
     if op == "all_gather":
         gathered = torch.cat(sends)
-        return [gathered] * n
+        return [gathered.clone() for _ in range(n)]
     if op == "all_to_all":
         blocks = [s.view(n, -1) for s in sends]
         return [torch.cat([b[i] for b in blocks]) for i in range(n)]
     reduced = reduce_stacked(torch.stack(sends), move.step.reduce_op)
     if op == "all_reduce":
-        return [reduced] * n
-    return list(reduced.view(n, -1))
+        return [reduced.clone() for _ in range(n)]
+    return [block.clone() for block in reduced.view(n, -1)]

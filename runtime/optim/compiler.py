@@ -19,11 +19,10 @@ import torch
 
 from planner.legs import StepTensor
 from planner.step import StepPlan, plan_step
-from runtime.comm.collectives import collective
 from runtime.comm.groups import axis_ranks, group_for
 from runtime.errors import DistributedError, PlanMismatchError
+from runtime.execution.agreement import differing_ranks
 from runtime.execution.buckets import StageRun
-from runtime.execution.executor import fingerprint
 from runtime.execution.step_program import StepProgram, compile_step
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name
@@ -215,15 +214,3 @@ class StepCompiler:
                     f"rank {self.rank}'s buckets ({len(records)} on this axis) differ from those of ranks {differ}; "
                     "every rank must give the optimizer the same parameters, layouts and gradients"
                 )
-
-
-def differing_ranks(
-    records: object, members: Sequence[int], group: Any, device: torch.device, timeout: datetime.timedelta
-) -> list[int]:
-    """The ranks of ``group`` (``members``, in its order) whose digest of their ``records``
-    (``runtime.execution.executor.fingerprint``) differs from this rank's: one all-gather of 8 bytes.
-    Raises ``DistributedError`` when the all-gather fails."""
-    mine = fingerprint(records)
-    digest = torch.tensor([mine], dtype=torch.int64, device=device)
-    gathered = collective("all_gather", digest, len(members), None, group, timeout)
-    return [r for r, p in zip(members, gathered.tolist(), strict=True) if p != mine]

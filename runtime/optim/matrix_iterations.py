@@ -19,11 +19,11 @@ from planner.legs import DEFAULT_BUCKET_BYTES, StepTensor
 from planner.matrices import BACK, TO, MatrixPlan, joins, pieces, plan_matrices
 from runtime.comm.groups import ranks_group
 from runtime.errors import DistributedError, PlanMismatchError
+from runtime.execution.agreement import differing_ranks
 from runtime.execution.matrix_moves import MatrixProgram, compile_matrices, run_matrix_stage
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name
 from runtime.memory.packing import region
-from runtime.optim.compiler import differing_ranks
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.slots import Slot
 from shardlang.errors import ShardlangError

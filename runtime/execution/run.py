@@ -1,0 +1,182 @@
+"""Running a rank's compiled moves (``runtime.execution.program``): the move logic every driver
+shares (docs/design.md, "One executor").
+
+:func:`walk` takes one rank's piece through a plan's moves: local steps run in it; a collective
+step packs the send buffer (``CollectiveMove.send``) and yields it, and unpacks what the driver
+sends back (``CollectiveMove.finish``); a point-to-point step yields an :class:`Exchange`. The
+driver only communicates: :func:`runtime.execution.executor.reshard` with torch.distributed on
+the calling rank, :func:`runtime.execution.simulate.simulate` with every rank's walk in one
+process and the collectives emulated over their send buffers. So the padding, trimming and
+packing the simulator checks are the runtime's own.
+
+An :class:`Exchange` is a bucket of point-to-point moves: one message per peer however many
+members send to it (members in bucket order; both ends read the same plans, so they agree on
+the message's layout). A reshard's exchange has one member; Muon's matrix moves
+(``runtime.execution.matrix_moves``) bucket many. :func:`exchange` runs one with
+torch.distributed, and :func:`start_move` starts a collective move's, alone or as the first of a
+bucket (``runtime.execution.buckets``): every collective and message of a compiled program is
+posted here.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Generator, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from runtime.comm.collectives import PendingCollective, post_point_to_point, start_collective, wait_point_to_point
+from runtime.comm.exchange import RankExchange
+from runtime.comm.groups import group_for
+from runtime.execution.program import CollectiveMove
+from runtime.memory.buffers import Scratch
+
+# What a walk waits on: a collective move with its send buffer and, for gloo's reduce_scatter,
+# the workspace its blocks land in (the driver sends back the flat result), or an exchange
+# (the driver sends back ``None`` once it has landed).
+Post = tuple[CollectiveMove, torch.Tensor, torch.Tensor | None] | tuple[RankExchange, "Exchange"]
+Walk = Generator[Post, torch.Tensor | None, torch.Tensor | None]
+
+
+def walk(
+    moves: Sequence[CollectiveMove | RankExchange | None],
+    x: torch.Tensor | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    scratch: Scratch | None = None,
+) -> Walk:
+    """The rank's piece after ``moves`` (``None`` off the target mesh), from its piece ``x``
+    (``None`` off the source mesh): contiguous, and sharing no memory with ``x``. Send buffers
+    are packed into ``scratch`` when given (kept by the caller between calls), with gloo's
+    reduce_scatter workspace. ``x`` is never written: an all_reduce copies it first, later
+    steps reduce their own buffers in place."""
+    writable = False
+    for move in moves:
+        if move is None:
+            continue
+        if isinstance(move, RankExchange):
+            out = None if move.after is None else torch.empty(move.after, dtype=dtype, device=device)
+            yield move, Exchange([(move, x, out)])
+            x, writable = out, True
+            continue
+        if move.is_local:
+            x = move.local(x)
+            continue
+        send = move.send(x, writable=writable, scratch=scratch)
+        x = None  # let the previous intermediate go before the collective allocates
+        workspace = None
+        if scratch is not None and move.step.op == "reduce_scatter":
+            workspace = scratch.take("blocks", send.numel(), send.dtype, send.device)
+        received = yield move, send, workspace
+        del send, workspace  # released before the result is assembled
+        assert received is not None
+        x, writable = move.finish(received), True
+    if x is None:
+        return None  # a rank outside the target mesh
+    # Steps that never communicated return views of ``x``: copy them out.
+    return x.contiguous() if writable else x.clone(memory_format=torch.contiguous_format)
+
+
+class Exchange:
+    """One rank's part in a bucket of point-to-point moves, each member ``(move, x, out)``:
+    its source piece (``None`` off the source mesh) and the target piece it fills (``None``
+    off the target mesh). ``sends`` and ``receives`` are one flat message per peer, packed
+    from the members' pieces (a message that is one contiguous box is sent from, or received
+    into, the piece in place); :meth:`copy_local` copies the boxes the rank keeps, while the
+    messages travel; :meth:`land` places what arrived."""
+
+    __slots__ = ("_copies", "_placed", "receives", "sends")
+
+    def __init__(self, members: Sequence[tuple[RankExchange, torch.Tensor | None, torch.Tensor | None]]) -> None:
+        sends: dict[int, list[torch.Tensor]] = {}
+        receives: dict[int, list[torch.Tensor]] = {}
+        self._placed: list[tuple[RankExchange, torch.Tensor, list[tuple[int, torch.Tensor, bool]]]] = []
+        self._copies: list[tuple[RankExchange, torch.Tensor, torch.Tensor]] = []
+        for move, x, out in members:
+            if move.sends:
+                assert x is not None
+                for peer, message in move.pack(x):
+                    sends.setdefault(peer, []).append(message)
+            if move.receives:
+                assert out is not None
+                buffers = move.receive_buffers(out)
+                for peer, buffer, _ in buffers:
+                    receives.setdefault(peer, []).append(buffer)
+                self._placed.append((move, out, buffers))
+            if move.copies:
+                assert x is not None and out is not None
+                self._copies.append((move, x, out))
+        self.sends = [(peer, torch.cat(parts) if len(parts) > 1 else parts[0]) for peer, parts in sorted(sends.items())]
+        self.receives = [(peer, _landing(parts), parts) for peer, parts in sorted(receives.items())]
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """The ranks this rank sends to or receives from."""
+        return tuple(sorted({peer for peer, _ in self.sends} | {peer for peer, _, _ in self.receives}))
+
+    @property
+    def elements_sent(self) -> int:
+        return sum(message.numel() for _, message in self.sends)
+
+    def copy_local(self) -> None:
+        for move, x, out in self._copies:
+            move.copy_local(x, out)
+
+    def land(self) -> None:
+        """Cut every received message back into its members' buffers and place them."""
+        for _, message, parts in self.receives:
+            offset = 0
+            for part in parts:
+                if part.data_ptr() != message.data_ptr() + offset * message.element_size():
+                    part.copy_(message[offset : offset + part.numel()])
+                offset += part.numel()
+        for move, out, buffers in self._placed:
+            move.place(out, buffers)
+
+
+def start_move(
+    move: CollectiveMove,
+    send: torch.Tensor,
+    *,
+    device_mesh: DeviceMesh | None,
+    timeout: datetime.timedelta,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    waited_at_once: bool = False,
+) -> PendingCollective:
+    """Start the collective of ``move``'s step on its group (``runtime.comm.groups``, of
+    ``device_mesh`` when given) from the flat buffer ``send``: one move's blocks (a walk), or a
+    bucket's, whose members all step as its first one does (``runtime.execution.buckets``).
+    ``out``, ``workspace`` and ``waited_at_once`` as ``runtime.comm.collectives.start_collective``
+    takes them. Raises ``DistributedError`` when the group or the collective fails."""
+    step = move.step
+    group = group_for(step.layout.mesh, (step.axis,), move.members, device_mesh, timeout=timeout)
+    return start_collective(
+        step.op,
+        send,
+        move.n,
+        step.reduce_op,
+        group,
+        out=out,
+        workspace=workspace,
+        waited_at_once=waited_at_once,
+    )
+
+
+def exchange(bucket: Exchange, timeout: datetime.timedelta) -> None:
+    """Run ``bucket`` with torch.distributed: every message posted in one
+    ``batch_isend_irecv``, the local copies made while they travel, all waited on within
+    ``timeout``. Raises ``DistributedError`` when a message fails."""
+    works = post_point_to_point(bucket.sends, [(peer, message) for peer, message, _ in bucket.receives])
+    bucket.copy_local()
+    wait_point_to_point(works, timeout)
+    bucket.land()
+
+
+def _landing(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Where one peer's message lands: the one buffer itself, else a buffer the parts are cut from."""
+    if len(parts) == 1:
+        return parts[0]
+    return parts[0].new_empty(sum(p.numel() for p in parts))
