@@ -124,7 +124,7 @@ def priced_as(op: str, axis: int, nbytes: int, large_from: Mapping[str, tuple[in
     return op if starts is None or nbytes < starts[axis] else large_key(op)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a key of every plan and bucket kind: hashed once, not per lookup
 class CostModel:
     """Latency ``alpha`` (seconds per round) and ``bandwidth`` (bytes/s), each one number for
     every mesh axis or a tuple with one number per axis."""

@@ -347,15 +347,23 @@ def _merge(
 ) -> Iterable[Bucket]:
     """Weighted majority merge of the legs' step sequences on one mesh."""
     position = [0] * len(chains)
-    order: dict[tuple, int] = {}  # kinds in the order first met, to break ties the same way everywhere
+    # Each step's kind, hashed once: as the number of its kind in the order the rounds below
+    # first meet it (chains in order, each at its next step), which breaks ties the same way
+    # everywhere; a round then compares small integers, not kinds of meshes and cost models.
+    ids: dict[tuple, int] = {}
+    kinds = [
+        [ids.setdefault(_kind(legs[index], where, costs[legs[index].tensor]), len(ids)) for where in steps]
+        for index, steps in chains
+    ]
+    order: dict[int, int] = {}
+    p2p = {i for kind, i in ids.items() if kind[0] == 1}
     while True:
-        waiting: dict[tuple, list[int]] = {}
-        weight: dict[tuple, int] = {}
-        for c, (index, steps) in enumerate(chains):
+        waiting: dict[int, list[int]] = {}
+        weight: dict[int, int] = {}
+        for c, (_, steps) in enumerate(chains):
             if position[c] == len(steps):
                 continue
-            leg = legs[index]
-            kind = _kind(leg, steps[position[c]], costs[leg.tensor])
+            kind = kinds[c][position[c]]
             order.setdefault(kind, len(order))
             waiting.setdefault(kind, []).append(c)
             weight[kind] = weight.get(kind, 0) + len(steps) - position[c]
@@ -370,7 +378,7 @@ def _merge(
             position[c] += 1
             step = legs[index].hops[h].plan.steps[k]
             size = _buffer_bytes(step)
-            if group and (held + size > cap or chosen[0] == 1):
+            if group and (held + size > cap or chosen in p2p):
                 yield _bucket(legs, stage, group, costs)
                 group, held = [], 0
             group.append((Member(index, h, k), step))

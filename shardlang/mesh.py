@@ -31,7 +31,7 @@ class StridedRanks(Sequence[int]):
     such a tuple into one) and meshes hash as they compare. ``step`` is at least 1; a run of
     consecutive ranks is a :class:`RowMajorRanks`."""
 
-    __slots__ = ("_n", "_start", "_step")
+    __slots__ = ("_hash", "_n", "_start", "_step")
 
     def __init__(self, n: int, start: int = 0, step: int = 1) -> None:
         self._n = int(n)
@@ -39,6 +39,8 @@ class StridedRanks(Sequence[int]):
         self._step = int(step)
         if self._step < 1:
             raise LayoutError(f"a rank run's step must be at least 1, not {self._step}")
+        # Meshes are keys of every plan and bucket: their ranks are hashed once.
+        self._hash = hash((StridedRanks, *self._key()))
 
     @property
     def start(self) -> int:
@@ -99,7 +101,7 @@ class StridedRanks(Sequence[int]):
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((StridedRanks, *self._key()))
+        return self._hash
 
     def __repr__(self) -> str:
         return f"StridedRanks({self._n}, {self._start}, {self._step})"
