@@ -105,7 +105,7 @@ def _on_two(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_get_and_set_optimizer_state_dict_round_trip_a_sharded_optimizer_through_dcp(tmp_path: Path) -> None:
-    for out in run_ranks(_on_two, 2, (str(tmp_path),), timeout=120):
+    for out in run_ranks(_on_two, 2, (str(tmp_path),), timeout=180):
         assert out["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]  # the model's names, no ``module.``
         assert out["placement"] == "(Shard(dim=0),)"
         assert out["saved"].keys() == out["loaded"].keys() and out["saved"]
