@@ -31,10 +31,11 @@ Variants: ``ddp`` (``DistributedDataParallel`` + ``torch.optim.AdamW(foreach=Tru
 (DDP + ``ZeroRedundancyOptimizer(AdamW)``), ``fsdp2`` (``fully_shard`` per layer and the root +
 AdamW), ``sharded`` (``ShardedAdamW``, the ZeRO-2 spec: params ``R,R``, gradients
 ``R,R | P(dp):avg``, states ``S(dp),R``, no wrapper), ``sharded-flat`` (the same with states
-``R,R`` and ``flat_axis="dp"``), ``sharded-free`` (ZeRO-2 with ``free_grads=True``: gradients
-freed in ``step()`` once reduced; ``sharded-flat-free`` the same with flat ZeRO),
+``R,R`` and ``flat_axis="dp"``; both free the gradients in ``step()`` once reduced, their
+default), ``sharded-kept`` (ZeRO-2 with ``free_grads=False``: gradients kept),
 ``sharded-overlap`` (ZeRO-2 with ``overlap=True`` and ``free_grads=True``: gradients freed
-during backward), ``sharded-overlap-prefetch`` (the same with
+during backward), ``sharded-overlap-kept`` (``overlap=True``, gradients kept: its default),
+``sharded-overlap-prefetch`` (``sharded-overlap`` with
 ``prefetch_params`` per layer), ``sharded-fsdp2`` (``ShardedAdamW`` over FSDP2's parameters,
 no spec), ``ddp-came`` (DDP + ``came_pytorch.CAME``), ``sharded-came`` and ``sharded-came-flat``.
 """
@@ -59,9 +60,9 @@ import bench_step  # noqa: E402  (bench/, found through the path above)
 import results  # noqa: E402
 
 VARIANTS = {key: bench_step.VARIANTS[key] for key in ("ddp", "zero", "fsdp2", "sharded", "sharded-flat")} | {
-    "sharded-free": "ShardedAdamW, ZeRO-2 spec, free_grads",
-    "sharded-flat-free": "ShardedAdamW, flat ZeRO, free_grads",
+    "sharded-kept": "ShardedAdamW, ZeRO-2 spec, free_grads=False",
     "sharded-overlap": "ShardedAdamW, ZeRO-2 spec, overlap + free_grads",
+    "sharded-overlap-kept": "ShardedAdamW, ZeRO-2 spec, overlap",
     "sharded-overlap-prefetch": "ShardedAdamW, ZeRO-2 spec, overlap + free_grads + prefetch_params",
     "sharded-fsdp2": "ShardedAdamW over FSDP2's parameters",
     "ddp-came": "DDP + came_pytorch.CAME",
@@ -69,7 +70,7 @@ VARIANTS = {key: bench_step.VARIANTS[key] for key in ("ddp", "zero", "fsdp2", "s
     "sharded-came-flat": "ShardedCAME, flat ZeRO",
 }
 # What each variant is compared with besides DDP + AdamW (the goals of docs/memory.md).
-PEERS = {"sharded": "zero", "sharded-free": "zero", "sharded-fsdp2": "fsdp2"}
+PEERS = {"sharded": "zero", "sharded-flat": "zero", "sharded-fsdp2": "fsdp2"}
 PEERS |= {"sharded-came": "ddp-came", "sharded-came-flat": "ddp-came"}
 WIDTH, LAYERS, FEED_FORWARD = 512, 6, 2048
 STEPS = 5
@@ -146,8 +147,9 @@ def worker(variant: str, rank: int, world: int, port: int, steps: int, bucket_by
         flat = "-flat" in variant
         spec = spec_for(model, world, "R,R" if flat else "S(dp),R", "R" if flat else "S(dp)")
         overlap = variant.startswith("sharded-overlap")
-        free = overlap or variant.endswith("-free")
-        options: dict[str, Any] = {"flat_axis": "dp" if flat else None, "overlap": overlap, "free_grads": free}
+        options: dict[str, Any] = {"flat_axis": "dp" if flat else None, "overlap": overlap}
+        if variant.endswith("-kept") or overlap:  # the default: free_grads without overlap only
+            options["free_grads"] = not variant.endswith("-kept")
         options["bucket_bytes"] = bucket_bytes
         if variant.startswith("sharded-came"):
             optimizer = ShardedCAME(model.named_parameters(), spec, **CAME, **options)

@@ -185,7 +185,7 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
         "2 x": "a formula of the cost table",
     },
     "docs/reference/optimizers.md": {
-        "2 s": "=runtime.optim.transaction.FAILURE_NOTICE",
+        "2 s": "=runtime.optim.commit.FAILURE_NOTICE",
         "5 s": "=runtime.measure.flops.DEFAULT_BUDGET",
     },
     "docs/reference/planner.md": {

@@ -57,7 +57,7 @@ def _storages(root: object, skip: set[int]) -> dict[int, int]:
     return found
 
 
-def _run(rank: int, world_size: int, flat: bool, transactional: bool) -> dict[str, Any]:
+def _run(rank: int, world_size: int, flat: bool, transactional: bool, free_grads: bool | None) -> dict[str, Any]:
     from runtime.optim import ShardedAdamW
 
     torch.manual_seed(0)
@@ -68,6 +68,7 @@ def _run(rank: int, world_size: int, flat: bool, transactional: bool) -> dict[st
         bucket_bytes=BUCKET,
         flat_axis="dp" if flat else None,
         transactional=transactional,
+        **({} if free_grads is None else {"free_grads": free_grads}),
     )
     predicted_before = optimizer.memory_report()
     for step in range(3):
@@ -75,19 +76,27 @@ def _run(rank: int, world_size: int, flat: bool, transactional: bool) -> dict[st
         for p in params.values():
             p.grad = torch.randn(p.shape, generator=generator)
         optimizer.step()
+    grads_left = sum(p.grad is not None for p in params.values())
     skip = {p.untyped_storage().data_ptr() for p in params.values()}
     skip |= {p.grad.untyped_storage().data_ptr() for p in params.values() if p.grad is not None}
     held = sum(_storages(optimizer, skip).values())
     report = optimizer.memory_report()
     return {
         "held": held,
+        "grads_left": grads_left,
         "report": report,
         "predicted_before": predicted_before.total_bytes,
         "model": sum(4 * math.prod(shape) for shape in SHAPES.values()),
     }
 
 
-CASES = {"zero2": (False, False), "flat": (True, False), "transactional": (False, True)}
+# (flat, transactional, free_grads); None: the default, which frees the gradients in step().
+CASES = {
+    "zero2": (False, False, None),
+    "flat": (True, False, None),
+    "transactional": (False, True, None),
+    "kept_grads": (False, False, False),
+}
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +105,15 @@ def results() -> dict[str, list[dict[str, Any]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["zero2", "flat"])
+@pytest.mark.parametrize("case", ["zero2", "flat", "kept_grads"])
 def test_a_step_in_place_holds_no_buffer_the_size_of_the_model(results: dict, case: str) -> None:
     for rank, got in enumerate(results[case]):
         report, model = got["report"], got["model"]
-        assert report.params == report.grads == model
+        assert report.params == model
+        # ZeRO-2 by default: step() frees the gradients it reduced; free_grads=False keeps them.
+        kept = case == "kept_grads"
+        assert report.grads == (model if kept else 0), str(report)
+        assert got["grads_left"] == (len(SHAPES) if kept else 0), (rank, got["grads_left"])
         # A row or two more or less than a quarter of the rows: the uneven matrix.
         assert abs(report.states - 2 * model // WORLD) <= 2 * 4 * 2 * 128, (report.states, model)
         # The states, the reduced gradient shards (a quarter of the model), the send and result

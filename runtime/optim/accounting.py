@@ -9,14 +9,14 @@ from collections.abc import Callable, Sequence
 
 from runtime.memory.buffers import Scratch
 from runtime.optim.clipping import Clipping
+from runtime.optim.commit import CommitFlag
 from runtime.optim.compiler import StepCompiler
 from runtime.optim.memory import MemoryReport
 from runtime.optim.phases import PhaseDriver
 from runtime.optim.records import StepTraffic
-from runtime.optim.slots import Slot, Slots, expected_grad, grad_key
+from runtime.optim.slots import Slot, Slots
 from runtime.optim.states import StateStore
 from runtime.optim.sums import plan_collectives
-from runtime.optim.transaction import CommitFlag
 from shardlang.dtypes import ITEMSIZE
 
 
@@ -35,20 +35,20 @@ class Accounting:
         flag: CommitFlag,
         scratch: Scratch,
         *,
-        transactional: bool,
+        spare_states: bool,
         free_grads: bool,
     ) -> None:
         self._slots, self._store, self._compiler, self._driver = slots, store, compiler, driver
         self._clipping, self._flag, self._scratch = clipping, flag, scratch
-        self._transactional, self._free_grads = transactional, free_grads
+        self._spare_states, self._free_grads = spare_states, free_grads
 
     def planned_traffic(self) -> StepTraffic:
         """What the next step will communicate on this rank (see
         ``ShardedOptimizer.planned_traffic``)."""
-        slots = self._slots.stepped()
-        if not slots:
+        slots, keys = self._slots.coming()
+        if not slots or any(key is None for key in keys):
             return StepTraffic()
-        plan = self._compiler.compiled(slots, [grad_key(s) for s in slots]).plan
+        plan = self._compiler.compiled(slots, keys).plan  # type: ignore[arg-type]
         phases = self._driver.phase_specs(slots)
         if self._clipping.every_step:
             phases.append(self._clipping.norm_specs(slots))
@@ -73,11 +73,10 @@ class Accounting:
         ``ShardedOptimizer.memory_report``); ``scratch_bytes``: the math's working buffers for
         a step of the given slots."""
         slots = self._slots.held()
-        stepped = self._slots.stepped()
-        keys = [grad_key(s) for s in stepped] if stepped else [expected_grad(s) for s in slots]
+        coming, keys = self._slots.coming()
         buffers = self._compiler.buffers.nbytes
-        if (stepped or slots) and all(key is not None for key in keys):
-            program = self._compiler.compiled(stepped or slots, keys).program  # type: ignore[arg-type]
+        if coming and all(key is not None for key in keys):
+            program = self._compiler.compiled(coming, keys).program  # type: ignore[arg-type]
             numels = (program.kept_numel, program.send_numel)
             buffers = sum(n * ITEMSIZE[dtype] for kind in numels for dtype, n in kind.items())
         params = grads = flat = own = masters = 0
@@ -88,5 +87,5 @@ class Accounting:
             slot_flat, slot_own, slot_master = self._store.predicted_bytes(slot)
             flat, own, masters = flat + slot_flat, own + slot_own, masters + slot_master
         states = flat + own
-        spare = flat + masters if self._transactional else 0  # the flat buffers' second set
+        spare = flat + masters if self._spare_states else 0  # the flat buffers' second set
         return MemoryReport(params, grads, states, masters, buffers, spare, scratch_bytes(slots))

@@ -34,16 +34,17 @@ from runtime.memory.buffers import KeptViews, Scratch
 from runtime.optim import full_state
 from runtime.optim.accounting import Accounting
 from runtime.optim.clipping import Clipping
+from runtime.optim.commit import CommitFlag, Staged
 from runtime.optim.compiler import StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.memory import MemoryReport
 from runtime.optim.overlap import Backward, OverlapController, ParamGathers
 from runtime.optim.phases import PhaseDriver, StepWork, Update, done
 from runtime.optim.records import STATE_DICT_FORMAT, HeldTensor, StateWhere, StepTraffic
-from runtime.optim.slots import Slot, Slots, SpecLike, grad_key
+from runtime.optim.slots import Slot, Slots, SpecLike, names_text
 from runtime.optim.states import StateStore, state_where
 from runtime.optim.sums import SumReducer, SumSpec
-from runtime.optim.transaction import CommitFlag, Staged, StepTransaction
+from runtime.optim.transaction import StepTransaction
 
 # Names the optimizers, the checkpoints and DCP import from here.
 __all__ = [
@@ -78,7 +79,7 @@ class StepOptions(TypedDict, total=False):
     reduce_dtype: torch.dtype | None
     cost: CostModel | None
     transactional: bool
-    free_grads: bool
+    free_grads: bool | None
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -111,7 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reduce_dtype: torch.dtype | None = None,
         cost: CostModel | None = None,
         transactional: bool = False,
-        free_grads: bool = False,
+        free_grads: bool | None = None,
     ) -> None:
         named, kind = list(named_params), type(self).__name__
         if not named:
@@ -137,10 +138,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skip_nonfinite, self.verify, self.idle_ranks = skip_nonfinite, verify, idle_ranks
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.all_ranks_commit, self.overlap, self.free_grads = all_ranks_commit, bool(overlap), bool(free_grads)
-        # In place behind an early commit point, or the whole step on spare buffers, swapped in
-        # when every rank finished it (docs/memory.md, "The commit point").
-        self.transactional = bool(transactional) or not self.updates_in_place
+        self.all_ranks_commit, self.overlap = all_ranks_commit, bool(overlap)
+        # ZeRO-2 by default: step() frees the gradients it reduced. Under overlap they are kept
+        # unless asked, since freeing them during backward hides them from torch's clipping
+        # (docs/memory.md, "Gradients").
+        self.free_grads = not self.overlap if free_grads is None else bool(free_grads)
+        # In place behind an early commit point (or, for math with sums between its phases, the
+        # math into spare states before it), or the whole step on spare buffers, swapped in when
+        # every rank finished it (docs/memory.md, "The commit point").
+        self.transactional = bool(transactional)
         # Gradients in a lower precision are reduced in this one (FSDP2's MixedPrecisionPolicy).
         self.reduce_dtype = reduce_dtype
         self._scratch = Scratch()  # the math's working buffers, kept between steps
@@ -172,11 +178,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flag = CommitFlag(timeout=self.timeout, enabled=all_ranks_commit, flags=1 if self.transactional else 2)
         self._transaction = StepTransaction(
             slots, store, compiler, self._overlap, gathers, clipping, driver, flag, self._scratch,
-            transactional=self.transactional, free_grads=self.free_grads, owner=kind,
+            transactional=self.transactional, math_in_place=self.updates_in_place, free_grads=self.free_grads,
+            owner=kind,
         )  # fmt: skip
         self._accounting = Accounting(
             slots, store, compiler, driver, clipping, flag, self._scratch,
-            transactional=self.transactional, free_grads=self.free_grads,
+            spare_states=self.transactional or not self.updates_in_place, free_grads=self.free_grads,
         )  # fmt: skip
         if self.overlap:
             self._overlap.hook(slots)
@@ -316,9 +323,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # --- what a step communicates and holds ----------------------------------------------
     def step_plan(self) -> StepPlan:
-        """The plan of the next step, for the parameters that have gradients now."""
-        slots = self._slots.stepped()
-        return self._compiler.compiled(slots, [grad_key(s) for s in slots]).plan
+        """The plan of the next step: for the parameters that have gradients now, or where none
+        has one, for every parameter with the gradient its layout expects."""
+        slots, keys = self._slots.coming()
+        unknown = [s.name for s, key in zip(slots, keys, strict=True) if key is None]
+        if unknown:
+            raise OptimizerError(f"the gradient layout of {names_text(unknown)} is not known before its first backward")
+        return self._compiler.compiled(slots, keys).plan  # type: ignore[arg-type]
 
     def planned_traffic(self) -> StepTraffic:
         """What the next step will communicate on this rank, from its step plan and the

@@ -137,12 +137,15 @@ class ShardedMuon(ShardedOptimizer):
         """The plan of the next step, for the parameters that have gradients now, with the
         matrices' iterations (``StepPlan.matrices``: where each runs, its moves, their buckets
         and the estimate)."""
-        return attrs.evolve(super().step_plan(), matrices=self._iterations.plan(self._slots.stepped())[0])
+        return attrs.evolve(super().step_plan(), matrices=self._iterations.plan(self._slots.coming()[0])[0])
 
     # --- what a step communicates ------------------------------------------------------
     def planned_traffic(self) -> StepTraffic:
         traffic = super().planned_traffic()
-        plan, _ = self._iterations.plan(self._slots.stepped())
+        slots, keys = self._slots.coming()
+        if not slots or any(key is None for key in keys):
+            return traffic
+        plan, _ = self._iterations.plan(slots)
         return attrs.evolve(traffic, matrix_bytes=plan.total_bytes, matrix_collectives=plan.collectives)
 
     def _stage(self, slots: list[Slot], *args: Any, **kwargs: Any) -> Any:

@@ -159,6 +159,17 @@ class Slots(Sequence[Slot]):
         """The slots the coming step takes: held, with a gradient (or one a bucket took)."""
         return [s for s in self._all if s.shard is not None and (s.param.grad is not None or s.taken is not None)]
 
+    def coming(self) -> tuple[list[Slot], list[tuple[Layout, torch.dtype] | None]]:
+        """The slots the next step is planned for, with their gradients' layouts and dtypes:
+        those with a gradient now; where none has one (before backward, or after a step freed
+        them: ``free_grads``), every held slot with the gradient it expects (None where that is
+        not known yet: a DTensor before its first step)."""
+        stepped = self.stepped()
+        if stepped:
+            return stepped, [grad_key(s) for s in stepped]
+        held = self.held()
+        return held, [expected_grad(s) for s in held]
+
     def members(self, slots: Sequence[Slot]) -> tuple[int, ...]:
         """The ranks that must agree on a step of ``slots``: those of their state meshes."""
         key = tuple(slot.index for slot in slots)

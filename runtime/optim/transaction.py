@@ -11,26 +11,19 @@ its math and gathers after that point, and a second flag raises a later failure 
 
 from __future__ import annotations
 
-import datetime
 import math
-import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
-import torch.distributed as dist
 
 from planner.legs import AFTER, BEFORE
-from runtime.comm.collectives import collective, default_device
-from runtime.comm.groups import ranks_group
-from runtime.errors import DistributedError
 from runtime.execution.buckets import StageRun
-from runtime.measure import stats
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import as_dtype
 from runtime.optim.clipping import Clipping, Reduced
+from runtime.optim.commit import CommitFlag, LastStep, Staged
 from runtime.optim.compiler import CompiledStep, StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.overlap import Backward, OverlapController, ParamGathers
@@ -42,83 +35,8 @@ from shardlang.errors import ShardlangError
 from shardlang.interop import is_dtensor
 from shardlang.layout import Layout
 
-# How long a rank whose step failed waits to tell the others (see CommitFlag.agree).
-FAILURE_NOTICE = datetime.timedelta(seconds=2)
 # The own-layout states of a tensor that keeps none (read only).
 NO_STATES: Mapping[str, torch.Tensor] = {}
-
-
-@attrs.frozen(eq=False)
-class Staged:
-    """A step run on this rank without changing anything: ``commit`` makes it take effect;
-    ``abandon``, when another rank failed it, waits out the collectives it left in flight
-    (``prefetch_params``' gathers), whose buffers the next step reuses."""
-
-    commit: Callable[[], None]
-    abandon: Callable[[], None] = lambda: None
-
-
-@attrs.define
-class LastStep:
-    """What the last committed step did: its traffic, its gradients' norm (with
-    ``max_grad_norm``, ``skip_nonfinite`` or ``clip_grad_norm_``), whether it was skipped for a
-    NaN or inf in them, and the seconds it spent blocked on its buckets' collectives."""
-
-    traffic: StepTraffic = attrs.field(factory=StepTraffic)
-    grad_norm: torch.Tensor | None = None
-    skipped: bool = False
-    wait_seconds: float = 0.0
-
-
-class CommitFlag:
-    """The commit point: one bounded all-reduce of a flag over the ranks of the meshes of the
-    tensors stepped (``all_ranks_commit``), ``flags`` per step (2 for an update in place: one
-    before its math, one after it)."""
-
-    def __init__(self, *, timeout: datetime.timedelta, enabled: bool, flags: int) -> None:
-        self.timeout, self.enabled, self._flags = timeout, enabled, flags
-        self._flag: torch.Tensor | None = None  # reduced in place
-
-    def traffic(self, members: Sequence[int]) -> tuple[int, int]:
-        """Bytes and collectives of a step's flags (the cost model's all_reduce row for one
-        int32: ``2 (n-1)`` elements sent)."""
-        n = len(members)
-        if not self.enabled or n < 2 or not dist.is_initialized():
-            return 0, 0
-        return self._flags * 2 * (n - 1) * 4, self._flags
-
-    def agree(self, members: tuple[int, ...], *, ok: bool) -> bool:
-        """Whether every rank of ``members`` finished its step: a rank that cannot reach the
-        others counts as failed. A rank that failed only tells the others, and waits for them
-        briefly (:data:`FAILURE_NOTICE`): whether it reaches them or not, none of them commits,
-        since success needs every rank's flag."""
-        if not self.enabled or len(members) < 2 or not dist.is_initialized():
-            return ok
-        if self._flag is None:
-            self._flag = torch.empty(1, dtype=torch.int32, device=default_device())
-        flag = self._flag.fill_(1 if ok else 0)
-        wait = self.timeout if ok else min(self.timeout, FAILURE_NOTICE)
-        started = time.perf_counter()
-        try:
-            group = ranks_group(members, timeout=self.timeout)
-            agreed = collective("all_reduce", flag, len(members), "min", group, wait)
-        except DistributedError:
-            return False
-        if stats.is_recording():
-            n = len(members)
-            stats.record(
-                stats.CommRecord(
-                    tensor=None,
-                    step=0,
-                    op="all_reduce",
-                    axis=None,
-                    ranks=members,
-                    bytes_sent=2 * (n - 1) * 4,
-                    planned_bytes=2 * (n - 1) * 4,
-                    seconds=time.perf_counter() - started,
-                )
-            )
-        return bool(agreed.item() == 1)
 
 
 class StepTransaction:
@@ -141,12 +59,17 @@ class StepTransaction:
         scratch: Scratch,
         *,
         transactional: bool,
+        math_in_place: bool,
         free_grads: bool,
         owner: str,
     ) -> None:
         self._slots, self._store, self._compiler, self._overlap = slots, store, compiler, overlap
         self._gathers, self._clipping, self._driver, self.flag = gathers, clipping, driver, flag
         self._scratch, self.transactional, self._free_grads, self._owner = scratch, transactional, free_grads, owner
+        # Three kinds of step (docs/memory.md, "The commit point"): the math in place after the
+        # commit point (math_in_place), the math into spare states before it and the gathers
+        # after it (neither), or everything on spare buffers before it (transactional).
+        self.math_in_place = math_in_place and not transactional
         self.rank = slots.rank
         self.last = LastStep()
         # _fresh_flat's views per set of slots stepped, with the buffers they are views of.
@@ -168,7 +91,7 @@ class StepTransaction:
                     "parameters and optimizer states are unchanged on every rank"
                 )
             staged.commit()
-            if self._free_grads:  # those no bucket packed, which the math read where they were
+            if self._free_grads:
                 for slot in slots:
                     slot.param.grad = None
         finally:
@@ -246,7 +169,9 @@ class StepTransaction:
             arrived = before.finish()
         except ShardlangError as e:
             raise _failed(step_number, BEFORE, e) from e
-        if self._free_grads:
+        # Under overlap, freed as packed (backward's buckets are); otherwise once the step
+        # committed (run), so that a failed step can be retried on the same gradients.
+        if self._free_grads and self._compiler.overlap:
             for slot, (_, layout) in zip(slots, grads, strict=True):
                 taken = slot.taken is not None  # during backward already (overlap)
                 if not taken and legs[(slot.name, "grad -> state")] in before.packed:
@@ -265,8 +190,7 @@ class StepTransaction:
         backward: Backward | None,
         kept: Reduced | None,
     ) -> Staged:
-        plan, legs = compiled.plan, compiled.legs
-        flat = self._store.flat()
+        legs, flat = compiled.legs, self._store.flat()
 
         # 1. Before the update (unless clip_grad_norm_ did it): the gradients into the state layout.
         if kept is None:
@@ -278,14 +202,19 @@ class StepTransaction:
         if clipped.skip:
             return self._skip(clipped.norm, step_number)
         reduced, norm = clipped.grads, clipped.norm
-        if not self.transactional:
+        if self.math_in_place:
             return self._staged_in_place(slots, compiled, arrived, reduced, norm, step_number, waited, clipped.traffic)
 
-        # 2. The math, into new buffers; new parameters where their gathers send them from.
+        # 2. The math, into new buffers; new parameters where their gathers send them from (a
+        # transactional step) or in one flat scratch buffer (the gathers run after the commit).
         param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
-        after = self._compiler.stage(compiled, AFTER, slots, deliver=frozenset(param_legs.values()))
+        after = None
+        if self.transactional:
+            after = self._compiler.stage(compiled, AFTER, slots, deliver=frozenset(param_legs.values()))
+            fresh_params = self._fresh_params(slots, after, param_legs)
+        else:
+            fresh_params = self._fresh_flat([s for s in slots if not s.needs_master])
         new_buffers = flat.fresh(s.index for s in slots)
-        fresh_params = self._fresh_params(slots, after, param_legs)
         params, new_params, own = [], [], {}
         for i, slot in enumerate(slots):
             fetch = legs.get((slot.name, "param -> state"))
@@ -297,14 +226,25 @@ class StepTransaction:
                 own[(i, state)] = arrived[legs[(slot.name, f"state.{state} -> state")]]
         work = StepWork(slots, reduced, params, new_params, flat, new_buffers, own)
         try:
-            sum_bytes, sum_collectives = self._driver.run(work, step_number)
+            sums = self._driver.run(work, step_number)
         except UpdateFailed as failed:
-            self._join_after(after, compiled, slots)
+            if after is not None:
+                self._join_after(after, compiled, slots)
             where = "every rank" if self.flag.enabled else "this rank"
             raise OptimizerStepError(
                 f"step {step_number} failed in the update on rank {self.rank}: {_first_line(failed.error)}; "
                 f"parameters and optimizer states are unchanged on {where}"
             ) from failed.error
+        if after is None:
+            # Every sum of the math is done and nothing is written: the states swap in once the
+            # ranks agreed, then the gathers write the parameters, as an update in place does.
+            def swap_and_gather() -> None:
+                flat.replace(new_buffers)
+                self._after_commit(
+                    slots, compiled, new_params, work.own_new, None, sums, step_number, waited, norm, clipped.traffic
+                )
+
+            return Staged(swap_and_gather)
 
         # 3. After the update; with prefetch_params the parameters' gathers are waited on later.
         prefetch = self._compiler.prefetch
@@ -321,14 +261,7 @@ class StepTransaction:
             after.drain()
             raise _failed(step_number, AFTER, e) from e
         self.last.wait_seconds = waited + after.waited
-        norm_bytes, norm_collectives = clipped.traffic
-        traffic = StepTraffic(
-            plan.total_bytes,
-            plan.collectives,
-            sum_bytes + norm_bytes,
-            sum_collectives + norm_collectives,
-            *self.flag.traffic(self._slots.members(slots)),
-        )
+        traffic = self._traffic(compiled, slots, sums, clipped.traffic)
 
         def commit() -> None:
             for slot in slots:
@@ -345,6 +278,13 @@ class StepTransaction:
 
         return Staged(commit, after.drain)
 
+    def _traffic(
+        self, compiled: CompiledStep, slots: Sequence[Slot], sums: tuple[int, int], norm: tuple[int, int]
+    ) -> StepTraffic:
+        plan = compiled.plan
+        flag = self.flag.traffic(self._slots.members(slots))
+        return StepTraffic(plan.total_bytes, plan.collectives, sums[0] + norm[0], sums[1] + norm[1], *flag)
+
     def _staged_in_place(
         self,
         slots: list[Slot],
@@ -360,7 +300,7 @@ class StepTransaction:
         nonfinite test) and that has written nothing: its ``commit``, run once the ranks agreed,
         updates states and parameter shards in place and gathers the parameters
         (docs/memory.md, "The commit point")."""
-        legs, flat, store = compiled.legs, self._store.flat(), self._store
+        legs, flat = compiled.legs, self._store.flat()
         params: list[torch.Tensor] = []
         first_masters: list[tuple[torch.Tensor, torch.Tensor]] = []  # (master, parameter shard)
         own: dict[tuple[int, str], torch.Tensor] = {}
@@ -375,14 +315,6 @@ class StepTransaction:
                 params.append(arrived[fetch])  # a view of the parameter where its layout allows
             for state in slot.own_layouts:
                 own[(i, state)] = arrived[legs[(slot.name, f"state.{state} -> state")]]
-                held = store.own(slot)
-                if state not in held:  # where the stage after the update writes it
-                    held[state] = torch.zeros(
-                        slot.own_piece_shape(state, self.rank), dtype=slot.dtype, device=params[-1].device
-                    )
-        param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
-        members = self._slots.members(slots)
-        prefetch = self._compiler.prefetch
 
         def commit() -> None:
             failure: Exception | None = None
@@ -394,61 +326,78 @@ class StepTransaction:
                 failure, sums = e.error, (0, 0)
             except Exception as e:
                 failure, sums = e, (0, 0)
-            inputs = {}
-            for i, slot in enumerate(slots):
-                inputs[param_legs[slot.index]] = as_dtype(params[i], slot.param.dtype)
-                for state in slot.own_layouts:
-                    inputs[legs[(slot.name, f"state -> state.{state}")]] = own[(i, state)]
-            if prefetch:
-                after = self._compiler.stage(compiled, AFTER, slots, deliver=frozenset(param_legs.values()))
-                write_to = {}
-            else:
-                write_to = {param_legs[s.index]: s.local_param() for s in slots}
-                for slot in slots:
-                    for state in slot.own_layouts:
-                        write_to[legs[(slot.name, f"state -> state.{state}")]] = store.own(slot)[state]
-                after = self._compiler.stage(compiled, AFTER, slots, write_to=write_to)
-            try:
-                after.feed(inputs)
-                if prefetch:
-                    back = after.wait_for([leg for leg in inputs if leg not in param_legs.values()])
-                    for slot in slots:
-                        for state in slot.own_layouts:
-                            store.own(slot)[state].copy_(back[legs[(slot.name, f"state -> state.{state}")]])
-                else:
-                    after.finish()
-            except Exception as e:
-                after.drain()
-                failure = failure or e
-            if not self.flag.agree(members, ok=failure is None) or failure is not None:
-                if prefetch:
-                    after.drain()
-                where = (
-                    f"rank {self.rank}: {_first_line(failure)}"
-                    if failure is not None
-                    else f"another rank of {ranks_text(members)}"
-                )
-                self._gathers.broken = (
-                    f"step {step_number} failed after its commit point on {where}; the optimizer states and "
-                    "parameters may hold this step in part on every rank: load a checkpoint to go on"
-                )
-                raise OptimizerStepError(self._gathers.broken) from failure
-            for slot in slots:
-                slot.step += 1
-            if prefetch:
-                self._gathers.hand(after, param_legs, slots, step_number)
-            self.last.wait_seconds = waited + after.waited
-            plan = compiled.plan
-            self.last.traffic = StepTraffic(
-                plan.total_bytes,
-                plan.collectives,
-                sums[0] + norm_traffic[0],
-                sums[1] + norm_traffic[1],
-                *self.flag.traffic(members),
-            )
-            self.last.grad_norm, self.last.skipped = norm, False
+            self._after_commit(slots, compiled, params, own, failure, sums, step_number, waited, norm, norm_traffic)
 
         return Staged(commit)
+
+    def _after_commit(
+        self,
+        slots: Sequence[Slot],
+        compiled: CompiledStep,
+        params: Sequence[torch.Tensor],
+        own: Mapping[tuple[int, str], torch.Tensor],
+        failure: Exception | None,
+        sums: tuple[int, int],
+        step_number: int,
+        waited: float,
+        norm: torch.Tensor | None,
+        norm_traffic: tuple[int, int],
+    ) -> None:
+        """The gathers of a step past its commit point, from the new parameter shards
+        (``params``) and own-layout states (``own``), written into the parameters bucket by
+        bucket, then the second flag: a ``failure`` here or on any rank raises everywhere."""
+        legs, store = compiled.legs, self._store
+        param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
+        members = self._slots.members(slots)
+        prefetch = self._compiler.prefetch
+        inputs = {}
+        for i, slot in enumerate(slots):
+            inputs[param_legs[slot.index]] = as_dtype(params[i], slot.param.dtype)
+            held = store.own(slot) if slot.own_layouts else NO_STATES
+            for state in slot.own_layouts:
+                inputs[legs[(slot.name, f"state -> state.{state}")]] = own[(i, state)]
+                if state not in held:  # where the stage after the update writes it
+                    held[state] = torch.zeros(  # type: ignore[index]
+                        slot.own_piece_shape(state, self.rank), dtype=slot.dtype, device=params[i].device
+                    )
+        if prefetch:
+            after = self._compiler.stage(compiled, AFTER, slots, deliver=frozenset(param_legs.values()))
+        else:
+            write_to = {param_legs[s.index]: s.local_param() for s in slots}
+            for slot in slots:
+                for state in slot.own_layouts:
+                    write_to[legs[(slot.name, f"state -> state.{state}")]] = store.own(slot)[state]
+            after = self._compiler.stage(compiled, AFTER, slots, write_to=write_to)
+        try:
+            after.feed(inputs)
+            if prefetch:
+                back = after.wait_for([leg for leg in inputs if leg not in param_legs.values()])
+                for slot in slots:
+                    for state in slot.own_layouts:
+                        store.own(slot)[state].copy_(back[legs[(slot.name, f"state -> state.{state}")]])
+            else:
+                after.finish()
+        except Exception as e:
+            after.drain()
+            failure = failure or e
+        if not self.flag.agree(members, ok=failure is None) or failure is not None:
+            if prefetch:
+                after.drain()
+            where = f"another rank of {ranks_text(members)}"
+            if failure is not None:
+                where = f"rank {self.rank}: {_first_line(failure)}"
+            self._gathers.broken = (
+                f"step {step_number} failed after its commit point on {where}; the optimizer states and "
+                "parameters may hold this step in part on every rank: load a checkpoint to go on"
+            )
+            raise OptimizerStepError(self._gathers.broken) from failure
+        for slot in slots:
+            slot.step += 1
+        if prefetch:
+            self._gathers.hand(after, param_legs, slots, step_number)
+        self.last.wait_seconds = waited + after.waited
+        self.last.traffic = self._traffic(compiled, slots, sums, norm_traffic)
+        self.last.grad_norm, self.last.skipped = norm, False
 
     def _skip(self, norm: torch.Tensor | None, step_number: int) -> Staged:
         """What commits a step skipped for a gradient that is NaN or inf (on every rank: the
