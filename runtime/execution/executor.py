@@ -156,8 +156,8 @@ def _execute(
         started = time.perf_counter()
         move = post[0]
         try:
-            if isinstance(post[1], Exchange):
-                exchange(post[1], wait)
+            if isinstance(move, RankExchange):
+                exchange(Exchange([post]), wait)  # type: ignore[list-item]
                 received = None
             else:
                 _, send, workspace = post

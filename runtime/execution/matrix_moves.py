@@ -27,7 +27,7 @@ from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError
 from runtime.execution.buckets import run_stage
 from runtime.execution.program import CollectiveMove, compile_plan
-from runtime.execution.run import Exchange, exchange
+from runtime.execution.run import Exchange, Walk, exchange, walk
 from runtime.execution.step_program import StepProgram, compile_step
 from runtime.measure import stats
 from runtime.memory.buffers import Scratch
@@ -122,37 +122,42 @@ def _exchange(
     device: torch.device,
     timeout: datetime.timedelta,
 ) -> dict[int, torch.Tensor | None]:
-    """One exchange bucket: its members' point-to-point steps as one message per peer
-    (``runtime.execution.run.Exchange``)."""
+    """One exchange bucket: every member's leg walked (``runtime.execution.run.walk``: the local
+    steps around its point-to-point step), their point-to-point steps run as one
+    :class:`~runtime.execution.run.Exchange`, one message per peer."""
     plan = program.plan
     started = time.perf_counter()
     outs: dict[int, torch.Tensor | None] = {}
-    members: list[tuple[RankExchange, torch.Tensor | None, torch.Tensor | None]] = []
-    after: list[tuple[int, int]] = []  # (leg, step) of members with local steps left
+    walks: dict[int, Walk] = {}
+    posts = []
     for m in bucket.members:
         leg = plan.legs[m.leg]
-        moves = program.exchanges[m.leg]
-        x = _local(moves[: m.step], _viewed(inputs[m.leg], leg.hops[0].view))
-        move = moves[m.step]
-        assert move is None or isinstance(move, RankExchange)
-        if move is None:  # this rank takes no part in the member's step
-            outs[m.leg] = None
+        x, view = inputs[m.leg], leg.hops[0].view
+        moves = walk(
+            program.exchanges[m.leg],
+            x if x is None or view is None else x.reshape(view),
+            dtype=torch_dtype(leg.hops[0].plan.dtype),
+            device=device,
+        )
+        try:
+            post = next(moves)
+        except StopIteration as done:  # this rank takes no part in the member's step
+            outs[m.leg] = done.value
             continue
-        out = None
-        if move.after is not None:
-            out = torch.empty(move.after, dtype=torch_dtype(leg.hops[0].plan.dtype), device=device)
-        members.append((move, x, out))
-        outs[m.leg] = out
-        if m.step + 1 < len(moves):
-            after.append((m.leg, m.step))
-    messages = Exchange(members)
+        assert isinstance(post[0], RankExchange)  # an exchange leg's other steps are local
+        posts.append(post)
+        walks[m.leg] = moves
+    messages = Exchange(posts)  # type: ignore[arg-type]
     try:
         exchange(messages, timeout)
     except DistributedError as e:
         names = ", ".join(f"'{plan.legs[m.leg].tensor}'" for m in bucket.members)
         raise DistributedError(f"the exchange {bucket.stage} of {names} failed: {e.message}") from e
-    for leg, step in after:
-        outs[leg] = _local(program.exchanges[leg][step + 1 :], outs[leg])
+    for leg, moves in walks.items():
+        try:
+            moves.send(None)
+        except StopIteration as done:
+            outs[leg] = done.value
     if stats.is_recording():
         stats.record(
             stats.CommRecord(
@@ -167,17 +172,3 @@ def _exchange(
             )
         )
     return outs
-
-
-def _viewed(x: torch.Tensor | None, view: tuple[int, ...] | None) -> torch.Tensor | None:
-    return x if x is None or view is None else x.reshape(view)
-
-
-def _local(moves: tuple[CollectiveMove | RankExchange | None, ...], x: torch.Tensor | None) -> torch.Tensor | None:
-    """Run local steps (slices) of a leg; ``x`` ``None`` (a rank with no piece) stays so."""
-    for move in moves:
-        if x is None or move is None:
-            continue
-        assert isinstance(move, CollectiveMove) and move.is_local
-        x = move.local(x)
-    return x

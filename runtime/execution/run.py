@@ -3,11 +3,14 @@ shares (docs/design.md, "One executor").
 
 :func:`walk` takes one rank's piece through a plan's moves: local steps run in it; a collective
 step packs the send buffer (``CollectiveMove.send``) and yields it, and unpacks what the driver
-sends back (``CollectiveMove.finish``); a point-to-point step yields an :class:`Exchange`. The
-driver only communicates: :func:`runtime.execution.executor.reshard` with torch.distributed on
+sends back (``CollectiveMove.finish``); a point-to-point step yields its piece and the target
+piece it fills, a member of the :class:`Exchange` the driver runs. The driver only
+communicates: :func:`runtime.execution.executor.reshard` with torch.distributed on
 the calling rank, :func:`runtime.execution.simulate.simulate` with every rank's walk in one
-process and the collectives emulated over their send buffers. So the padding, trimming and
-packing the simulator checks are the runtime's own.
+process and the collectives emulated over their send buffers, Muon's matrix moves
+(``runtime.execution.matrix_moves``) with a walk per moved piece, their point-to-point steps
+bucketed into one exchange. So the padding, trimming and packing the simulator checks are the
+runtime's own.
 
 An :class:`Exchange` is a bucket of point-to-point moves: one message per peer however many
 members send to it (members in bucket order; both ends read the same plans, so they agree on
@@ -33,9 +36,13 @@ from runtime.execution.program import CollectiveMove
 from runtime.memory.buffers import Scratch
 
 # What a walk waits on: a collective move with its send buffer and, for gloo's reduce_scatter,
-# the workspace its blocks land in (the driver sends back the flat result), or an exchange
+# the workspace its blocks land in (the driver sends back the flat result), or a point-to-point
+# move with the rank's piece and the target piece it fills, a member of an :class:`Exchange`
 # (the driver sends back ``None`` once it has landed).
-Post = tuple[CollectiveMove, torch.Tensor, torch.Tensor | None] | tuple[RankExchange, "Exchange"]
+Post = (
+    tuple[CollectiveMove, torch.Tensor, torch.Tensor | None]
+    | tuple[RankExchange, torch.Tensor | None, torch.Tensor | None]
+)
 Walk = Generator[Post, torch.Tensor | None, torch.Tensor | None]
 
 
@@ -58,7 +65,7 @@ def walk(
             continue
         if isinstance(move, RankExchange):
             out = None if move.after is None else torch.empty(move.after, dtype=dtype, device=device)
-            yield move, Exchange([(move, x, out)])
+            yield move, x, out
             x, writable = out, True
             continue
         if move.is_local:

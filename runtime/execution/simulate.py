@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from planner.records import Plan
+from runtime.comm.exchange import RankExchange
 from runtime.errors import ReshardError
 from runtime.execution.program import CollectiveMove, compile_plan
 from runtime.execution.run import Exchange, Post, walk
@@ -62,8 +63,8 @@ def simulate(plan: Plan, pieces_by_rank: Mapping[int, torch.Tensor]) -> dict[int
 
 def _emulate(here: dict[int, Post]) -> dict[int, torch.Tensor | None]:
     """What each rank of ``here``, all waiting at one step, receives from its communication."""
-    if isinstance(next(iter(here.values()))[1], Exchange):
-        exchanges: dict[int, Exchange] = {rank: post[1] for rank, post in here.items()}  # type: ignore[misc]
+    if isinstance(next(iter(here.values()))[0], RankExchange):
+        exchanges = {rank: Exchange([post]) for rank, post in here.items()}  # type: ignore[list-item]
         messages = {(rank, peer): message for rank, ex in exchanges.items() for peer, message in ex.sends}
         for rank, ex in exchanges.items():
             for peer, buffer, _ in ex.receives:
