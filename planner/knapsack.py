@@ -23,6 +23,7 @@ numpy and scipy are imported when a program is solved, not with this module, whi
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ _US = 1e6
 _TIE = 1e-6  # relative: times this close are a tie (the solver's own tolerance), broken by memory, then changes
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)  # by identity: a key of the solves kept (_fastest)
 class _Program:
     """The program's parts (module doc) over its ``cells`` (group, candidate)."""
 
@@ -55,29 +56,35 @@ class _Program:
     changes: Any
 
 
-def _dominates(a: Candidate, b: Candidate) -> bool:
+def _dominates(a: Candidate, b: Candidate, fills_a: dict[int, int], fills_b: dict[int, int]) -> bool:
     """Whether ``a`` is nowhere worse than ``b``: memory, transient, own time, and a subset of
-    its kinds each filled no more (so the kinds' latencies are no more either)."""
+    its kinds each filled no more (so the kinds' latencies are no more either); ``fills_*``:
+    each candidate's fill per kind."""
     if a.memory > b.memory or a.transient > b.transient or a.seconds > b.seconds:
         return False
-    fills = {k: f for k, _, f in b.kinds}
-    return all(k in fills and f <= fills[k] for k, _, f in a.kinds)
+    return all(k in fills_b and f <= fills_b[k] for k, f in fills_a.items())
 
 
 def _undominated(group: Group) -> list[int]:
     """The candidates the program needs: a candidate another dominates (the first of equal
     ones stays) is never needed for the least time or memory, and the spec's own layouts stay
     for the fewest changes."""
+    candidates = group.candidates
+    fills = [{k: f for k, _, f in c.kinds} for c in candidates]
     out = []
-    for i, c in enumerate(group.candidates):
+    for i, c in enumerate(candidates):
         beaten = any(
-            j != i and _dominates(d, c) and (j < i or not _dominates(c, d)) for j, d in enumerate(group.candidates)
+            j != i and _dominates(d, c, fills[j], fills[i]) and (j < i or not _dominates(c, d, fills[i], fills[j]))
+            for j, d in enumerate(candidates)
         )
         if not beaten or i == group.original:
             out.append(i)
     return out
 
 
+# A problem's program is built once for its several solves (least memory, least time, the
+# tie-breaks); a few problems are kept, those of one suggest_best.
+@functools.lru_cache(maxsize=8)
 def _program(problem: Problem) -> _Program:
     import numpy as np
     from scipy.optimize import Bounds
@@ -201,10 +208,9 @@ def _solve(problem: Problem, budget: int | None, time_limit: float, ties: bool) 
     at most ``time_limit``): stopped early it keeps the best it found, which is never slower."""
     program = _program(problem)
     limits = [] if budget is None else [(program.memory, budget / _MIB)]
-    started = time.perf_counter()
-    x, optimal, gap = _run(program, program.time, limits, time_limit)
+    x, optimal, gap, took = _fastest(program, budget, time_limit)
     if ties:
-        tie_limit = min(time_limit, max(0.5, time.perf_counter() - started))
+        tie_limit = min(time_limit, max(0.5, took))
         fastest = float(program.time @ x)
         limits.append((program.time, fastest * (1 + _TIE) + _TIE))
         for objective in (program.memory, program.changes):
@@ -214,6 +220,17 @@ def _solve(problem: Problem, budget: int | None, time_limit: float, ties: bool) 
                 break
             limits.append((objective, float(objective @ x) + 0.5 / _MIB))  # memory: half a byte (in MiB)
     return _choice(problem, program, x), gap, optimal
+
+
+# suggest_best solves each problem for time, then again with its tie-breaks where it is as fast
+# as the fastest: the second time solve is the first's.
+@functools.lru_cache(maxsize=32)
+def _fastest(program: _Program, budget: int | None, time_limit: float) -> tuple[Any, bool, float, float]:
+    """:func:`_run` for the least time within ``budget`` bytes, and the seconds it took."""
+    limits = [] if budget is None else [(program.memory, budget / _MIB)]
+    started = time.perf_counter()
+    x, optimal, gap = _run(program, program.time, limits, time_limit)
+    return x, optimal, gap, time.perf_counter() - started
 
 
 def smallest_memory(problem: Problem, time_limit: float = 10.0, *, timed: bool = True) -> Choice:

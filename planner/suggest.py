@@ -154,7 +154,7 @@ class Suggestion:
         return self.problem.spec_of(self.best)
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)  # one problem is one value: hashed by identity (its integer program is cached by it)
 class Problem:
     """``tensors`` are those chosen for (the spec's declared ones, then any that its rules
     give layouts), in order; ``flat_axis`` the optimizers' flat axis (a mesh axis name or
