@@ -137,11 +137,19 @@ def check_budget(src: Layout, dst: Layout, max_states: int) -> None:
 
 
 def budget_error(src: Layout, dst: Layout, shape: tuple[int, ...], max_states: int, what: str) -> PlanBudgetError:
-    """The error of a request that used up ``max_states`` (``what`` says on what)."""
+    """The error of a request that used up ``max_states`` (``what`` says on what). Between two
+    meshes only point-to-point steps move data, pricing them at one state per rank of both:
+    only a larger budget helps there."""
+    if src.mesh.same_geometry(dst.mesh):
+        advice = (
+            "plan with fewer mesh axes (or fewer partial ones), without point-to-point steps (--p2p off), "
+            "with a max_local_bytes, or with a larger max_states (--max-states)"
+        )
+    else:
+        advice = "between two meshes only a larger max_states (--max-states) plans it"
     return PlanBudgetError(
         f"cannot plan {src} -> {dst} (shape {list(shape)}): {what} would take more than the search budget "
-        f"of max_states={max_states} states; plan with fewer mesh axes (or fewer partial ones), without "
-        f"point-to-point steps (--p2p off), with a max_local_bytes, or with a larger max_states"
+        f"of max_states={max_states} states; {advice}"
     )
 
 

@@ -108,6 +108,8 @@ def test_million_rank_point_to_point_pairs_are_refused_within_the_budget(searche
     # Refused when pricing the step, before anything is listed per rank.
     error = refused_within_budget(searches, src, dst, (1 << 20,), point_to_point=True)
     assert "pricing the point-to-point step" in error.message
+    across = L(src).mesh.size != L(dst).mesh.size
+    assert ("--p2p off" in error.message) != across and "--max-states" in error.message
     with pytest.raises(planner.PlanBudgetError, match=r"listing the blocks of both meshes' ranks .* max_states=50000"):
         planner.point_to_point_plan(L(src), L(dst), (1 << 20,))
 
