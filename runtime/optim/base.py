@@ -41,6 +41,7 @@ from runtime.optim.memory import MemoryReport
 from runtime.optim.overlap import Backward, OverlapController, ParamGathers
 from runtime.optim.phases import PhaseDriver, StepWork, Update, done
 from runtime.optim.records import STATE_DICT_FORMAT, HeldTensor, StateWhere, StepTraffic
+from runtime.optim.replica_checks import ReplicaChecks, replica_checks_every
 from runtime.optim.slots import Slot, Slots, SpecLike, names_text
 from runtime.optim.states import StateStore, state_where
 from runtime.optim.sums import SumReducer, SumSpec
@@ -80,6 +81,7 @@ class StepOptions(TypedDict, total=False):
     cost: CostModel | None
     transactional: bool
     free_grads: bool | None
+    verify_replicas: bool | int
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -113,6 +115,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         cost: CostModel | None = None,
         transactional: bool = False,
         free_grads: bool | None = None,
+        verify_replicas: bool | int = True,
     ) -> None:
         named, kind = list(named_params), type(self).__name__
         if not named:
@@ -159,6 +162,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         for group in self.param_groups:
             slots.add(slots.place(group))
+        # Declared replication checked: parameters now and after a load, gradients at the
+        # first step (runtime.optim.replica_checks).
+        every = replica_checks_every(verify_replicas)
+        self._replicas = ReplicaChecks(slots, rank=self.rank, timeout=self.timeout, every=every)
+        self._replicas.parameters()
         store = self._store = StateStore(
             slots, rank=self.rank, state_shapes=self._state_shapes, where=self._where, kind=kind
         )
@@ -179,7 +187,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._transaction = StepTransaction(
             slots, store, compiler, self._overlap, gathers, clipping, driver, flag, self._scratch,
             transactional=self.transactional, math_in_place=self.updates_in_place, free_grads=self.free_grads,
-            owner=kind,
+            owner=kind, replicas=self._replicas,
         )  # fmt: skip
         self._accounting = Accounting(
             slots, store, compiler, driver, clipping, flag, self._scratch,
@@ -377,8 +385,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved. Every state must have been saved in the
-        layout it has now; nothing changes unless all of them fit."""
-        self._store.load_state_dict(state_dict, self.param_groups)
+        layout it has now; nothing changes unless all of them fit. Every rank calls it: the
+        parameters and the states declared replicated are then checked (``verify_replicas``)."""
+        self._store.load_state_dict(state_dict, self.param_groups, self._replicas.states)
 
     def full_state_dict(self) -> dict[str, Any]:
         """Every state gathered whole, in the format of ``torch.optim.AdamW`` (for

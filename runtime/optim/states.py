@@ -19,6 +19,7 @@ from runtime.optim.errors import OptimizerError
 from runtime.optim.flat import FlatStates
 from runtime.optim.records import STATE_DICT_FORMAT, HeldTensor, StateWhere
 from runtime.optim.slots import Slot, Slots
+from shardlang.layout import Layout
 
 MASTER = "master"  # the fp32 master shard of a lower-precision parameter
 
@@ -160,9 +161,15 @@ class StateStore:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         return {"format": STATE_DICT_FORMAT, "optimizer": self.kind, "param_groups": groups, "tensors": tensors}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], param_groups: Sequence[dict[str, Any]]) -> None:
+    def load_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        param_groups: Sequence[dict[str, Any]],
+        check: Callable[[list[tuple[str, torch.Tensor, Layout]]], None] | None = None,
+    ) -> None:
         """Restore what :meth:`state_dict` saved. Every state must have been saved in the
-        layout it has now; nothing changes unless all of them fit."""
+        layout it has now; nothing changes unless all of them fit, and ``check`` (given every
+        state to load as ``(tensor.state, piece, layout)``) returns."""
         if state_dict.get("format") != STATE_DICT_FORMAT or state_dict.get("optimizer") != self.kind:
             raise OptimizerError(
                 f"not a {self.kind} state dict (format {state_dict.get('format')!r}, "
@@ -199,6 +206,10 @@ class StateStore:
                     )
                 states[name] = tensor
             loaded.append((slot, int(entry["step"]), states))
+        if check is not None:
+            check(
+                [(f"{s.name}.{n}", t, self._where(s, n).layout) for s, _, states in loaded for n, t in states.items()]
+            )
         flat = self.flat()
         for slot, step, states in loaded:
             slot.step = step

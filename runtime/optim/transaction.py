@@ -29,6 +29,7 @@ from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.overlap import Backward, OverlapController, ParamGathers
 from runtime.optim.phases import PhaseDriver, StepWork, UpdateFailed
 from runtime.optim.records import StepTraffic
+from runtime.optim.replica_checks import ReplicaChecks
 from runtime.optim.slots import Slot, Slots, grad_versions, names_text, ranks_text, take_grad
 from runtime.optim.states import MASTER, StateStore
 from shardlang.errors import ShardlangError
@@ -62,6 +63,7 @@ class StepTransaction:
         math_in_place: bool,
         free_grads: bool,
         owner: str,
+        replicas: ReplicaChecks,
     ) -> None:
         self._slots, self._store, self._compiler, self._overlap = slots, store, compiler, overlap
         self._gathers, self._clipping, self._driver, self.flag = gathers, clipping, driver, flag
@@ -71,6 +73,7 @@ class StepTransaction:
         # after it (neither), or everything on spare buffers before it (transactional).
         self.math_in_place = math_in_place and not transactional
         self.rank = slots.rank
+        self._replicas = replicas  # the gradients declared replicated, checked before the commit
         self.last = LastStep()
         # _fresh_flat's views per set of slots stepped, with the buffers they are views of.
         self._fresh_views: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], list[tuple[Any, int, int]]]] = {}
@@ -119,6 +122,7 @@ class StepTransaction:
         kept = self._clipping.take(compiled, slots, grads)  # the gradients changed since: reduced again
         before = self._overlap.started(backward, compiled, slots, grads, step_number)
         try:
+            self._replicas.gradients(slots, grads, step_number)
             return self._staged(slots, grads, compiled, step_number, before, backward, kept)
         except Exception:
             if before is not None:
