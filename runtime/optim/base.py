@@ -34,7 +34,7 @@ from runtime.memory.buffers import KeptViews, Scratch
 from runtime.optim import full_state
 from runtime.optim.accounting import Accounting
 from runtime.optim.clipping import Clipping
-from runtime.optim.commit import CommitFlag, Staged
+from runtime.optim.commit import CommitFlag, Staged, StepIdentity
 from runtime.optim.compiler import StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.memory import MemoryReport
@@ -183,7 +183,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.phases, lambda work: self._updates(work), self._sum_specs, reducer,
             communicates=self.updates_communicate,
         )  # fmt: skip
-        flag = CommitFlag(timeout=self.timeout, enabled=all_ranks_commit, flags=1 if self.transactional else 2)
+        # The commit flag also compares what every rank steps: step number, hyperparameters.
+        self._identity = StepIdentity(self.param_groups)
+        flag = CommitFlag(
+            timeout=self.timeout, enabled=all_ranks_commit, flags=1 if self.transactional else 2,
+            identity=self._identity,
+        )  # fmt: skip
         self._transaction = StepTransaction(
             slots, store, compiler, self._overlap, gathers, clipping, driver, flag, self._scratch,
             transactional=self.transactional, math_in_place=self.updates_in_place, free_grads=self.free_grads,
@@ -296,6 +301,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         forgotten, so that the next backward starts afresh."""
         super().zero_grad(set_to_none)
         self._overlap.drop()
+        self._identity.zero_grads += 1  # compared at the next step's commit flag
 
     # --- overlap -------------------------------------------------------------------------
     def no_sync(self) -> Any:

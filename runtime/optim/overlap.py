@@ -239,6 +239,12 @@ class OverlapController:
                 backward.run.feed({leg: torch.zeros(shape, dtype=wire, device=grad.device)})
         except ShardlangError as e:  # a collective failed to start: raised in step()
             backward.error = backward.error or e
+        except Exception as e:  # out of memory while a bucket allocates: raised in step()
+            # Raised from backward on this rank alone, it would leave the peers waiting for this
+            # bucket; step() starts it again and fails the step on every rank (the flag).
+            error = OptimizerStepError(f"{type(e).__name__} in the gradient hook of '{slot.name}': {_first_line(e)}")
+            error.__cause__ = e
+            backward.error = backward.error or error
 
     def _free_packed(self, backward: Backward) -> None:
         """Free the gradients whose buckets have packed them (``free_grads``): each parameter's
@@ -324,3 +330,8 @@ class OverlapController:
         if what not in self._said:
             self._said.add(what)
             warnings.warn(message, stacklevel=4)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"

@@ -87,10 +87,11 @@ class StepTransaction:
             except Exception:
                 self.flag.agree(members, ok=False)  # the others must not commit either
                 raise
-            if not self.flag.agree(members, ok=True):
+            if not self.flag.agree(members, ok=True, slots=slots):
                 staged.abandon()
+                why = self.flag.why or f"failed on another rank of {ranks_text(members)}"
                 raise OptimizerStepError(
-                    f"step {min(s.step for s in slots) + 1} failed on another rank of {ranks_text(members)}; "
+                    f"step {min(s.step for s in slots) + 1} {why}; "
                     "parameters and optimizer states are unchanged on every rank"
                 )
             staged.commit()
