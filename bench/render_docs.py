@@ -90,8 +90,9 @@ PAGES: tuple[Page, ...] = (
         "Planner",
         "Plan quality against DTensor's greedy order (`bench/bench_planner_quality.py`), point-to-point "
         "plans (`bench/bench_p2p_plans.py`), planner speed (`bench/bench_planner_speed.py`), the search "
-        "budget's worst cases (`bench/bench_planner_budget.py`) and `suggest` (`bench/bench_suggest.py`).",
-        ("planner_quality", "p2p_plans", "planner_speed", "planner_budget", "suggest"),
+        "budget's worst cases (`bench/bench_planner_budget.py`), `suggest` (`bench/bench_suggest.py`) and every "
+        "command on 7B and 70B specs from 64 to 131,072 ranks (`bench/bench_scale.py`).",
+        ("planner_quality", "p2p_plans", "planner_speed", "planner_budget", "suggest", "scale"),
         {"planner_speed": plots.planner_speed},
     ),
     Page(

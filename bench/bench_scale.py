@@ -1,0 +1,268 @@
+"""The ``shardlang`` command at real cluster sizes: time, peak memory and output size of every
+command a user runs on a model's spec, from 64 to 131,072 ranks, in one process per command.
+
+    .venv/bin/python bench/bench_scale.py [--ranks 64,4096,131072] [--models 7b,70b]
+        [--meshes 2,3,4,5] [--commands check,plan,...] [--json PATH]
+
+Specs (:func:`model_spec`): Llama-shaped models, bf16, TP=8 inside a node and ZeRO-2 over every
+other axis: column-parallel weights (q, k, v, gate, up, the embedding and the head)
+``S(tp),R``, row-parallel ones (o, down) ``R,S(tp)``, their gradients a pending mean over the
+data axes and their states split over them too (``S(tp,dp,...),R`` and ``S(dp,...),S(tp)``);
+RMSNorm weights replicated, states split over the data axes. 7B: 32 layers, hidden 4096, FFN
+11008, vocab 32000 (291 tensors); 70B: 80 layers, hidden 8192, FFN 28672, 64 query heads and
+8 key-value heads of 128 (GQA: k and v are 1024 x 8192; 723 tensors). Meshes, outermost axis
+first, ``dp`` taking the ranks the others leave: 2-D ``[dp, tp=8]``, 3-D ``[dp, fsdp=4, tp=8]``,
+4-D ``[dp, fsdp=4, cp=2, tp=8]``, 5-D ``[rep=2, dp, fsdp=4, cp=2, tp=8]``.
+
+Commands (each a fresh ``python -m cli`` process; start-up and imports included):
+``check``, ``plan`` (the whole step, text), ``plan-json`` (``--format json``), ``plan-flat``
+(``--flat-axis dp``), ``plan-p2p`` (``--p2p``), ``suggest`` (``--memory 24GiB``, the norms
+given by ``--tensor``) and ``reshard``: the checkpoint of the embedding's state
+(``S(tp,<data axes>),R``, 32000 x hidden) planned onto a 2-D mesh of three quarters of the ranks,
+as loading a checkpoint on a smaller cluster does. Per command: wall seconds, CPU seconds
+(user + system, of the child), its peak resident set (``ru_maxrss`` from ``os.wait4``: the
+operating system's figure for that process alone) and the bytes it printed.
+
+The goals (docs/benchmarks/history/planner.md): every command within 5 s and 500 MiB at
+131,072 ranks; the output's size independent of the rank count; ``suggest`` on the 7B
+``[dp=512, tp=8]`` spec within 24 GiB choosing states at most as large as ZeRO-2's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import results  # noqa: E402  (bench/, found through the path above)
+
+REPO = BENCH.parent
+MODELS: dict[str, dict[str, int]] = {
+    "7b": {"layers": 32, "hidden": 4096, "ffn": 11008, "vocab": 32000, "kv": 4096},
+    "70b": {"layers": 80, "hidden": 8192, "ffn": 28672, "vocab": 32000, "kv": 1024},
+}
+TP = 8
+# The axes besides dp and tp, outermost first, per mesh rank (module docstring).
+MESHES: dict[int, tuple[tuple[str, int], ...]] = {
+    2: (),
+    3: (("fsdp", 4),),
+    4: (("fsdp", 4), ("cp", 2)),
+    5: (("rep", 2), ("fsdp", 4), ("cp", 2)),
+}
+COMMANDS = ("check", "plan", "plan-json", "plan-flat", "plan-p2p", "suggest", "reshard")
+GOAL_SECONDS, GOAL_MIB = 5.0, 500.0
+SUGGEST_BUDGET = "24GiB"
+
+
+def mesh_axes(ranks: int, ndim: int) -> list[tuple[str, int]] | None:
+    """The mesh's axes, outermost first; ``None`` where the other axes leave dp no rank."""
+    others = MESHES[ndim]
+    fixed = TP
+    for _, n in others:
+        fixed *= n
+    if ranks % fixed or ranks < fixed:
+        return None
+    outer = [a for a in others if a[0] == "rep"]  # rep stays outside dp
+    return [*outer, ("dp", ranks // fixed), *(a for a in others if a[0] != "rep"), ("tp", TP)]
+
+
+def _mesh_text(axes: list[tuple[str, int]]) -> str:
+    return "[" + ", ".join(f"{name}={n}" for name, n in axes) + "]"
+
+
+def model_spec(model: str, axes: list[tuple[str, int]]) -> tuple[str, str]:
+    """The spec text of ``model`` over ``axes`` (module docstring), and the ``--tensor``
+    argument that names its RMSNorm weights (the rule's tensors)."""
+    m = MODELS[model]
+    data = ",".join(name for name, _ in axes if name != "tp")
+    blocks = f"model.layers.{{0..{m['layers'] - 1}}}"
+    col, row = f"S(tp,{data}),R", f"S({data}),S(tp)"
+
+    def tensors(names: str, rows: int, cols: int, parallel: str, state: str) -> str:
+        return (
+            f"tensor {names} : bf16[{rows}, {cols}] {{\n"
+            f"  param = {parallel} over world\n  grad  = {parallel} | P({data}):avg over world\n"
+            f"  state = {state} over world\n}}\n"
+        )
+
+    h = m["hidden"]
+    text = f"mesh world = {_mesh_text(axes)}  bandwidth 25e9  latency 20us\n"
+    text += tensors("model.embed_tokens.weight", m["vocab"], h, "S(tp),R", col)
+    text += tensors(f"{blocks}.self_attn.q_proj.weight", h, h, "S(tp),R", col)
+    text += tensors(f"{blocks}.self_attn.{{k_proj,v_proj}}.weight", m["kv"], h, "S(tp),R", col)
+    text += tensors(f"{blocks}.self_attn.o_proj.weight", h, h, "R,S(tp)", row)
+    text += tensors(f"{blocks}.mlp.{{gate_proj,up_proj}}.weight", m["ffn"], h, "S(tp),R", col)
+    text += tensors(f"{blocks}.mlp.down_proj.weight", h, m["ffn"], "R,S(tp)", row)
+    text += tensors("lm_head.weight", m["vocab"], h, "S(tp),R", col)
+    text += (
+        'rule "model.{layers.*.input_layernorm,layers.*.post_attention_layernorm,norm}.weight" {\n'
+        f"  param = R over world\n  grad  = R | P({data}):avg over world\n  state = S({data}) over world\n}}\n"
+    )
+    norms = f"{blocks}.{{input_layernorm,post_attention_layernorm}}.weight:{h}:bf16"
+    return text, norms
+
+
+def command(name: str, spec: Path, norms: str, model: str, axes: list[tuple[str, int]]) -> list[str]:
+    """The ``shardlang`` arguments of one command on ``spec``."""
+    if name == "check":
+        return ["check", str(spec)]
+    if name == "suggest":
+        return ["suggest", str(spec), "--memory", SUGGEST_BUDGET, "--tensor", norms, "--tensor", norms_final(norms)]
+    if name == "reshard":
+        data = ",".join(a for a, _ in axes if a != "tp")
+        ranks = 1
+        for _, n in axes:
+            ranks *= n
+        src = f"S(tp,{data}),R over mesh{_mesh_text(axes)}"
+        dst = f"S(tp,dp),R over mesh[dp={ranks * 3 // 4 // TP},tp={TP}]"
+        return ["plan", src, dst, "--shape", f"{MODELS[model]['vocab']}x{MODELS[model]['hidden']}", "--dtype", "bf16"]
+    extra = {"plan": [], "plan-json": ["--format", "json"], "plan-flat": ["--flat-axis", "dp"], "plan-p2p": ["--p2p"]}
+    return ["plan", str(spec), *extra[name]]
+
+
+def norms_final(norms: str) -> str:
+    """The final norm's ``--tensor`` argument, of the blocks' norms' width and dtype."""
+    return "model.norm.weight:" + norms.split(":", 1)[1]
+
+
+def run_one(args: list[str]) -> dict[str, Any]:
+    """One ``shardlang`` process: wall and CPU seconds, peak RSS in MiB, exit code, its output."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        started = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        out.seek(0)
+        err.seek(0)
+        printed, errors = out.read(), err.read()
+    return {
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_mib": usage.ru_maxrss / 1024,  # KiB on Linux
+        "rc": proc.returncode,
+        "out_bytes": len(printed),
+        "stdout": printed.decode("utf-8", "replace"),
+        "stderr": errors.decode("utf-8", "replace")[-2000:],
+    }
+
+
+def suggest_verdict(printed: str) -> str:
+    """Whether ``suggest --format json`` chose states at most as large as ZeRO-2's."""
+    data = json.loads(printed)
+    chosen, zero2 = data["suggested"]["memory_bytes"], data["strategies"]["zero2"]["memory_bytes"]
+    fits = chosen <= data["budget_bytes"] and chosen <= zero2
+    return f"{'ZeRO-2 or leaner' if fits else 'MORE than ZeRO-2'}: {chosen / 2**30:.2f} GiB (zero2 {zero2 / 2**30:.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="64,4096,131072", help="comma-separated rank counts")
+    parser.add_argument("--models", default="7b,70b")
+    parser.add_argument("--meshes", default="2,3,4,5", help="mesh ranks (axes) to run")
+    parser.add_argument("--commands", default=",".join(COMMANDS))
+    results.add_json_option(parser)
+    args = parser.parse_args()
+    rows, raw, misses = [], [], []
+    commands = args.commands.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            for ndim in (int(n) for n in args.meshes.split(",")):
+                for ranks in (int(n) for n in args.ranks.split(",")):
+                    axes = mesh_axes(ranks, ndim)
+                    if axes is None:
+                        continue
+                    text, norms = model_spec(model, axes)
+                    spec = Path(tmp) / f"{model}_{ranks}_{ndim}d.shard"
+                    spec.write_text(text, encoding="utf-8")
+                    for name in commands:
+                        got = run_one(command(name, spec, norms, model, axes))
+                        note = "" if got["rc"] == 0 else f"exit {got['rc']}: {got['stderr'].strip().splitlines()[-1]}"
+                        mesh = _mesh_text(axes)
+                        met = got["cpu_s"] <= GOAL_SECONDS and got["peak_mib"] <= GOAL_MIB and got["rc"] == 0
+                        if not met and ranks == max(int(n) for n in args.ranks.split(",")):
+                            misses.append(f"{model} {mesh} {name}")
+                        cells = [model, mesh, f"{ranks:,}", name, f"{got['wall_s']:.2f}", f"{got['cpu_s']:.2f}"]
+                        rows.append([*cells, f"{got['peak_mib']:.0f}", f"{got['out_bytes']:,}", note or "ok"])
+                        print(" | ".join(rows[-1]), flush=True)
+                        raw.append({k: v for k, v in got.items() if k not in ("stdout", "stderr")})
+                        raw[-1].update(model=model, mesh=mesh, ranks=ranks, command=name)
+    verdict = _suggest_goal() if "suggest" in commands else "not run"
+    columns = ["model", "mesh", "ranks", "command", "wall s", "CPU s", "peak MiB", "output bytes", "result"]
+    largest = max(r["ranks"] for r in raw)
+    note = (
+        f"Goals at {largest:,} ranks: every command <= {GOAL_SECONDS:g} s of CPU and <= {GOAL_MIB:g} MiB; "
+        + (f"missed by: {', '.join(misses)}." if misses else "all met.")
+        + f" suggest on 7B [dp=512, tp=8] within {SUGGEST_BUDGET}: {verdict}. CPU seconds judge the time: "
+        "wall seconds on a shared machine count its other processes too."
+    )
+    print(note)
+    tables = [summary(raw, commands), results.table("Each command in a fresh process", columns, rows, note)]
+    for t in tables[:1]:
+        print(t["title"], t["columns"], *t["rows"], sep="\n")
+    results.write(args.json, "scale", tables, data=raw)
+
+
+def summary(raw: list[dict[str, Any]], commands: list[str]) -> dict[str, Any]:
+    """Per command, at the largest rank count, the worst CPU seconds and peak MiB of any model
+    per mesh rank, and how much the output grew from the smallest rank count to the largest
+    (the most over models and meshes; a failed run shows as failed)."""
+    largest, smallest = max(r["ranks"] for r in raw), min(r["ranks"] for r in raw)
+    ndims = sorted({r["mesh"].count("=") for r in raw})
+    rows = []
+    for name in commands:
+        cells = [name]
+        for ndim in ndims:
+            runs = [r for r in raw if r["command"] == name and r["ranks"] == largest and r["mesh"].count("=") == ndim]
+            failed = [r for r in runs if r["rc"] != 0]
+            if not runs:
+                cells.append("-")
+            elif failed:
+                cells.append(f"failed ({len(failed)} of {len(runs)})")
+            else:
+                cells.append(f"{max(r['cpu_s'] for r in runs):.2f} s, {max(r['peak_mib'] for r in runs):.0f} MiB")
+        growth = []
+        for r in raw:
+            if r["command"] == name and r["ranks"] == largest and r["rc"] == 0:
+                base = [
+                    b
+                    for b in raw
+                    if b["command"] == name
+                    and b["ranks"] == smallest
+                    and b["rc"] == 0
+                    and (b["model"], b["mesh"].count("=")) == (r["model"], r["mesh"].count("="))
+                ]
+                if base and base[0]["out_bytes"]:
+                    growth.append(r["out_bytes"] / base[0]["out_bytes"])
+        cells.append(f"{max(growth):.2f}x" if growth else "-")
+        rows.append(cells)
+    columns = ["command", *(f"{n}-D mesh" for n in ndims), f"output {largest:,} / {smallest:,} ranks"]
+    title = f"Worst of the models at {largest:,} ranks: CPU seconds and peak RSS per command and mesh"
+    return results.table(title, columns, rows)
+
+
+def _suggest_goal() -> str:
+    """``suggest --format json`` on the 7B ``[dp=512, tp=8]`` spec, judged (module docstring)."""
+    axes = mesh_axes(4096, 2)
+    assert axes is not None
+    text, norms = model_spec("7b", axes)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "7b_4096_2d.shard"
+        spec.write_text(text, encoding="utf-8")
+        got = run_one([*command("suggest", spec, norms, "7b", axes), "--format", "json"])
+    if got["rc"] != 0:
+        return f"failed: {got['stderr'].strip().splitlines()[-1]}"
+    return suggest_verdict(got["stdout"])
+
+
+if __name__ == "__main__":
+    main()
