@@ -130,12 +130,11 @@ def memory_held(records: dict[str, Record]) -> Any:
     if "memory" not in records:
         return None
     rows: dict[str, tuple[float, float | None]] = {}
-    for stem in ("memory", "memory_free_grads"):
-        for t in records.get(stem, {"tables": []})["tables"]:
-            if t["title"].startswith("4 ranks"):
-                at = t["columns"].index("predicted MiB")
-                for row in t["rows"]:
-                    rows.setdefault(row[0], (number(row[1]) or 0.0, number(row[at])))
+    for t in records["memory"]["tables"]:
+        if t["title"].startswith("4 ranks"):
+            at = t["columns"].index("predicted MiB")
+            for row in t["rows"]:
+                rows.setdefault(row[0], (number(row[1]) or 0.0, number(row[at])))
     plt = _pyplot()
     labels = list(rows)
     figure, ax = plt.subplots(figsize=(8, 0.4 * len(labels) + 1.2))

@@ -87,5 +87,7 @@ class Accounting:
             slot_flat, slot_own, slot_master = self._store.predicted_bytes(slot)
             flat, own, masters = flat + slot_flat, own + slot_own, masters + slot_master
         states = flat + own
-        spare = flat + masters if self._spare_states else 0  # the flat buffers' second set
-        return MemoryReport(params, grads, states, masters, buffers, spare, scratch_bytes(slots))
+        # The second set of the flat buffers and of the own-layout states (the math writes new ones).
+        spare = flat + masters + own if self._spare_states else 0
+        scratch = scratch_bytes(slots) + self._driver.sum_buffer_bytes
+        return MemoryReport(params, grads, states, masters, buffers, spare, scratch)

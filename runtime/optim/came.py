@@ -521,6 +521,18 @@ class ShardedCAME(ShardedOptimizer):
         where = statistic_where(slot, name, ROW_STATES, COL_STATES)
         return where if where is not None else super()._where(slot, name)
 
+    def _scratch_bytes(self, slots: Sequence[Slot]) -> int:
+        """The math's working buffers and the runs' statistics' layouts it keeps (with flat
+        chunks, a row, column and matrix index per element: the largest part); both are made at
+        the first step."""
+        kept = sum(
+            t.numel() * t.element_size()
+            for _, _, stats in self._stats.values()
+            for t in (stats.row_matrix, stats.heights, stats.roots, stats.spans, *stats.counts, *stats.sides)
+            + (stats.index or ())
+        )
+        return super()._scratch_bytes(slots) + kept
+
     def _run_stats(self, work: StepWork, run: Sequence[int]) -> RunStats:
         """The run's :class:`RunStats`, kept while its slots' shards, dtype and device are the same."""
         shards, device = tuple(work.slots[i].shard for i in run), work.grads[run[0]].device

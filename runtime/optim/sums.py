@@ -126,6 +126,11 @@ class SumReducer:
         self._buffers = Scratch()
         self._views = KeptViews()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the all-reduces' buffers kept between steps."""
+        return self._buffers.nbytes
+
     def _planned(self, sums: Sequence[SumSpec], phase: str) -> tuple[tuple[Collective, ...], list]:
         key = tuple(sums)
         kept = self._plans.get(phase)
