@@ -160,3 +160,21 @@ def test_a_cross_mesh_request_over_many_axes_is_refused_within_its_budget() -> N
     with pytest.raises(planner.PlanBudgetError):
         planner.plan(parse_layout(f"S(0,9,5) over {mesh}"), parse_layout(f"R over {mesh} ranks 196608..393215"), (95,))
     assert time.process_time() - started < 5
+
+
+def test_a_flat_step_plan_names_its_groups_by_their_ends_in_json_and_reads_back() -> None:
+    import json
+
+    from planner.model import plan_spec
+    from planner.step import StepPlan
+
+    spec = parse_spec(
+        "mesh world = [dp=512, tp=8]\n"
+        "tensor w : f32[64, 64] { param = S(tp),R over world  grad = S(tp),R | P(dp):avg over world "
+        "state = S(tp,dp),R over world }"
+    )
+    step = plan_spec(spec, flat_axis="dp", rank=13).step
+    text = json.dumps(step.to_json())
+    # rank 13's dp group: every 8th rank from 5, by its ends whatever its size
+    assert "mesh[dp=512,tp=1] ranks 5..4093 step 8" in text and "8,16" not in text
+    assert StepPlan.from_json(json.loads(text)) == step
