@@ -48,6 +48,17 @@ def statistic_where(slot: Slot, name: str, rows: Sequence[str], cols: Sequence[s
     return None
 
 
+def replicas_of(where: StateWhere) -> Layout:
+    """A layout whose replicated axes are those along which the ranks hold equal pieces of the
+    state: for a flat chunk, the base layout's, less the flat axis (the base block itself is a
+    piece of the base layout)."""
+    if where.flat_of is None or not where.flat_of.dims:
+        return where.layout
+    base = where.flat_of
+    flat = tuple(a for a in where.layout.dims[0] if a not in base.dims[0])
+    return Layout(dims=((*base.dims[0], *flat), *base.dims[1:]), mesh=base.mesh, partial=base.partial)
+
+
 class StateStore:
     """This rank's states of ``slots``: the flat buffers and the own-layout pieces.
     ``state_shapes`` gives the local shape of every state the math keeps for a slot (master
@@ -207,8 +218,9 @@ class StateStore:
                 states[name] = tensor
             loaded.append((slot, int(entry["step"]), states))
         if check is not None:
+            where = self._where
             check(
-                [(f"{s.name}.{n}", t, self._where(s, n).layout) for s, _, states in loaded for n, t in states.items()]
+                [(f"{s.name}.{n}", t, replicas_of(where(s, n))) for s, _, states in loaded for n, t in states.items()]
             )
         flat = self.flat()
         for slot, step, states in loaded:
