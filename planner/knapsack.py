@@ -162,10 +162,13 @@ def _run(
     objective: Any,
     limits: Sequence[tuple[Any, float]],
     time_limit: float,
+    *,
+    relaxed: bool = False,
 ) -> tuple[Any, bool, float]:
     """Minimize ``objective`` within the program and ``limits`` (vector, most): the solution
     (the best found when the time limit stops the solver), whether it is proven optimal, and
-    the gap; a :class:`SuggestError` when there is none."""
+    the gap; a :class:`SuggestError` when there is none. ``relaxed``: every variable real
+    (the linear relaxation, whose optimum bounds the program's from below)."""
     import numpy as np
     from scipy.optimize import LinearConstraint, milp
     from scipy.sparse import csr_array, vstack
@@ -180,7 +183,7 @@ def _run(
         objective,
         constraints=LinearConstraint(rows, lo, hi),
         bounds=program.bounds,
-        integrality=program.integrality,
+        integrality=np.zeros_like(program.integrality) if relaxed else program.integrality,
         options=options,
     )
     if result.x is None:
@@ -231,6 +234,17 @@ def _fastest(program: _Program, budget: int | None, time_limit: float) -> tuple[
     started = time.perf_counter()
     x, optimal, gap = _run(program, program.time, limits, time_limit)
     return x, optimal, gap, time.perf_counter() - started
+
+
+def _time_bound(problem: Problem, budget: int, time_limit: float) -> float:
+    """Seconds no choice of ``problem`` within ``budget`` beats: the linear relaxation's least
+    time (the program's time is at most a choice's exact one, module doc); inf where none fits."""
+    program = _program(problem)
+    try:
+        x, optimal, _ = _run(program, program.time, [(program.memory, budget / _MIB)], time_limit, relaxed=True)
+    except SuggestError:
+        return math.inf
+    return float(program.time @ x) / _US if optimal else 0.0
 
 
 def smallest_memory(problem: Problem, time_limit: float = 10.0, *, timed: bool = True) -> Choice:
@@ -311,11 +325,15 @@ def suggest_best(problems: Sequence[Problem], budget: int, time_limit: float = 1
     started = time.perf_counter()
     least = [smallest_memory(p, time_limit, timed=False) for p in problems]
     fixed = [fixed_choices(p) for p in problems]
-    fitting = [
-        suggest(p, budget, time_limit, least=m, ties=False, fixed=f)
-        for p, m, f in zip(problems, least, fixed, strict=True)
-        if m.memory <= budget
-    ]
+    fitting: list[Suggestion] = []
+    for p, m, f in zip(problems, least, fixed, strict=True):
+        if m.memory > budget:
+            continue
+        # A problem whose least time cannot come within a tie of the fastest found is not
+        # solved: its relaxation bounds every choice of it from below, its fixed ones too.
+        if fitting and _time_bound(p, budget, time_limit) > min(r.best.seconds for r in fitting) * (1 + _TIE):
+            continue
+        fitting.append(suggest(p, budget, time_limit, least=m, ties=False, fixed=f))
     if not fitting:
         raise _too_small(budget, min(m.memory for m in least))
     fastest = min(r.best.seconds for r in fitting)
