@@ -118,33 +118,18 @@ def _run_resume(rank: int, directory: Path) -> dict[str, Any]:
 
 def _run_failed_step(rank: int) -> dict[str, Any]:
     """A gradient of the wrong shape at step 4: that step raises and changes nothing."""
-    from runtime.optim import OptimizerStepError
+    from tests.failed_step import run_with_a_wrong_gradient
 
     spec = _spec(*CONFIGS["nested_tp_dp"][:2])
     coordinate = next(iter(spec.values())).param.mesh.coordinate(rank)
     params = _params(spec, coordinate, torch.float32)
     optimizer = _optimizer(list(params.items()), spec)
-    message = None
-    for step in range(8):
+
+    def set_grads(step: int) -> None:
         for name, (grad, addends) in step_grads(torch.float32, SEED, step).items():
             params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
-        if step == 3:
-            good = params["t"].grad.clone()
-            params["t"].grad.data = torch.zeros(2, 6, 5)
-            before = {n: p.detach().clone() for n, p in params.items()}
-            try:
-                optimizer.step()
-            except OptimizerStepError as e:
-                message = str(e)
-            unchanged = all(torch.equal(before[n], p) for n, p in params.items())
-            params["t"].grad = good
-        optimizer.step()
-    return {
-        "message": message,
-        "unchanged": unchanged,
-        "coordinate": coordinate,
-        "params": {n: p.detach().clone() for n, p in params.items()},
-    }
+
+    return run_with_a_wrong_gradient(optimizer, params, set_grads, "t", (2, 6, 5)) | {"coordinate": coordinate}
 
 
 def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:

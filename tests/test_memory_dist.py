@@ -6,13 +6,13 @@ gradient shards and buffers of a few buckets, never a buffer the size of the mod
 
 from __future__ import annotations
 
-import gc
 import math
 from typing import Any
 
 import pytest
 import torch
 
+from runtime.measure.storages import storage_bytes
 from runtime.testing import run_ranks
 from shardlang import parse_layout
 from shardlang.spec import Layouts
@@ -35,26 +35,6 @@ def _spec(flat: bool) -> dict[str, Layouts]:
             states=(("", parse_layout(f"{state} over {mesh}")),),
         )
     return spec
-
-
-def _storages(root: object, skip: set[int]) -> dict[int, int]:
-    """Per storage (its address) the bytes of every tensor reachable from ``root`` through
-    containers and object attributes, less the storages in ``skip``."""
-    found: dict[int, int] = {}
-    seen: set[int] = set()
-    todo = [root]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, (type, type(gc), type(_storages), str, bytes, int, float)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            if storage.data_ptr() not in skip:
-                found[storage.data_ptr()] = storage.nbytes()
-            continue
-        todo.extend(gc.get_referents(obj))
-    return found
 
 
 def _run(
@@ -82,7 +62,7 @@ def _run(
     grads_left = sum(p.grad is not None for p in params.values())
     skip = {p.untyped_storage().data_ptr() for p in params.values()}
     skip |= {p.grad.untyped_storage().data_ptr() for p in params.values() if p.grad is not None}
-    held = sum(_storages(optimizer, skip).values())
+    held = sum(storage_bytes(optimizer, skip).values())
     report = optimizer.memory_report()
     return {
         "held": held,

@@ -143,32 +143,17 @@ def _run_resume(rank: int, directory: Path) -> dict[str, Any]:
 
 def _run_failed_step(rank: int) -> dict[str, Any]:
     """A gradient of the wrong shape at step 4: that step raises everywhere and changes nothing."""
-    from runtime.optim import OptimizerStepError
+    from tests.failed_step import run_with_a_wrong_gradient
 
     spec = _spec(*CONFIGS["nested_tp_dp"][:2])
     coordinate = next(iter(spec.values())).param.mesh.coordinate(rank)
     params = _params(spec, coordinate, torch.float32)
     optimizer = _optimizer(list(params.items()), spec, "owner")
-    message, unchanged = None, False
-    for step in range(8):
+
+    def set_grads(step: int) -> None:
         _set_grads(params, spec, coordinate, torch.float32, step)
-        if step == 3:
-            good = params["w"].grad.clone()
-            params["w"].grad.data = torch.zeros(3, 24)
-            before = {n: p.detach().clone() for n, p in params.items()}
-            try:
-                optimizer.step()
-            except OptimizerStepError as e:
-                message = str(e)
-            unchanged = all(torch.equal(before[n], p) for n, p in params.items())
-            params["w"].grad = good
-        optimizer.step()
-    return {
-        "message": message,
-        "unchanged": unchanged,
-        "coordinate": coordinate,
-        "params": {n: p.detach().clone() for n, p in params.items()},
-    }
+
+    return run_with_a_wrong_gradient(optimizer, params, set_grads, "w", (3, 24)) | {"coordinate": coordinate}
 
 
 def _run_disagreeing_placements(rank: int) -> dict[str, Any]:

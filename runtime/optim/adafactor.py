@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from runtime.optim.base import ShardedOptimizer, StepOptions
-from runtime.optim.came import rows_span_ranks
+from runtime.optim.came import factored_sum_specs, rows_span_ranks
 from runtime.optim.errors import OptimizerError
 from runtime.optim.phases import StepWork, Update
 from runtime.optim.records import StateWhere
@@ -63,27 +63,12 @@ def adafactor_state_shapes(shard: StateShard) -> dict[str, tuple[int, ...]]:
 def adafactor_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[tuple[SumSpec, ...], ...]:
     """The sums of each phase (see :data:`PHASES`), in the order :func:`adafactor_update`
     yields them."""
-    mesh = shard.layout.mesh
-
-    def spec(axes: frozenset[int], shape: tuple[int, ...], replicated: frozenset[int]) -> SumSpec:
-        return SumSpec(mesh=mesh, axes=axes, numel=math.prod(shape), dtype=dtype, owner=owner, replicated=replicated)
-
-    norm = spec(shard.sum_axes, (1,), shard.replicated)
+    norm = SumSpec(
+        mesh=shard.layout.mesh, axes=shard.sum_axes, numel=1, dtype=dtype, owner=owner, replicated=shard.replicated
+    )
     if not shard.factored:
         return (norm,), (norm,)
-    moments = [
-        norm,
-        spec(shard.row_sum_axes, shard.row_stat_shape, shard.replicated),
-        spec(shard.col_sum_axes, shard.col_stat_shape, shard.replicated),
-    ]
-    if rows_span_ranks(shard):
-        batch = shard.block_shape[:-2]
-        moments += [
-            spec(shard.matrix_sum_axes, batch, shard.replicated),
-            # The old row statistics are the same on every rank along the row-sum axes.
-            spec(shard.row_axes, batch, shard.replicated | shard.row_sum_axes),
-        ]
-    return tuple(moments), (norm,)
+    return (norm, *factored_sum_specs(shard, dtype, owner)), (norm,)
 
 
 def adafactor_update(

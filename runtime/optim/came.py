@@ -78,16 +78,15 @@ def rows_span_ranks(shard: StateShard) -> bool:
     return any(shard.layout.mesh.shape[a] > 1 for a in shard.row_axes)
 
 
-def came_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[tuple[SumSpec, ...], ...]:
-    """The sums of each phase (see :data:`PHASES`), in the order :class:`CameRun` yields them."""
+def factored_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[SumSpec, ...]:
+    """The sums a factored second moment (CAME's and Adafactor's) completes over the ranks: of
+    rows, of columns, and where rows span ranks the per-matrix sums of the new and the old row
+    statistics (what the row normaliser divides by)."""
     mesh = shard.layout.mesh
 
     def spec(axes: frozenset[int], shape: tuple[int, ...], replicated: frozenset[int]) -> SumSpec:
         return SumSpec(mesh=mesh, axes=axes, numel=math.prod(shape), dtype=dtype, owner=owner, replicated=replicated)
 
-    rms = (spec(shard.sum_axes, (1,), shard.replicated),)
-    if not shard.factored:
-        return (), rms, ()
     moments = [
         spec(shard.row_sum_axes, shard.row_stat_shape, shard.replicated),
         spec(shard.col_sum_axes, shard.col_stat_shape, shard.replicated),
@@ -99,7 +98,20 @@ def came_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[t
             # The old row statistics are the same on every rank along the row-sum axes.
             spec(shard.row_axes, batch, shard.replicated | shard.row_sum_axes),
         ]
-    return tuple(moments), rms, tuple(moments)
+    return tuple(moments)
+
+
+def came_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[tuple[SumSpec, ...], ...]:
+    """The sums of each phase (see :data:`PHASES`), in the order :class:`CameRun` yields them."""
+    rms = (
+        SumSpec(
+            mesh=shard.layout.mesh, axes=shard.sum_axes, numel=1, dtype=dtype, owner=owner, replicated=shard.replicated
+        ),
+    )
+    if not shard.factored:
+        return (), rms, ()
+    moments = factored_sum_specs(shard, dtype, owner)
+    return moments, rms, moments
 
 
 @attrs.frozen(eq=False)
