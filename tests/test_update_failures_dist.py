@@ -115,7 +115,7 @@ def _run_in_place(rank: int, world_size: int, prefetch: bool, how: str) -> dict[
     """AdamW in place, its first step failing after the commit point on rank 1 (``how``: its
     math raises, or it dies in the final gather): what each rank raised, how soon, and what
     the next ``step()`` says."""
-    import runtime.execution.buckets
+    import runtime.execution.run
     from runtime.optim import OptimizerStepError
 
     spec = _spec(DP4, _zero_rows)
@@ -130,14 +130,14 @@ def _run_in_place(rank: int, world_size: int, prefetch: bool, how: str) -> dict[
 
         optimizer._updates = failing_updates
     if rank == FAILING_RANK and how == "dies":
-        start = runtime.execution.buckets.start_collective
+        start = runtime.execution.run.start_collective
 
         def dying(op: str, *args: Any, **kwargs: Any) -> Any:
             if op == "all_gather":
                 os._exit(0)
             return start(op, *args, **kwargs)
 
-        runtime.execution.buckets.start_collective = dying
+        runtime.execution.run.start_collective = dying
     for name, (grad, addends) in step_grads(torch.float32, SEED, 0).items():
         params[name].grad = local_grad(grad, addends, spec[name].grad, (rank,))
     started = time.monotonic()

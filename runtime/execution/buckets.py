@@ -398,7 +398,7 @@ class StageRun:
                 waited_at_once=bucket.bucket.launch == IN_STEP,  # runtime.comm.collectives: waited within step()
             )
         except (DistributedError, ReshardError) as e:
-            raise type(e)(f"{self._where(bucket)} failed: {e.message}") from e
+            raise type(e)(f"{self._bucket_text(bucket)} failed: {e.message}") from e
         self._in_flight.append((bucket, pending, started))
 
     def _wait_oldest(self, deadline: float | None) -> None:
@@ -415,7 +415,7 @@ class StageRun:
         try:
             received = pending.wait(datetime.timedelta(seconds=left))
         except DistributedError as e:
-            raise DistributedError(f"{self._where(bucket)} failed: {e.message}") from e
+            raise DistributedError(f"{self._bucket_text(bucket)} failed: {e.message}") from e
         finally:
             self.waited += time.perf_counter() - blocked
         first = bucket.members[0][1]
@@ -449,7 +449,9 @@ class StageRun:
                 walk.x = move.finish(part)
             walk.passed()
         if self._write_to:  # written out before the next bucket reuses the region (write_through)
-            done = {leg: self._write_to.pop(leg) for leg, *_ in bucket.members if leg in self._write_to}
+            # Only the legs this bucket ends: a leg of two gathers is written after its second.
+            ended = [leg for (leg, *_), final in zip(bucket.members, bucket.final, strict=True) if final]
+            done = {leg: self._write_to.pop(leg) for leg in ended if leg in self._write_to}
             self._write(done)
 
     def _advance(self, leg: int, walk: _Walk, until: int | None) -> None:
@@ -474,7 +476,7 @@ class StageRun:
             return make(*args)
         return self.program.views.get(key, held, make, *args)
 
-    def _where(self, bucket: BucketProgram) -> str:
+    def _bucket_text(self, bucket: BucketProgram) -> str:
         names = [self.program.plan.legs[leg].tensor for leg, *_ in bucket.members]
         return f"bucket {bucket.index + 1} of {len(self.program.plan.buckets)} ({_describe(bucket.bucket, names)})"
 
@@ -486,7 +488,7 @@ def _profiled(run: StageRun, bucket: BucketProgram, what: str) -> contextlib.Abs
     than the rest of a small bucket's bookkeeping (docs/reference/runtime.md, "Profiling")."""
     if not torch.autograd._profiler_enabled():
         return contextlib.nullcontext()
-    return torch.profiler.record_function(f"shardlang {run.stage}: {what} {run._where(bucket)}")
+    return torch.profiler.record_function(f"shardlang {run.stage}: {what} {run._bucket_text(bucket)}")
 
 
 def _advanced_view(walk: _Walk, until: int | None) -> list[torch.Tensor] | None:
