@@ -89,7 +89,7 @@ def joins(tensor: StepTensor) -> bool:
     return tensor.flat_axis is not None and any(without_axis(tensor.state, tensor.flat_axis).dims)
 
 
-def _block(tensor: StepTensor, rank: int) -> tuple[int, ...]:
+def _base_block_shape(tensor: StepTensor, rank: int) -> tuple[int, ...]:
     """The base block of ``rank`` (of the mesh's first rank where ``rank`` is not in it)."""
     mesh = tensor.state.mesh
     return tensor.base.rank_piece(tensor.shape, rank if rank in mesh.ranks else mesh.ranks[0]).shape
@@ -100,7 +100,7 @@ def _join_hop(tensor: StepTensor, rank: int) -> Hop:
     assert tensor.flat_axis is not None
     mesh = tensor.state.mesh
     whole, split = flat_view(tensor.base, tensor.flat_axis, rank if rank in mesh.ranks else mesh.ranks[0])
-    n = math.prod(_block(tensor, rank))
+    n = math.prod(_base_block_shape(tensor, rank))
     return Hop(plan_pair(split, whole, (n,), tensor.state_dtype, tensor.cost))
 
 
@@ -301,7 +301,7 @@ def _mesh_key(layout: Layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def _legs(tensor: StepTensor, owner: int | None, rank: int) -> list[Leg]:
     layout, shape = pieces(tensor)
     name, dtype = tensor.name, tensor.state_dtype
-    view = _block(tensor, rank) if joins(tensor) else None
+    view = _base_block_shape(tensor, rank) if joins(tensor) else None
     if owner is None:
         hops = (_join_hop(tensor, rank),) if joins(tensor) else ()
         gather = Hop(gather_plan(layout, shape, dtype, tensor.cost), view)

@@ -168,7 +168,7 @@ def _execute(
                 received = pending.wait(wait)
         except (DistributedError, ReshardError) as e:
             _THREAD.scratch = None  # a collective that failed may still use them: new ones next time
-            raise type(e)(f"{label}: {_where(move, plan)} failed: {e.message}") from e
+            raise type(e)(f"{label}: {_step_text(move, plan)} failed: {e.message}") from e
         del post  # the send buffer goes before the walk assembles the result
         if stats.is_recording() and (not isinstance(move, RankExchange) or move.peers):
             _record(move, plan, name, started)
@@ -316,7 +316,7 @@ def _shape(global_shape: Sequence[int], label: str) -> tuple[int, ...]:
         raise ReshardError(f"{label}: global_shape must be a sequence of ints, not {global_shape!r}") from None
 
 
-def _where(move: CollectiveMove | RankExchange, plan: Plan) -> str:
+def _step_text(move: CollectiveMove | RankExchange, plan: Plan) -> str:
     step = move.step
     if isinstance(move, RankExchange):
         what = f"{step.describe()} -> {step.layout}, with ranks {list(move.peers)}"

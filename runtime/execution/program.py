@@ -162,7 +162,7 @@ class CollectiveMove:
         return [(out, self.finish(received))]
 
 
-def _block(step: Step, before: tuple[int, ...], after: tuple[int, ...], n: int) -> tuple[int, ...]:
+def _padded_block_shape(step: Step, before: tuple[int, ...], after: tuple[int, ...], n: int) -> tuple[int, ...]:
     block = list(before)
     if step.op == "all_gather":
         block[step.dim] = padded_length(after[step.dim], (n,))
@@ -234,7 +234,7 @@ def compile_plan(plan: Plan, rank: int) -> tuple[CollectiveMove | RankExchange |
                 before=before,
                 after=after,
                 start=start,
-                block=_block(step, before, after, len(members)),
+                block=_padded_block_shape(step, before, after, len(members)),
             )
         )
     return tuple(moves)

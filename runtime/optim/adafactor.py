@@ -165,9 +165,9 @@ class ShardedAdafactor(ShardedOptimizer):
         assert slot.shard is not None
         return adafactor_sum_specs(slot.shard, slot.dtype, slot.name)
 
-    def _where(self, slot: Slot, name: str) -> StateWhere:
+    def _state_where(self, slot: Slot, name: str) -> StateWhere:
         where = statistic_where(slot, name, ("row_var",), ("col_var",))
-        return where if where is not None else super()._where(slot, name)
+        return where if where is not None else super()._state_where(slot, name)
 
     def _updates(self, work: StepWork) -> list[Update]:
         updates = []

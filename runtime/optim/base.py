@@ -14,7 +14,7 @@ that own each part of a step (docs/design.md walks one step through them):
   while forward runs;
 - accounting (``runtime.optim.accounting``): planned traffic and memory.
 
-A subclass gives the math: its states (:meth:`_state_shapes`, :meth:`_where`), its updates
+A subclass gives the math: its states (:meth:`_state_shapes`, :meth:`_state_where`), its updates
 (:meth:`_updates`) and the sums between its phases (:meth:`_sum_specs`).
 """
 
@@ -168,7 +168,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._replicas = ReplicaChecks(slots, rank=self.rank, timeout=self.timeout, every=every)
         self._replicas.parameters()
         store = self._store = StateStore(
-            slots, rank=self.rank, state_shapes=self._state_shapes, where=self._where, kind=kind
+            slots, rank=self.rank, state_shapes=self._state_shapes, where=self._state_where, kind=kind
         )
         compiler = self._compiler = StepCompiler(
             slots, rank=self.rank, timeout=self.timeout, bucket_bytes=self.bucket_bytes, overlap=self.overlap,
@@ -216,7 +216,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Per phase, the sums the slot's math yields, in order."""
         return tuple(() for _ in self.phases)
 
-    def _where(self, slot: Slot, name: str) -> StateWhere:
+    def _state_where(self, slot: Slot, name: str) -> StateWhere:
         """Where state ``name`` lies; by default it has the parameter's shape."""
         return state_where(slot, name, self.rank)
 

@@ -529,9 +529,9 @@ class ShardedCAME(ShardedOptimizer):
             )
         return cached[2]
 
-    def _where(self, slot: Slot, name: str) -> StateWhere:
+    def _state_where(self, slot: Slot, name: str) -> StateWhere:
         where = statistic_where(slot, name, ROW_STATES, COL_STATES)
-        return where if where is not None else super()._where(slot, name)
+        return where if where is not None else super()._state_where(slot, name)
 
     def _scratch_bytes(self, slots: Sequence[Slot]) -> int:
         """The math's working buffers and the runs' statistics' layouts it keeps (with flat

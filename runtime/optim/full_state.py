@@ -88,16 +88,16 @@ def _gather(held: Sequence[HeldTensor]) -> list[tuple[int, list[HeldTensor]]]:
     return gathered
 
 
-def _block(bounds: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
+def _slices(bounds: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
     return tuple(slice(lo, hi) for lo, hi in bounds)
 
 
 def _place(full: torch.Tensor, where: StateWhere, shape: tuple[int, ...], rank: int, piece: torch.Tensor) -> None:
     """Write ``rank``'s piece of a state lying as ``where`` into the whole tensor."""
     if where.flat_of is None:
-        full[_block(where.layout.rank_piece(where.shape, rank))] = piece
+        full[_slices(where.layout.rank_piece(where.shape, rank))] = piece
         return
-    index = _block(where.flat_of.rank_piece(shape, rank))
+    index = _slices(where.flat_of.rank_piece(shape, rank))
     flat = full[index].clone().reshape(-1)
     lo, hi = _flat_range(where, flat.numel(), rank)
     flat[lo:hi] = piece
@@ -113,8 +113,8 @@ def _flat_range(where: StateWhere, numel: int, rank: int) -> tuple[int, int]:
 def _piece(full: torch.Tensor, where: StateWhere, shape: tuple[int, ...], rank: int) -> torch.Tensor:
     """``rank``'s piece of a whole state that lies as ``where``."""
     if where.flat_of is None:
-        return full[_block(where.layout.rank_piece(where.shape, rank))].clone()
-    flat = full[_block(where.flat_of.rank_piece(shape, rank))].reshape(-1)
+        return full[_slices(where.layout.rank_piece(where.shape, rank))].clone()
+    flat = full[_slices(where.flat_of.rank_piece(shape, rank))].reshape(-1)
     lo, hi = _flat_range(where, flat.numel(), rank)
     return flat[lo:hi].clone()
 
@@ -134,7 +134,7 @@ def _whole(name: str, gathered: Sequence[tuple[int, list[HeldTensor]]], state: s
             if full is None:
                 full = torch.zeros(shape, dtype=piece.dtype)
             if state is None:
-                full[_block(h.param_layout.rank_piece(h.shape, rank))] = piece.detach().cpu()
+                full[_slices(h.param_layout.rank_piece(h.shape, rank))] = piece.detach().cpu()
             else:
                 _place(full, h.wheres[state], h.shape, rank, piece.detach().cpu())
     assert full is not None
