@@ -62,7 +62,7 @@ def add_suggest_parser(sub: Any) -> None:
         type=bucket_cap_arg,
         metavar="BYTES",
         help="the most buffer bytes a bucket holds per rank, as `plan --bucket-bytes` (default 32MiB; auto: "
-        "each choice under the cost model's cap for it, as the optimizers' default)",
+        "each choice under the cost model's cap for it, as `plan --bucket-bytes auto`)",
     )
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("-o", "--output", metavar="OUT.shard", help="write the spec with the chosen layouts")
