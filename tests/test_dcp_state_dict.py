@@ -119,3 +119,31 @@ def test_get_and_set_optimizer_state_dict_round_trip_a_sharded_optimizer_through
         assert errors["full"][0] == "DCPLayoutError" and "full_state_dict()" in errors["full"][1]
         assert errors["mixed"][0] == "OptimizerError" and "not both" in errors["mixed"][1]
         assert errors["names"][0] == "OptimizerError" and "the model has not" in errors["names"][1]
+
+
+def _torch_function_on_ours(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from runtime.optim import OptimizerError, ShardedAdamW
+
+    model = _model()
+    optimizer = ShardedAdamW(model.named_parameters(), _spec("S(dp)"), lr=1e-2)
+    _train(model, optimizer, range(2))  # the step frees the gradients: torch would step it now
+    before, params = _whole(optimizer), {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        get_optimizer_state_dict(model, optimizer)
+        message = None
+    except OptimizerError as e:
+        message = str(e)
+    return {
+        "message": message,
+        "states_same": all(torch.equal(v, _whole(optimizer)[k]) for k, v in before.items()),
+        "params_same": all(torch.equal(params[n], p) for n, p in model.named_parameters()),
+    }
+
+
+@pytest.mark.slow
+def test_torch_get_optimizer_state_dict_on_a_sharded_optimizer_is_refused_before_it_steps_it() -> None:
+    for result in run_ranks(_torch_function_on_ours, 2, timeout=120):
+        assert result["message"] is not None and "runtime.optim.dcp.get_optimizer_state_dict" in result["message"]
+        assert result["states_same"] and result["params_same"], result

@@ -43,7 +43,7 @@ from runtime.optim.phases import PhaseDriver, StepWork, Update, done
 from runtime.optim.records import STATE_DICT_FORMAT, HeldTensor, StateWhere, StepTraffic
 from runtime.optim.replica_checks import ReplicaChecks, replica_checks_every
 from runtime.optim.slots import Slot, Slots, SpecLike, names_text
-from runtime.optim.states import StateStore, state_where
+from runtime.optim.states import ShardedStates, StateStore, state_where
 from runtime.optim.sums import SumReducer, SumSpec
 from runtime.optim.transaction import StepTransaction
 
@@ -124,6 +124,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             super().__init__(named, defaults)
         except (TypeError, ValueError) as e:
             raise OptimizerError(f"{kind}: {e}") from None
+        self.state = ShardedStates(kind)  # type: ignore[assignment]  # states live in the store
         if any("param_names" not in g for g in self.param_groups):
             raise OptimizerError(
                 f"{kind} needs named parameters: pass model.named_parameters(), not model.parameters()"

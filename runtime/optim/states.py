@@ -232,3 +232,22 @@ class StateStore:
                     flat.view(slot.index, name).copy_(tensor)
         for group, saved in zip(param_groups, saved_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "param_names"})
+
+
+class ShardedStates(dict):
+    """What a sharded optimizer shows as torch's ``optimizer.state``: nothing, since its states
+    are sharded in its own buffers (``state_dict()``, ``runtime.optim.dcp``). Asking whether it
+    is empty is an error, not ``False``: ``torch.distributed.checkpoint.state_dict`` reads an
+    empty ``.state`` as "not initialized yet" and steps the optimizer with zero gradients, which
+    would move its moments and step counts (docs/stacks/dcp.md)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self._kind = kind
+
+    def __bool__(self) -> bool:
+        raise OptimizerError(
+            f"{self._kind} keeps its states sharded, not in .state: read them with state_dict() or "
+            "runtime.optim.dcp.get_optimizer_state_dict (torch.distributed.checkpoint.state_dict's function of "
+            "that name would step the optimizer to fill .state)"
+        )
