@@ -165,3 +165,28 @@ def test_python_dash_m_shardlang_runs_the_command() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "gpt2_small_dp2_tp2.shard: ok: 50 tensors" in done.stdout, done.stdout
+
+
+def test_the_layers_picture_shows_the_import_graph() -> None:
+    """docs/design/layers.dot (drawn in docs/design/layers.svg): its edges between the packages
+    are the packages' imports (the command's door left out), its boxes inside runtime are
+    runtime's subpackages, and the SVG was drawn from it (the same edges)."""
+    import re
+
+    dot = (REPO / "docs" / "design" / "layers.dot").read_text()
+    drawn = set(re.findall(r"^\s*(\w+) -> (\w+)", dot, re.M))
+    graph = _graph()
+    imported = {
+        (a.split(".")[0], b.split(".")[0])
+        for a, bs in graph.items()
+        for b in bs
+        if a.split(".")[0] != b.split(".")[0] and a not in DOORS
+    }
+    assert drawn == imported, f"drawn but not imported: {drawn - imported}; imported but not drawn: {imported - drawn}"
+    cluster = dot[dot.index("subgraph cluster_runtime") :]
+    boxes = set(re.findall(r"^\s*(\w+) \[label=", cluster[: cluster.index("}")], re.M)) - {"runtime"}
+    subpackages = {p.parent.name for p in (REPO / "runtime").glob("*/__init__.py")}
+    assert boxes == subpackages, (boxes, subpackages)
+    svg = (REPO / "docs" / "design" / "layers.svg").read_text()
+    edges = set(re.findall(r"<title>(\w+)&#45;&gt;(\w+)</title>", svg))
+    assert edges == drawn, "layers.svg is not drawn from layers.dot: dot -Tsvg layers.dot -o layers.svg"
