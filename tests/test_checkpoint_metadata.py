@@ -22,6 +22,7 @@ import torch
 from runtime import checkpoint
 from runtime.checkpoint import CheckpointError, LocalPiece
 from shardlang import parse_layout
+from tests.golden_blocks import golden_blocks
 
 ROWS, COLS = 4, 3
 WEIGHT = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + 1
@@ -239,22 +240,14 @@ def _messages(directory: Path, name: str, signed: bool) -> list[str]:
     return out
 
 
-def _golden_cases() -> dict[str, list[str]]:
-    cases: dict[str, list[str]] = {}
-    for block in GOLDEN.read_text().split("\n== ")[1:]:
-        name, *lines = block.rstrip("\n").split("\n")
-        cases[name] = lines
-    return cases
-
-
 def test_the_golden_file_has_every_edit_both_ways() -> None:
-    assert sorted(_golden_cases()) == sorted(
+    assert sorted(golden_blocks(GOLDEN)) == sorted(
         f"{n}, {how}" for n in EDITS for how in ("by hand", "with a fresh checksum")
     )
 
 
 @pytest.mark.parametrize("name", sorted(EDITS))
 def test_the_messages_are_the_golden_text(tmp_path: Path, name: str) -> None:
-    golden = _golden_cases()
+    golden = golden_blocks(GOLDEN)
     assert _messages(tmp_path / "hand", name, signed=False) == golden[f"{name}, by hand"]
     assert _messages(tmp_path / "tool", name, signed=True) == golden[f"{name}, with a fresh checksum"]

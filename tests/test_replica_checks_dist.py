@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from runtime.testing import attempt, run_ranks
+from tests.golden_blocks import golden_blocks
 
 GOLDEN = Path(__file__).parent / "golden" / "replica_errors.txt"
 MESH = "mesh[dp=4]"
@@ -123,19 +124,11 @@ def ranks() -> list[dict[str, Any]]:
     return run_ranks(_run, 4, timeout=240)
 
 
-def _golden_cases() -> dict[str, list[str]]:
-    cases: dict[str, list[str]] = {}
-    for block in GOLDEN.read_text().split("\n== ")[1:]:
-        name, *lines = block.rstrip("\n").split("\n")
-        cases[name] = lines
-    return cases
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["parameters", "gradients", "states"])
 def test_each_mistake_is_the_golden_error_on_every_rank(ranks: list[dict[str, Any]], case: str) -> None:
     got = [f"rank {rank}: {out[case][0]}: {out[case][1]}" for rank, out in enumerate(ranks)]
-    assert got == _golden_cases()[case], "\n".join(got)
+    assert got == golden_blocks(GOLDEN)[case], "\n".join(got)
     if case != "parameters":  # the first collectives of the job create its groups: slow under load
         assert all(out[case][2] < 10 for out in ranks), [out[case][2] for out in ranks]
 
