@@ -33,7 +33,7 @@ import bench_planner_quality as quality  # the DTensor helpers, shared
 import results as bench_results
 
 import planner
-from planner import choice, search
+from planner import cheapest, search
 from planner.messages import step_messages
 from shardlang import Layout, Mesh
 
@@ -113,7 +113,7 @@ def main() -> None:
     timings: list[float] = []
 
     def chosen_plan(src, dst, shape, dtype, cost=None):
-        choice._cheapest.cache_clear()
+        cheapest._cheapest.cache_clear()
         search._plan_cached.cache_clear()
         start = time.perf_counter()
         p = planner.plan(src, dst, shape, dtype, cost, point_to_point=True)

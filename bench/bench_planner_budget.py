@@ -32,7 +32,7 @@ from bench_planner_speed import best_of  # (first run, best run), shared
 
 import planner
 from cli.main import main as shardlang
-from planner import choice, search
+from planner import cheapest, search
 from planner.holdings import Blocks
 from shardlang import Mesh, ShardlangError, load_spec, parse_layout, parse_spec
 
@@ -59,7 +59,7 @@ HUGE_INPUTS = [
 
 def cold() -> None:
     search._plan_cached.cache_clear()
-    choice._cheapest.cache_clear()
+    cheapest._cheapest.cache_clear()
 
 
 def planned(src: str, dst: str, shape: tuple[int, ...], **kwargs: object) -> Callable[[], None]:

@@ -34,7 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import planner
 from planner import bound, search
-from planner.model import plan_spec
+from planner.spec_plan import plan_spec
 from planner.units import integer_rates
 from shardlang import InteropError, Layout, Mesh, load_spec
 from shardlang.interop import to_dtensor_placements

@@ -13,7 +13,7 @@ from cli.tables import format_bytes, format_seconds, format_table
 from cli.terminal import Style
 from planner.bucket_cap import SLACK, BucketCap, far_from, step_bucket_cap
 from planner.legs import DURING_BACKWARD, IN_STEP, Bucket
-from planner.model import SpecPlan
+from planner.spec_plan import SpecPlan
 from planner.step import StepPlan
 
 # The tensors column lists names (folded per declaration) up to about this many characters.

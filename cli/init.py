@@ -26,7 +26,7 @@ from shardlang.dtypes import itemsize
 from shardlang.errors import SpecError
 from shardlang.generate import as_rules
 
-# States are kept in f32, or f64 for f64 parameters (planner.model: the optimizers' choice).
+# States are kept in f32, or f64 for f64 parameters (planner.spec_plan: the optimizers' choice).
 _STATE_ITEMSIZE = {"f64": 8}
 
 

@@ -54,7 +54,7 @@ from cli.summary import TensorGroup, group_tensors, plan_spec_with_progress
 from cli.terminal import Progress, Style
 from planner import DEFAULT_MAX_STATES, CostModel, Plan, plan
 from planner.legs import DEFAULT_OVERLAP_BUCKET_BYTES
-from planner.model import SpecPlan
+from planner.spec_plan import SpecPlan
 from shardlang import Spec, TensorSpec, load_spec, parse_layout
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError, SpecError

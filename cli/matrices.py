@@ -14,8 +14,8 @@ from cli.tables import format_bytes, format_seconds, format_table
 from cli.terminal import Style
 from planner.legs import Bucket
 from planner.matrices import TO, MatrixPlan, plan_matrices
-from planner.model import SpecPlan, step_tensor
 from planner.owners import DEFAULT_FLOPS_PER_SECOND, PLACEMENTS
+from planner.spec_plan import SpecPlan, step_tensor
 
 OPTIMIZERS = ("adamw", "came", "adafactor", "muon")
 

@@ -29,7 +29,7 @@ from cli.summary import TensorGroup, largest_first
 from cli.tables import format_bytes, format_seconds
 from planner import COMMUNICATING_OPS, Plan, Step
 from planner.messages import MessageSummary, step_messages
-from planner.model import SpecPlan, TensorPlans
+from planner.spec_plan import SpecPlan, TensorPlans
 from shardlang import Layout
 from shardlang.dtypes import itemsize
 

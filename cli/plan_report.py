@@ -16,7 +16,7 @@ from cli.terminal import Style
 from planner import COMMUNICATING_OPS, CostModel, Plan, Step
 from planner.errors import PlanBudgetError, PlanError
 from planner.messages import step_messages
-from planner.model import SpecPlan, TensorPlans
+from planner.spec_plan import SpecPlan, TensorPlans
 from shardlang import Layout, Mesh
 from shardlang.spec import STATE_DEFAULT
 

@@ -10,14 +10,14 @@ from typing import Any, TextIO
 import attrs
 
 from cli.terminal import Progress
-from planner.model import SpecPlan, TensorPlans, plan_spec
+from planner.spec_plan import SpecPlan, TensorPlans, plan_spec
 from shardlang import Spec, TensorSpec
 
 
 def plan_spec_with_progress(
     spec: Spec, stream: TextIO, *, tensors: Sequence[TensorSpec] | None = None, **options: Any
 ) -> SpecPlan:
-    """:func:`planner.model.plan_spec` (``options`` are its keywords), with progress on a terminal."""
+    """:func:`planner.spec_plan.plan_spec` (``options`` are its keywords), with progress on a terminal."""
     chosen = spec.tensors if tensors is None else tuple(tensors)
     progress = Progress("planning", len(chosen), stream)
     try:

@@ -4,12 +4,12 @@ under a cost model.
 It knows the language (``shardlang``) and nothing of torch.distributed.
 """
 
-from planner.choice import plan
+from planner.cheapest import plan
 from planner.cost import DEFAULT_ALPHA, DEFAULT_BANDWIDTH, PRICED_OPS, CostModel, OpCost, Regime
 from planner.errors import PlanBudgetError, PlanError
 from planner.holdings import receive_lower_bound
 from planner.p2p import point_to_point_plan
-from planner.records import BASELINE_OPS, COMMUNICATING_OPS, OPS, Plan, Step, Transfer
+from planner.plans import BASELINE_OPS, COMMUNICATING_OPS, OPS, Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, collective_plan
 
 __all__ = [

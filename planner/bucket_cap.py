@@ -14,7 +14,7 @@ A cap in use is *far* from the model's (:func:`far_from`) where the step under i
 :data:`SLOWER` times the model cap's time (too small: latency), or its largest bucket buffer is
 more than :data:`LARGER` times the model cap's and at least :data:`FLOOR` bytes larger (too
 large: memory for at most 5% of the time). ``shardlang plan`` and ``shardlang suggest`` warn
-so; ``--bucket-bytes auto`` (``bucket_bytes=AUTO`` in :func:`planner.model.plan_spec`,
+so; ``--bucket-bytes auto`` (``bucket_bytes=AUTO`` in :func:`planner.spec_plan.plan_spec`,
 :func:`plan_step_with_model_cap` for a step plan) takes the model's cap.
 """
 

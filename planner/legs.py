@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 
 from planner.cost import CostModel, collective_rounds
-from planner.records import Plan
+from planner.plans import Plan
 from shardlang.errors import SourcePosition
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh, StridedRanks

@@ -40,7 +40,7 @@ from typing import Any
 
 import attrs
 
-from planner.choice import plan as plan_pair
+from planner.cheapest import plan as plan_pair
 from planner.cost import CostModel
 from planner.errors import PlanError
 from planner.legs import (

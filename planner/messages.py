@@ -12,7 +12,7 @@ from collections import Counter
 
 import attrs
 
-from planner.records import Step
+from planner.plans import Step
 from shardlang.dtypes import itemsize
 
 

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from planner.choice import plan
+from planner.cheapest import plan
 from planner.cost import CostModel
-from planner.records import Plan
+from planner.plans import Plan
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 

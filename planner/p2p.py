@@ -48,7 +48,7 @@ from planner.copies import exchange_copy_elements
 from planner.cost import COPY, DEFAULT_COST, STEP, CostModel
 from planner.errors import PlanError
 from planner.holdings import blocks_of
-from planner.records import Plan, Step, Transfer
+from planner.plans import Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, budget_error, check_budget, check_request
 from planner.units import integer_op_rates
 from shardlang.box import Box
@@ -264,7 +264,7 @@ def point_to_point_plan(
     bound), each from one holder, senders balanced as the module docstring says.
 
     ``planner.plan`` chooses between this, collectives and mixes; this is the plain step. Its
-    budget (``planner.choice``): one state per rank of both meshes, then one per message; a
+    budget (``planner.cheapest``): one state per rank of both meshes, then one per message; a
     :class:`PlanBudgetError` past ``max_states``.
     """
     cost = cost or DEFAULT_COST

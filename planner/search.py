@@ -31,7 +31,7 @@ import attrs
 from planner.bound import LowerBound, Terms, cheapest_rates
 from planner.cost import COPY, DEFAULT_COST, LOCAL_OPS, STEP, CostModel, large_key, priced_as
 from planner.errors import PlanBudgetError, PlanError
-from planner.records import Plan, Step
+from planner.plans import Plan, Step
 from planner.space import Fields, PackedMove, Space, pruning, roles_of
 from planner.units import integer_op_rates
 from shardlang.dtypes import itemsize as dtype_itemsize

@@ -69,11 +69,11 @@ from collections.abc import Sequence
 import attrs
 
 from planner.bucket_cap import AUTO, UNCAPPED, BucketCap, Priced, choose_cap
-from planner.choice import plan as plan_pair
+from planner.cheapest import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
 from planner.legs import AFTER, BEFORE, DEFAULT_BUCKET_BYTES, STAGES, Hop, Leg, bucket_stage, without_axis
-from planner.model import cost_for, step_tensor
+from planner.spec_plan import cost_for, step_tensor
 from planner.step import plan_step
 from shardlang.dtypes import itemsize
 from shardlang.errors import ShardlangError

@@ -29,7 +29,7 @@ from planner.fit import (
     shared_slope_p_value,
     spearman,
 )
-from planner.model import plan_spec
+from planner.spec_plan import plan_spec
 from runtime.measure.calibrate import SWEEP_BYTES
 from shardlang import Layout, Mesh, parse_layout, parse_spec
 from tests.test_planner_optimal import Reference, calibrated_looking, random_case, reference_for

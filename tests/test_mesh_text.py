@@ -165,7 +165,7 @@ def test_a_cross_mesh_request_over_many_axes_is_refused_within_its_budget() -> N
 def test_a_flat_step_plan_names_its_groups_by_their_ends_in_json_and_reads_back() -> None:
     import json
 
-    from planner.model import plan_spec
+    from planner.spec_plan import plan_spec
     from planner.step import StepPlan
 
     spec = parse_spec(

@@ -355,7 +355,7 @@ def test_the_optimizer_plans_under_the_cost_model_it_is_given() -> None:
     """``cost=``: the step plan the optimizer runs is the one ``plan_spec(spec, cost=...)``
     shows; here a dear reduce_scatter makes it all-reduce the gradient instead."""
     from planner import CostModel
-    from planner.model import plan_spec
+    from planner.spec_plan import plan_spec
 
     spec = parse_spec(
         "mesh world = [dp=2, tp=2]  bandwidth [25e9, 300e9]  latency [10us, 2us]\n"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import planner
-from planner.records import Plan
+from planner.plans import Plan
 from runtime import recording, reshard, torch_dtype
 from runtime.testing import run_ranks
 from shardlang import parse_layout

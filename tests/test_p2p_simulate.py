@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner
-from planner.records import Plan, Step, Transfer
+from planner.plans import Plan, Step, Transfer
 from runtime import ReshardError, shard, simulate, torch_dtype, unshard
 from runtime.comm.exchange import compile_exchange
 from runtime.execution.program import bytes_sent, compile_plan

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import planner
-from planner.records import Plan, Step, Transfer
+from planner.plans import Plan, Step, Transfer
 from shardlang import Layout, parse_layout
 from shardlang.dtypes import ITEMSIZE
 

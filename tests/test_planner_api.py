@@ -13,7 +13,7 @@ import pytest
 
 import planner
 from planner import search
-from planner.model import plan_spec
+from planner.spec_plan import plan_spec
 from shardlang import Layout, Mesh, ShardlangError, parse_layout, parse_spec
 from tests.conftest import REPO
 from tests.test_planner_budget import Searches

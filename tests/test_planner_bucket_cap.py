@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from planner.bucket_cap import AUTO, BucketCap, far_from, step_bucket_cap
-from planner.model import plan_spec
+from planner.spec_plan import plan_spec
 from shardlang import parse_spec
 from tests.test_cli import no_traceback, run
 

@@ -9,7 +9,7 @@ import pytest
 
 import planner
 from cli.main import main
-from planner import choice, search
+from planner import cheapest, search
 from shardlang import Mesh, parse_layout
 from shardlang.mesh import RowMajorRanks
 
@@ -43,13 +43,13 @@ class Searches:
     def cold(self) -> None:
         """Forget every plan (the memos cleared) and every count."""
         self.memo.cache_clear()
-        choice._cheapest.cache_clear()
+        cheapest._cheapest.cache_clear()
         self.states.clear()
 
     def within(self, max_states: int = planner.DEFAULT_MAX_STATES) -> bool:
         """Whether one request's searches kept to its budget: none generated more than one
         state past ``max_states``, and all together at most one search's worth more than it
-        (planner.choice: each leg charges what it generated, and the request ends once the
+        (planner.cheapest: each leg charges what it generated, and the request ends once the
         charges pass the budget)."""
         return all(n <= max_states + 1 for n in self.states) and sum(self.states) <= 2 * max_states + 1
 
@@ -206,7 +206,7 @@ def test_check_refuses_the_eleven_axis_spec_within_the_budget(tmp_path, searches
 
 
 def test_a_step_plan_keeps_the_budget_error_and_takes_the_budget(searches: Searches) -> None:
-    from planner.model import plan_spec
+    from planner.spec_plan import plan_spec
     from shardlang import parse_spec
 
     spec = parse_spec(

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import planner
-from planner import choice
+from planner import cheapest
 from planner.holdings import Blocks
 from planner.p2p import point_to_point_plan
-from planner.records import Plan
+from planner.plans import Plan
 from planner.search import collective_plan
 from shardlang import Layout, Mesh, parse_layout
 from shardlang.errors import ShardlangError
@@ -414,7 +414,7 @@ def test_planning_is_deterministic_and_memoized():
     src, dst = L("R,R | P0 over mesh[2,2]"), L("S0,R over mesh[3] ranks [5,1,2]")
     first = planner.plan(src, dst, (37, 24))
     assert planner.plan(parse_layout(str(src)), parse_layout(str(dst)), [37, 24]) is first
-    choice._cheapest.cache_clear()
+    cheapest._cheapest.cache_clear()
     again = planner.plan(src, dst, (37, 24))
     assert again == first and again is not first
 
@@ -432,7 +432,7 @@ def test_max_local_bytes_bounds_every_state_of_a_mixed_plan():
 
 
 def test_the_flag_reaches_whole_spec_planning():
-    from planner.model import plan_spec
+    from planner.spec_plan import plan_spec
     from shardlang import parse_spec
 
     spec = parse_spec(

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.model import plan_spec
+from planner.spec_plan import plan_spec
 from shardlang import Layout, SpecError, format_spec, parse_layout, parse_spec
 from shardlang.errors import ParseError
 from tests.test_language import layouts, meshes

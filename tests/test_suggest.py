@@ -20,7 +20,7 @@ from cli.main import main
 from planner import CostModel, plan
 from planner.cost import collective_rounds
 from planner.knapsack import suggest, suggest_best
-from planner.model import plan_spec
+from planner.spec_plan import plan_spec
 from planner.suggest import SuggestError, build_problems, state_layouts
 from runtime.optim.came import came_state_shapes
 from runtime.optim.shards import StateShard

@@ -17,7 +17,7 @@ from cli.main import main
 from planner import CostModel, knapsack, plan
 from planner.cost import collective_rounds
 from planner.knapsack import suggest, suggest_best
-from planner.model import plan_spec
+from planner.spec_plan import plan_spec
 from planner.suggest import build_problems, infer_data_parallel
 from shardlang import load_spec, parse_spec
 from shardlang.dtypes import itemsize

@@ -1,6 +1,6 @@
 """A mkdocs hook: the docstrings' reST cross-reference roles shown as plain code on the site.
 
-The code's docstrings write ``:class:`PlanError``` and ``:func:`~planner.model.plan_spec```
+The code's docstrings write ``:class:`PlanError``` and ``:func:`~planner.spec_plan.plan_spec```
 for Sphinx; mkdocstrings renders docstrings as markdown, where the role stays as literal text
 before the code span (":class:PlanError"). Rewriting every docstring would touch files across
 the project for the site's sake alone, so the roles are dropped from the rendered pages instead,

@@ -1,6 +1,6 @@
 """One rank's part in a point-to-point step: what it sends, receives and copies, per peer.
 
-A ``point_to_point`` step (``planner.records.Step``) lists its messages as transfers of boxes of
+A ``point_to_point`` step (``planner.plans.Step``) lists its messages as transfers of boxes of
 the global tensor. For one rank they become: per peer it sends to, the boxes relative to its
 source piece; per peer it receives from, the boxes relative to its target piece; and the
 boxes it copies from its own source piece to its own target piece (never sent).
@@ -25,7 +25,7 @@ from collections import defaultdict
 import attrs
 import torch
 
-from planner.records import Plan, Step, Transfer
+from planner.plans import Plan, Step, Transfer
 from runtime.errors import ReshardError
 from runtime.memory.packing import region
 from shardlang.box import Box

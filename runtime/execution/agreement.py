@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from planner.records import Plan
+from planner.plans import Plan
 from runtime.comm.collectives import collective
 
 

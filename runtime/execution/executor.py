@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import planner
-from planner.records import Plan
+from planner.plans import Plan
 from runtime.comm.collectives import default_device, timeout_of
 from runtime.comm.exchange import RankExchange
 from runtime.comm.groups import axis_group, ranks_group

@@ -26,7 +26,7 @@ import math
 import attrs
 import torch
 
-from planner.records import Plan, Step
+from planner.plans import Plan, Step
 from runtime.comm.exchange import RankExchange, compile_exchange
 from runtime.comm.groups import axis_ranks
 from runtime.errors import ReshardError

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from planner.records import Plan
+from planner.plans import Plan
 from runtime.comm.exchange import RankExchange
 from runtime.errors import ReshardError
 from runtime.execution.program import CollectiveMove, compile_plan

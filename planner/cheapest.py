@@ -49,7 +49,7 @@ import attrs
 from planner.cost import COPY, DEFAULT_COST, STEP, CostModel, collective_rounds, priced_as
 from planner.errors import PlanBudgetError, PlanError
 from planner.p2p import Links, PlannedExchange, message_count, time_lower_bound
-from planner.records import Plan
+from planner.plans import Plan
 from planner.search import (
     DEFAULT_MAX_STATES,
     budget_error,

@@ -19,7 +19,7 @@ from planner.bucket_cap import AUTO, plan_step_with_model_cap
 from planner.cost import CostModel
 from planner.errors import PlanError
 from planner.legs import Leg, StepTensor
-from planner.records import Plan
+from planner.plans import Plan
 from planner.search import DEFAULT_MAX_STATES
 from planner.step import StepPlan, plan_step
 from shardlang.errors import ShardlangError
