@@ -10,7 +10,7 @@ glibc's mmap threshold is fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so that t
 back to the system and leave the resident set, as a long job's would after the allocator's
 dynamic threshold settles.
 
-The model is ``bench_step.py``'s language model at width 512, 6 ``nn.TransformerEncoderLayer``
+The model is ``bench_model.py``'s language model at width 512, 6 ``nn.TransformerEncoderLayer``
 blocks of feed-forward 2048 (19.4M f32 parameters, 74 MiB), batch 4 x 64 tokens per rank; lr 1e-3,
 weight decay 0.01 everywhere. Per rank and variant:
 
@@ -108,7 +108,7 @@ def worker(variant: str, rank: int, world: int, port: int, steps: int, bucket_by
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from bench_step import ADAMW, CAME, VOCAB, LanguageModel, spec_for, tokens_for
+    from bench_model import ADAMW, CAME, VOCAB, LanguageModel, spec_for, tokens_for
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer

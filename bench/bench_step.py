@@ -77,15 +77,13 @@ count for all models (at least 4).
 from __future__ import annotations
 
 import argparse
-import bisect
 import copy
 import datetime
-import itertools
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +95,8 @@ import results as bench_results
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_model import ADAMW, CAME, MODELS, VOCAB, build_model, spec_for, tokens_for
+from step_profile import profile_counts
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -109,16 +109,10 @@ import runtime
 from runtime.comm.collectives import collective
 from runtime.optim import ShardedAdamW, ShardedCAME
 from runtime.testing import run_ranks
-from shardlang import parse_layout
-from shardlang.spec import Layouts
 
-VOCAB, BATCH, SEQ, HEADS = 512, 4, 64, 4
-MODELS = {"small": (128, 4, 512), "medium": (256, 8, 1024)}  # width, layers, feed-forward
 DEFAULT_STEPS = {"small": 30, "medium": 12}
 FIRST_TIMED = 4  # steps are numbered from 1; steps 2 and 3 are profiled
 PROFILED = (2, 3)
-ADAMW = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
-CAME = {"lr": 1e-3, "weight_decay": 0.01}
 LOSS_RTOL = 1e-3
 VARIANTS = {
     "ddp": "DDP + AdamW(foreach)",
@@ -138,50 +132,6 @@ STEP_ALONE = {
     "came-flat": "ShardedCAME, flat ZeRO",
 }
 MiB = 2**20
-
-
-class LanguageModel(nn.Module):
-    """Embedding, causal ``nn.TransformerEncoderLayer`` blocks, a linear head (no bias)."""
-
-    def __init__(self, width: int, layers: int, feed_forward: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, width)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, HEADS, feed_forward, dropout=0.0, batch_first=True) for _ in range(layers)
-        )
-        self.head = nn.Linear(width, VOCAB, bias=False)
-        # A plain attribute, not a buffer: DDP would broadcast a buffer every forward.
-        self.mask = nn.Transformer.generate_square_subsequent_mask(SEQ)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, src_mask=self.mask, is_causal=True)
-        return self.head(x)
-
-
-def build_model(name: str) -> LanguageModel:
-    torch.manual_seed(0)
-    return LanguageModel(*MODELS[name])
-
-
-def tokens_for(step: int, rank: int) -> torch.Tensor:
-    """This rank's batch at ``step``: inputs are ``[:, :-1]``, targets ``[:, 1:]``."""
-    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step * 1000 + rank))
-
-
-def spec_for(model: nn.Module, world: int, matrix_state: str, vector_state: str) -> dict[str, Layouts]:
-    """Replicated parameters, gradients pending a mean over dp, the given state layouts."""
-    mesh = f"mesh[dp={world}]"
-    spec = {}
-    for name, p in model.named_parameters():
-        dims, state = ("R,R", matrix_state) if p.dim() == 2 else ("R", vector_state)
-        spec[name] = Layouts(
-            param=parse_layout(f"{dims} over {mesh}"),
-            grad=parse_layout(f"{dims} | P(dp):avg over {mesh}"),
-            states=(("", parse_layout(f"{state} over {mesh}")),),
-        )
-    return spec
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -390,62 +340,6 @@ def collectives_alone(numel: int, world: int) -> dict[str, list[float]]:
             collective(op, send, world, reduce_op, group, timeout, out=out, workspace=workspace)
             times[op].append(time.perf_counter() - started)
     return times
-
-
-def walk(nodes: Iterable[Any]) -> Iterator[Any]:
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        yield node
-        stack.extend(node.children)
-
-
-MESSAGES = ("c10d::send", "c10d::recv_")  # the profiler's names of point-to-point messages
-
-
-def profile_counts(prof: profile, keys: Iterable[str]) -> dict[str, dict[str, int]]:
-    """Per variant, from the profiled steps: c10d collectives (barriers excluded) inside its
-    last training step and its last ``optimizer.step()``, and the allocator's peak above the
-    start of each (allocation events of all threads, in time order)."""
-    from torch._C._profiler import _EventType
-
-    windows: dict[str, list[tuple[int, int]]] = {}
-    events: list[tuple[int, bool]] = []  # (start, whether a point-to-point message)
-    allocations: list[tuple[int, int]] = []
-    for e in walk(prof.profiler.kineto_results.experimental_event_tree()):
-        if e.typed[0] == _EventType.Allocation:
-            if e.typed[1].device.type == "cpu":
-                allocations.append((e.start_time_ns, e.typed[1].alloc_size))
-        elif e.name.startswith("bench|"):
-            windows.setdefault(e.name, []).append((e.start_time_ns, e.end_time_ns))
-        elif e.name.startswith("c10d::") and "barrier" not in e.name:
-            events.append((e.start_time_ns, e.name in MESSAGES))
-    events.sort()
-    # Messages posted one after another are one collective (runtime.comm.collectives: gloo's all_gather).
-    collectives = [t for k, (t, message) in enumerate(events) if not (message and k and events[k - 1][1])]
-    allocations.sort()
-    times = [t for t, _ in allocations]
-    held = list(itertools.accumulate(size for _, size in allocations))
-
-    def count(start: int, end: int) -> int:
-        return bisect.bisect_right(collectives, end) - bisect.bisect_left(collectives, start)
-
-    def peak(start: int, end: int) -> int:
-        i, j = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
-        base = held[i - 1] if i else 0
-        return max([base, *held[i:j]]) - base
-
-    out = {}
-    for key in keys:
-        train = max(windows.get(f"bench|{key}|train", [(0, 0)]))
-        step = max(windows.get(f"bench|{key}|step", [(0, 0)]))
-        out[key] = {
-            "collectives_train": count(*train),
-            "collectives_step": count(*step),
-            "peak_train": peak(*train),
-            "peak_step": peak(*step),
-        }
-    return out
 
 
 def interleaved(variants: list[Variant], steps: int) -> dict[str, dict[str, int]]:
