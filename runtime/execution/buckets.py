@@ -379,8 +379,6 @@ class StageRun:
                 targets.append(part)
                 sources.append(blocks)
             # else the input was written where it is sent from (:meth:`places`)
-            walk.x = None  # type: ignore[assignment]  # the piece is in the buffer now
-            self.packed.add(leg)
         if targets:
             torch._foreach_copy_(targets, sources)
         device_mesh = self._device_meshes.get(plan.legs[first_leg].tensor)
@@ -398,7 +396,12 @@ class StageRun:
                 waited_at_once=bucket.bucket.launch == IN_STEP,  # runtime.comm.collectives: waited within step()
             )
         except (DistributedError, ReshardError) as e:
+            # The members keep their pieces: the bucket is started again by the next feed() or
+            # finish(), so that the peers' collective is matched (docs/design/failures.md).
             raise type(e)(f"{self._bucket_text(bucket)} failed: {e.message}") from e
+        for leg, *_ in bucket.members:
+            self._walks[leg].x = None  # type: ignore[assignment]  # the piece is in the buffer now
+            self.packed.add(leg)
         self._in_flight.append((bucket, pending, started))
 
     def _wait_oldest(self, deadline: float | None) -> None:
