@@ -29,10 +29,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.legs import AFTER, DURING_BACKWARD, IN_STEP, Bucket
-from runtime.comm.collectives import PendingCollective
 from runtime.errors import DistributedError, ReshardError
 from runtime.execution.program import CollectiveMove, bytes_sent
-from runtime.execution.run import start_move
+from runtime.execution.run import LegWalk, Started, StartMove, start_move
 from runtime.execution.step_program import IN_FLIGHT, BucketProgram, LegProgram, StepProgram
 from runtime.measure import stats
 from runtime.memory.buffers import Scratch
@@ -41,75 +40,18 @@ from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 
 
-class _Walk:
-    """Where one leg is: its current piece ``x``, and ``i``, the entry of its schedule
-    (:class:`LegProgram`) it runs next; ``viewed``: that entry's view is applied already (the
-    walk waits there for its bucket). ``unpacking``: the leg's last move, a gather whose result
-    ``x`` still holds as the blocks it received (a leg delivered by :meth:`StageRun.write`); the
-    walk is then at its end, any views after the gather left to :meth:`StageRun.write`, which
-    unpacks into its target viewed as the gather's result.
-
-    E.g. a ZeRO-2 gradient leg ``R,R | P(dp) -> S(dp),R`` has one entry, its reduce_scatter:
-    the walk starts at ``i = 0``, its bucket packs ``x``, and the bucket's result makes ``x`` the
-    reduced piece and ``i = 1``, the end."""
-
-    __slots__ = ("i", "program", "unpacking", "viewed", "x")
-
-    def __init__(self, program: LegProgram, x: torch.Tensor, rank: int) -> None:
-        self.program, self.x, self.i, self.viewed = program, x, 0, False
-        self.unpacking: CollectiveMove | None = None
-        if x.shape != program.source_shape or x.dtype != program.dtype:
-            leg = program.leg
-            source = leg.hops[0].plan
-            raise ReshardError(
-                f"{leg.what} of tensor '{leg.tensor}': rank {rank} holds a piece of {dtype_name(x.dtype)} "
-                f"{list(x.shape)}, but '{source.src}' gives it {leg.dtype} {list(program.source_shape)} "
-                f"of {list(source.shape)}"
-            )
-
-    def advance(self, until: int | None = None) -> None:
-        """Run the local steps up to the schedule's entry ``until``, a communicating step, and
-        apply its view (to the end when ``None``)."""
-        schedule = self.program.schedule
-        stop = len(schedule) if until is None else until
-        while self.i < stop:
-            view, move, local = schedule[self.i]
-            if view is not None and not self.viewed:
-                self.x = self.x.reshape(view)
-            if not local:
-                leg = self.program.leg
-                raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' reached a collective out of order")
-            if move is not None:
-                self.x = move.local(self.x)  # type: ignore[union-attr]  # local: a CollectiveMove
-            self.i, self.viewed = self.i + 1, False
-        if until is not None:
-            if self.i != until:
-                leg = self.program.leg
-                raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' has no step at entry {until}")
-            view = schedule[until][0]
-            if view is not None and not self.viewed:
-                self.x, self.viewed = self.x.reshape(view), True
-
-    def skip_to(self, until: int | None, x: torch.Tensor) -> None:
-        """Where :meth:`advance` from the walk's start would leave it, given the piece ``x``
-        that it reached (from an earlier step of the same input: :meth:`StageRun.feed`'s
-        ``stable`` legs)."""
-        schedule = self.program.schedule
-        self.x = x
-        if until is None:
-            self.i, self.viewed = len(schedule), False
-        else:
-            self.i, self.viewed = until, schedule[until][0] is not None
-
-    def passed(self) -> None:
-        """The communicating step the walk waited at has run: go on to the next entry."""
-        self.i, self.viewed = self.i + 1, False
-
-    def unpack_later(self, received: torch.Tensor, move: CollectiveMove) -> None:
-        """The leg's last move, a gather, has run: keep its blocks (``received``) for
-        :meth:`StageRun.write` and go to the end, past any views after it."""
-        self.x, self.unpacking = received, move
-        self.i, self.viewed = len(self.program.schedule), False
+def _walk(program: LegProgram, x: torch.Tensor, rank: int) -> LegWalk:
+    """The walk of one leg (``runtime.execution.run.LegWalk``) from the rank's piece ``x``,
+    checked against the piece the leg starts from."""
+    leg = program.leg
+    if x.shape != program.source_shape or x.dtype != program.dtype:
+        source = leg.hops[0].plan
+        raise ReshardError(
+            f"{leg.what} of tensor '{leg.tensor}': rank {rank} holds a piece of {dtype_name(x.dtype)} "
+            f"{list(x.shape)}, but '{source.src}' gives it {leg.dtype} {list(program.source_shape)} "
+            f"of {list(source.shape)}"
+        )
+    return LegWalk(program.schedule, x, lambda: f"{leg.what} of tensor '{leg.tensor}'")
 
 
 def run_stage(
@@ -120,11 +62,12 @@ def run_stage(
     device_meshes: Mapping[str, DeviceMesh | None],
     timeout: datetime.timedelta,
     buffers: Scratch | None = None,
+    start: StartMove | None = None,
 ) -> dict[int, torch.Tensor]:
     """Every leg of ``stage`` (keys of ``inputs``: indices into the plan's legs) run from its
     input to its piece in the leg's target layout (:class:`StageRun`, given every input at
     once: nothing is sent before every input has been checked)."""
-    run = StageRun(program, stage, device_meshes=device_meshes, timeout=timeout, buffers=buffers)
+    run = StageRun(program, stage, device_meshes=device_meshes, timeout=timeout, buffers=buffers, start=start)
     try:
         run.feed(inputs)
         return run.finish()
@@ -153,6 +96,9 @@ class StageRun:
     starts: a program compiled with ``write_through`` lets the buckets after the update share
     one result region, so the stage holds one bucket's results, not all of them.
 
+    ``start`` starts a bucket's collective: ``runtime.execution.run.start_move`` (torch.distributed)
+    unless given; the simulator (``runtime.execution.simulate.simulate_step``) gives its emulation.
+
     Raises :class:`DistributedError` naming the bucket when its collective fails, and
     :class:`ReshardError` for an input of the wrong shape or dtype."""
 
@@ -167,8 +113,9 @@ class StageRun:
         deliver: frozenset[int] = frozenset(),
         stable: frozenset[int] = frozenset(),
         write_to: Mapping[int, torch.Tensor] | None = None,
+        start: StartMove | None = None,
     ) -> None:
-        self.program, self.stage, self.timeout = program, stage, timeout
+        self.program, self.stage, self.timeout, self._start_move = program, stage, timeout, start
         self._write_to = dict(write_to or {})
         if program.shared_after and stage == AFTER and buffers is not None and not write_to:
             raise ReshardError("a step program compiled to write through is run without write_to")
@@ -177,8 +124,8 @@ class StageRun:
         self._stable = stable if buffers is not None else frozenset()
         self._buckets = [b for b in program.buckets if b.bucket.stage == stage]
         self._next = 0  # the next bucket to start
-        self._walks: dict[int, _Walk] = {}
-        self._in_flight: list[tuple[BucketProgram, PendingCollective, float]] = []
+        self._walks: dict[int, LegWalk] = {}
+        self._in_flight: list[tuple[BucketProgram, Started, float]] = []
         self.waited = 0.0  # seconds spent blocked waiting for collectives
         # Legs whose input a started bucket has packed: the stage reads it no more.
         self.packed: set[int] = set()
@@ -195,7 +142,7 @@ class StageRun:
 
     def feed(self, inputs: Mapping[int, torch.Tensor]) -> None:
         """Give legs their inputs (each once); starts every bucket that became ready."""
-        walks = {i: _Walk(self.program.legs[i], x, self.program.rank) for i, x in inputs.items()}
+        walks = {i: _walk(self.program.legs[i], x, self.program.rank) for i, x in inputs.items()}
         self._walks.update(walks)
         while self._next < len(self._buckets):
             bucket = self._buckets[self._next]
@@ -222,7 +169,7 @@ class StageRun:
             self._write_to.clear()
         out = {}
         for i, walk in self._walks.items():
-            if walk.i < len(walk.program.schedule):  # most legs are at their end already
+            if walk.i < len(walk.schedule):  # most legs are at their end already
                 self._advance(i, walk, None)
             if i not in self._deliver:
                 out[i] = walk.x
@@ -386,7 +333,7 @@ class StageRun:
             device_mesh = None  # a flat group's mesh (planner.legs.flat_group): a group of its own
         started = time.perf_counter()
         try:
-            pending = start_move(
+            pending = (self._start_move or start_move)(
                 first,
                 send.view(-1),
                 device_mesh=device_mesh,
@@ -410,7 +357,7 @@ class StageRun:
             self._finish(bucket, pending, started, deadline)
 
     def _finish(
-        self, bucket: BucketProgram, pending: PendingCollective, started: float, deadline: float | None
+        self, bucket: BucketProgram, pending: Started, started: float, deadline: float | None
     ) -> None:
         """Wait for the bucket's collective and hand each member its result."""
         left = self.timeout.total_seconds() if deadline is None else max(deadline - time.monotonic(), 0.001)
@@ -444,20 +391,18 @@ class StageRun:
         for (leg, move, _, _), final, part in zip(bucket.members, bucket.final, mine, strict=True):
             walk = self._walks[leg]
             if not rows:
-                walk.x = part  # already the piece after the step (a view)
+                walk.passed(part)  # already the piece after the step (a view)
             elif final and leg in self._deliver:
                 walk.unpack_later(part, move)  # unpacked by write(), into where it is kept
-                continue
             else:
-                walk.x = move.finish(part)
-            walk.passed()
+                walk.passed(move.finish(part))
         if self._write_to:  # written out before the next bucket reuses the region (write_through)
             # Only the legs this bucket ends: a leg of two gathers is written after its second.
             ended = [leg for (leg, *_), final in zip(bucket.members, bucket.final, strict=True) if final]
             done = {leg: self._write_to.pop(leg) for leg in ended if leg in self._write_to}
             self._write(done)
 
-    def _advance(self, leg: int, walk: _Walk, until: int | None) -> None:
+    def _advance(self, leg: int, walk: LegWalk, until: int | None) -> None:
         """``walk.advance(until)``; for a stable leg at its start, from the pieces an earlier
         step's advance of the same input made."""
         if leg in self._stable and walk.i == 0:
@@ -494,7 +439,7 @@ def _profiled(run: StageRun, bucket: BucketProgram, what: str) -> contextlib.Abs
     return torch.profiler.record_function(f"shardlang {run.stage}: {what} {run._bucket_text(bucket)}")
 
 
-def _advanced_view(walk: _Walk, until: int | None) -> list[torch.Tensor] | None:
+def _advanced_view(walk: LegWalk, until: int | None) -> list[torch.Tensor] | None:
     """``walk.advance(until)``'s piece when it is a view of the walk's input (a reshape of a
     strided input copies), else ``None``."""
     x = walk.x

@@ -24,7 +24,8 @@ posted here.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
+from typing import Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from runtime.comm.collectives import PendingCollective, post_point_to_point, start_collective, wait_point_to_point
 from runtime.comm.exchange import RankExchange
 from runtime.comm.groups import group_for
+from runtime.errors import ReshardError
 from runtime.execution.program import CollectiveMove
 from runtime.memory.buffers import Scratch
 
@@ -44,6 +46,93 @@ Post = (
     | tuple[RankExchange, torch.Tensor | None, torch.Tensor | None]
 )
 Walk = Generator[Post, torch.Tensor | None, torch.Tensor | None]
+
+
+# One entry of a leg's schedule (``runtime.execution.step_program.LegProgram``): the view its hop
+# starts with (on the hop's first step), its move (``None``: a hop of no steps, or a step on a
+# mesh without this rank) and whether that move is local.
+Entry = tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool]
+
+
+class LegWalk:
+    """Where one leg is in its schedule (a tuple of :data:`Entry`): its current piece ``x``, and
+    ``i``, the entry it runs next; ``viewed``: that entry's view is applied already (the walk
+    waits there for its communication). ``unpacking``: the leg's last move, a gather whose result
+    ``x`` still holds as the blocks it received (a leg that ``runtime.execution.buckets``
+    delivers straight into where it is kept); the walk is then at its end, any views after the
+    gather left to its driver. ``label`` names the leg in errors (called only then).
+
+    Every driver walks its legs with it: :func:`walk` (a reshard, the simulator, Muon's
+    point-to-point moves) from one communication to the next, ``runtime.execution.buckets``
+    up to the entries its buckets stop at. E.g. a ZeRO-2 gradient leg ``R,R | P(dp) -> S(dp),R``
+    has one entry, its reduce_scatter: the walk starts at ``i = 0``, its bucket packs ``x``, and
+    the bucket's result makes ``x`` the reduced piece and ``i = 1``, the end."""
+
+    __slots__ = ("i", "label", "schedule", "unpacking", "viewed", "x")
+
+    def __init__(self, schedule: tuple[Entry, ...], x: torch.Tensor | None, label: Callable[[], str]) -> None:
+        self.schedule, self.x, self.label, self.i, self.viewed = schedule, x, label, 0, False
+        self.unpacking: CollectiveMove | None = None
+
+    def advance(self, until: int | None = None) -> None:
+        """Run the local steps up to the schedule's entry ``until``, a communicating step, and
+        apply its view (to the end when ``None``)."""
+        schedule = self.schedule
+        stop = len(schedule) if until is None else until
+        while self.i < stop:
+            view, move, local = schedule[self.i]
+            if view is not None and not self.viewed:
+                self.x = self.x.reshape(view)  # type: ignore[union-attr]
+            if not local:
+                raise ReshardError(f"{self.label()} reached a collective out of order")
+            if move is not None:
+                self.x = move.local(self.x)  # type: ignore[union-attr,arg-type]  # local: a CollectiveMove
+            self.i, self.viewed = self.i + 1, False
+        if until is not None:
+            if self.i != until:
+                raise ReshardError(f"{self.label()} has no step at entry {until}")
+            view = schedule[until][0]
+            if view is not None and not self.viewed:
+                self.x, self.viewed = self.x.reshape(view), True  # type: ignore[union-attr]
+
+    def next_move(self) -> CollectiveMove | RankExchange | None:
+        """Run the local steps up to the next communicating one and return its move (the walk
+        waits there: :meth:`passed`), or ``None`` at the end of the schedule."""
+        schedule, i = self.schedule, self.i
+        while i < len(schedule) and schedule[i][2]:
+            i += 1
+        if i == len(schedule):
+            self.advance()
+            return None
+        self.advance(i)
+        return schedule[i][1]
+
+    def skip_to(self, until: int | None, x: torch.Tensor) -> None:
+        """Where :meth:`advance` from the walk's start would leave it, given the piece ``x``
+        that it reached (from an earlier step of the same input: a driver's kept views)."""
+        schedule = self.schedule
+        self.x = x
+        if until is None:
+            self.i, self.viewed = len(schedule), False
+        else:
+            self.i, self.viewed = until, schedule[until][0] is not None
+
+    def passed(self, x: torch.Tensor | None) -> None:
+        """The communicating step the walk waited at has run and left the piece ``x``: go on to
+        the next entry."""
+        self.x, self.i, self.viewed = x, self.i + 1, False
+
+    def unpack_later(self, received: torch.Tensor, move: CollectiveMove) -> None:
+        """The leg's last move, a gather, has run: keep its blocks (``received``) for the driver
+        to unpack where the piece is kept, and go to the end, past any views after it."""
+        self.x, self.unpacking = received, move
+        self.i, self.viewed = len(self.schedule), False
+
+
+def schedule_of(moves: Sequence[CollectiveMove | RankExchange | None]) -> tuple[Entry, ...]:
+    """The schedule of one plan's moves (no views): ``None`` (a step without this rank) and the
+    local steps are local."""
+    return tuple((None, m, m is None or (isinstance(m, CollectiveMove) and m.is_local)) for m in moves)
 
 
 def walk(
@@ -59,31 +148,35 @@ def walk(
     are packed into ``scratch`` when given (kept by the caller between calls), with gloo's
     reduce_scatter workspace. ``x`` is never written: an all_reduce copies it first, later
     steps reduce their own buffers in place."""
+    leg = LegWalk(schedule_of(moves), x, _a_plan)
     writable = False
-    for move in moves:
-        if move is None:
-            continue
+    while (move := leg.next_move()) is not None:
         if isinstance(move, RankExchange):
             out = None if move.after is None else torch.empty(move.after, dtype=dtype, device=device)
-            yield move, x, out
-            x, writable = out, True
+            yield move, leg.x, out
+            leg.passed(out)
+            writable = True
             continue
-        if move.is_local:
-            x = move.local(x)
-            continue
-        send = move.send(x, writable=writable, scratch=scratch)
-        x = None  # let the previous intermediate go before the collective allocates
+        assert leg.x is not None  # a collective step runs on a mesh the rank is in
+        send = move.send(leg.x, writable=writable, scratch=scratch)
+        leg.x = None  # let the previous intermediate go before the collective allocates
         workspace = None
         if scratch is not None and move.step.op == "reduce_scatter":
             workspace = scratch.take("blocks", send.numel(), send.dtype, send.device)
         received = yield move, send, workspace
         del send, workspace  # released before the result is assembled
         assert received is not None
-        x, writable = move.finish(received), True
+        leg.passed(move.finish(received))
+        writable = True
+    x = leg.x
     if x is None:
         return None  # a rank outside the target mesh
     # Steps that never communicated return views of ``x``: copy them out.
     return x.contiguous() if writable else x.clone(memory_format=torch.contiguous_format)
+
+
+def _a_plan() -> str:
+    return "the plan's walk"
 
 
 class Exchange:
@@ -141,6 +234,17 @@ class Exchange:
                 offset += part.numel()
         for move, out, buffers in self._placed:
             move.place(out, buffers)
+
+
+class Started(Protocol):
+    """A collective in flight: ``runtime.comm.collectives.PendingCollective``, or the
+    simulator's emulation of one (``runtime.execution.simulate``)."""
+
+    def wait(self, timeout: datetime.timedelta) -> torch.Tensor: ...
+
+
+# How a driver starts a collective move: :func:`start_move`'s signature.
+StartMove = Callable[..., Started]
 
 
 def start_move(

@@ -7,19 +7,32 @@ that wait at it: a collective group by group over its members' send buffers, a p
 step by copying every packed message into its receiver's buffer. A point-to-point step may
 hand the tensor to another mesh: pieces come in keyed by the source mesh's ranks and go out
 keyed by the target mesh's.
+
+:func:`simulate_step` runs a compiled step program (``runtime.execution.step_program``: an
+optimizer step's buckets) the same way: every rank's stage is run by the bucket runner itself
+(``runtime.execution.buckets.StageRun``, on kept buffers of its own), one thread per rank, and
+only the starting of each bucket's collective is replaced: a group's ``k``-th collective meets
+once all its members have posted theirs (as a process group matches them), and each member's
+result is written where the runner asked (its ``out``, in place for an all_reduce).
 """
 
 from __future__ import annotations
 
+import datetime
+import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from planner.plans import Plan
 from runtime.comm.exchange import RankExchange
-from runtime.errors import ReshardError
+from runtime.errors import DistributedError, ReshardError
+from runtime.execution.buckets import run_stage
 from runtime.execution.program import CollectiveMove, compile_plan
 from runtime.execution.run import Exchange, Post, walk
+from runtime.execution.step_program import StepProgram
+from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name, torch_dtype
 from runtime.memory.pieces import check_pieces, reduce_stacked
 
@@ -94,3 +107,132 @@ def _collective(move: CollectiveMove, sends: list[torch.Tensor]) -> list[torch.T
     if op == "all_reduce":
         return [reduced.clone() for _ in range(n)]
     return [block.clone() for block in reduced.view(n, -1)]
+
+
+def simulate_step(
+    programs: Mapping[int, StepProgram],
+    stage: str,
+    inputs: Mapping[int, Mapping[int, torch.Tensor]],
+    *,
+    kept_buffers: bool = True,
+    timeout: float = 30.0,
+) -> dict[int, dict[int, torch.Tensor]]:
+    """Per rank, its legs' pieces after ``stage`` (``planner.legs.BEFORE`` or ``AFTER``) of its
+    step program (``programs``: every rank's, compiled from its own step plan), given per rank
+    its legs' inputs (leg index -> piece, as ``runtime.execution.buckets.run_stage`` takes them).
+    ``kept_buffers``: each rank's buckets use kept buffers laid out as in a step
+    (``runtime.execution.step_program``), else fresh ones. Raises the first rank's error; a
+    collective whose members do not all post theirs within ``timeout`` seconds is a
+    :class:`DistributedError`. No result shares memory with an input or a buffer."""
+    board = _Board()
+    wait = datetime.timedelta(seconds=timeout)
+
+    def run(rank: int) -> dict[int, torch.Tensor]:
+        try:
+            done = run_stage(
+                programs[rank],
+                stage,
+                inputs[rank],
+                device_meshes={},
+                timeout=wait,
+                buffers=Scratch() if kept_buffers else None,
+                start=board.start,
+            )
+        except BaseException:
+            board.fail()  # the peers stop waiting for this rank's collectives
+            raise
+        return {leg: x.clone(memory_format=torch.contiguous_format) for leg, x in done.items()}
+
+    with ThreadPoolExecutor(max_workers=max(len(programs), 1)) as pool:
+        futures = {rank: pool.submit(run, rank) for rank in programs}
+    return {rank: future.result() for rank, future in futures.items()}
+
+
+class _Meeting:
+    """A group's ``k``-th collective: what each member posted (its move, send buffer and the
+    buffer its result goes to), and once every member has, whether it ran (``error``: why not)."""
+
+    __slots__ = ("error", "met", "posts")
+
+    def __init__(self) -> None:
+        self.posts: dict[int, tuple[CollectiveMove, torch.Tensor, torch.Tensor]] = {}
+        self.met = False
+        self.error: str | None = None
+
+    def run(self, members: tuple[int, ...]) -> None:
+        """Emulate the collective over the members' send buffers, into their result buffers."""
+        posts = [self.posts[r] for r in members]
+        first = posts[0][0]
+        kinds = {(move.step.op, move.step.reduce_op, send.numel()) for move, send, _ in posts}
+        if len(kinds) > 1:
+            what = ", ".join(
+                f"rank {r}: {m.step.op} of {x.numel()}" for r, (m, x, _) in zip(members, posts, strict=True)
+            )
+            self.error = f"the ranks {list(members)} posted different collectives ({what})"
+            return
+        for (_, _, received), result in zip(posts, _collective(first, [x.view(-1) for _, x, _ in posts]), strict=True):
+            received.copy_(result.view(-1))
+        self.met = True
+
+
+class _Board:
+    """Where the ranks' threads post their collectives (:meth:`start`, with
+    ``runtime.execution.run.start_move``'s signature); a group's ``k``-th collective is emulated
+    when its last member posts, under the lock, into every member's result buffer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._meetings: dict[tuple[tuple[int, ...], int], _Meeting] = {}
+        self._count: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._failed = False
+
+    def start(
+        self, move: CollectiveMove, send: torch.Tensor, *, out: torch.Tensor | None = None, **_: object
+    ) -> _Posted:
+        rank, members, op = move.members[move.position], move.members, move.step.op
+        if op == "all_reduce":
+            received = send  # reduced in place, as runtime.comm.collectives does
+        elif out is not None:
+            received = out
+        else:
+            size = {"all_gather": move.n * send.numel(), "reduce_scatter": send.numel() // move.n}
+            received = send.new_empty(size.get(op, send.numel()))
+        with self._lock:
+            k = self._count.get((rank, members), 0)
+            self._count[(rank, members)] = k + 1
+            meeting = self._meetings.setdefault((members, k), _Meeting())
+            meeting.posts[rank] = (move, send, received)
+            if len(meeting.posts) == move.n:
+                meeting.run(members)
+                self._lock.notify_all()
+        return _Posted(self, meeting, rank)
+
+    def fail(self) -> None:
+        with self._lock:
+            self._failed = True
+            self._lock.notify_all()
+
+    def wait(self, meeting: _Meeting, rank: int, timeout: datetime.timedelta) -> torch.Tensor:
+        with self._lock:
+            self._lock.wait_for(lambda: meeting.met or meeting.error or self._failed, timeout.total_seconds())
+        if meeting.error is not None:
+            raise DistributedError(meeting.error)
+        move, _, received = meeting.posts[rank]
+        if not meeting.met:
+            why = "another rank failed" if self._failed else f"within {timeout.total_seconds():g} s"
+            raise DistributedError(
+                f"the simulated {move.step.op} over ranks {list(move.members)} was not met by every member ({why})"
+            )
+        return received
+
+
+class _Posted:
+    """One rank's collective on the board (``runtime.execution.run.Started``)."""
+
+    __slots__ = ("_board", "_meeting", "_rank")
+
+    def __init__(self, board: _Board, meeting: _Meeting, rank: int) -> None:
+        self._board, self._meeting, self._rank = board, meeting, rank
+
+    def wait(self, timeout: datetime.timedelta) -> torch.Tensor:
+        return self._board.wait(self._meeting, self._rank, timeout)

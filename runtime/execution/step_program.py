@@ -20,6 +20,7 @@ from planner.step import StepPlan
 from runtime.comm.exchange import RankExchange
 from runtime.errors import ReshardError
 from runtime.execution.program import CollectiveMove, compile_plan
+from runtime.execution.run import Entry
 from runtime.memory.buffers import KeptViews
 from runtime.memory.dtypes import torch_dtype
 
@@ -32,16 +33,16 @@ IN_FLIGHT = 2
 @attrs.frozen(eq=False)
 class LegProgram:
     """A leg as one rank runs it: its moves per hop, and the shape and dtype of the piece it
-    starts from. ``schedule`` is the leg's walk in order (:class:`_Walk`): per step the view its
-    hop starts with (on the hop's first step), its move and whether that is local; a hop of no
-    steps is an entry of its view alone (no move, local). ``positions`` maps (hop, step) to the
+    starts from. ``schedule`` is the leg's walk in order (``runtime.execution.run.LegWalk``): per
+    step the view its hop starts with (on the hop's first step), its move and whether that is
+    local; a hop of no steps is an entry of its view alone (no move, local). ``positions`` maps (hop, step) to the
     step's entry."""
 
     leg: Leg
     moves: tuple[tuple[CollectiveMove | RankExchange | None, ...], ...]
     source_shape: tuple[int, ...]
     dtype: torch.dtype  # the leg's, as torch names it
-    schedule: tuple[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool], ...]
+    schedule: tuple[Entry, ...]
     positions: Mapping[tuple[int, int], int]
 
 
@@ -146,9 +147,9 @@ def _one_bucket_each(legs: Sequence[LegProgram], stage: str) -> bool:
 
 def _schedule(
     leg: Leg, moves: Sequence[Sequence[CollectiveMove | RankExchange | None]]
-) -> tuple[tuple[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool], ...], dict]:
+) -> tuple[tuple[Entry, ...], dict[tuple[int, int], int]]:
     """A leg's ``schedule`` and ``positions`` (:class:`LegProgram`)."""
-    entries: list[tuple[tuple[int, ...] | None, CollectiveMove | RankExchange | None, bool]] = []
+    entries: list[Entry] = []
     positions: dict[tuple[int, int], int] = {}
     for h, (hop, hop_moves) in enumerate(zip(leg.hops, moves, strict=True)):
         if not hop_moves:
