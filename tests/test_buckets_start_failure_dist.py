@@ -18,38 +18,9 @@ import pytest
 import torch
 
 from runtime.testing import attempt, run_ranks
+from tests.test_step_agreement_dist import _backward, _params, _spec
 
-MESH = "mesh[dp=4]"
-SHAPES = {"w": (8, 6), "b": (6,)}
 TIMEOUT = 30
-
-
-def _spec() -> dict:
-    from shardlang import parse_layout
-    from shardlang.spec import Layouts, TensorSpec
-
-    def layouts(n: int) -> Layouts:
-        dims = ",".join(["R"] * n)
-        return Layouts(
-            param=parse_layout(f"{dims} over {MESH}"),
-            grad=parse_layout(f"{dims} | P(dp):avg over {MESH}"),
-            states=(("", parse_layout(f"{'S(dp),R' if n == 2 else 'S(dp)'} over {MESH}")),),
-        )
-
-    return {n: TensorSpec(name=n, dtype="f32", shape=s, layouts=layouts(len(s))) for n, s in SHAPES.items()}
-
-
-def _params() -> dict[str, torch.nn.Parameter]:
-    generator = torch.Generator().manual_seed(0)
-    return {n: torch.nn.Parameter(torch.randn(s, generator=generator)) for n, s in SHAPES.items()}
-
-
-def _batch(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-
-
-def _backward(params: dict[str, torch.Tensor], x: torch.Tensor) -> None:
-    ((x @ params["w"] + params["b"]) ** 2).mean().backward()
 
 
 def _run(rank: int, world_size: int) -> dict[str, Any]:
@@ -71,13 +42,13 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
     try:
         before = {n: p.detach().clone() for n, p in params.items()}
         states = optimizer.state_dict()
-        failed = attempt(lambda: (_backward(params, _batch(rank, 0)), optimizer.step()))
+        failed = attempt(lambda: (_backward(params, rank, 0), optimizer.step()))
         unchanged = all(torch.equal(before[n], p) for n, p in params.items())
         states_unchanged = repr(states) == repr(optimizer.state_dict())
     finally:
         buckets.start_move = start
     optimizer.zero_grad()
-    then = attempt(lambda: (_backward(params, _batch(rank, 1)), optimizer.step()))
+    then = attempt(lambda: (_backward(params, rank, 1), optimizer.step()))
     return {
         "failed": failed,
         "unchanged": unchanged,
@@ -92,15 +63,10 @@ def _reference(before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One torch AdamW step from ``before`` on the gradients averaged over the 4 ranks' batches
     of step 1 (the failed step changed nothing)."""
     params = {n: torch.nn.Parameter(t.clone()) for n, t in before.items()}
-    grads = {n: torch.zeros_like(t) for n, t in before.items()}
-    for rank in range(4):
-        for p in params.values():
-            p.grad = None
-        _backward(params, _batch(rank, 1))
-        for n, p in params.items():
-            grads[n] += p.grad / 4
-    for n, p in params.items():
-        p.grad = grads[n]
+    for rank in range(4):  # accumulated: the sum of the ranks' gradients
+        _backward(params, rank, 1)
+    for p in params.values():
+        p.grad /= 4
     reference = torch.optim.AdamW(list(params.values()), lr=0.1)
     reference.step()
     return {n: p.detach() for n, p in params.items()}

@@ -30,10 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from planner.legs import AFTER, DURING_BACKWARD, IN_STEP, Bucket
 from runtime.errors import DistributedError, ReshardError
-from runtime.execution.program import CollectiveMove, bytes_sent
-from runtime.execution.run import LegWalk, Started, StartMove, start_move
+from runtime.execution.program import CollectiveMove
+from runtime.execution.run import LegWalk, Started, StartMove, record_traffic, start_move
 from runtime.execution.step_program import IN_FLIGHT, BucketProgram, LegProgram, StepProgram
-from runtime.measure import stats
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name
 from shardlang.dtypes import ITEMSIZE
@@ -356,9 +355,7 @@ class StageRun:
         with _profiled(self, bucket, "wait"):
             self._finish(bucket, pending, started, deadline)
 
-    def _finish(
-        self, bucket: BucketProgram, pending: Started, started: float, deadline: float | None
-    ) -> None:
+    def _finish(self, bucket: BucketProgram, pending: Started, started: float, deadline: float | None) -> None:
         """Wait for the bucket's collective and hand each member its result."""
         left = self.timeout.total_seconds() if deadline is None else max(deadline - time.monotonic(), 0.001)
         blocked = time.perf_counter()
@@ -368,22 +365,15 @@ class StageRun:
             raise DistributedError(f"{self._bucket_text(bucket)} failed: {e.message}") from e
         finally:
             self.waited += time.perf_counter() - blocked
-        first = bucket.members[0][1]
         op = bucket.bucket.op
-        if stats.is_recording():
-            itemsize = ITEMSIZE[bucket.bucket.dtype]
-            stats.record(
-                stats.CommRecord(
-                    tensor=",".join(self.program.plan.legs[leg].tensor for leg, *_ in bucket.members),
-                    step=bucket.index,
-                    op=op,
-                    axis=first.step.axis,
-                    ranks=first.members,
-                    bytes_sent=sum(bytes_sent(move, itemsize) for _, move, _, _ in bucket.members),
-                    planned_bytes=bucket.bucket.bytes,
-                    seconds=time.perf_counter() - started,
-                )
-            )
+        record_traffic(
+            [move for _, move, _, _ in bucket.members],
+            tensor=",".join(self.program.plan.legs[leg].tensor for leg, *_ in bucket.members),
+            step=bucket.index,
+            itemsize=ITEMSIZE[bucket.bucket.dtype],
+            planned_bytes=bucket.bucket.bytes,
+            started=started,
+        )
         rows = op in ("all_gather", "all_to_all")
         mine = self._memo(
             ("result", bucket.index), (received.data_ptr(), received.shape), _result_parts, bucket, received

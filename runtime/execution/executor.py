@@ -57,9 +57,8 @@ from runtime.comm.exchange import RankExchange
 from runtime.comm.groups import axis_group, ranks_group
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
 from runtime.execution.agreement import digests
-from runtime.execution.program import CollectiveMove, bytes_sent, compile_plan
-from runtime.execution.run import Exchange, exchange, start_move, walk
-from runtime.measure import stats
+from runtime.execution.program import CollectiveMove, compile_plan
+from runtime.execution.run import Exchange, exchange, record_traffic, start_move, walk
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name, torch_dtype
 from shardlang.dtypes import ITEMSIZE
@@ -170,8 +169,14 @@ def _execute(
             _THREAD.scratch = None  # a collective that failed may still use them: new ones next time
             raise type(e)(f"{label}: {_step_text(move, plan)} failed: {e.message}") from e
         del post  # the send buffer goes before the walk assembles the result
-        if stats.is_recording() and (not isinstance(move, RankExchange) or move.peers):
-            _record(move, plan, name, started)
+        record_traffic(
+            [move],
+            tensor=name,
+            step=move.index,
+            itemsize=ITEMSIZE[plan.dtype],
+            planned_bytes=move.step.bytes,
+            started=started,
+        )
 
 
 # Up to this many bytes, a padded send buffer and gloo's reduce_scatter workspace are kept
@@ -187,21 +192,6 @@ def _kept_buffers() -> Scratch:
     if scratch is None:
         scratch = _THREAD.scratch = Scratch(keep_at_most=KEPT_BYTES)
     return scratch
-
-
-def _record(move: CollectiveMove | RankExchange, plan: Plan, name: str | None, started: float) -> None:
-    stats.record(
-        stats.CommRecord(
-            tensor=name,
-            step=move.index,
-            op=move.step.op,
-            axis=move.step.axis,
-            ranks=move.peers if isinstance(move, RankExchange) else move.members,
-            bytes_sent=bytes_sent(move, ITEMSIZE[plan.dtype]),
-            planned_bytes=move.step.bytes,
-            seconds=time.perf_counter() - started,
-        )
-    )
 
 
 def _check_arguments(local: object, src: object, dst: object, label: str) -> None:

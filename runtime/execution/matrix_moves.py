@@ -27,9 +27,8 @@ from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError
 from runtime.execution.buckets import run_stage
 from runtime.execution.program import CollectiveMove, compile_plan
-from runtime.execution.run import Exchange, Walk, exchange, walk
+from runtime.execution.run import Exchange, Walk, exchange, record_traffic, walk
 from runtime.execution.step_program import StepProgram, compile_step
-from runtime.measure import stats
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import torch_dtype
 from shardlang.dtypes import ITEMSIZE
@@ -158,17 +157,12 @@ def _exchange(
             moves.send(None)
         except StopIteration as done:
             outs[leg] = done.value
-    if stats.is_recording():
-        stats.record(
-            stats.CommRecord(
-                tensor=",".join(plan.legs[m.leg].tensor for m in bucket.members),
-                step=plan.buckets.index(bucket),
-                op="point_to_point",
-                axis=None,
-                ranks=messages.peers,
-                bytes_sent=messages.elements_sent * ITEMSIZE[bucket.dtype],
-                planned_bytes=bucket.bytes,
-                seconds=time.perf_counter() - started,
-            )
-        )
+    record_traffic(
+        [post[0] for post in posts],
+        tensor=",".join(plan.legs[m.leg].tensor for m in bucket.members),
+        step=plan.buckets.index(bucket),
+        itemsize=ITEMSIZE[bucket.dtype],
+        planned_bytes=bucket.bytes,
+        started=started,
+    )
     return outs

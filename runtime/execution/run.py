@@ -24,6 +24,7 @@ posted here.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Protocol
 
@@ -34,7 +35,8 @@ from runtime.comm.collectives import PendingCollective, post_point_to_point, sta
 from runtime.comm.exchange import RankExchange
 from runtime.comm.groups import group_for
 from runtime.errors import ReshardError
-from runtime.execution.program import CollectiveMove
+from runtime.execution.program import CollectiveMove, bytes_sent
+from runtime.measure import stats
 from runtime.memory.buffers import Scratch
 
 # What a walk waits on: a collective move with its send buffer and, for gloo's reduce_scatter,
@@ -273,6 +275,43 @@ def start_move(
         out=out,
         workspace=workspace,
         waited_at_once=waited_at_once,
+    )
+
+
+def record_traffic(
+    moves: Sequence[CollectiveMove | RankExchange],
+    *,
+    tensor: str | None,
+    step: int,
+    itemsize: int,
+    planned_bytes: int,
+    started: float,
+) -> None:
+    """Record (``runtime.measure.stats``, while recording) one collective or point-to-point
+    exchange this rank ran since ``started`` (``time.perf_counter()``): ``moves``, its members
+    (a reshard's one move, a bucket's members, which all step as its first one does), sent
+    ``bytes_sent`` of each (``runtime.execution.program``) with elements of ``itemsize`` bytes.
+    An exchange in which this rank sends and receives nothing leaves no record."""
+    if not stats.is_recording() or not moves:
+        return
+    first = moves[0]
+    if isinstance(first, RankExchange):
+        ranks = tuple(sorted({peer for move in moves for peer in move.peers}))  # type: ignore[union-attr]
+        if not ranks:
+            return
+    else:
+        ranks = first.members
+    stats.record(
+        stats.CommRecord(
+            tensor=tensor,
+            step=step,
+            op=first.step.op,
+            axis=first.step.axis,
+            ranks=ranks,
+            bytes_sent=sum(bytes_sent(move, itemsize) for move in moves),
+            planned_bytes=planned_bytes,
+            seconds=time.perf_counter() - started,
+        )
     )
 
 
