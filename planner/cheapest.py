@@ -46,18 +46,11 @@ import itertools
 
 import attrs
 
-from planner.cost import COPY, DEFAULT_COST, STEP, CostModel, collective_rounds, priced_as
+from planner.cost import COPY, STEP, CostModel, collective_rounds, priced_as
 from planner.errors import PlanBudgetError, PlanError
 from planner.p2p import Links, PlannedExchange, message_count, time_lower_bound
 from planner.plans import Plan
-from planner.search import (
-    DEFAULT_MAX_STATES,
-    budget_error,
-    check_budget,
-    check_request,
-    collective_outcome,
-    collective_plan,
-)
+from planner.search import DEFAULT_MAX_STATES, Request, budget_error, checked, collective_outcome
 from planner.units import OpUnits
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
@@ -86,12 +79,9 @@ def plan(
     A request whose search would generate more than ``max_states`` states (module docstring)
     raises :class:`PlanBudgetError` instead.
     """
-    if src.mesh.same_geometry(dst.mesh) and not point_to_point:
-        return collective_plan(src, dst, shape, dtype, cost, max_local_bytes=max_local_bytes, max_states=max_states)
-    cost = cost or DEFAULT_COST
-    shape = check_request(src, dst, shape, dtype, cost, max_local_bytes)
-    check_budget(src, dst, max_states)
-    found = _cheapest(src, dst, shape, dtype, cost, max_local_bytes, max_states)
+    request = checked(src, dst, shape, dtype, cost, max_local_bytes, max_states)
+    one_mesh = src.mesh.same_geometry(dst.mesh)
+    found = collective_outcome(request)[0] if one_mesh and not point_to_point else _cheapest(request)
     if isinstance(found, PlanError):
         raise found
     return found
@@ -99,17 +89,17 @@ def plan(
 
 class _Budget:
     """The states a request may still charge (module docstring); :class:`PlanBudgetError`
-    once its charges pass ``max_states``."""
+    once its charges pass its ``max_states``."""
 
-    def __init__(self, src: Layout, dst: Layout, shape: tuple[int, ...], max_states: int) -> None:
-        self.request = (src, dst, shape)
-        self.max_states = max_states
+    def __init__(self, request: Request) -> None:
+        self.request = request
         self.spent = 0
 
     def charge(self, states: int, what: str) -> None:
         self.spent += states
-        if self.spent > self.max_states:
-            raise budget_error(*self.request, self.max_states, what)
+        r = self.request
+        if self.spent > r.max_states:
+            raise budget_error(r.src, r.dst, r.shape, r.max_states, what)
 
 
 def candidate_counts(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -177,15 +167,12 @@ class _Mix:
     exchange: PlannedExchange | None = None
 
 
-def _leg(
-    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, limit: int | None, budget: _Budget
-) -> Plan | None:
-    """The cheapest collective plan, or ``None`` when none keeps within ``limit``; its search's
-    states (at least one) charged to ``budget``."""
+def _leg(src: Layout, dst: Layout, budget: _Budget) -> Plan | None:
+    """The cheapest collective plan of the budget's request between ``src`` and ``dst``, or
+    ``None`` when none keeps within its ``max_local_bytes``; its search's states (at least one)
+    charged to ``budget``."""
     try:
-        found, states = collective_outcome(
-            src, dst, shape, dtype, cost, max_local_bytes=limit, max_states=budget.max_states
-        )
+        found, states = collective_outcome(budget.request.between(src, dst))
     except PlanError:  # an end that does not fit in max_local_bytes
         found, states = None, 1
     budget.charge(max(states, 1), f"the collective leg {src} -> {dst}")
@@ -212,32 +199,19 @@ def _units(leg: Plan, rates: OpUnits) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cheapest(
-    src: Layout,
-    dst: Layout,
-    shape: tuple[int, ...],
-    dtype: str,
-    cost: CostModel,
-    max_local_bytes: int | None,
-    max_states: int = DEFAULT_MAX_STATES,
-) -> Plan | PlanError:
+def _cheapest(request: Request) -> Plan | PlanError:
     """The cheapest candidate, or the error that says why there is none (kept in the memo too,
     so a request over its budget is refused at once the next time)."""
     try:
-        return _cheapest_within(src, dst, shape, dtype, cost, max_local_bytes, _Budget(src, dst, shape, max_states))
+        return _cheapest_within(_Budget(request))
     except PlanError as e:
         return e
 
 
-def _cheapest_within(
-    src: Layout,
-    dst: Layout,
-    shape: tuple[int, ...],
-    dtype: str,
-    cost: CostModel,
-    max_local_bytes: int | None,
-    budget: _Budget,
-) -> Plan:
+def _cheapest_within(budget: _Budget) -> Plan:
+    """The cheapest candidate of the budget's request (module docstring), charged to it."""
+    request = budget.request
+    src, dst, shape, dtype, cost = request.src, request.dst, request.shape, request.dtype, request.cost
     budget.charge(sum(candidate_counts(src, dst, shape)), "listing the intermediate layouts")
     links = Links(cost, src.mesh, dst.mesh)
     one_mesh = src.mesh.same_geometry(dst.mesh)
@@ -248,13 +222,13 @@ def _cheapest_within(
     # (2). The first exact entry out of the queue is the cheapest by (time, steps, order).
     queue: list[tuple[int, int, int, int, Plan | _Mix]] = []
     if one_mesh:
-        whole = _leg(src, dst, shape, dtype, cost, max_local_bytes, budget)
+        whole = _leg(src, dst, budget)
         if whole is not None:
             queue.append((_units(whole, links.src_rates), len(whole.steps), 0, 2, whole))
     befores = [(leg, _units(leg, links.src_rates)) for m in source_resolutions(src, dst, shape)
-               if (leg := _leg(src, m, shape, dtype, cost, max_local_bytes, budget)) is not None]  # fmt: skip
+               if (leg := _leg(src, m, budget)) is not None]  # fmt: skip
     afters = [(leg, _units(leg, links.dst_rates)) for m in target_fillings(dst, src, shape)
-              if (leg := _leg(m, dst, shape, dtype, cost, max_local_bytes, budget)) is not None]  # fmt: skip
+              if (leg := _leg(m, dst, budget)) is not None]  # fmt: skip
     budget.charge(len(befores) * len(afters), "pairing the intermediate layouts")
     ranks = src.mesh.size + dst.mesh.size
     for order, ((before, b_units), (after, a_units)) in enumerate(itertools.product(befores, afters), start=1):
@@ -280,16 +254,16 @@ def _cheapest_within(
             units = mix.legs_units + mix.exchange.units
         heapq.heappush(queue, (units, steps, order, stage + 1, mix))
     else:
-        limit = f" within max_local_bytes={max_local_bytes}" if max_local_bytes is not None else ""
-        raise PlanError(f"no plan takes {src} to {dst}{limit}")
-    return _assembled(src, dst, shape, dtype, cost, candidate)
+        limit = request.max_local_bytes
+        within = f" within max_local_bytes={limit}" if limit is not None else ""
+        raise PlanError(f"no plan takes {src} to {dst}{within}")
+    return _assembled(request, candidate)
 
 
-def _assembled(
-    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, candidate: Plan | _Mix
-) -> Plan:
+def _assembled(request: Request, candidate: Plan | _Mix) -> Plan:
     if isinstance(candidate, Plan):
         steps = candidate.steps
     else:
         steps = (*candidate.before.steps, candidate.exchange.step(), *candidate.after.steps)
-    return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=steps, cost=cost)
+    r = request
+    return Plan(src=r.src, dst=r.dst, shape=r.shape, dtype=r.dtype, steps=steps, cost=r.cost)

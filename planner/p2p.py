@@ -45,11 +45,11 @@ from __future__ import annotations
 import attrs
 
 from planner.copies import exchange_copy_elements
-from planner.cost import COPY, DEFAULT_COST, STEP, CostModel
+from planner.cost import COPY, STEP, CostModel
 from planner.errors import PlanError
 from planner.holdings import blocks_of
 from planner.plans import Plan, Step, Transfer
-from planner.search import DEFAULT_MAX_STATES, budget_error, check_budget, check_request
+from planner.search import DEFAULT_MAX_STATES, budget_error, checked
 from planner.units import integer_op_rates
 from shardlang.box import Box
 from shardlang.dtypes import itemsize as dtype_itemsize
@@ -267,9 +267,8 @@ def point_to_point_plan(
     budget (``planner.cheapest``): one state per rank of both meshes, then one per message; a
     :class:`PlanBudgetError` past ``max_states``.
     """
-    cost = cost or DEFAULT_COST
-    shape = check_request(src, dst, shape, dtype, cost, None)
-    check_budget(src, dst, max_states)
+    request = checked(src, dst, shape, dtype, cost, None, max_states)
+    shape, cost = request.shape, request.cost
     if src.mesh.size + dst.mesh.size > max_states:
         raise budget_error(src, dst, shape, max_states, "listing the blocks of both meshes' ranks")
     for name, layout in (("source", src), ("target", dst)):

@@ -45,17 +45,37 @@ DEFAULT_MAX_STATES = 50_000
 Outcome = tuple["Plan | PlanError", int]
 
 
-def check_request(
+@attrs.frozen
+class Request:
+    """A request that makes sense (:func:`checked`): what the memos key plans by."""
+
+    src: Layout
+    dst: Layout
+    shape: tuple[int, ...]
+    dtype: str
+    cost: CostModel
+    max_local_bytes: int | None
+    max_states: int
+
+    def between(self, src: Layout, dst: Layout) -> Request:
+        """The same request between two other layouts (a leg of a mixed plan), checked."""
+        return checked(src, dst, self.shape, self.dtype, self.cost, self.max_local_bytes, self.max_states)
+
+
+def checked(
     src: Layout,
     dst: Layout,
     shape: tuple[int, ...] | list[int],
     dtype: str,
-    cost: CostModel,
+    cost: CostModel | None,
     max_local_bytes: int | None,
-) -> tuple[int, ...]:
-    """The shape as a tuple of ints, once the request makes sense: the shape fits both layouts,
-    the dtype is known, the cost model fits both meshes, and ``max_local_bytes`` is ``None`` or
-    a byte count that both ends fit in; a :class:`PlanError` naming the pair if not."""
+    max_states: int = DEFAULT_MAX_STATES,
+) -> Request:
+    """The request, once it makes sense: the shape (made a tuple of ints) fits both layouts,
+    the dtype is known, the cost model (default :data:`planner.cost.DEFAULT_COST`) fits both
+    meshes, ``max_local_bytes`` is ``None`` or a byte count that both ends fit in, and
+    ``max_states`` a positive count; a :class:`PlanError` naming the pair if not."""
+    cost = cost or DEFAULT_COST
     try:
         shape = tuple(int(s) for s in shape)
     except (TypeError, ValueError):
@@ -69,8 +89,11 @@ def check_request(
             cost.for_mesh(dst.mesh)
     except ShardlangError as e:
         raise PlanError(f"cannot plan {src} -> {dst}: {e.message}") from None
+    if isinstance(max_states, bool) or not isinstance(max_states, int) or max_states < 1:
+        raise PlanError(f"cannot plan {src} -> {dst}: max_states must be a positive count, got {max_states!r}")
+    request = Request(src, dst, shape, dtype, cost, max_local_bytes, max_states)
     if max_local_bytes is None:
-        return shape
+        return request
     if isinstance(max_local_bytes, bool) or not isinstance(max_local_bytes, int) or max_local_bytes < 0:
         raise PlanError(f"cannot plan {src} -> {dst}: max_local_bytes must be a byte count, got {max_local_bytes!r}")
     for name, layout in (("source", src), ("target", dst)):
@@ -80,7 +103,7 @@ def check_request(
                 f"cannot plan {src} -> {dst}: the {name} holds {held} bytes per rank, "
                 f"more than max_local_bytes={max_local_bytes}"
             )
-    return shape
+    return request
 
 
 def collective_plan(
@@ -101,39 +124,22 @@ def collective_plan(
     A search that would generate more than ``max_states`` states raises
     :class:`PlanBudgetError` (module docstring). Results are memoized on all arguments.
     """
-    found, _ = collective_outcome(src, dst, shape, dtype, cost, max_local_bytes=max_local_bytes, max_states=max_states)
+    found, _ = collective_outcome(checked(src, dst, shape, dtype, cost, max_local_bytes, max_states))
     if isinstance(found, PlanError):
         raise found
     return found
 
 
-def collective_outcome(
-    src: Layout,
-    dst: Layout,
-    shape: tuple[int, ...] | list[int],
-    dtype: str = "f32",
-    cost: CostModel | None = None,
-    *,
-    max_local_bytes: int | None = None,
-    max_states: int = DEFAULT_MAX_STATES,
-) -> Outcome:
+def collective_outcome(request: Request) -> Outcome:
     """:func:`collective_plan`'s plan or error, not raised, with the states its search
-    generated (what a caller that plans many legs charges to one budget). Malformed requests
-    raise."""
-    cost = cost or DEFAULT_COST
-    shape = check_request(src, dst, shape, dtype, cost, max_local_bytes)
-    check_budget(src, dst, max_states)
+    generated (what a caller that plans many legs charges to one budget)."""
+    src, dst = request.src, request.dst
     if not src.mesh.same_geometry(dst.mesh):
         raise PlanError(
             f"cannot plan {src} -> {dst} with collectives: the layouts are on different meshes "
             f"({src.mesh.describe()} and {dst.mesh.describe()})"
         )
-    return _plan_cached(src, dst, shape, dtype, cost, max_local_bytes, max_states)
-
-
-def check_budget(src: Layout, dst: Layout, max_states: int) -> None:
-    if isinstance(max_states, bool) or not isinstance(max_states, int) or max_states < 1:
-        raise PlanError(f"cannot plan {src} -> {dst}: max_states must be a positive count, got {max_states!r}")
+    return _plan_cached(request)
 
 
 def budget_error(src: Layout, dst: Layout, shape: tuple[int, ...], max_states: int, what: str) -> PlanBudgetError:
@@ -158,15 +164,9 @@ class _OverBudget(Exception):
 
 
 @functools.lru_cache(maxsize=8192)
-def _plan_cached(
-    src: Layout,
-    dst: Layout,
-    shape: tuple[int, ...],
-    dtype: str,
-    cost: CostModel,
-    max_local_bytes: int | None,
-    max_states: int = DEFAULT_MAX_STATES,
-) -> Outcome:
+def _plan_cached(request: Request) -> Outcome:
+    src, dst, shape, dtype, cost = request.src, request.dst, request.shape, request.dtype, request.cost
+    max_local_bytes, max_states = request.max_local_bytes, request.max_states
     if src.dims == dst.dims and src.partial == dst.partial:
         return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(), cost=cost), 0
     mesh = dst.mesh

@@ -118,7 +118,7 @@ def test_the_budget_is_exact_where_the_search_completes():
     """A budget decides only whether a plan comes back, never which: the plan found under a
     budget it fits is the plan found under any larger one, and the refusal repeats cold."""
     src, dst = L("S01,R | P2 over mesh[2,4,2]"), L("R,S20 over mesh[2,4,2]")
-    _, needed = search.collective_outcome(src, dst, (64, 48))
+    _, needed = search.collective_outcome(search.checked(src, dst, (64, 48), "f32", None, None))
     assert needed > 1
     full = planner.plan(src, dst, (64, 48))
     assert planner.plan(src, dst, (64, 48), max_states=needed) == full
