@@ -8,8 +8,12 @@ where :data:`~shardlang.errors.LINE_BREAK` says), some mistakes get messages of 
   its ``{`` is, at the item that starts inside it or at the end of the text;
 - another framework's notation where a layout goes: DTensor's or Paddle's placements
   (``Shard(0), Replicate()``, ``dist.Partial()``), Paddle's ``dims_mapping`` (``[0, -1]``),
-  ColossalAI's sharding sequence (``["S0", "R"]``), or a layout without its ``over MESH``, each
-  with the shardlang layout it means ("did you mean 'S0,R over world'?") where it can be told.
+  ColossalAI's sharding sequence (``["S0", "R"]``, read by :mod:`shardlang.notation`), a layout
+  without its ``over MESH``, with its ``| P...`` after the mesh or its dims without commas, each
+  with the shardlang layout it means ("did you mean 'S0,R over world'?") where it can be told;
+- a layout, in any of those notations, where the grammar wants something else: in a block
+  without its entry's name, after a name without its ``=``, after a tensor's shape or a rule's
+  pattern without a block, or where a tensor's dtype goes: "did you mean" the whole entry or item.
 
 Nothing from lark escapes: any other lark failure is still a placed ``ParseError``.
 """
@@ -25,6 +29,7 @@ import lark
 from lark import Token, Tree
 
 from shardlang.errors import LINE_BREAK, LineIndex, ParseError
+from shardlang.notation import COMMAS, PLACEMENTS_EXAMPLE, Meaning, meaning
 
 FRIENDLY = {
     "NAME": "a name",
@@ -40,17 +45,11 @@ FRIENDLY = {
     "$END": "the end of the text",
 }
 _ITEM_KEYWORDS = ("tensor", "rule", "mesh")  # what starts an item of a spec file
-_OPS = {"sum": "sum", "avg": "avg", "mean": "avg", "max": "max", "min": "min"}
-_PADDLE_OPS = {"kRedSum": "sum", "kRedAvg": "avg", "kRedMax": "max", "kRedMin": "min"}
-_QUALIFIED = r"(?:[A-Za-z_]\w*\.)*"  # torch.distributed.tensor.Shard, dist.Shard
-_PLACEMENT = re.compile(
-    _QUALIFIED + r"(?P<kind>Shard|Replicate|Partial|_StridedShard|_MaskPartial)\s*\(\s*(?P<args>[^()]*?)\s*\)"
-)
-_FOREIGN_WORD = re.compile(_QUALIFIED + r"\b(?:Shard|Replicate|Partial|_StridedShard|_MaskPartial)\s*\(")
-_COLOSSAL_ITEM = re.compile(r"""\s*(?P<q>['"]?)(?P<spec>R|S[0-9]+)(?P=q)\s*""")
-_DIMS_MAPPING = re.compile(r"\[\s*-?[0-9]+\s*(?:,\s*-?[0-9]+\s*)*,?\s*\]")
 _ENTRY_START = re.compile(r"\b(?:param|grad|state(?:\.\w+)?)\s*=|[{}]")
 _MESH_DECL = re.compile(r"(?:^|(?<=\s))mesh\s+([A-Za-z_]\w*)\s*=")
+_ROLE = re.compile(r"param|grad|state(?:\.\w+)?")
+# What may come before a layout put where a block goes: its entry's name and '=', or a bare '=' or ':'.
+_ENTRY_HEAD = re.compile(r"\s*(?:(?P<key>param|grad|state(?:\.\w+)?)\s*)?[=:]?")
 
 
 @functools.cache
@@ -109,6 +108,10 @@ def _explain(
     if unclosed is not None:
         at, message = unclosed
         return ParseError(message, lines.at_offset(end if at is None else at, filename))
+    misplaced = _misplaced_layout(text, offset, stack, start, expected)
+    if misplaced is not None:
+        at, message = misplaced
+        return ParseError(message, lines.at_offset(at, filename))
     if found == "character '\"'" and "STRING" in expected:  # a quote the line does not close
         return ParseError(
             "this '\"' opens a pattern that its line does not close: write the closing '\"' before the line ends",
@@ -147,12 +150,13 @@ def _unclosed_block(stack: Sequence[object], found: str, lines: LineIndex) -> tu
     return None
 
 
-# --- another framework's notation -------------------------------------------------------------
+# --- another framework's notation, a layout in the wrong place ----------------------------------
 def _foreign_notation(
     text: str, offset: int, stack: Sequence[object], start: str, found: str, expected: set[str]
 ) -> tuple[int, str] | None:
     """The offset to point at and the message, when the layout being read when the parser
-    stopped is written in another framework's notation (or lacks its ``over MESH``)."""
+    stopped is written in another framework's notation (or lacks its ``over MESH``, or has its
+    pending reductions after it)."""
     if start == "layout":
         begin = 0
     else:
@@ -172,9 +176,14 @@ def _foreign_notation(
     over = re.search(r"\bover\b", region)
     body = (region[: over.start()] if over else region).strip()
     mesh = (region[over.end() :].strip() if over else None) or _only_mesh(text[:begin]) or "MESH"
-    hint = _foreign_hint(body, _declared_ndim(text, stack), mesh) if offset <= stop else None
-    if hint is not None:
-        return at, hint
+    if offset <= stop and over is not None and found == "'|'":
+        on, _, partials = region[over.end() :].partition("|")
+        moved = f"{body} | {partials.strip()} over {on.strip()}"
+        if _parses(moved):
+            return offset, f"the pending reductions ('| P<mesh axes>') come before 'over': did you mean '{moved}'?"
+    read = meaning(body, _declared_ndim(text, stack), _parses) if offset <= stop else None
+    if read is not None and read.notation is not None:  # a missing comma: at the dim after it
+        return offset if read.notation == COMMAS else at, _did_you_mean(read, [read.notation], "", mesh, "")
     if "OVER" in expected and over is None and body and _ends_layout(found):
         return at + len(region.strip()), (
             f"a layout ends with 'over' and its mesh: did you mean '{body} over {mesh}'? "
@@ -183,24 +192,90 @@ def _foreign_notation(
     return None
 
 
-def _foreign_hint(body: str, ndim: int | None, mesh: str) -> str | None:
-    """What ``body``, a layout's dims written in another framework's notation, means in shardlang."""
-    if _FOREIGN_WORD.search(body):
-        return _placements_hint(body, ndim, mesh)
-    if _DIMS_MAPPING.fullmatch(body):
-        axes = [int(v) for v in re.findall(r"-?[0-9]+", body)]
-        dims = ",".join("S" + _axes([a]) if a >= 0 else "R" for a in axes) or "()"
-        return (
-            f"{body} looks like Paddle's dims_mapping (the mesh axis of each tensor dim, -1 for none); "
-            f"shardlang writes S<mesh axis> or R for each dim: did you mean '{dims} over {mesh}'?"
-        )
-    colossal = _colossal(body)
-    if colossal is not None:
-        return (
-            f"{body} looks like ColossalAI's sharding sequence; shardlang writes its entries without "
-            f"brackets or quotes: did you mean '{colossal} over {mesh}'?"
-        )
+def _misplaced_layout(
+    text: str, offset: int, stack: Sequence[object], start: str, expected: set[str]
+) -> tuple[int, str] | None:
+    """The offset to point at and the message, when a layout (in any notation) stands where the
+    grammar wants something else: in a block without its entry's name (``{ S0 over w }``), after
+    an entry's name without its '=' (``param: S0 over w``), after a tensor's shape or a rule's
+    pattern without a block, or where a tensor's dtype goes."""
+    tokens = [v for v in stack if isinstance(v, Token)] if start == "spec" else []
+    last = tokens[-1] if tokens else None
+    if last is None:
+        return None
+    heads = [t for t in tokens if t.type in ("TENSOR", "RULE")]
+    in_block = bool(heads) and _in_block(tokens)
+    key_read = last.type == "ENTRY_KEY" and "EQUAL" in expected  # a name read, its '=' missing
+    if in_block and key_read and _ROLE.fullmatch(str(last)):  # param S0 over w, param: S0 over w
+        return _suggest(text, offset, stack, ["an entry is its name, '=' and its layout"], f"{last} = ", "", at=offset)
+    if in_block and (key_read or "ENTRY_KEY" in expected):
+        # { S0 over w }, { [Shard(0)] over w }: a layout where an entry's name goes
+        begin = (last.start_pos or 0) if key_read else offset
+        brace = next(t for t in reversed(tokens) if t.type == "LBRACE")
+        key = _free_role(text[brace.end_pos or 0 : begin])
+        why = "a layout in a block is the value of an entry ('param = ', 'grad = ' or 'state = ' before it)"
+        return _suggest(text, begin, stack, [why], f"{key} = ", "", at=begin)
+    if not heads:
+        return None
+    head = heads[-1]
+    if "LBRACE" in expected and last.type in ("RSQB", "STRING"):  # tensor a : f32[4] S0 over w
+        block = ("tensor", "shape") if head.type == "TENSOR" else ("rule", "pattern")
+        what = "a {}'s layouts go in a block after its {}".format(*block)
+        header = text[head.start_pos or 0 : last.end_pos or 0]
+        return _suggest(text, offset, stack, [what], f"{header} {{ param = ", " }", at=offset)
+    if "LSQB" in expected and last.type == "DTYPE" and head.type == "TENSOR":  # tensor a : S0 over w
+        header = text[head.start_pos or 0 : tokens[-2].end_pos or 0]
+        what = f"after '{header}' come the tensor's dtype and shape, then its layouts in a block"
+        begin = last.start_pos or 0
+        return _suggest(text, begin, stack, [what], f"{header} DTYPE[SHAPE] {{ param = ", " }", at=begin)
     return None
+
+
+def _in_block(tokens: list[Token]) -> bool:
+    """Whether the parser is inside a tensor's or rule's ``{`` block (where entries go)."""
+    braces = [t.type for t in tokens if t.type in ("LBRACE", "RBRACE")]
+    return bool(braces) and braces[-1] == "LBRACE"
+
+
+def _suggest(
+    text: str, begin: int, stack: Sequence[object], why: list[str], before: str, after: str, at: int
+) -> tuple[int, str] | None:
+    """The message for the layout at ``begin`` (an entry's name or '=' before it skipped, and
+    taken) written as ``before`` + the layout + ``after``, or ``None`` when it is no layout."""
+    start = _ENTRY_HEAD.match(text, begin)
+    if start is not None and start.group("key"):
+        before = before.replace("param = ", f"{start.group('key')} = ")
+    begin = start.end() if start is not None else begin
+    region = text[begin : _layout_end(text, begin, "spec")]
+    over = re.search(r"\bover\b", region)
+    body = region[: over.start()] if over else region
+    mesh = (region[over.end() :].strip() if over else "") or _only_mesh(text[:begin]) or "MESH"
+    read = meaning(body, _declared_ndim(text, stack), _parses)
+    if read is None or (read.dims is not None and not _parses(f"{read.dims} over {mesh}")):
+        return None
+    return at, _did_you_mean(read, [read.notation, *why] if read.notation else why, before, mesh, after)
+
+
+def _did_you_mean(read: Meaning, why: list[str | None], before: str, mesh: str, after: str) -> str:
+    lead = "; ".join(w for w in why if w)
+    if read.dims is None:
+        return f"{lead}: " + PLACEMENTS_EXAMPLE.format(layout=before, mesh=mesh + after)
+    return f"{lead}: did you mean '{before}{read.dims} over {mesh}{after}'?"
+
+
+def _free_role(entries: str) -> str:
+    """The first of param, grad and state that ``entries`` (a block's text so far) lacks."""
+    given = set(re.findall(r"\b(param|grad|state)\s*=", entries))
+    return next((role for role in ("param", "grad", "state") if role not in given), "param")
+
+
+def _parses(layout: str) -> bool:
+    """Whether ``layout`` is a well-formed shardlang layout (its meshes not looked up)."""
+    try:
+        grammar().parse(layout, start="layout")
+    except lark.exceptions.LarkError:
+        return False
+    return True
 
 
 def _after_entry_equal(stack: Sequence[object]) -> bool:
@@ -247,75 +322,3 @@ def _declared_ndim(text: str, stack: Sequence[object]) -> int | None:
         return None
     inside = text[lo.end_pos or 0 : hi.start_pos or 0].strip()
     return len(inside.split(",")) if inside else 0
-
-
-def _colossal(body: str) -> str | None:
-    """ColossalAI's ``["S0", "R"]`` (brackets or quotes: written bare it is shardlang) as shardlang."""
-    inner = body[1:-1] if body[:1] == "[" and body[-1:] == "]" else body
-    if inner == body and not re.search("['\"]", body):
-        return None
-    items = inner.split(",")
-    matches = [_COLOSSAL_ITEM.fullmatch(item) for item in items]
-    if not inner.strip() or not all(matches):
-        return None
-    return ",".join(m.group("spec") for m in matches if m)
-
-
-def _placements_hint(body: str, ndim: int | None, mesh: str) -> str:
-    paddle = re.search(r"\bdist\.", body) is not None
-    who = "Paddle's notation" if paddle else "DTensor's notation"
-    lead = (
-        f"{body} is {who} (a placement per mesh axis); shardlang writes one entry per tensor dim "
-        "(S<mesh axes> or R), then '| P<mesh axes>' for pending reductions"
-    )
-    inner = body[1:-1] if body[:1] + body[-1:] in ("[]", "()") else body
-    placements = [(m.group("kind"), m.group("args")) for m in _PLACEMENT.finditer(inner)]
-    rest = _PLACEMENT.sub("", inner).replace(",", "").strip()
-    layout = _from_placements(placements, ndim) if placements and not rest else None
-    if layout is None:
-        return f"{lead}: e.g. 'S0,R over {mesh}' for (Shard(0), Replicate()) on a 2-d tensor"
-    return f"{lead}: did you mean '{layout} over {mesh}'?"
-
-
-def _from_placements(placements: list[tuple[str, str]], ndim: int | None) -> str | None:
-    """The dims and partials of a layout from placements (DTensor's meaning: placement ``i`` is
-    mesh axis ``i``; a dim sharded over several axes nests them left to right), or ``None``."""
-    shards: list[tuple[int, int]] = []  # (mesh axis, tensor dim)
-    partial: list[tuple[int, str]] = []
-    for axis, (kind, args) in enumerate(placements):
-        if kind == "Replicate" and not args:
-            continue
-        if kind == "Shard":
-            match = re.fullmatch(r"(?:dim\s*=\s*)?(-?[0-9]+)", args)
-            if match is None:
-                return None
-            shards.append((axis, int(match.group(1))))
-        elif kind == "Partial":
-            match = re.fullmatch(r"(?:reduce_op\s*=\s*)?(?:['\"](\w+)['\"]|" + _QUALIFIED + r"(kRed\w+))?", args)
-            op = None if match is None else _OPS.get(match.group(1) or "sum") if not match.group(2) else None
-            if match is not None and match.group(2):
-                op = _PADDLE_OPS.get(match.group(2))
-            if op is None:
-                return None
-            partial.append((axis, op))
-        else:
-            return None
-    if any(d < 0 for _, d in shards):
-        if ndim is None:
-            return None
-        shards = [(a, d + ndim if d < 0 else d) for a, d in shards]
-    rank = ndim if ndim is not None else max((d + 1 for _, d in shards), default=1)
-    if any(not 0 <= d < rank for _, d in shards):
-        return None
-    dims = []
-    for dim in range(rank):
-        axes = [a for a, d in shards if d == dim]
-        dims.append("S" + _axes(axes) if axes else "R")
-    text = ",".join(dims) if dims else "()"
-    if partial:
-        text += " | " + ",".join(("P" + _axes([a])) + ("" if op == "sum" else f":{op}") for a, op in partial)
-    return text
-
-
-def _axes(axes: list[int]) -> str:
-    return "".join(map(str, axes)) if max(axes) < 10 else f"({','.join(map(str, axes))})"

@@ -373,7 +373,7 @@ LAYOUT_ERRORS = [
     ("R over mesh[1024,1024,2]", LayoutError, 13, "larger than"),
     ("R over mesh[2] ranks 0..99999999999", LayoutError, 16, "larger than"),
     ("R | P0:prod over mesh[2]", LayoutError, 8, "unknown reduce op 'prod' (expected one of sum, avg, max, min)"),
-    ("S0 R over mesh[2]", ParseError, 4, "unexpected 'R'"),
+    ("S0 R over mesh[2]", ParseError, 4, "separated by commas: did you mean 'S0,R over mesh[2]'?"),
     ("S0,R over", ParseError, 10, "the text ends too early; expected"),
     ("S0 over mesh[2", ParseError, 15, "the text ends too early; expected"),
     ("S0 @ over mesh[2]", ParseError, 4, "unexpected character '@'"),

@@ -121,6 +121,44 @@ def test_placements_in_a_layout_with_a_valid_layout_are_left_alone() -> None:
     assert "did you mean" not in error.message and "DTensor" not in error.message
 
 
+# --- a layout in the wrong place ------------------------------------------------------------------
+T = "tensor a : f32[4, 4] "
+P = "param = R,R over w  "  # an entry before the mistake
+MISPLACED = [
+    # (how the layout is misplaced, the spec as it should read ({layout}: the layout), and where
+    # the suggestion goes back in the text ({s}))
+    (T + "{{ {layout} }}", T + "{{ param = {layout} }}", T + "{{ {s} }}"),
+    (T + "{{\n  param = R,R over w\n  {layout}\n}}", T + "{{ " + P + "grad = {layout} }}", T + "{{ " + P + "{s} }}"),
+    (T + "{{ param: {layout} }}", T + "{{ param = {layout} }}", T + "{{ {s} }}"),
+    (T + "{{ " + P + "grad {layout} }}", T + "{{ " + P + "grad = {layout} }}", T + "{{ " + P + "{s} }}"),
+    (T + "{layout}", T + "{{ param = {layout} }}", "{s}"),
+    (T + "= {layout}", T + "{{ param = {layout} }}", "{s}"),
+    ('rule "a*" {layout}', 'rule "a*" {{ param = {layout} }}', "{s}"),
+]  # fmt: skip
+WRITTEN = [
+    # (the layout as typed, as shardlang writes it): shardlang's own, DTensor's, ColossalAI's
+    ("S(tp),R over w", "S(tp),R over w"),
+    ("R,S0 | P1:avg over w", "R,S0 | P1:avg over w"),
+    ("Shard(1), Replicate() over w", "R,S0 over w"),
+    ("[Replicate(), Shard(0)] over w", "S1,R over w"),
+    ('["S01", "R"] over w', "S01,R over w"),
+]
+
+
+@pytest.mark.parametrize(("wrong", "right", "back"), MISPLACED)
+@pytest.mark.parametrize(("typed", "meant"), WRITTEN)
+def test_a_misplaced_layout_suggests_the_text_that_parses_to_what_was_meant(
+    wrong: str, right: str, back: str, typed: str, meant: str
+) -> None:
+    head = "mesh w = [dp=2, tp=2]\n"
+    error = _error("spec", head + wrong.format(layout=typed) + "\n")
+    assert isinstance(error, ParseError) and error.position is not None
+    # Put back where the mistake was, the suggestion gives the spec written right by hand
+    # (independently of the hint's own translation).
+    suggested = parse_spec(head + back.format(s=_suggestion(error))).resolve("a", (4, 4), "f32")
+    assert suggested.layouts == parse_spec(head + right.format(layout=meant)).resolve("a", (4, 4), "f32").layouts
+
+
 FOREIGN = [
     "Shard(", "Shard(0)", "Replicate()", "Partial()", "Partial('x')", "dist.", "[", "]", "(", ")", "-1", "0",
     ",", "'S0'", '"R"', "over", "mesh[2,2]", "w", "{", "}", "=", "param", "tensor", "rule", '"a*"', "\n",

@@ -273,7 +273,7 @@ SPEC_ERRORS = [
         ParseError, 2, 26, "the text ends inside the block of tensor 'a' (its '{' at line 1, column 19)",
     ),
     ("tensor a f32[4] { param = R over mesh[2] }", ParseError, 1, 10, "unexpected 'f32'; expected ':'"),
-    ("tensor a : f32[4] { param S0 over mesh[2] }", ParseError, 1, 27, "expected '='"),
+    ("tensor a : f32[4] { param S0 over mesh[2] }", ParseError, 1, 27, "did you mean 'param = S0 over mesh[2]'?"),
     ("mesh w = [2] # ok\nbogus", ParseError, 2, 1, "unexpected 'bogus'; expected 'bandwidth', 'latency', 'mesh'"),
     ("mesh w = [2]\n  @", ParseError, 2, 3, "unexpected character '@'"),
 ]
