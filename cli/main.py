@@ -52,6 +52,7 @@ from cli.show import format_show, show_json
 from cli.suggest import add_suggest_parser, cmd_suggest, suggest_line
 from cli.summary import TensorGroup, group_tensors, plan_spec_with_progress
 from cli.terminal import Progress, Style
+from cli.timeline import add_timeline_parser, cmd_timeline
 from planner import DEFAULT_MAX_STATES, CostModel, Plan, plan
 from planner.legs import DEFAULT_OVERLAP_BUCKET_BYTES
 from planner.spec_plan import SpecPlan
@@ -59,7 +60,7 @@ from shardlang import Spec, TensorSpec, load_spec, parse_layout
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError, SpecError
 
-COMMANDS = ("check", "plan", "show", "render", "explain", "init", "calibrate", "suggest")
+COMMANDS = ("check", "plan", "show", "render", "explain", "init", "calibrate", "suggest", "timeline")
 BUNDLED_EXAMPLE = "gpt2_small_dp2_tp2.shard"
 
 
@@ -238,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_init_parser(sub)
     add_suggest_parser(sub)
     add_calibrate_parser(sub)
+    add_timeline_parser(sub)
     return parser
 
 
@@ -486,6 +488,7 @@ COMMAND_FUNCTIONS = {
     "init": cmd_init,
     "suggest": cmd_suggest,
     "calibrate": cmd_calibrate,
+    "timeline": cmd_timeline,
 }
 
 

@@ -1,0 +1,199 @@
+"""``shardlang timeline``: one profiled step's buckets, planned against measured, as an SVG.
+
+The traces are those stored for docs/stacks/profiler.md (written by examples/profile_step.py
+through ``runtime.stacks.profiler.save_trace``); the bars are checked against the trace's
+ranges and the step plan's seconds as read here from the raw JSON, and the pictures on the page
+against what the page's commands draw."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cli.main import main
+from tests.conftest import REPO
+
+PAGE = REPO / "docs" / "stacks" / "profiler.md"
+TRACES = sorted((REPO / "docs" / "stacks" / "profiler").glob("zero2_*.json"))
+SVG = "{http://www.w3.org/2000/svg}"
+RANGE = re.compile(r"shardlang (.+?): (start|wait) (bucket (\d+) of (\d+) \(.*\))")
+
+
+def expected_bars(trace: dict[str, Any], step: int = -1) -> list[dict[str, Any]]:
+    """Per bucket, from the raw trace: its name, stage, planned seconds (the stored plan's) and
+    measured seconds (its start range's beginning to its wait range's end) in step ``step``."""
+    seen: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for event in sorted(trace["traceEvents"], key=lambda e: e.get("ts", 0)):
+        m = RANGE.fullmatch(event.get("name", ""))
+        if m and event.get("ph") == "X":
+            seen.setdefault((m[3], m[2]), []).append({"stage": m[1], "index": int(m[4]), **event})
+    planned = trace["shardlang"]["step_plan"]["buckets"]
+    bars = []
+    for name in sorted({name for name, _ in seen}, key=lambda n: int(n.split()[1])):
+        start, wait = seen[(name, "start")][step], seen[(name, "wait")][step]
+        bars.append(
+            {
+                "name": name,
+                "stage": start["stage"],
+                "planned": planned[start["index"] - 1]["seconds"],
+                "measured": (wait["ts"] - start["ts"] + wait["dur"])
+                / 1e6,  # microseconds since the epoch: subtract first
+                "wait": wait["dur"] / 1e6,
+            }
+        )
+    return bars
+
+
+def drawn_bars(svg: Path) -> list[dict[str, Any]]:
+    root = ET.parse(svg).getroot()
+    bars = []
+    for group in root.iter(f"{SVG}g"):
+        if group.get("class") != "bucket":
+            continue
+        planned = [r for r in group.iter(f"{SVG}rect") if r.get("class") == "planned"]
+        measured = [g for g in group.iter(f"{SVG}g") if g.get("class") == "measured"]
+        assert len(planned) == 1 and len(measured) == 1, group.get("id")
+        wait = [r for r in measured[0].iter(f"{SVG}rect") if r.get("class") == "wait"]
+        bars.append(
+            {
+                "name": group.find(f"{SVG}title").text,
+                "stage": group.get("data-stage"),
+                "planned": float(planned[0].get("data-seconds")),
+                "measured": float(measured[0].get("data-seconds")),
+                "wait": float(wait[0].get("data-seconds")),
+                "id": group.get("id"),
+            }
+        )
+    return bars
+
+
+def assert_bars(svg: Path, expected: list[dict[str, Any]]) -> None:
+    drawn = drawn_bars(svg)
+    assert [b["id"] for b in drawn] == [f"bucket-{i}" for i in range(1, len(expected) + 1)]
+    assert [(b["name"], b["stage"]) for b in drawn] == [(b["name"], b["stage"]) for b in expected]
+    for got, want in zip(drawn, expected, strict=True):
+        for key in ("planned", "measured", "wait"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (got["name"], key)
+
+
+def test_the_stored_traces_are_drawn_with_one_planned_and_one_measured_bar_per_bucket(tmp_path: Path) -> None:
+    assert len(TRACES) == 2, TRACES
+    for trace_path in TRACES:
+        out = tmp_path / f"{trace_path.stem}.svg"
+        assert main(["timeline", str(trace_path), "-o", str(out)]) == 0
+        trace = json.loads(trace_path.read_text(encoding="utf-8"))
+        expected = expected_bars(trace)
+        assert len(expected) == len(trace["shardlang"]["step_plan"]["buckets"]) >= 2
+        assert_bars(out, expected)
+
+
+def test_the_pages_pictures_are_what_its_commands_draw(tmp_path: Path) -> None:
+    """Generated, not drawn by hand: every ``shardlang timeline`` line of the page, run again on
+    the stored trace, gives the stored SVG byte for byte, and the page shows that SVG."""
+    text = PAGE.read_text(encoding="utf-8")
+    commands = [shlex.split(line) for line in text.splitlines() if line.startswith("shardlang timeline ")]
+    assert len(commands) == len(TRACES)
+    for argv in commands:
+        trace, output = argv[2], argv[argv.index("-o") + 1]
+        assert (REPO / trace).is_file()
+        out = tmp_path / Path(output).name
+        assert main(["timeline", str(REPO / trace), *argv[3:-1], str(out)]) == 0
+        assert out.read_bytes() == (REPO / output).read_bytes(), f"{output} is not what `{' '.join(argv)}` draws"
+        assert f"]({Path(output).relative_to('docs/stacks')})" in text, f"the page does not show {output}"
+        traced = [line for line in text.splitlines() if line.startswith("torchrun") and f"--trace {trace}" in line]
+        assert traced and "examples/profile_step.py" in traced[0], f"no command on the page writes {trace}"
+
+
+def test_smaller_buckets_plan_and_take_more_time() -> None:
+    """What the page says of the two stored runs: more buckets, more planned and measured time."""
+    runs = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in TRACES}
+    big, small = expected_bars(runs["zero2_32MiB"]), expected_bars(runs["zero2_64KiB"])
+    assert len(big) == 2 and len(small) == 16
+    assert sum(b["planned"] for b in small) > sum(b["planned"] for b in big)
+    assert sum(b["measured"] for b in small) > sum(b["measured"] for b in big)
+
+
+def _stored(tmp_path: Path, change: Any = None) -> Path:
+    trace = json.loads(TRACES[0].read_text(encoding="utf-8"))
+    if change is not None:
+        change(trace)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace), encoding="utf-8")
+    return path
+
+
+def _twice(trace: dict[str, Any]) -> None:
+    """The step's bucket ranges again, a second later: a trace of two profiled steps."""
+    again = [
+        e | {"ts": e["ts"] + 1e6, "dur": e["dur"] * 2}
+        for e in trace["traceEvents"]
+        if RANGE.fullmatch(e.get("name", ""))
+    ]
+    trace["traceEvents"] += again
+
+
+def test_step_picks_one_of_several_profiled_steps(tmp_path: Path) -> None:
+    path = _stored(tmp_path, _twice)
+    trace = json.loads(path.read_text(encoding="utf-8"))
+    for step, index in ((None, -1), (1, 0), (2, 1)):
+        out = tmp_path / f"{step}.svg"
+        assert main(["timeline", str(path), "-o", str(out), *(["--step", str(step)] if step else [])]) == 0
+        assert_bars(out, expected_bars(trace, index))
+    assert drawn_bars(tmp_path / "1.svg") != drawn_bars(tmp_path / "2.svg")
+
+
+@pytest.mark.parametrize(
+    ("change", "args", "said"),
+    [
+        (
+            lambda t: t.pop("shardlang"),
+            [],
+            "holds no step plan: save the profile with runtime.stacks.profiler.save_trace",
+        ),
+        (
+            lambda t: t["shardlang"]["step_plan"]["buckets"].pop(),
+            [],
+            "the trace's step has 2 buckets and its step plan 1",
+        ),
+        (
+            lambda t: t["shardlang"]["step_plan"]["buckets"].reverse(),
+            [],
+            "bucket 1 is 'before the update: reduce_scatter",
+        ),
+        (None, ["--step", "2"], "holds 1 profiled step; --step 2 is not one of them"),
+        (
+            lambda t: t.update(
+                traceEvents=[e for e in t["traceEvents"] if not e.get("name", "").startswith("shardlang")]
+            ),
+            [],
+            "holds no shardlang bucket ranges",
+        ),
+        (
+            lambda t: t.update(traceEvents=[e for e in t["traceEvents"] if " wait bucket 2 " not in e.get("name", "")]),
+            [],
+            "do not make whole steps (bucket 1 start x1, bucket 1 wait x1, bucket 2 start x1, bucket 2 wait x0)",
+        ),
+    ],
+)
+def test_a_trace_that_does_not_fit_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: Any, args: list[str], said: str
+) -> None:
+    path = _stored(tmp_path, change)
+    assert main(["timeline", str(path), "-o", str(tmp_path / "x.svg"), *args]) == 1
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
+    assert not (tmp_path / "x.svg").exists()
+
+
+def test_a_file_that_is_no_trace_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bad.json").write_text("{not json", encoding="utf-8")
+    assert main(["timeline", str(tmp_path / "bad.json")]) == 1
+    assert "bad.json is not a JSON trace" in capsys.readouterr().err
+    assert main(["timeline", str(tmp_path / "missing.json")]) == 1
+    assert "cannot read" in capsys.readouterr().err
