@@ -143,10 +143,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite, self.verify, self.idle_ranks = skip_nonfinite, verify, idle_ranks
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.all_ranks_commit, self.overlap = all_ranks_commit, bool(overlap)
-        # ZeRO-2 by default: step() frees the gradients it reduced. Under overlap they are kept
-        # unless asked, since freeing them during backward hides them from torch's clipping
-        # (docs/memory.md, "Gradients").
-        self.free_grads = not self.overlap if free_grads is None else bool(free_grads)
+        # ZeRO-2 by default: step() frees the gradients it reduced; under overlap each bucket
+        # frees them during backward, leaving placeholders that refuse to be read (docs/memory.md,
+        # "Gradients").
+        self.free_grads = True if free_grads is None else bool(free_grads)
         # In place behind an early commit point (or, for math with sums between its phases, the
         # math into spare states before it), or the whole step on spare buffers, swapped in when
         # every rank finished it (docs/memory.md, "The commit point").
@@ -184,8 +184,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.phases, lambda work: self._updates(work), self._sum_specs, reducer,
             communicates=self.updates_communicate,
         )  # fmt: skip
-        # The commit flag also compares what every rank steps: step number, hyperparameters.
+        # The commit flag also compares what every rank steps: step number, hyperparameters,
+        # zero_grad() calls and backward passes (counted by gradient hooks).
         self._identity = StepIdentity(self.param_groups)
+        self._identity.hook(slots)
         flag = CommitFlag(
             timeout=self.timeout, enabled=all_ranks_commit, flags=1 if self.transactional else 2,
             identity=self._identity,
@@ -253,6 +255,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._slots.add(placed)
         if self.overlap:
             self._overlap.hook(placed)
+        self._identity.hook(placed)
         self._store.grow(kept)  # the flat buffers grow; the states kept so far move along
 
     @torch.no_grad()
@@ -303,6 +306,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         self._overlap.drop()
         self._identity.zero_grads += 1  # compared at the next step's commit flag
+        self._identity.fresh()
 
     # --- overlap -------------------------------------------------------------------------
     def no_sync(self) -> Any:

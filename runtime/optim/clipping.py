@@ -1,5 +1,9 @@
 """The global gradient norm of a step, clipping to it and the non-finite test.
 
+Where no norm is taken, one pass over the reduced gradients tells whether they are finite
+(:func:`gradients_finite`): a step whose gradients hold a NaN or inf is refused on every rank, or skipped
+with ``skip_nonfinite`` (docs/design/failures.md).
+
 The norm is taken where it is exact, on the reduced gradients in their state layout: every
 slot's sum of squares is partial over the axes its state layout splits, and one all-reduce per
 group completes all of them (``runtime.optim.sums``). ``clip_grad_norm_`` reduces the gradients
@@ -10,11 +14,13 @@ that follows, which then does not reduce them again.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 import attrs
 import torch
 
 from runtime.errors import DistributedError
+from runtime.optim.commit import Finite
 from runtime.optim.compiler import CompiledStep
 from runtime.optim.errors import OptimizerStepError
 from runtime.optim.slots import Slot, grad_versions
@@ -134,3 +140,38 @@ class Clipping:
             if coefficient.is_cuda or bool(coefficient < 1):
                 reduced = [g * coefficient.to(g.dtype) for g in reduced]
         return Clipped(reduced, norm, (norm_bytes, norm_collectives))
+
+
+def gradients_finite(slots: Sequence[Slot], reduced: Sequence[torch.Tensor], norm: torch.Tensor | None) -> Finite:
+    """Whether the reduced gradients a step takes are finite, on their device (no host sync):
+    the test of their norm where the step took it (a NaN or inf makes it one), else of their
+    absolute sums, one ``_foreach_norm`` per dtype and device (so does any NaN or inf in a
+    tensor; a sum that overflows where no element is, is named as such)."""
+    if norm is not None:
+        ok = torch.isfinite(norm)
+    else:
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for grad in reduced:
+            if grad.numel():
+                groups.setdefault((grad.dtype, grad.device), []).append(grad)
+        tests = [torch.stack(torch._foreach_norm(grads, 1)).isfinite().all() for grads in groups.values()]
+        if not tests:
+            ok = torch.ones((), dtype=torch.bool)
+        else:
+            ok = tests[0] if len(tests) == 1 else torch.stack([t.to(tests[0].device) for t in tests]).all()
+    return Finite(ok, partial(_nonfinite, list(slots), list(reduced)))
+
+
+def _nonfinite(slots: Sequence[Slot], reduced: Sequence[torch.Tensor]) -> list[tuple[str, str, str]]:
+    """What :class:`Finite` names on this rank: each reduced gradient with a NaN or inf, and
+    each of the rank's own gradients before the reduction (those it still holds)."""
+    found = []
+    own = [None if slot.taken is not None else slot.local_grad()[0] for slot in slots]  # taken: freed
+    for where, grads in (("reduced", reduced), ("own", own)):
+        for slot, grad in zip(slots, grads, strict=True):
+            if grad is None:
+                continue
+            kind = "NaN" if bool(torch.isnan(grad).any()) else "inf" if bool(torch.isinf(grad).any()) else None
+            if kind is not None:
+                found.append((where, slot.name, kind))
+    return found

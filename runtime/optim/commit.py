@@ -14,7 +14,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -36,19 +38,36 @@ FAILURE_NOTICE = datetime.timedelta(seconds=2)
 # The flag, the digest and its negation: an all-reduce with min gives every rank the lowest
 # flag and the lowest and highest digest.
 FLAG_ELEMENTS = 3
+# The flag's values, the lowest wins: the stage failed; it ran but its gradients hold a NaN or
+# an inf; it ran.
+FAILED, NONFINITE, READY = 0, 1, 2
 _MASK = (1 << 62) - 1
 # What a param group holds that is not a hyperparameter (the names are checked with the plan).
 _NOT_HYPER = ("params", "param_names")
 
 
 @attrs.frozen(eq=False)
+class Finite:
+    """Whether the gradients a rank steps are finite: ``ok``, a 0-d bool tensor on their device
+    (the commit flag carries it), and ``names``, called only where some rank's are not: what
+    this rank finds, ``(where, tensor, "NaN" or "inf")`` per gradient, ``where`` being
+    ``"reduced"`` (as the step takes it, in its state layout) or ``"own"`` (this rank's own
+    gradient, before the reduction, where the rank still holds it)."""
+
+    ok: torch.Tensor
+    names: Callable[[], list[tuple[str, str, str]]]
+
+
+@attrs.frozen(eq=False)
 class Staged:
     """A step run on this rank without changing anything: ``commit`` makes it take effect;
     ``abandon``, when another rank failed it, waits out the collectives it left in flight
-    (``prefetch_params``' gathers), whose buffers the next step reuses."""
+    (``prefetch_params``' gathers), whose buffers the next step reuses; ``finite``: whether
+    the gradients it steps are finite (None: not asked, a step skipped for them)."""
 
     commit: Callable[[], None]
     abandon: Callable[[], None] = lambda: None
+    finite: Finite | None = None
 
 
 @attrs.define
@@ -66,18 +85,47 @@ class LastStep:
 class StepIdentity:
     """What every rank must agree it is stepping: the step number of the tensors stepped, every
     param group's hyperparameters (``param_groups``: the optimizer's own list, read at each
-    step), and how many times ``zero_grad()`` ran since the last step agreed on (``zero_grads``,
-    counted by the optimizer): a rank that skipped a ``step()`` but not its ``zero_grad()``
-    pairs its next step with the others' and is caught by that count."""
+    step), how many times ``zero_grad()`` ran since the last step agreed on (``zero_grads``,
+    counted by the optimizer), and how many backward passes made the gradients stepped: the
+    most accumulations into one stepped tensor's gradient since the last step agreed on or
+    ``zero_grad()``, counted by gradient hooks (:meth:`hook`). A rank that skipped a ``step()``
+    but not its ``zero_grad()`` pairs its next step with the others' and is caught by the
+    ``zero_grad()`` count; one that skipped both steps gradients of two backward passes where
+    the others step one, and is caught by that count."""
 
     def __init__(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
         self._groups = param_groups
         self.zero_grads = 0
+        self.accumulated: dict[int, int] = {}  # per slot index (_count)
+
+    def hook(self, slots: Sequence[Slot]) -> None:
+        """Count the gradient accumulations of ``slots`` (a gradient set by hand, or by FSDP2's
+        reduce-scatter, counts none: equal on every rank, as it should be)."""
+        me = weakref.ref(self)  # the hooks outlive the optimizer: they keep nothing alive
+        for slot in slots:
+            param = slot.param
+            if param.requires_grad and param.is_leaf:
+                param.register_post_accumulate_grad_hook(partial(_count, me, slot.index))
+
+    def fresh(self) -> None:
+        """The gradients start afresh (``zero_grad()``, or a step agreed on)."""
+        self.accumulated.clear()
 
     def of(self, slots: Sequence[Slot]) -> dict[str, Any]:
         steps = [s.step for s in slots]
         groups = [{k: _value(v) for k, v in g.items() if k not in _NOT_HYPER} for g in self._groups]
-        return {"step": (min(steps) + 1, max(steps) + 1), "zero_grad": self.zero_grads, "groups": groups}
+        backwards = max(self.accumulated.get(s.index, 0) for s in slots)
+        return {
+            "step": (min(steps) + 1, max(steps) + 1), "zero_grad": self.zero_grads, "backward": backwards,
+            "groups": groups,
+        }  # fmt: skip
+
+
+def _count(identity: weakref.ref[StepIdentity], index: int, _: torch.Tensor) -> None:
+    """A gradient hook: one more accumulation into slot ``index``'s gradient."""
+    held = identity()
+    if held is not None:
+        held.accumulated[index] = held.accumulated.get(index, 0) + 1
 
 
 def _value(value: Any) -> Any:
@@ -111,6 +159,13 @@ def disagreement(members: Sequence[int], summaries: Sequence[Mapping[str, Any]])
                 f"called zero_grad() {summary['zero_grad']} times since the last step (the others "
                 f"{common['zero_grad']}): it skipped a step() (or zeroed its gradients on its own)"
             )
+        if summary["backward"] != common["backward"]:
+            n = summary["backward"]
+            what.append(
+                f"ran {n} backward pass{'' if n == 1 else 'es'} into the gradients it steps (the others "
+                f"{common['backward']}): a rank that skips a step() and its zero_grad() steps two iterations' "
+                "gradients at its next step() (every rank must run as many backward passes per step)"
+            )
         if len(summary["groups"]) != len(common["groups"]):
             what.append(f"has {len(summary['groups'])} param groups (the others {len(common['groups'])})")
         else:
@@ -120,6 +175,36 @@ def disagreement(members: Sequence[int], summaries: Sequence[Mapping[str, Any]])
                         what.append(f"has {key}={mine.get(key)!r} in group {i} (the others {theirs.get(key)!r})")
         lines.append(f"rank {rank} " + ", ".join(what))
     return "; ".join(lines)
+
+
+def nonfinite_text(told: Sequence[tuple[int | None, Sequence[tuple[str, str, str]] | None]]) -> str:
+    """The error of a step whose gradients are not finite, from what each rank found
+    (:attr:`Finite.names`; rank None: a step of this rank alone): each gradient with the ranks
+    where it holds a NaN or inf, as stepped and, where known, before the reduction."""
+    parts = []
+    for where, lead in (("reduced", "the gradients hold NaN or inf: "), ("own", "before the reduction, ")):
+        holders: dict[tuple[str, str], list[int | None]] = {}
+        for rank, findings in told:
+            for at, name, kind in findings or ():
+                if at == where:
+                    holders.setdefault((name, kind), []).append(rank)
+        named = [f"'{name}' ({kind}{_on(ranks)})" for (name, kind), ranks in holders.items()]
+        if named:
+            more = f" and {len(named) - 5} more" if len(named) > 5 else ""
+            parts.append(lead + ", ".join(named[:5]) + more)
+    if not parts:
+        parts.append("the gradients' norm or sums overflow, though no element is NaN or inf")
+    return (
+        "; ".join(parts) + ": pass skip_nonfinite=True to skip such steps (with a warning), or find where "
+        "it comes from (a NaN loss, too high a learning rate)"
+    )
+
+
+def _on(ranks: Sequence[int | None]) -> str:
+    known = [r for r in ranks if r is not None]
+    if not known:
+        return ""
+    return f" on rank {known[0]}" if len(known) == 1 else f" on ranks {ranks_text(known)}"
 
 
 def _steps(steps: tuple[int, int]) -> str:
@@ -147,21 +232,34 @@ class CommitFlag:
             return 0, 0
         return self._flags * 2 * (n - 1) * 8 * FLAG_ELEMENTS, self._flags
 
-    def agree(self, members: tuple[int, ...], *, ok: bool, slots: Sequence[Slot] | None = None) -> bool:
+    def agree(
+        self,
+        members: tuple[int, ...],
+        *,
+        ok: bool,
+        slots: Sequence[Slot] | None = None,
+        finite: Finite | None = None,
+    ) -> bool:
         """Whether every rank of ``members`` finished its step: a rank that cannot reach the
         others counts as failed. A rank that failed only tells the others, and waits for them
         briefly (:data:`FAILURE_NOTICE`): whether it reaches them or not, none of them commits,
         since success needs every rank's flag. With ``slots`` (the step's first flag) every
-        rank must also step the same :class:`StepIdentity`, or none commits and :attr:`why`
-        names the ranks that differ."""
+        rank must also step the same :class:`StepIdentity`, and with ``finite`` hold finite
+        gradients, or none commits and :attr:`why` says which ranks differ or which gradients
+        are not finite."""
         self.why = None
         if not self.enabled or len(members) < 2 or not dist.is_initialized():
+            if ok and finite is not None and not bool(finite.ok):
+                self.why = f"was refused: {nonfinite_text([(None, finite.names())])}"
+                return False
             return ok
         if self._flag is None:
             self._flag = torch.empty(FLAG_ELEMENTS, dtype=torch.int64, device=default_device())
         summary = self.identity.of(slots) if self.identity is not None and slots else None
         digest = 0 if summary is None else _digest(summary)
-        flag = self._flag.copy_(torch.tensor([1 if ok else 0, digest, -digest], dtype=torch.int64))
+        flag = self._flag.copy_(torch.tensor([READY if ok else FAILED, digest, -digest], dtype=torch.int64))
+        if ok and finite is not None:  # on the gradients' device: read with the flag, no sync of its own
+            flag[:1] -= finite.ok.logical_not().to(device=flag.device, dtype=torch.int64)
         wait = self.timeout if ok else min(self.timeout, FAILURE_NOTICE)
         started = time.perf_counter()
         try:
@@ -183,24 +281,31 @@ class CommitFlag:
                     seconds=time.perf_counter() - started,
                 )
             )
-        if agreed[0] != 1:
+        if agreed[0] == FAILED:
             return False
-        if agreed[1] != -agreed[2]:  # the lowest digest is not the highest
-            self.why = self._named(members, group, summary)
+        if agreed[0] == NONFINITE or agreed[1] != -agreed[2]:  # or the lowest digest is not the highest
+            self.why = self._named(members, group, summary, finite)
             return False
         if self.identity is not None and summary is not None:
             self.identity.zero_grads = 0
+            self.identity.fresh()
         return True
 
-    def _named(self, members: tuple[int, ...], group: Any, summary: dict[str, Any] | None) -> str:
-        """Only where the digests differ (every rank sees it): the ranks exchange what they
-        step and name those that differ."""
-        summaries: list[Any] = [None] * len(members)
+    def _named(
+        self, members: tuple[int, ...], group: Any, summary: dict[str, Any] | None, finite: Finite | None
+    ) -> str:
+        """Only where the digests differ or a gradient is not finite (every rank sees it): the
+        ranks exchange what they step and what is not finite, and name it."""
+        told: list[Any] = [None] * len(members)
+        findings = None if finite is None else finite.names()
         try:
-            dist.all_gather_object(summaries, summary, group=group)
+            dist.all_gather_object(told, (summary, findings), group=group)
         except (RuntimeError, ValueError) as e:
-            return f"was refused: the ranks {ranks_text(members)} step different things (naming them failed: {e})"
-        refused = f"was refused: the ranks {ranks_text(members)} step different things"
+            return f"was refused: the ranks {ranks_text(members)} disagree (naming what failed: {e})"
+        summaries = [s for s, _ in told]
         if any(s is None for s in summaries):
-            return refused
-        return f"{refused}: {disagreement(members, summaries)}"
+            return f"was refused: the ranks {ranks_text(members)} step different things"
+        if any(s != summaries[0] for s in summaries):
+            refused = f"was refused: the ranks {ranks_text(members)} step different things"
+            return f"{refused}: {disagreement(members, summaries)}"
+        return f"was refused: {nonfinite_text([(r, f) for r, (_, f) in zip(members, told, strict=True)])}"

@@ -22,8 +22,8 @@ from planner.legs import AFTER, BEFORE
 from runtime.execution.buckets import StageRun
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import as_dtype
-from runtime.optim.clipping import Clipping, Reduced
-from runtime.optim.commit import CommitFlag, LastStep, Staged
+from runtime.optim.clipping import Clipping, Reduced, gradients_finite
+from runtime.optim.commit import CommitFlag, Finite, LastStep, Staged
 from runtime.optim.compiler import CompiledStep, StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.overlap import Backward, OverlapController, ParamGathers
@@ -87,7 +87,7 @@ class StepTransaction:
             except Exception:
                 self.flag.agree(members, ok=False)  # the others must not commit either
                 raise
-            if not self.flag.agree(members, ok=True, slots=slots):
+            if not self.flag.agree(members, ok=True, slots=slots, finite=staged.finite):
                 staged.abandon()
                 why = self.flag.why or f"failed on another rank of {ranks_text(members)}"
                 raise OptimizerStepError(
@@ -206,9 +206,13 @@ class StepTransaction:
         clipped = self._clipping.clip(slots, reduced, kept, step_number)
         if clipped.skip:
             return self._skip(clipped.norm, step_number)
+        # Not committed where a NaN or inf reached them: tested here, told with the flag.
+        finite = gradients_finite(slots, reduced, clipped.norm)
         reduced, norm = clipped.grads, clipped.norm
         if self.math_in_place:
-            return self._staged_in_place(slots, compiled, arrived, reduced, norm, step_number, waited, clipped.traffic)
+            return self._staged_in_place(
+                slots, compiled, arrived, reduced, norm, step_number, waited, clipped.traffic, finite
+            )
 
         # 2. The math, into new buffers; new parameters where their gathers send them from (a
         # transactional step) or in one flat scratch buffer (the gathers run after the commit).
@@ -249,7 +253,7 @@ class StepTransaction:
                     slots, compiled, new_params, work.own_new, None, sums, step_number, waited, norm, clipped.traffic
                 )
 
-            return Staged(swap_and_gather)
+            return Staged(swap_and_gather, finite=finite)
 
         # 3. After the update; with prefetch_params the parameters' gathers are waited on later.
         prefetch = self._compiler.prefetch
@@ -281,7 +285,7 @@ class StepTransaction:
             self.last.traffic = traffic
             self.last.grad_norm, self.last.skipped = norm, False
 
-        return Staged(commit, after.drain)
+        return Staged(commit, after.drain, finite)
 
     def _traffic(
         self, compiled: CompiledStep, slots: Sequence[Slot], sums: tuple[int, int], norm: tuple[int, int]
@@ -300,11 +304,12 @@ class StepTransaction:
         step_number: int,
         waited: float,
         norm_traffic: tuple[int, int],
+        finite: Finite,
     ) -> Staged:
-        """A step whose every check passed (the buckets before the update, the norm, the
-        nonfinite test) and that has written nothing: its ``commit``, run once the ranks agreed,
-        updates states and parameter shards in place and gathers the parameters
-        (docs/memory.md, "The commit point")."""
+        """A step whose every check passed (the buckets before the update, the norm) and that
+        has written nothing (the nonfinite test, ``finite``, goes with the flag): its
+        ``commit``, run once the ranks agreed, updates states and parameter shards in place and
+        gathers the parameters (docs/memory.md, "The commit point")."""
         legs, flat = compiled.legs, self._store.flat()
         params: list[torch.Tensor] = []
         first_masters: list[tuple[torch.Tensor, torch.Tensor]] = []  # (master, parameter shard)
@@ -333,7 +338,7 @@ class StepTransaction:
                 failure, sums = e, (0, 0)
             self._after_commit(slots, compiled, params, own, failure, sums, step_number, waited, norm, norm_traffic)
 
-        return Staged(commit)
+        return Staged(commit, finite=finite)
 
     def _after_commit(
         self,
