@@ -21,6 +21,8 @@ from cli.inputs import UsageError, bucket_cap_arg, bytes_arg, read_spec, shape_a
 from cli.tables import format_bytes, format_seconds
 from planner.bucket_cap import AUTO
 from planner.knapsack import better, fixed_choices, smallest_memory, suggest_best
+from planner.loops import AUTO as LOOP_AUTO
+from planner.loops import LOOPS
 from planner.suggest import OPTIMIZERS, Choice, Problem, SuggestError, Suggestion, build_problems
 from shardlang import Spec, TensorSpec, format_spec
 from shardlang.errors import ShardlangError, SpecError
@@ -56,6 +58,14 @@ def add_suggest_parser(sub: Any) -> None:
     )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="whose states to count (default adamw)")
     p.add_argument("--states-only", action="store_true", help="keep every param and grad layout; choose states")
+    p.add_argument(
+        "--loop",
+        choices=(LOOP_AUTO, *LOOPS),
+        default=LOOP_AUTO,
+        help="the training loop the layouts must run in: a plain module (the step reduces the gradients), ddp "
+        "(backward reduces them), fsdp2 or fsdp2-tp (fully_shard: dim 0 sharded over the data-parallel axes), "
+        "any (every ZeRO form); default auto: inferred from the spec's layouts",
+    )
     p.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS", help="for the solver (default 10)")
     p.add_argument(
         "--bucket-bytes",
@@ -135,6 +145,7 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
     flat = "" if problem.flat_axis is None else f", states flat over {problem.flat_axis} (the optimizers' flat_axis)"
     out = [
         f"suggest: {problem.spec.filename}, {problem.optimizer}, budget {format_bytes(result.budget)} per rank",
+        f"loop: {problem.loop} ({_loop_reason(problem)})",
         "",
         "chosen layouts:",
         *_chosen_lines(problem, best),
@@ -148,7 +159,7 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
     fitting: list[tuple[Choice, str]] = []
     for name, choice in rows:
         if choice is None:
-            out.append(f"  {name:<14}  (not a candidate of every tensor)")
+            out.append(f"  {name:<14}  (not a candidate of every tensor in this loop)")
             continue
         fits = choice.memory <= result.budget
         if fits and name != "this spec" and (not fitting or better(choice, fitting[0][0], None)):
@@ -179,6 +190,12 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
         f"{candidates} candidates in {len(problems)} problem{'s' * (len(problems) != 1)}: {kinds})"
     )
     return "\n".join(out)
+
+
+def _loop_reason(problem: Problem) -> str:
+    if problem.loop_reason == "given":
+        return "--loop"
+    return f"inferred: {problem.loop_reason}; --loop to choose another"
 
 
 def cap_lines(problem: Problem, choice: Choice) -> list[str]:
@@ -216,6 +233,8 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
     return {
         "file": problem.spec.filename,
         "optimizer": problem.optimizer,
+        "loop": problem.loop,
+        "loop_reason": problem.loop_reason,
         "budget_bytes": result.budget,
         "flat_axis": problem.flat_axis,
         "suggested": _choice_json(problem, result.best),
@@ -295,6 +314,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         states_only=args.states_only,
         tensors=chosen_tensors(spec, args),
         bucket_bytes=args.bucket_bytes,
+        loop=args.loop,
     )
     result = suggest_best(problems, args.memory, args.time_limit)
     if args.format == "json":
@@ -304,6 +324,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         print(format_suggestion(result, problems))
     if args.output:
         command = f"shardlang suggest {args.file} --memory {args.memory} --optimizer {args.optimizer}"
+        command += f" --loop {result.problem.loop}"
         if args.bucket_bytes is not None:
             command += f" --bucket-bytes {args.bucket_bytes}"
         header = [f"Layouts chosen by `{command}`."]

@@ -288,7 +288,7 @@ def suggest(
     started = time.perf_counter()
     least = smallest_memory(problem, time_limit, timed=False) if least is None else least
     if least.memory > budget:
-        raise _too_small(budget, least.memory)
+        raise _too_small(budget, least.memory, problem.loop)
     if math.isnan(least.seconds):  # the fallback below needs its time
         least = problem.evaluate(least.picks)
     limit = budget
@@ -310,10 +310,13 @@ def suggest(
     return Suggestion(problem, budget, best, optimal, gap, time.perf_counter() - started, ((problem, fixed),))
 
 
-def _too_small(budget: int, least: int) -> SuggestError:
+def _too_small(budget: int, least: int, loop: str) -> SuggestError:
+    """No choice of the loop's layouts (``planner.loops``) fits ``budget``; ``least`` does."""
+    within = "" if loop == "any" else f" that the {loop} loop runs"
+    other = "" if loop == "any" else " (another loop may hold less: --loop)"
     return SuggestError(
-        f"no choice of layouts fits {budget} bytes per rank; the smallest budget that fits is "
-        f"{least} bytes ({least / 2**30:.3f} GiB)"
+        f"no choice of layouts{within} fits {budget} bytes per rank; the smallest budget that fits is "
+        f"{least} bytes ({least / 2**30:.3f} GiB){other}"
     )
 
 
@@ -335,7 +338,7 @@ def suggest_best(problems: Sequence[Problem], budget: int, time_limit: float = 1
             continue
         fitting.append(suggest(p, budget, time_limit, least=m, ties=False, fixed=f))
     if not fitting:
-        raise _too_small(budget, min(m.memory for m in least))
+        raise _too_small(budget, min(m.memory for m in least), problems[0].loop)
     fastest = min(r.best.seconds for r in fitting)
     # Ties are broken within the problems as fast as the fastest: the others cannot win.
     fitting = [

@@ -73,6 +73,8 @@ from planner.cheapest import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
 from planner.legs import AFTER, BEFORE, DEFAULT_BUCKET_BYTES, STAGES, Hop, Leg, bucket_stage, without_axis
+from planner.loops import AUTO as AUTO_LOOP
+from planner.loops import LOOPS, infer_loop, runs_in
 from planner.spec_plan import cost_for, step_tensor
 from planner.step import plan_step
 from shardlang.dtypes import itemsize
@@ -168,6 +170,9 @@ class Problem:
     flat_axis: str | int | None = None
     # A cap in bytes, or AUTO: each choice under the cost model's cap for it (module doc).
     bucket_bytes: int | str = DEFAULT_BUCKET_BYTES
+    # The training loop the candidates run in (planner.loops), and why (inferred or given).
+    loop: str = "any"
+    loop_reason: str = ""
 
     @property
     def solver_cap(self) -> int:
@@ -330,7 +335,7 @@ def state_layouts(compute: Layout, axes: Sequence[int]) -> list[Layout]:
 
 
 def _triples(
-    tensor: TensorSpec, states_only: bool, flat: int | None, inferred: Sequence[int] = ()
+    tensor: TensorSpec, states_only: bool, flat: int | None, inferred: Sequence[int] = (), loop: str = "any"
 ) -> list[tuple[Layouts, tuple[str, ...]]]:
     axes, compute, g0 = _roles(tensor, inferred)
     d = split_dim(tensor.shape, math.prod(compute.mesh.shape[a] for a in axes))
@@ -362,6 +367,7 @@ def _triples(
         if flat is None:  # a ZeRO-3 parameter is no flat chunk
             triples += [(x, x, x) for x in states[1:]]
     out = [(Layouts(param=p, grad=g, states=((STATE_DEFAULT, s),)), names.get((p, g, s), ())) for p, g, s in triples]
+    out = [(lay, name) for lay, name in out if runs_in(loop, lay, compute, g0, axes)]
     own_index = _find(tensor.layouts, [lay for lay, _ in out], flat)
     if own_index is None:
         out.insert(0, (tensor.layouts, ()))
@@ -486,11 +492,13 @@ def build_problem(
     tensors: Sequence[TensorSpec] | None = None,
     flat_axis: str | int | None = None,
     bucket_bytes: int | str | None = None,
+    loop: str = "any",
 ) -> Problem:
     """The candidates of ``tensors`` (default: the declared ones), priced (module doc); with
     ``flat_axis``, as the optimizers run them with flat sharding over that axis; buckets capped
     at ``bucket_bytes`` (default :data:`planner.legs.DEFAULT_BUCKET_BYTES`, as ``plan`` does;
-    :data:`planner.bucket_cap.AUTO`: each choice under the cost model's cap for it)."""
+    :data:`planner.bucket_cap.AUTO`: each choice under the cost model's cap for it); only
+    the candidates that ``loop`` runs (``planner.loops``; ``"auto"``: inferred from the spec)."""
     if optimizer not in OPTIMIZERS:
         raise SuggestError(f"unknown optimizer '{optimizer}' (expected one of {', '.join(OPTIMIZERS)})")
     chosen = tuple(spec.tensors if tensors is None else tensors)
@@ -506,6 +514,7 @@ def build_problem(
         raise SuggestError(f"bucket_bytes must be at least 1 or {AUTO!r}, got {bucket_bytes!r}")
     kind_ids: dict[tuple, int] = {}  # collective kind -> its number, in the order first met
     inferred = infer_data_parallel(chosen)
+    loop, reason = _loop(chosen, inferred, loop)
     groups = []
     for members in grouped.values():
         first = members[0]
@@ -516,7 +525,7 @@ def build_problem(
             raise SuggestError(f"tensor '{first.name}': flat axis: {e.message}", first.position) from None
         candidates = []
         dp = inferred[first.param.mesh.geometry]
-        for layouts, strategies in _triples(first, states_only, flat, dp):
+        for layouts, strategies in _triples(first, states_only, flat, dp, loop):
             try:
                 priced = _price(first, layouts, optimizer, cost, flat, kind_ids, solver_cap(cap), dp)
             except PlanError as e:
@@ -533,7 +542,19 @@ def build_problem(
         price_seconds=time.perf_counter() - started,
         flat_axis=flat_axis,
         bucket_bytes=cap,
+        loop=loop,
+        loop_reason=reason,
     )
+
+
+def _loop(tensors: Sequence[TensorSpec], inferred: dict[tuple, tuple[int, ...]], loop: str) -> tuple[str, str]:
+    """The loop to choose for and why: ``loop`` as given, or inferred (``"auto"``)."""
+    if loop == AUTO_LOOP:
+        roles = [(t, _roles(t, inferred[t.param.mesh.geometry])) for t in tensors]
+        return infer_loop([(t.layouts, compute, g0, axes) for t, (axes, compute, g0) in roles])
+    if loop not in LOOPS:
+        raise SuggestError(f"unknown loop '{loop}' (expected one of {', '.join((*LOOPS, AUTO_LOOP))})")
+    return loop, "given"
 
 
 def build_problems(
@@ -543,9 +564,13 @@ def build_problems(
     states_only: bool = False,
     tensors: Sequence[TensorSpec] | None = None,
     bucket_bytes: int | str | None = None,
+    loop: str = "any",
 ) -> tuple[Problem, ...]:
-    """The plain problem, then one per axis the optimizers' flat sharding may use."""
-    options = {"states_only": states_only, "tensors": tensors, "bucket_bytes": bucket_bytes}
+    """The plain problem, then one per axis the optimizers' flat sharding may use (none for
+    FSDP2: its parameters are no flat chunks)."""
+    options = {"states_only": states_only, "tensors": tensors, "bucket_bytes": bucket_bytes, "loop": loop}
     plain = build_problem(spec, optimizer, **options)
-    flat = [build_problem(spec, optimizer, flat_axis=axis, **options) for axis in flat_axes(plain.tensors)]
+    options["loop"] = plain.loop
+    axes = () if plain.loop.startswith("fsdp2") else flat_axes(plain.tensors)
+    flat = [build_problem(spec, optimizer, flat_axis=axis, **options) for axis in axes]
     return (plain, *flat)

@@ -152,8 +152,10 @@ def test_the_command_text_json_output_and_errors(tmp_path: Path, capsys: pytest.
     path = tmp_path / "mixed.shard"
     path.write_text(MIXED)
     out = tmp_path / "chosen.shard"
-    assert main(["suggest", str(path), "--memory", "20KiB", "-o", str(out), "--plot", str(tmp_path / "f.svg")]) == 0
+    plot = str(tmp_path / "f.svg")
+    assert main(["suggest", str(path), "--memory", "20KiB", "--loop", "any", "-o", str(out), "--plot", plot]) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "loop: any (--loop)"  # every ZeRO form, ZeRO-3 among them (tests/test_suggest_loops.py)
     # By hand: w holds 2 KiB of bf16 per rank under S(tp), v 3.75 KiB of f32 under S(tp); DDP
     # keeps both moments (and w's f32 master) whole, and its largest buffer is v's all-reduce.
     # Times, 20 us a round on dp (2 ranks), bytes over 25 GB/s about 0.2 us: one collective per
@@ -163,7 +165,7 @@ def test_the_command_text_json_output_and_errors(tmp_path: Path, capsys: pytest.
     # ZeRO-3 on every tensor is the one choice within 20 KiB; ties go to less memory, so not
     # ZeRO-2 for n (same time, 0.2 KiB more), and between equal candidates (dp on either dim,
     # no piece padded) to the first, dp on the outer dim.
-    assert lines[2:] == [
+    assert lines[3:] == [
         "chosen layouts:",
         "  w  (changed)",
         "      param = S(tp,dp),R over world   grad = S(tp,dp),R over world   state = S(tp,dp),R over world",
@@ -275,17 +277,17 @@ def test_flat_wins_where_pieces_are_padded(tmp_path: Path, capsys: pytest.Captur
         "tensor u : f32[7] { param = R over world  grad = R | P(dp):avg over world }\n"
     )
     out = tmp_path / "flat.shard"
-    assert main(["suggest", str(path), "--memory", "912", "-o", str(out)]) == 0
+    assert main(["suggest", str(path), "--memory", "912", "--loop", "any", "-o", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     # By hand: t's param and grad 240 B each, u's 28 B each. ZeRO-2 splits t's 10 columns
     # into pieces of 3 (AdamW's two moments: 2 x 18 floats, 144 B) and u's 7 into 2 (16 B), and
     # its largest buffer is t's gradient padded to 12 columns (288 B): 984 B. Flat chunks are
     # 60 / 4 = 15 floats (120 B) and 2 floats (16 B), the buffer t's unpadded 240 B: 912 B.
-    assert lines[8] == (
+    assert lines[9] == (
         "suggested: 912 B per rank, 120 us modeled, states flat over dp (the optimizers' flat_axis); "
         "0 of 2 tensors changed"
     )
-    assert lines[14:19] == [
+    assert lines[15:20] == [
         "  zero2                 984 B        120 us    no  1.000x",
         # t and u share each collective (f32 both; 20 us a round, 3 rounds on 4 ranks, 6 for an
         # all-reduce): ZeRO-3 gathers twice and reduce-scatters, 3 x 60 us; flat ZeRO-1 all-reduces
