@@ -15,9 +15,12 @@ import json
 from typing import Any, TextIO
 
 from cli.check import Checked, check_file, describe_spec, error_json, error_text
+from cli.tables import format_bytes
 from cli.terminal import Style
 from planner import CostModel
-from shardlang.model_check import ERROR, Finding, ModelCheck, check_model
+from planner.spec_plan import plan_spec
+from shardlang.errors import ShardlangError
+from shardlang.model_check import ERROR, Finding, ModelCheck, check_model, with_model_dtypes
 
 
 def world_arg(text: str) -> int:
@@ -60,14 +63,21 @@ def run_model_check(args: argparse.Namespace, out: TextIO, err: TextIO, cost: Co
     """``check`` of ``args.files`` with ``--model`` (and ``--world``)."""
     parameters = model_parameters(args.model)
     results: list[tuple[Checked, ModelCheck | None]] = []
+    priced: dict[str, tuple[int, int] | None] = {}
     for path in args.files:
         checked = check_file(path, err, args.flat_axis, cost)
         found = None if checked.spec is None else check_model(checked.spec, parameters, world_size=args.world)
         results.append((checked, found))
+        if found is not None and any(f.kind == "dtype" for f in found.findings):
+            step_bytes = _step_bytes(checked, parameters, args.flat_axis, cost)
+            priced[path] = step_bytes if step_bytes is not None and step_bytes[0] != step_bytes[1] else None
     against = f"{args.model} ({len(parameters)} parameters" + (f", world {args.world})" if args.world else ")")
     if args.format == "json":
         json.dump(
-            {"ok": all(_ok(c, m) for c, m in results), "files": [_json(c, m, against) for c, m in results]},
+            {
+                "ok": all(_ok(c, m) for c, m in results),
+                "files": [_json(c, m, against, priced.get(c.path)) for c, m in results],
+            },
             out,
             indent=2,
         )
@@ -82,6 +92,13 @@ def run_model_check(args: argparse.Namespace, out: TextIO, err: TextIO, cost: Co
             assert checked.spec is not None
             for finding in found.findings:
                 err.write(_finding_text(finding, err_style) + "\n")
+            if priced.get(checked.path):
+                declared, real = priced[checked.path]  # type: ignore[misc]
+                err.write(
+                    f"{err_style('note', 'bold')}: with the model's dtypes the declared tensors' step moves "
+                    f"{format_bytes(real)} per rank, as the optimizers run it; the spec as declared plans "
+                    f"{format_bytes(declared)}\n"
+                )
             verdict = out_style("ok", "green") if found.ok else out_style("fails", "bold")
             out.write(
                 f"{checked.path}: {verdict} against {against}: {found.summary()}; {describe_spec(checked.spec)}\n"
@@ -102,7 +119,26 @@ def _finding_text(finding: Finding, style: Style) -> str:
     return f"{head} {severity}: {finding.message}\n{finding.position.caret()}"
 
 
-def _json(checked: Checked, found: ModelCheck | None, against: str) -> dict[str, Any]:
+def _step_bytes(
+    checked: Checked,
+    parameters: list[tuple[str, tuple[int, ...], str]],
+    flat_axis: str | int | None,
+    cost: CostModel | None,
+) -> tuple[int, int] | None:
+    """The bytes per rank of the declared tensors' step plan, as declared and in the model's
+    dtypes (``None`` where the plan with the model's dtypes cannot be made)."""
+    assert checked.spec is not None
+    try:
+        real = plan_spec(with_model_dtypes(checked.spec, parameters), flat_axis=flat_axis, cost=cost)
+        declared = plan_spec(checked.spec, flat_axis=flat_axis, cost=cost)
+    except ShardlangError:
+        return None
+    return declared.total_bytes, real.total_bytes
+
+
+def _json(
+    checked: Checked, found: ModelCheck | None, against: str, priced: tuple[int, int] | None = None
+) -> dict[str, Any]:
     if found is None:
         return {"file": checked.path, "ok": False, "errors": [error_json(checked)], "findings": []}
     findings = [
@@ -116,4 +152,7 @@ def _json(checked: Checked, found: ModelCheck | None, against: str) -> dict[str,
         }
         for f in found.findings
     ]
-    return {"file": checked.path, "ok": found.ok, "model": against, "errors": [], "findings": findings}
+    out = {"file": checked.path, "ok": found.ok, "model": against, "errors": [], "findings": findings}
+    if priced is not None:  # where a dtype differs: the step's bytes per rank
+        out["step_bytes"] = {"declared": priced[0], "model_dtypes": priced[1]}
+    return out

@@ -16,8 +16,9 @@ finding (``Finding.kind``)    severity  what it says
 ``shape``                     error     a declared tensor whose shape is not its parameter's, or a
                                         rule whose layouts name more dims than the parameter has
 ``mesh``                      error     a mesh holding ranks the job does not have (``world_size``)
-``dtype``                     warning   a declared dtype that is not the parameter's (the plan is
-                                        priced with the declared one; the runtime moves the real one)
+``dtype``                     warning   a declared dtype that is not the parameter's (a plan of the
+                                        spec prices the declared one; the runtime moves and prices
+                                        the real one, as :func:`with_model_dtypes` does)
 ``unused``                    warning   a declaration or a rule that matches no parameter (a
                                         misspelled declaration with "did you mean" the parameter)
 ``idle_ranks``                warning   ranks of the job that no mesh of the spec holds
@@ -25,7 +26,7 @@ finding (``Finding.kind``)    severity  what it says
 
 Errors are what cannot train (today the optimizer refuses them, later and less clearly);
 warnings are what trains but is probably not meant. The language layer's own: no torch, no
-planner. Example (the optimizers run the same check when they are built)::
+planner. ``shardlang check FILE --model MODULE:FACTORY [--world N]`` runs it. Example::
 
     >>> from shardlang import parse_spec
     >>> spec = parse_spec("mesh world = [dp=4]\ntensor wte.weight : f32[100, 8] { param = S(dp),R over world }")
@@ -139,6 +140,17 @@ def check_model(spec: Spec, parameters: Iterable[Any], *, world_size: int | None
     if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
         raise SpecError(f"world_size must be a positive integer, not {world_size!r}")
     return _Checker(spec, entries).run(world_size)
+
+
+def with_model_dtypes(spec: Spec, parameters: Iterable[Any]) -> Spec:
+    """``spec`` with every declared tensor in the dtype of its parameter (by name, else by the
+    name without a wrapper's prefix): what the optimizers move and price, where a ``dtype``
+    finding of :func:`check_model` says the declaration differs. Tensors no parameter has keep
+    their declared dtype."""
+    entries = named_entries(parameters)
+    dtypes = {bare(name)[0]: dtype for name, _, dtype in entries} | {name: dtype for name, _, dtype in entries}
+    tensors = tuple(attrs.evolve(t, dtype=dtypes.get(t.name, t.dtype)) for t in spec.tensors)
+    return attrs.evolve(spec, tensors=tensors)
 
 
 @attrs.define

@@ -31,6 +31,10 @@ def tiny_bf16() -> nn.Module:
     return Tiny().to(torch.bfloat16)
 
 
+def tiny_f64() -> nn.Module:
+    return Tiny().to(torch.float64)
+
+
 def tiny_ddp() -> nn.Module:
     return Wrapped(Tiny())
 
