@@ -37,7 +37,7 @@ planner. ``shardlang check FILE --model MODULE:FACTORY [--world N]`` runs it. Ex
     Traceback (most recent call last):
     shardlang.model_check.ModelMismatchError: the spec does not fit the model (2 errors, 1 warning)
       - the names carry the prefix 'module.' (DDP or DataParallel): 1 parameter of the model, ...
-      - mesh 'world' (mesh[dp=4]) holds 4 ranks (up to rank 3) but the job has 2: ...
+      - <text>:1:1: mesh 'world' (mesh[dp=4]) holds 4 ranks (up to rank 3) but the job has 2: ...
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ class ModelMismatchError(SpecError):
     """A spec that does not fit its model: every error of the check, one per line."""
 
     def __init__(self, check: ModelCheck) -> None:
-        lines = [f.message for f in check.errors]
+        # Each error where the spec has it (file:line:col), as a rank's optimizer raises it.
+        lines = [f"{f.position.prefix()}: {f.message}" if f.position else f.message for f in check.errors]
         head = f"the spec does not fit the model ({check.summary()})"
         super().__init__(head + "".join(f"\n  - {line}" for line in lines))
         self.check = check
@@ -130,16 +131,23 @@ class ModelMismatchError(SpecError):
         return self
 
 
-def check_model(spec: Spec, parameters: Iterable[Any], *, world_size: int | None = None) -> ModelCheck:
+def check_model(
+    spec: Spec, parameters: Iterable[Any], *, world_size: int | None = None, rank: int | None = None
+) -> ModelCheck:
     """Check ``spec`` against a model's ``parameters``: ``(name, shape, dtype)`` entries (the
     dtype as the language names it, ``"bf16"``, or as torch does, ``"torch.bfloat16"`` or a
     torch dtype) or ``(name, tensor)`` pairs such as ``model.named_parameters()``. With
-    ``world_size``, the meshes are checked against it too. Pure: reads nothing, raises only
-    for entries that are not parameters (:class:`SpecError`); see the module's table."""
+    ``world_size``, the meshes are checked against it too. With ``rank``, the parameters are
+    that rank's, as an optimizer is given them: a declared tensor's may have the shape of the
+    rank's piece under its param layout instead of the whole shape (a DTensor has the whole).
+    Pure: reads nothing, raises only for entries that are not parameters (:class:`SpecError`);
+    see the module's table."""
     entries = named_entries(parameters)
-    if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
-        raise SpecError(f"world_size must be a positive integer, not {world_size!r}")
-    return _Checker(spec, entries).run(world_size)
+    for value, what in ((world_size, "world_size"), (rank, "rank")):
+        low = 1 if what == "world_size" else 0
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            raise SpecError(f"{what} must be {'a positive' if low else 'a non-negative'} integer, not {value!r}")
+    return _Checker(spec, entries, rank).run(world_size)
 
 
 def with_model_dtypes(spec: Spec, parameters: Iterable[Any]) -> Spec:
@@ -157,6 +165,7 @@ def with_model_dtypes(spec: Spec, parameters: Iterable[Any]) -> Spec:
 class _Checker:
     spec: Spec
     entries: list[tuple[str, tuple[int, ...], str]]
+    rank: int | None = None
     findings: list[Finding] = attrs.field(factory=list)
     used_tensors: set[str] = attrs.field(factory=set)
     used_rules: set[int] = attrs.field(factory=set)
@@ -203,7 +212,7 @@ class _Checker:
     # --- parameters the spec gives layouts -------------------------------------------------
     def declared(self, tensor: TensorSpec, shape: tuple[int, ...], dtype: str) -> None:
         name = tensor.name
-        if tensor.shape != shape:
+        if tensor.shape != shape and shape != self.piece(tensor):
             self.add(
                 "shape",
                 ERROR,
@@ -221,6 +230,13 @@ class _Checker:
                 [name],
                 tensor.position,
             )
+
+    def piece(self, tensor: TensorSpec) -> tuple[int, ...] | None:
+        """The shape of the rank's piece of ``tensor`` under its param layout (``None`` without
+        a rank, or where the rank is not in the layout's mesh)."""
+        if self.rank is None or self.rank not in tensor.param.mesh.ranks:
+            return None
+        return tensor.param.rank_piece(tensor.shape, self.rank).shape
 
     def ruled(self, rule: Rule, name: str, shape: tuple[int, ...], dtype: str) -> None:
         try:

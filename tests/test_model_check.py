@@ -128,6 +128,21 @@ def test_shapes_and_rank_free_rules_against_the_parameters() -> None:
     assert _kinds(check) == [(ERROR, "shape")] and check.findings[0].parameters == ("b",)
 
 
+def test_a_ranks_pieces_fit_with_rank() -> None:
+    """An optimizer's parameters are its rank's pieces: with ``rank`` a declared tensor's shape
+    may be the piece (torch.chunk's, by hand: 7 rows in 2 are 4 and 3) or the whole."""
+    spec = parse_spec("tensor w : f32[7, 6] { param = S0,R over mesh[2] }")
+    for rank, piece, other in ((0, (4, 6), (3, 6)), (1, (3, 6), (4, 6))):
+        for shape in (piece, (7, 6)):
+            assert check_model(spec, [("w", shape, "f32")], rank=rank).findings == ()
+        assert _kinds(check_model(spec, [("w", other, "f32")], rank=rank)) == [(ERROR, "shape")]
+        assert _kinds(check_model(spec, [("w", piece, "f32")])) == [(ERROR, "shape")]  # without rank: the whole
+    outside = parse_spec("tensor w : f32[8] { param = S0 over mesh[2] ranks 2..3 }")
+    assert _kinds(check_model(outside, [("w", (4,), "f32")], rank=0)) == [(ERROR, "shape")]
+    with pytest.raises(SpecError, match="rank must be a non-negative integer"):
+        check_model(spec, [("w", (7, 6), "f32")], rank=-1)
+
+
 def test_a_dtype_that_is_not_the_parameters_is_a_warning() -> None:
     torch = pytest.importorskip("torch")
     params = [(n, torch.zeros(s, dtype=torch.bfloat16)) for n, s, _ in PARAMS]  # as named_parameters() gives them
@@ -157,7 +172,10 @@ def test_raise_errors_lists_every_error_and_is_a_shardlang_error() -> None:
     assert isinstance(caught.value, ShardlangError) and caught.value.check is check
     lines = str(caught.value).splitlines()
     assert lines[0] == f"the spec does not fit the model ({len(check.errors)} errors, {len(check.warnings)} warnings)"
-    assert [line.removeprefix("  - ") for line in lines[1:]] == [f.message for f in check.errors]
+    placed = [f"{f.position.prefix()}: " if f.position else "" for f in check.errors]
+    expected = [p + f.message for p, f in zip(placed, check.errors, strict=True)]
+    assert [line.removeprefix("  - ") for line in lines[1:]] == expected
+    assert placed == ["", "", "model.shard:2:1: "]  # the prefix, lm_head.weight (no line), the mesh's declaration
     assert len(check.errors) == 3  # the prefix, lm_head.weight, the mesh
     again = pickle.loads(pickle.dumps(caught.value))  # as a rank's error reaches the others
     assert str(again) == str(caught.value) and again.check == check
