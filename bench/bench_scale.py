@@ -2,7 +2,10 @@
 command a user runs on a model's spec, from 64 to 131,072 ranks, in one process per command.
 
     .venv/bin/python bench/bench_scale.py [--ranks 64,4096,131072] [--models 7b,70b]
-        [--meshes 2,3,4,5] [--commands check,plan,...] [--json PATH]
+        [--meshes 2,3,4,5] [--commands check,plan,...] [--json PATH] [--update PATH]
+
+``--update PATH`` reruns only the rows asked for: the other rows of the results file ``PATH``
+stay, each with the commit it was measured at (the table's note names both).
 
 Specs (:func:`model_spec`): Llama-shaped models, bf16, TP=8 inside a node and ZeRO-2 over every
 other axis: column-parallel weights (q, k, v, gate, up, the embedding and the head)
@@ -17,7 +20,8 @@ first, ``dp`` taking the ranks the others leave: 2-D ``[dp, tp=8]``, 3-D ``[dp, 
 Commands (each a fresh ``python -m cli`` process; start-up and imports included):
 ``check``, ``plan`` (the whole step, text), ``plan-json`` (``--format json``), ``plan-flat``
 (``--flat-axis dp``), ``plan-p2p`` (``--p2p``), ``suggest`` (``--memory 24GiB``, the norms
-given by ``--tensor``) and ``reshard``: the checkpoint of the embedding's state
+given by ``--tensor``, the training loop inferred from the spec: plain, its gradients pending
+their mean) and ``reshard``: the checkpoint of the embedding's state
 (``S(tp,<data axes>),R``, 32000 x hidden) planned onto a 2-D mesh of three quarters of the ranks,
 as loading a checkpoint on a smaller cluster does. Per command: wall seconds, CPU seconds
 (user + system, of the child), its peak resident set (``ru_maxrss`` from ``os.wait4``: the
@@ -171,9 +175,11 @@ def main() -> None:
     parser.add_argument("--meshes", default="2,3,4,5", help="mesh ranks (axes) to run")
     parser.add_argument("--commands", default=",".join(COMMANDS))
     results.add_json_option(parser)
+    parser.add_argument("--update", type=Path, metavar="PATH", help="keep the other rows of this results file")
     args = parser.parse_args()
-    rows, raw, misses = [], [], []
     commands = args.commands.split(",")
+    commit = (results.provenance()["commit"] or "")[:10]
+    raw = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             for ndim in (int(n) for n in args.meshes.split(",")):
@@ -187,31 +193,74 @@ def main() -> None:
                     for name in commands:
                         got = run_one(command(name, spec, norms, model, axes))
                         error = got["stderr"].strip().splitlines()[-1] if got["rc"] else ""
-                        # the whole message is in the data; the table keeps its start
-                        note = f"exit {got['rc']}: {error[:100]}..." if got["rc"] else ""
-                        mesh = _mesh_text(axes)
-                        met = got["cpu_s"] <= GOAL_SECONDS and got["peak_mib"] <= GOAL_MIB and got["rc"] == 0
-                        if not met and ranks == max(int(n) for n in args.ranks.split(",")):
-                            misses.append(f"{model} {mesh} {name}")
-                        cells = [model, mesh, f"{ranks:,}", name, f"{got['wall_s']:.2f}", f"{got['cpu_s']:.2f}"]
-                        rows.append([*cells, f"{got['peak_mib']:.0f}", f"{got['out_bytes']:,}", note or "ok"])
-                        print(" | ".join(rows[-1]), flush=True)
                         raw.append({k: v for k, v in got.items() if k not in ("stdout", "stderr")})
-                        raw[-1].update(model=model, mesh=mesh, ranks=ranks, command=name, error=error)
-    verdict = _suggest_goal() if "suggest" in commands else "not run"
-    columns = ["model", "mesh", "ranks", "command", "wall s", "CPU s", "peak MiB", "output bytes", "result"]
+                        raw[-1].update(model=model, mesh=_mesh_text(axes), ranks=ranks, command=name, error=error)
+                        raw[-1]["commit"] = commit
+                        print(" | ".join(_row(raw[-1])), flush=True)
+    kept = _kept_rows(args.update, raw) if args.update else []
+    raw = sorted(kept + raw, key=_order)
+    verdict = _suggest_goal() if "suggest" in commands else _kept_verdict(args.update)
     largest = max(r["ranks"] for r in raw)
+    misses = [
+        f"{r['model']} {r['mesh']} {r['command']}"
+        for r in raw
+        if r["ranks"] == largest and not (r["cpu_s"] <= GOAL_SECONDS and r["peak_mib"] <= GOAL_MIB and r["rc"] == 0)
+    ]
+    columns = ["model", "mesh", "ranks", "command", "wall s", "CPU s", "peak MiB", "output bytes", "result"]
+    commits = sorted({r.get("commit", "") for r in raw})
+    measured = (
+        f" Rows measured at commit{'s' * (len(commits) > 1)} {', '.join(commits)} (the data says which)."
+        if kept
+        else ""
+    )
     note = (
         f"Goals at {largest:,} ranks: every command <= {GOAL_SECONDS:g} s of CPU and <= {GOAL_MIB:g} MiB; "
         + (f"missed by: {', '.join(misses)}." if misses else "all met.")
         + f" suggest on 7B [dp=512, tp=8] within {SUGGEST_BUDGET}: {verdict}. CPU seconds judge the time: "
-        "wall seconds on a shared machine count its other processes too."
+        "wall seconds on a shared machine count its other processes too." + measured
     )
     print(note)
-    tables = [summary(raw, commands), results.table("Each command in a fresh process", columns, rows, note)]
+    every = sorted({r["command"] for r in raw}, key=lambda c: COMMANDS.index(c) if c in COMMANDS else len(COMMANDS))
+    tables = [
+        summary(raw, every),
+        results.table("Each command in a fresh process", columns, [_row(r) for r in raw], note),
+    ]
     for t in tables[:1]:
         print(t["title"], t["columns"], *t["rows"], sep="\n")
     results.write(args.json, "scale", tables, data=raw)
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    """A data row's table cells; a failed command's cell keeps the start of its error."""
+    note = f"exit {r['rc']}: {r['error'][:100]}..." if r["rc"] else "ok"
+    cells = [r["model"], r["mesh"], f"{r['ranks']:,}", r["command"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}"]
+    return [*cells, f"{r['peak_mib']:.0f}", f"{r['out_bytes']:,}", note]
+
+
+def _order(r: dict[str, Any]) -> tuple:
+    """Rows in the order a full run makes them: model, mesh rank, ranks, command."""
+    command = COMMANDS.index(r["command"]) if r["command"] in COMMANDS else len(COMMANDS)
+    return list(MODELS).index(r["model"]), r["mesh"].count("="), r["ranks"], command
+
+
+def _kept_rows(path: Path, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the results file ``path`` that this run did not measure again, each with
+    the commit it was measured at."""
+    record = results.read(path)
+    again = {(r["model"], r["mesh"], r["ranks"], r["command"]) for r in fresh}
+    kept = [dict(r) for r in record["data"] if (r["model"], r["mesh"], r["ranks"], r["command"]) not in again]
+    for r in kept:
+        r.setdefault("commit", (record["commit"] or "")[:10])
+    return kept
+
+
+def _kept_verdict(path: Path | None) -> str:
+    """The suggest goal's verdict as the results file ``path`` states it, when suggest is not rerun."""
+    if path is None:
+        return "not run"
+    note = results.read(path)["tables"][-1]["note"]
+    start = note.find(f"within {SUGGEST_BUDGET}: ")
+    return note[start + len(f"within {SUGGEST_BUDGET}: ") :].split(". CPU seconds")[0] if start >= 0 else "not run"
 
 
 def summary(raw: list[dict[str, Any]], commands: list[str]) -> dict[str, Any]:
