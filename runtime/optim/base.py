@@ -46,6 +46,7 @@ from runtime.optim.slots import Slot, Slots, SpecLike, names_text
 from runtime.optim.states import ShardedStates, StateStore, state_where
 from runtime.optim.sums import SumReducer, SumSpec
 from runtime.optim.transaction import StepTransaction
+from shardlang.errors import ShardlangError
 
 # Names the optimizers, the checkpoints and DCP import from here.
 __all__ = [
@@ -231,8 +232,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # --- the step ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of named parameters (``{"params": list(module.named_parameters()),
-        "lr": ...}``), placed from the spec like the first ones; nothing changes unless every
-        one of them is placed."""
+        "lr": ...}``), placed from the spec and checked like the first ones (their replicas
+        too: every rank calls it); nothing changes unless every one of them is placed."""
         if not hasattr(self, "_slots"):  # torch.optim.Optimizer.__init__ adds the first groups
             super().add_param_group(param_group)
             return
@@ -248,7 +249,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"{kind}.add_param_group needs named parameters: {{'params': list(module.named_parameters()), ...}}"
                 )
             placed = self._slots.place(group)
-        except OptimizerError:
+            self._replicas.parameters(placed)  # checked as those given at construction
+        except ShardlangError:
             self.param_groups.pop()
             raise
         kept = list(self._slots)

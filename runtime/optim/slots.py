@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.cost import CostModel
@@ -200,6 +201,15 @@ class Slots(Sequence[Slot]):
                         f"its layouts lie on different meshes ({layout.mesh.describe()} and "
                         f"{state_layout.mesh.describe()}); an optimizer step moves tensors within one mesh"
                     )
+            world = dist.get_world_size() if dist.is_initialized() else None
+            if world is not None and max(state_layout.mesh.ranks) >= world:
+                # Raised alike on every rank before any collective (whose group could not form).
+                mesh = state_layout.mesh
+                raise OptimizerError(
+                    f"its mesh {mesh.describe()} holds ranks {ranks_text(mesh.ranks)} but the job has {world} "
+                    f"(torch.distributed's world size): size the spec's meshes to the job ('shardlang check "
+                    f"FILE --model MODULE:FACTORY --world {world}' lists every mesh that does not fit)"
+                )
             axis = None if self._flat_axis is None else state_layout.mesh.axis_index(self._flat_axis)
             block = state_layout if axis is None else without_axis(state_layout, axis)
             inside = rank in state_layout.mesh.ranks
