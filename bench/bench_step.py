@@ -63,6 +63,8 @@ What is counted:
   profiler runs from step 2, so tensors freed in step 3 were seen allocated); largest over
   ranks. Steps 2 and 3 are profiled and therefore never timed.
 
+``--replicas`` runs only what the replica checks cost (``bench/replica_cost.py``) instead.
+
 A third section times the collectives alone: one flat buffer of every parameter, all-reduced
 (DDP's traffic) against reduce-scattered and all-gathered (ZeRO's), through the runtime's own
 ``collective``: the floor under any ZeRO step on the backend, whatever the optimizer does.
@@ -83,7 +85,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,12 +98,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_model import ADAMW, CAME, MODELS, VOCAB, build_model, spec_for, tokens_for
-from step_profile import profile_counts
+from replica_cost import replica_section, report_replicas
+from step_profile import attribute_bytes, ddp_bucket_bytes, nbytes, profile_counts, torch_state_bytes
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -132,36 +134,6 @@ STEP_ALONE = {
     "came-flat": "ShardedCAME, flat ZeRO",
 }
 MiB = 2**20
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def nbytes(tensors: Iterable[Any]) -> int:
-    return sum(local(t).numel() * local(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def torch_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return nbytes(v for state in optimizer.state.values() for v in state.values())
-
-
-def ddp_bucket_bytes(module: nn.Module) -> int | None:
-    """Bytes of the DDP reducer's gradient buckets (they exist beside ``param.grad``)."""
-    try:
-        data = module._get_ddp_logging_data()  # type: ignore[operator]
-        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
-        return sum(int(s) for s in str(sizes).split(",") if s.strip())
-    except (AttributeError, RuntimeError, ValueError):
-        return None
-
-
-def attribute_bytes(optimizer: Any, name: str) -> int | None:
-    """``optimizer.<name>`` as a number of bytes, called if it is a method; None if absent."""
-    value = getattr(optimizer, name, None)
-    if callable(value):
-        value = value()
-    return int(value) if isinstance(value, (int, float)) else None
 
 
 @dataclass
@@ -395,13 +367,18 @@ def results_of(variants: list[Variant], counts: dict[str, dict[str, int]]) -> di
 
 
 def rank_main(
-    rank: int, world: int, models: list[str], steps: dict[str, int], keys: list[str], overlap_bucket_bytes: int | None
+    rank: int, world: int, models: list[str], steps: dict[str, int], keys: list[str], options: tuple[int | None, bool]
 ) -> dict[str, Any]:
-    """Both sections for every model, on this rank."""
+    """Every section for every model, on this rank (``options``: the overlap bucket bytes, and
+    whether to run only the replica checks' section)."""
     mesh = init_device_mesh("cpu", (world,))
     out: dict[str, Any] = {}
+    overlap_bucket_bytes, replicas = options
     for name in models:
         base = build_model(name)
+        if replicas:
+            out[name] = replica_section(base, world, steps[name])
+            continue
         started = time.perf_counter()
         variants = [train_variant(key, base, rank, world, mesh, overlap_bucket_bytes) for key in keys]
         train = results_of(variants, interleaved(variants, steps[name]))
@@ -563,6 +540,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help=f"steps per model (default {DEFAULT_STEPS})")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the default")
+    parser.add_argument("--replicas", action="store_true", help="only the replica checks' cost (replica_cost.py)")
     bench_results.add_json_option(parser)
     parser.add_argument(
         "--overlap-bucket-kib",
@@ -584,14 +562,18 @@ def main() -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     started = time.perf_counter()
-    overlap_bytes = None if args.overlap_bucket_kib is None else args.overlap_bucket_kib * 1024
-    ranks = run_ranks(rank_main, args.ranks, (models, steps, keys, overlap_bytes), timeout=3600, collective_timeout=900)
+    options = (None if args.overlap_bucket_kib is None else args.overlap_bucket_kib * 1024, args.replicas)
+    ranks = run_ranks(rank_main, args.ranks, (models, steps, keys, options), timeout=3600, collective_timeout=900)
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}; {time.perf_counter() - started:.0f} s")
-    report = {"command": sys.argv, "ranks": args.ranks, "variants": keys}
+    report = {"command": sys.argv, "ranks": args.ranks, "variants": ["replicas"] if args.replicas else keys}
     with bench_results.printed() as shown:
-        report["models"] = {m: report_model(m, steps[m], ranks, keys) for m in models}
+        if args.replicas:
+            report["models"] = {m: report_replicas(m, steps[m], ranks[0][m]) for m in models}
+        else:
+            report["models"] = {m: report_model(m, steps[m], ranks, keys) for m in models}
     # The tables as printed, with the command, commit, date and machine (bench/results.py).
-    bench_results.write(args.json, "Training step", bench_results.markdown_tables(shown.getvalue()), data=report)
+    title = "Replica checks' cost" if args.replicas else "Training step"
+    bench_results.write(args.json, title, bench_results.markdown_tables(shown.getvalue()), data=report)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Reading a profiled training step (``bench_step.py``): the collectives and the allocator's
 peak inside each variant's last training step and ``optimizer.step()``, from the windows the
-bench marks with ``record_function("bench|VARIANT|train")`` and ``"bench|VARIANT|step"``."""
+bench marks with ``record_function("bench|VARIANT|train")`` and ``"bench|VARIANT|step"``; and
+the bytes a variant holds after it (tensors, optimizer states, DDP's buckets)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.profiler import profile
 
 
@@ -66,3 +70,33 @@ def profile_counts(prof: profile, keys: Iterable[str]) -> dict[str, dict[str, in
             "peak_step": peak(*step),
         }
     return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def nbytes(tensors: Iterable[Any]) -> int:
+    return sum(local(t).numel() * local(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def torch_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return nbytes(v for state in optimizer.state.values() for v in state.values())
+
+
+def ddp_bucket_bytes(module: nn.Module) -> int | None:
+    """Bytes of the DDP reducer's gradient buckets (they exist beside ``param.grad``)."""
+    try:
+        data = module._get_ddp_logging_data()  # type: ignore[operator]
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+        return sum(int(s) for s in str(sizes).split(",") if s.strip())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def attribute_bytes(optimizer: Any, name: str) -> int | None:
+    """``optimizer.<name>`` as a number of bytes, called if it is a method; None if absent."""
+    value = getattr(optimizer, name, None)
+    if callable(value):
+        value = value()
+    return int(value) if isinstance(value, (int, float)) else None
