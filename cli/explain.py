@@ -10,7 +10,7 @@ from cli.greedy import NoGreedyOrder, greedy_plan
 from cli.plan_report import format_plan, plan_json, steps_table
 from cli.tables import format_bytes, format_seconds
 from cli.terminal import Style
-from planner import CostModel, Plan, plan
+from planner import DEFAULT_MAX_STATES, CostModel, Plan, plan
 from shardlang import Layout
 
 
@@ -22,9 +22,16 @@ class Explained:
 
 
 def explain(
-    src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: CostModel, *, point_to_point: bool = False
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...],
+    dtype: str,
+    cost: CostModel,
+    *,
+    point_to_point: bool = False,
+    max_states: int = DEFAULT_MAX_STATES,
 ) -> Explained:
-    chosen = plan(src, dst, shape, dtype, cost, point_to_point=point_to_point)
+    chosen = plan(src, dst, shape, dtype, cost, point_to_point=point_to_point, max_states=max_states)
     if not src.mesh.same_geometry(dst.mesh):
         return Explained(chosen, None, "the layouts are on different meshes, which DTensor cannot redistribute between")
     try:

@@ -101,12 +101,12 @@ def _add_cost_options(p: argparse.ArgumentParser, memory: bool = True) -> None:
             metavar="N",
             help="no state of a plan may hold more bytes per rank (1048576, 64MiB)",
         )
-        p.add_argument(
-            "--max-states",
-            type=max_states_arg,
-            metavar="N",
-            help=f"the search budget in states of each pair of layouts (default {DEFAULT_MAX_STATES})",
-        )
+    p.add_argument(
+        "--max-states",
+        type=max_states_arg,
+        metavar="N",
+        help=f"the search budget in states of each pair of layouts (default {DEFAULT_MAX_STATES})",
+    )
 
 
 def _add_step_options(p: argparse.ArgumentParser, buckets: bool = True) -> None:
@@ -429,7 +429,8 @@ def _render_each(groups: list[TensorGroup], output: str | None, fmt: str) -> int
 def cmd_explain(args: argparse.Namespace) -> int:
     pair = read_pair(args.src, args.dst, args.shape, args.dtype)
     cost = _cost_model(args)
-    ex = explain(pair.src, pair.dst, pair.shape, pair.dtype, cost, point_to_point=args.p2p)
+    budget = DEFAULT_MAX_STATES if args.max_states is None else args.max_states
+    ex = explain(pair.src, pair.dst, pair.shape, pair.dtype, cost, point_to_point=args.p2p, max_states=budget)
     if args.format == "json":
         _emit_json(explained_json(ex))
     else:

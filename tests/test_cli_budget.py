@@ -1,4 +1,4 @@
-"""``shardlang plan`` and the search budget: ``--p2p`` past the budget falls back to the
+"""``shardlang plan`` (and ``explain``) and the search budget: ``--p2p`` past the budget falls back to the
 collective plans with a note (what the command prints without ``--p2p``), and ``--max-states``
 sets the budget of a pair's plan, or of each pair in a spec file's step plan."""
 
@@ -64,3 +64,11 @@ def test_max_states_is_the_budget_of_each_pair_of_a_spec_file(tmp_path: Path) ->
 def test_max_states_refuses_nonsense() -> None:
     for bad in ("0", "many"):
         assert run("plan", *SAME_MESH, "--shape", "8x8", "--max-states", bad).returncode == 2
+
+
+def test_explain_takes_the_budget_its_error_names() -> None:
+    """Every command whose error says to raise max_states takes --max-states: explain too."""
+    refused = run("explain", *CROSS, "--shape", "8x8", "--max-states", "3")
+    no_traceback(refused)
+    assert refused.returncode == 1 and "max_states=3" in refused.stderr and "--max-states" in refused.stderr
+    assert run("explain", *CROSS, "--shape", "8x8", "--max-states", "100000").returncode == 0
