@@ -41,12 +41,18 @@ def fsdp2_accelerator() -> Accelerator:
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     accelerator = Accelerator(fsdp_plugin=plugin)
     if not accelerator.is_fsdp2:
-        from accelerate.state import AcceleratorState, PartialState
-
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
-        AcceleratorState._shared_state["fsdp_plugin"] = plugin
+        take_fsdp_plugin_on_cpu(plugin)
     return accelerator
+
+
+def take_fsdp_plugin_on_cpu(plugin: FullyShardedDataParallelPlugin) -> None:
+    """Set the distributed type and plugin that accelerate sets on GPUs (its state is shared:
+    every Accelerator of the process, the Trainer's too, runs FSDP from then on)."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
 
 
 def sharded_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
