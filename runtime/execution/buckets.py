@@ -33,24 +33,21 @@ from runtime.errors import DistributedError, ReshardError
 from runtime.execution.program import CollectiveMove
 from runtime.execution.run import LegWalk, Started, StartMove, record_traffic, start_move
 from runtime.execution.step_program import IN_FLIGHT, BucketProgram, LegProgram, StepProgram
+from runtime.measure import stats
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 
 
-def _walk(program: LegProgram, x: torch.Tensor, rank: int) -> LegWalk:
-    """The walk of one leg (``runtime.execution.run.LegWalk``) from the rank's piece ``x``,
-    checked against the piece the leg starts from."""
+def _wrong_piece(program: LegProgram, x: torch.Tensor, rank: int) -> ReshardError:
+    """The error of an input that is not the piece its leg starts from on this rank."""
     leg = program.leg
-    if x.shape != program.source_shape or x.dtype != program.dtype:
-        source = leg.hops[0].plan
-        raise ReshardError(
-            f"{leg.what} of tensor '{leg.tensor}': rank {rank} holds a piece of {dtype_name(x.dtype)} "
-            f"{list(x.shape)}, but '{source.src}' gives it {leg.dtype} {list(program.source_shape)} "
-            f"of {list(source.shape)}"
-        )
-    return LegWalk(program.schedule, x, lambda: f"{leg.what} of tensor '{leg.tensor}'")
+    source = leg.hops[0].plan
+    return ReshardError(
+        f"{program.label()}: rank {rank} holds a piece of {dtype_name(x.dtype)} {list(x.shape)}, but "
+        f"'{source.src}' gives it {leg.dtype} {list(program.source_shape)} of {list(source.shape)}"
+    )
 
 
 def run_stage(
@@ -141,8 +138,14 @@ class StageRun:
 
     def feed(self, inputs: Mapping[int, torch.Tensor]) -> None:
         """Give legs their inputs (each once); starts every bucket that became ready."""
-        walks = {i: _walk(self.program.legs[i], x, self.program.rank) for i, x in inputs.items()}
-        self._walks.update(walks)
+        legs, walks = self.program.legs, self._walks
+        for i, x in inputs.items():
+            program = legs[i]
+            if x.shape != program.source_shape or x.dtype != program.dtype:
+                raise _wrong_piece(program, x, self.program.rank)
+        for i, x in inputs.items():  # given only once every input is checked
+            program = legs[i]
+            walks[i] = LegWalk(program.schedule, x, program.label)
         while self._next < len(self._buckets):
             bucket = self._buckets[self._next]
             if any(leg not in self._walks for leg, *_ in bucket.members):
@@ -310,10 +313,11 @@ class StageRun:
             if bucket.workspace is not None:
                 workspace = kept[bucket.workspace[0] : bucket.workspace[0] + bucket.workspace[1]]
         # Members that need no padding are written with one copy call for the whole bucket.
-        targets, sources = [], []
+        targets, sources, walks = [], [], []
         parts = self._memo(("send", bucket.index), (send.data_ptr(), send.shape), _send_parts, bucket, send)
         for position, (leg, move, _, _), part in zip(bucket.positions, bucket.members, parts, strict=True):
             walk = self._walks[leg]
+            walks.append(walk)
             self._advance(leg, walk, position)
             if leg in self._stable:
                 blocks = self._memo(("blocks", leg), (walk.x,), _blocks, move, walk.x)[0]
@@ -345,9 +349,9 @@ class StageRun:
             # The members keep their pieces: the bucket is started again by the next feed() or
             # finish(), so that the peers' collective is matched (docs/design/failures.md).
             raise type(e)(f"{self._bucket_text(bucket)} failed: {e.message}") from e
-        for leg, *_ in bucket.members:
-            self._walks[leg].x = None  # type: ignore[assignment]  # the piece is in the buffer now
-            self.packed.add(leg)
+        for walk in walks:
+            walk.x = None  # the piece is in the buffer now
+        self.packed.update(leg for leg, *_ in bucket.members)
         self._in_flight.append((bucket, pending, started))
 
     def _wait_oldest(self, deadline: float | None) -> None:
@@ -366,14 +370,15 @@ class StageRun:
         finally:
             self.waited += time.perf_counter() - blocked
         op = bucket.bucket.op
-        record_traffic(
-            [move for _, move, _, _ in bucket.members],
-            tensor=",".join(self.program.plan.legs[leg].tensor for leg, *_ in bucket.members),
-            step=bucket.index,
-            itemsize=ITEMSIZE[bucket.bucket.dtype],
-            planned_bytes=bucket.bucket.bytes,
-            started=started,
-        )
+        if stats.is_recording():  # the names are joined only then
+            record_traffic(
+                [move for _, move, _, _ in bucket.members],
+                tensor=",".join(self.program.plan.legs[leg].tensor for leg, *_ in bucket.members),
+                step=bucket.index,
+                itemsize=ITEMSIZE[bucket.bucket.dtype],
+                planned_bytes=bucket.bucket.bytes,
+                started=started,
+            )
         rows = op in ("all_gather", "all_to_all")
         mine = self._memo(
             ("result", bucket.index), (received.data_ptr(), received.shape), _result_parts, bucket, received

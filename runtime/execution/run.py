@@ -1,13 +1,19 @@
 """Running a rank's compiled moves (``runtime.execution.program``): the move logic every driver
 shares (docs/design.md, "One executor").
 
-:func:`walk` takes one rank's piece through a plan's moves: local steps run in it; a collective
-step packs the send buffer (``CollectiveMove.send``) and yields it, and unpacks what the driver
-sends back (``CollectiveMove.finish``); a point-to-point step yields its piece and the target
-piece it fills, a member of the :class:`Exchange` the driver runs. The driver only
-communicates: :func:`runtime.execution.executor.reshard` with torch.distributed on
-the calling rank, :func:`runtime.execution.simulate.simulate` with every rank's walk in one
-process and the collectives emulated over their send buffers, Muon's matrix moves
+:class:`LegWalk` is the one walker of a leg's moves: it runs the local steps (and a step
+program's views between hops) up to the next communicating step, where its driver takes the
+piece. Two drivers walk legs with it: :func:`walk`, one communication at a time, and the bucket
+runner (``runtime.execution.buckets.StageRun``), which packs every member of a bucket into one
+collective.
+
+:func:`walk` takes one rank's piece through a plan's moves: a collective step packs the send
+buffer (``CollectiveMove.send``) and yields it, and unpacks what the driver sends back
+(``CollectiveMove.finish``); a point-to-point step yields its piece and the target piece it
+fills, a member of the :class:`Exchange` the driver runs. The driver only communicates:
+:func:`runtime.execution.executor.reshard` with torch.distributed on the calling rank,
+:func:`runtime.execution.simulate.simulate` with every rank's walk in one process and the
+collectives emulated over their send buffers, Muon's matrix moves
 (``runtime.execution.matrix_moves``) with a walk per moved piece, their point-to-point steps
 bucketed into one exchange. So the padding, trimming and packing the simulator checks are the
 runtime's own.
@@ -18,7 +24,7 @@ the message's layout). A reshard's exchange has one member; Muon's matrix moves
 (``runtime.execution.matrix_moves``) bucket many. :func:`exchange` runs one with
 torch.distributed, and :func:`start_move` starts a collective move's, alone or as the first of a
 bucket (``runtime.execution.buckets``): every collective and message of a compiled program is
-posted here.
+posted here, and what each sent is recorded by :func:`record_traffic`.
 """
 
 from __future__ import annotations

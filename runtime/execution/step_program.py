@@ -35,8 +35,8 @@ class LegProgram:
     """A leg as one rank runs it: its moves per hop, and the shape and dtype of the piece it
     starts from. ``schedule`` is the leg's walk in order (``runtime.execution.run.LegWalk``): per
     step the view its hop starts with (on the hop's first step), its move and whether that is
-    local; a hop of no steps is an entry of its view alone (no move, local). ``positions`` maps (hop, step) to the
-    step's entry."""
+    local; a hop of no steps is an entry of its view alone (no move, local). ``positions`` maps
+    (hop, step) to the step's entry."""
 
     leg: Leg
     moves: tuple[tuple[CollectiveMove | RankExchange | None, ...], ...]
@@ -44,6 +44,10 @@ class LegProgram:
     dtype: torch.dtype  # the leg's, as torch names it
     schedule: tuple[Entry, ...]
     positions: Mapping[tuple[int, int], int]
+
+    def label(self) -> str:
+        """The leg in errors (``LegWalk``'s ``label``)."""
+        return f"{self.leg.what} of tensor '{self.leg.tensor}'"
 
 
 @attrs.frozen(eq=False)
