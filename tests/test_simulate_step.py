@@ -18,7 +18,7 @@ import torch
 
 from planner.legs import AFTER, BEFORE, StepTensor
 from planner.step import plan_step
-from runtime.errors import DistributedError
+from runtime.errors import DistributedError, ReshardError
 from runtime.execution.buckets import run_stage
 from runtime.execution.simulate import simulate_step
 from runtime.execution.step_program import compile_step
@@ -113,6 +113,15 @@ def test_ranks_that_post_different_collectives_are_an_error_not_a_hang() -> None
     inputs = _inputs(programs, BEFORE)
     with pytest.raises(DistributedError, match=r"the ranks \[0, 1, 2, 3\] posted different collectives"):
         simulate_step(programs, BEFORE, inputs, timeout=5)
+
+
+def test_a_rank_that_fails_is_the_error_raised_and_its_peers_stop_waiting() -> None:
+    programs = _programs(None, False)
+    inputs = _inputs(programs, BEFORE)
+    leg = _legs(programs[2], "grad -> state")["w"]
+    inputs[2] = {**inputs[2], leg: torch.zeros(3, 3)}
+    with pytest.raises(ReshardError, match=r"rank 2 holds a piece of f32 \[3, 3\]"):
+        simulate_step(programs, BEFORE, inputs, timeout=60)
 
 
 def _real(rank: int, world_size: int) -> dict[str, Any]:

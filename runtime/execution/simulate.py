@@ -121,9 +121,10 @@ def simulate_step(
     step program (``programs``: every rank's, compiled from its own step plan), given per rank
     its legs' inputs (leg index -> piece, as ``runtime.execution.buckets.run_stage`` takes them).
     ``kept_buffers``: each rank's buckets use kept buffers laid out as in a step
-    (``runtime.execution.step_program``), else fresh ones. Raises the first rank's error; a
-    collective whose members do not all post theirs within ``timeout`` seconds is a
-    :class:`DistributedError`. No result shares memory with an input or a buffer."""
+    (``runtime.execution.step_program``), else fresh ones. Raises the error of the rank that
+    failed first (its peers stop waiting for it); a collective whose members do not all post
+    theirs within ``timeout`` seconds is a :class:`DistributedError`. No result shares memory
+    with an input or a buffer."""
     board = _Board()
     wait = datetime.timedelta(seconds=timeout)
 
@@ -139,12 +140,14 @@ def simulate_step(
                 start=board.start,
             )
         except BaseException:
-            board.fail()  # the peers stop waiting for this rank's collectives
+            board.fail(rank)  # the peers stop waiting for this rank's collectives
             raise
         return {leg: x.clone(memory_format=torch.contiguous_format) for leg, x in done.items()}
 
     with ThreadPoolExecutor(max_workers=max(len(programs), 1)) as pool:
         futures = {rank: pool.submit(run, rank) for rank in programs}
+    if board.first is not None:
+        futures[board.first].result()  # raises
     return {rank: future.result() for rank, future in futures.items()}
 
 
@@ -184,7 +187,7 @@ class _Board:
         self._lock = threading.Condition()
         self._meetings: dict[tuple[tuple[int, ...], int], _Meeting] = {}
         self._count: dict[tuple[int, tuple[int, ...]], int] = {}
-        self._failed = False
+        self.first: int | None = None  # the rank that failed first
 
     def start(
         self, move: CollectiveMove, send: torch.Tensor, *, out: torch.Tensor | None = None, **_: object
@@ -207,19 +210,22 @@ class _Board:
                 self._lock.notify_all()
         return _Posted(self, meeting, rank)
 
-    def fail(self) -> None:
+    def fail(self, rank: int) -> None:
         with self._lock:
-            self._failed = True
+            if self.first is None:
+                self.first = rank
             self._lock.notify_all()
 
     def wait(self, meeting: _Meeting, rank: int, timeout: datetime.timedelta) -> torch.Tensor:
         with self._lock:
-            self._lock.wait_for(lambda: meeting.met or meeting.error or self._failed, timeout.total_seconds())
+            self._lock.wait_for(
+                lambda: meeting.met or meeting.error is not None or self.first is not None, timeout.total_seconds()
+            )
         if meeting.error is not None:
             raise DistributedError(meeting.error)
         move, _, received = meeting.posts[rank]
         if not meeting.met:
-            why = "another rank failed" if self._failed else f"within {timeout.total_seconds():g} s"
+            why = f"rank {self.first} failed" if self.first is not None else f"within {timeout.total_seconds():g} s"
             raise DistributedError(
                 f"the simulated {move.step.op} over ranks {list(move.members)} was not met by every member ({why})"
             )
