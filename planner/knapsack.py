@@ -191,17 +191,15 @@ def _run(
     return result.x, result.status == 0, float(getattr(result, "mip_gap", 0.0) or 0.0)
 
 
-def _choice(problem: Problem, program: _Program, x: Any, timed: bool = True) -> Choice:
-    """The choice of solution ``x``; not ``timed``: its memory only (``seconds`` NaN)."""
+def _choice(problem: Problem, program: _Program, x: Any) -> Choice:
+    """The choice of solution ``x``, timed."""
     import numpy as np
 
     counts = np.rint(x[: len(program.cells)]).astype(int)
     picks: list[list[int]] = [[] for _ in problem.groups]
     for (gi, ci), n in zip(program.cells, counts, strict=True):
         picks[gi] += [ci] * int(n)
-    if timed:
-        return problem.evaluate(picks)
-    return Choice(picks=tuple(tuple(p) for p in picks), memory=problem.memory_of(picks), seconds=math.nan)
+    return problem.evaluate(picks)
 
 
 def _solve(problem: Problem, budget: int | None, time_limit: float, ties: bool) -> tuple[Choice, float, bool]:
@@ -247,11 +245,29 @@ def _time_bound(problem: Problem, budget: int, time_limit: float) -> float:
     return float(program.time @ x) / _US if optimal else 0.0
 
 
-def smallest_memory(problem: Problem, time_limit: float = 10.0, *, timed: bool = True) -> Choice:
-    """The choice of least memory per rank (not ``timed``: its time left out, NaN)."""
-    program = _program(problem)
-    x, _, _ = _run(program, program.memory, [], time_limit)
-    return _choice(problem, program, x, timed)
+def smallest_memory(problem: Problem, *, timed: bool = True) -> Choice:
+    """The choice of least memory per rank (not ``timed``: its time left out, NaN). Exact
+    without the solver: memory is a sum per tensor plus the largest transient, so for each
+    transient ``T`` some candidate has, every tensor takes its group's least-memory candidate
+    of transient at most ``T`` (the first of equal ones), and the least total over ``T`` wins
+    (the smallest ``T`` of equal totals)."""
+    best: tuple[int, list[list[int]]] | None = None
+    for limit in sorted({c.transient for g in problem.groups for c in g.candidates}):
+        picks: list[list[int]] = []
+        for g in problem.groups:
+            allowed = [i for i, c in enumerate(g.candidates) if c.transient <= limit]
+            if not allowed:
+                break
+            least = min(allowed, key=lambda i: g.candidates[i].memory)
+            picks.append([least] * len(g.tensors))
+        else:
+            total = problem.memory_of(picks)
+            if best is None or total < best[0]:
+                best = (total, picks)
+    assert best is not None  # the largest transient allows every candidate
+    if timed:
+        return problem.evaluate(best[1])
+    return Choice(picks=tuple(tuple(p) for p in best[1]), memory=best[0], seconds=math.nan)
 
 
 def better(a: Choice, b: Choice, problem: Problem | None) -> bool:
@@ -286,7 +302,7 @@ def suggest(
     ``fixed``: :func:`smallest_memory`'s and :func:`fixed_choices`' answers, when the caller
     has them."""
     started = time.perf_counter()
-    least = smallest_memory(problem, time_limit, timed=False) if least is None else least
+    least = smallest_memory(problem, timed=False) if least is None else least
     if least.memory > budget:
         raise _too_small(budget, least.memory, problem.loop)
     if math.isnan(least.seconds):  # the fallback below needs its time
@@ -326,7 +342,7 @@ def suggest_best(problems: Sequence[Problem], budget: int, time_limit: float = 1
     one: flat sharding changes how every tensor's state is kept); when none fits, the error
     names the smallest budget that fits any of them."""
     started = time.perf_counter()
-    least = [smallest_memory(p, time_limit, timed=False) for p in problems]
+    least = [smallest_memory(p, timed=False) for p in problems]
     fixed = [fixed_choices(p) for p in problems]
     fitting: list[Suggestion] = []
     for p, m, f in zip(problems, least, fixed, strict=True):

@@ -19,7 +19,7 @@ import pytest
 from cli.main import main
 from planner import CostModel, plan
 from planner.cost import collective_rounds
-from planner.knapsack import suggest, suggest_best
+from planner.knapsack import smallest_memory, suggest, suggest_best
 from planner.spec_plan import plan_spec
 from planner.suggest import SuggestError, build_problems, state_layouts
 from runtime.optim.came import came_state_shapes
@@ -134,6 +134,8 @@ def test_suggest_equals_brute_force_and_fits(
     problems = problems[: checked.stop - checked.start]
     everything = [(m, s, lay, p) for p in problems for m, s, lay in _brute(p, spec, optimizer)]
     memories = sorted({m for m, _, _, _ in everything})
+    for p in problems:  # the least memory, found without the solver
+        assert smallest_memory(p, timed=False).memory == min(m for m, _, _, q in everything if q is p)
     for budget in [memories[0], memories[len(memories) // 3], memories[len(memories) // 2] + 1, memories[-1]]:
         fitting = [s for m, s, _, _ in everything if m <= budget]
         result = suggest_best(problems, budget)
