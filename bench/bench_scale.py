@@ -21,7 +21,9 @@ Commands (each a fresh ``python -m cli`` process; start-up and imports included)
 ``check``, ``plan`` (the whole step, text), ``plan-json`` (``--format json``), ``plan-flat``
 (``--flat-axis dp``), ``plan-p2p`` (``--p2p``), ``suggest`` (``--memory 24GiB``, the norms
 given by ``--tensor``, the training loop inferred from the spec: plain, its gradients pending
-their mean) and ``reshard``: the checkpoint of the embedding's state
+their mean; 24 GiB for 7B, 80 GiB for 70B, whose plain loop holds 35 GB of parameters and
+gradients per rank), ``suggest-any`` (the same with ``--loop any``: every ZeRO form, the largest
+search) and ``reshard``: the checkpoint of the embedding's state
 (``S(tp,<data axes>),R``, 32000 x hidden) planned onto a 2-D mesh of three quarters of the ranks,
 as loading a checkpoint on a smaller cluster does. Per command: wall seconds, CPU seconds
 (user + system, of the child), its peak resident set (``ru_maxrss`` from ``os.wait4``: the
@@ -62,9 +64,12 @@ MESHES: dict[int, tuple[tuple[str, int], ...]] = {
     4: (("fsdp", 4), ("cp", 2)),
     5: (("rep", 2), ("fsdp", 4), ("cp", 2)),
 }
-COMMANDS = ("check", "plan", "plan-json", "plan-flat", "plan-p2p", "suggest", "reshard")
+COMMANDS = ("check", "plan", "plan-json", "plan-flat", "plan-p2p", "suggest", "suggest-any", "reshard")
 GOAL_SECONDS, GOAL_MIB = 5.0, 500.0
 SUGGEST_BUDGET = "24GiB"
+# suggest's budget per model: 70B's plain loop holds its TP shards of parameters and gradients
+# whole (35 GB per rank), so it is asked for an 80 GB accelerator's.
+BUDGETS = {"7b": SUGGEST_BUDGET, "70b": "80GiB"}
 
 
 def mesh_axes(ranks: int, ndim: int) -> list[tuple[str, int]] | None:
@@ -119,8 +124,10 @@ def command(name: str, spec: Path, norms: str, model: str, axes: list[tuple[str,
     """The ``shardlang`` arguments of one command on ``spec``."""
     if name == "check":
         return ["check", str(spec)]
-    if name == "suggest":
-        return ["suggest", str(spec), "--memory", SUGGEST_BUDGET, "--tensor", norms, "--tensor", norms_final(norms)]
+    if name in ("suggest", "suggest-any"):
+        tensors = ["--tensor", norms, "--tensor", norms_final(norms)]
+        loop = ["--loop", "any"] if name == "suggest-any" else []
+        return ["suggest", str(spec), "--memory", BUDGETS[model], *tensors, *loop]
     if name == "reshard":
         data = ",".join(a for a, _ in axes if a != "tp")
         ranks = 1
@@ -196,6 +203,8 @@ def main() -> None:
                         raw.append({k: v for k, v in got.items() if k not in ("stdout", "stderr")})
                         raw[-1].update(model=model, mesh=_mesh_text(axes), ranks=ranks, command=name, error=error)
                         raw[-1]["commit"] = commit
+                        if name.startswith("suggest") and got["rc"] == 0:  # HiGHS's limit is wall seconds
+                            raw[-1]["optimal"] = "solved: optimal" in got["stdout"]
                         print(" | ".join(_row(raw[-1])), flush=True)
     kept = _kept_rows(args.update, raw) if args.update else []
     raw = sorted(kept + raw, key=_order)
@@ -233,6 +242,8 @@ def main() -> None:
 def _row(r: dict[str, Any]) -> list[str]:
     """A data row's table cells; a failed command's cell keeps the start of its error."""
     note = f"exit {r['rc']}: {r['error'][:100]}..." if r["rc"] else "ok"
+    if r.get("optimal") is False:
+        note = "ok, solver stopped at its time limit (wall seconds)"
     cells = [r["model"], r["mesh"], f"{r['ranks']:,}", r["command"], f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}"]
     return [*cells, f"{r['peak_mib']:.0f}", f"{r['out_bytes']:,}", note]
 
