@@ -185,7 +185,12 @@ def _foreign_notation(
     if read is not None and read.notation is not None:  # a missing comma: at the dim after it
         return offset if read.notation == COMMAS else at, _did_you_mean(read, [read.notation], "", mesh, "")
     if "OVER" in expected and over is None and body and _ends_layout(found):
-        return at + len(region.strip()), (
+        dims, _, last = body.rpartition(" ")
+        if dims and _parses(f"{dims.strip()} over {last}"):  # 'R,S1 mesh[2,2]': its mesh without 'over'
+            body, mesh = dims.strip(), last
+        elif not _parses(f"{body} over {mesh}"):
+            return None
+        return at + len(body), (
             f"a layout ends with 'over' and its mesh: did you mean '{body} over {mesh}'? "
             f"(found {found or 'the end of the text'})"
         )
