@@ -43,15 +43,16 @@ STEPS = 6
 LAYOUTS = ("zero_rows", "flat_zero", "dp2_tp2", "nested_tp_dp", "three_ranks", "flat_zero_with_tp", "own_exp_avg")
 KINDS = (("adamw", torch.float32), ("came", torch.float64))
 # name: (overlap, prefetch_params, micro-batches, results landing late: tests.late_results,
-# free_grads: every gradient freed once its bucket packed it, ZeRO-2 proper)
+# free_grads: False keeps the gradients; None, the default, frees every gradient once its
+# bucket packed it, ZeRO-2 proper)
 MODES = {
     "plain": (False, False, 1, False, False),
     "overlap": (True, False, 4, False, False),
     "overlap_prefetch": (True, True, 1, False, False),
     "overlap_prefetch_micro4": (True, True, 4, False, False),
     "overlap_prefetch_late": (True, True, 2, True, False),
-    "overlap_free_micro4": (True, False, 4, False, True),
-    "overlap_free_prefetch_late": (True, True, 2, True, True),
+    "overlap_free_micro4": (True, False, 4, False, None),
+    "overlap_free_prefetch_late": (True, True, 2, True, None),
 }
 BUCKET_BYTES = 512  # small buckets: several start during backward, at different times
 # Gradients changed after their buckets took them: backward of twice the pieces, then halved in
@@ -133,8 +134,8 @@ def _run(
                         assert optimizer.buckets_started == 0, "a bucket started inside no_sync"
                 else:
                     model({n: g * scale for n, g in pieces.items()}).backward()
-            # Gradients left after backward: with free_grads, those whose legs send nothing.
-            kept_grads.append(sorted(n for n in SHAPES if model.parts[n].weight.grad is not None))
+            # Gradients left after backward: freed by default, but those whose legs send nothing.
+            kept_grads.append(sorted(n for n in SHAPES if _kept(model.parts[n].weight.grad)))
             plan = optimizer.step_plan()
             before = plan.stage_buckets(BEFORE)
             if overlap:
@@ -151,6 +152,12 @@ def _run(
         "said_again": said_again,
         "kept_grads": kept_grads,
     }
+
+
+def _kept(grad: torch.Tensor | None) -> bool:
+    from runtime.optim.freed_grads import is_freed
+
+    return grad is not None and not is_freed(grad)
 
 
 def _peer_dies_in_backward(rank: int, world_size: int) -> dict[str, Any]:
@@ -277,9 +284,9 @@ def test_overlap_equals_the_step_without_it_and_the_reference(
         else:
             assert all(n == 0 for n, _ in got["started"]), (mode, got["started"])
         assert not got["said_again"], (mode, got["said_again"])
-        if MODES[mode][4] and config in ("zero_rows", "flat_zero"):  # every leg reduce-scatters
+        if MODES[mode][4] is None and config in ("zero_rows", "flat_zero"):  # every leg reduce-scatters
             assert all(kept == [] for kept in got["kept_grads"]), (mode, got["kept_grads"])
-        elif not MODES[mode][4]:
+        elif MODES[mode][4] is False:
             assert all(kept == sorted(SHAPES) for kept in got["kept_grads"]), (mode, got["kept_grads"])
 
 
@@ -321,28 +328,30 @@ def test_a_peer_that_dies_during_backward_fails_the_step_and_changes_nothing() -
     assert result["unchanged"]
 
 
-def _accumulated_after_freed(rank: int, world_size: int) -> tuple[str, str, float]:
-    """free_grads: a second backward outside no_sync() accumulates into gradients already
-    freed: the step must refuse (not reduce half of them), on every rank, changing nothing."""
+def _accumulated_after_freed(rank: int, world_size: int) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
+    """free_grads (the default): a second backward outside no_sync() accumulates into
+    gradients already freed: that backward raises, and the step refuses (not reduce half of
+    them), on every rank, changing nothing."""
     from runtime.testing import attempt
 
     spec = _spec(*CONFIGS["zero_rows"][:2])
     model = Pieces(initial_params(torch.float32, 35))
     named = [(n, model.parts[n].weight) for n in SHAPES]
-    optimizer = _optimizer("adamw", named, spec, overlap=True, bucket_bytes=BUCKET_BYTES, free_grads=True)
+    optimizer = _optimizer("adamw", named, spec, overlap=True, bucket_bytes=BUCKET_BYTES)
     pieces = {n: local_grad(g, a, spec[n].grad, (rank,)) for n, (g, a) in step_grads(torch.float32, 35, 0).items()}
-    for _ in range(2):
-        model({n: g * 0.5 for n, g in pieces.items()}).backward()
+    model({n: g * 0.5 for n, g in pieces.items()}).backward()
+    again = attempt(lambda: model({n: g * 0.5 for n, g in pieces.items()}).backward())
     before = {n: p.detach().clone() for n, p in named}
     outcome = attempt(optimizer.step)
     unchanged = all(torch.equal(before[n], p) for n, p in named) and not optimizer.state_dict()["tensors"]
-    return outcome[0], outcome[1] + ("" if unchanged else " (CHANGED)"), outcome[2]
+    return again, (outcome[0], outcome[1] + ("" if unchanged else " (CHANGED)"), outcome[2])
 
 
 @pytest.mark.slow
 def test_free_grads_refuses_a_gradient_accumulated_after_it_was_freed() -> None:
-    for rank, (kind, message, seconds) in enumerate(run_ranks(_accumulated_after_freed, 4, timeout=120)):
+    for rank, (again, (kind, message, seconds)) in enumerate(run_ranks(_accumulated_after_freed, 4, timeout=120)):
+        assert again[0] == "FreedGradError" and "optimizer.no_sync()" in again[1], (rank, again)
         assert kind == "OptimizerError", (rank, kind, message)
-        assert "was accumulated again after its bucket had taken and freed it" in message, message
+        assert "was accumulated again (or changed in place) after its bucket had taken and freed it" in message, message
         assert "optimizer.no_sync()" in message and "(CHANGED)" not in message, message
         assert seconds < 10, (rank, seconds)

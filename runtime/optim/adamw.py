@@ -225,11 +225,12 @@ class ShardedAdamW(ShardedOptimizer):
     spec's hints. ``transactional``: keep the whole step on spare buffers, committed when every
     rank finished it (by default states and parameter shards are updated in place once every
     rank has agreed: docs/memory.md). ``free_grads``: free each gradient once its bucket has
-    packed it, so that no rank keeps whole gradients past the step (ZeRO-2). By default on
-    without ``overlap``: ``step()`` frees them, and ``.grad`` is ``None`` after it, as after
-    ``zero_grad()``. With ``overlap`` it is off by default; on, the gradients are freed during
-    backward, ``.grad`` is ``None`` from then on, and only the optimizer's
-    ``clip_grad_norm_`` sees them (docs/memory.md, "Gradients").
+    packed it, so that no rank keeps whole gradients past the step (ZeRO-2), on by default:
+    ``step()`` frees them, and ``.grad`` is ``None`` after it, as after ``zero_grad()``. With
+    ``overlap`` they are freed during backward, and until ``step()`` or ``zero_grad()`` ``.grad``
+    is a placeholder without memory that raises ``FreedGradError`` if anything reads or writes
+    it: only the optimizer's ``clip_grad_norm_`` and ``max_grad_norm`` see the gradients then
+    (docs/memory.md, "Gradients"); ``free_grads=False`` keeps them.
     ``fused``: run torch's fused AdamW kernel (CUDA or CPU) on the shards, equal bit for bit to
     ``torch.optim.AdamW(fused=True)``; it updates in place, so not with ``transactional``
     (docs/gpu.md).

@@ -144,10 +144,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite, self.verify, self.idle_ranks = skip_nonfinite, verify, idle_ranks
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.all_ranks_commit, self.overlap = all_ranks_commit, bool(overlap)
-        # ZeRO-2 by default: step() frees the gradients it reduced. Under overlap they are kept
-        # unless asked, since freeing them during backward hides them from torch's clipping
-        # (docs/memory.md, "Gradients").
-        self.free_grads = not self.overlap if free_grads is None else bool(free_grads)
+        # ZeRO-2 by default: step() frees the gradients it reduced; under overlap each bucket
+        # frees them during backward, leaving placeholders that refuse to be read (docs/memory.md,
+        # "Gradients").
+        self.free_grads = True if free_grads is None else bool(free_grads)
         # In place behind an early commit point (or, for math with sums between its phases, the
         # math into spare states before it), or the whole step on spare buffers, swapped in when
         # every rank finished it (docs/memory.md, "The commit point").

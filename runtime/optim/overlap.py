@@ -15,11 +15,14 @@ import attrs
 import torch
 
 from planner.legs import BEFORE
-from runtime.errors import ReshardError
+from runtime.comm.collectives import collective, default_device
+from runtime.comm.groups import ranks_group
+from runtime.errors import DistributedError, ReshardError
 from runtime.execution.buckets import StageRun
 from runtime.memory.dtypes import as_dtype
 from runtime.optim.compiler import CompiledStep, StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
+from runtime.optim.freed_grads import freed_grad, freed_of
 from runtime.optim.slots import (
     Slot,
     Slots,
@@ -61,9 +64,9 @@ class ParamGathers:
         self._hooks: list[Any] = []
 
     def register(self, units: Sequence[torch.nn.Module]) -> None:
-        """Give each unit's forward a pre-hook that writes its parameters (see
-        ``ShardedOptimizer.prefetch_params``); nothing is registered unless every held
-        parameter belongs to a unit."""
+        """Give each unit's forward and ``state_dict()`` a pre-hook that writes its parameters
+        (see ``ShardedOptimizer.prefetch_params``), so that neither reads a value a step old;
+        nothing is registered unless every held parameter belongs to a unit."""
         slots = {id(s.param): s for s in self._slots.held()}
         taken: set[int] = set()
         owned = []
@@ -77,6 +80,9 @@ class ParamGathers:
             raise OptimizerError(f"prefetch_params: no unit given holds tensor {names_text(missing)}")
         for unit, mine in owned:
             self._hooks.append(unit.register_forward_pre_hook(lambda *_, mine=mine: self.gather_for(mine)))
+            # model.state_dict() (and torch.distributed.checkpoint's, which calls it) calls each
+            # submodule's state_dict, and so this hook, before reading the unit's tensors.
+            self._hooks.append(unit.register_state_dict_pre_hook(lambda *_, mine=mine: self.gather_for(mine)))
 
     def hand(self, run: StageRun, legs: Mapping[int, int], slots: Sequence[Slot], step: int) -> None:
         """The gathers of a step that committed, left to run (``legs``: per slot its "state ->
@@ -150,12 +156,26 @@ class Backward:
     # free_grads: the gradient legs by their index, and those whose packed gradient was freed.
     grad_legs: dict[int, Slot] | None = None
     freed: set[int] = attrs.field(factory=set)
+    # What the ranks agreed the step does with these buckets (USE, AGAIN or REFUSE), the lowest
+    # rank that refused, and this rank's reasons: the parameters that got no gradient, whose
+    # gradient changed after its bucket took it, and whose freed gradient something wrote.
+    verdict: int | None = None
+    refused_by: int | None = None
+    unused: list[str] = attrs.field(factory=list)
+    changed: list[str] = attrs.field(factory=list)
+    written: list[str] = attrs.field(factory=list)
+
+
+# The verdicts on the buckets started during backward, lowest first (the ranks take the least).
+REFUSE, AGAIN, USE = 0, 1, 2
+_NO_RANK = 2**62
 
 
 class OverlapController:
     """The buckets before the update, started by gradient hooks as backward makes the
     gradients (``overlap``), and handed to the step that follows (:meth:`take`,
-    :meth:`started`); ``free_grads`` frees each gradient once its bucket packed it."""
+    :meth:`started`); ``free_grads`` frees each gradient once its bucket packed it, leaving a
+    placeholder in ``.grad`` (``runtime.optim.freed_grads``)."""
 
     def __init__(
         self,
@@ -172,6 +192,7 @@ class OverlapController:
         self._sync = True  # False inside no_sync()
         self._backward: Backward | None = None
         self._said: set[str] = set()  # the warnings said so far (each once)
+        self._rotated: dict[tuple[int, ...], tuple[int, ...]] = {}  # the agreement's group (_agree)
         self._hooks: list[Any] = []
 
     def hook(self, slots: Sequence[Slot]) -> None:
@@ -189,18 +210,80 @@ class OverlapController:
             self._sync = previous
 
     def take(self) -> Backward | None:
-        """The buckets started during the last backward, for the step (or clipping) now."""
-        backward, self._backward = self._backward, None
+        """The buckets started during the last backward, for the step (or clipping) now, once
+        the ranks of the step agreed what to do with them (:meth:`_agree`). The placeholders of
+        the gradients it freed become ``None`` again; one that something tried to write (a
+        backward accumulating into it) makes every rank refuse the step."""
+        backward = self._release()
+        if backward is not None and backward.run is not None:
+            backward.verdict, backward.refused_by = self._agree(backward)
         return backward
 
     def drop(self) -> None:
         """Forget a backward whose step will not come: its buckets waited out, the stand-ins of
-        the gradients it freed forgotten."""
-        backward = self.take()
+        the gradients it freed forgotten, their placeholders cleared."""
+        backward = self._release()
         if backward is not None and backward.run is not None:
             backward.run.drain()
         for slot in self._slots:
             slot.taken = None
+            if freed_of(slot.param.grad) is not None:
+                slot.param.grad = None
+
+    def _release(self) -> Backward | None:
+        """The last backward's buckets, and ``.grad`` ``None`` again where it was freed (the
+        written placeholders named in the backward; kept without one, so that the step
+        refuses them)."""
+        backward, self._backward = self._backward, None
+        for slot in self._slots:
+            placeholder = freed_of(slot.param.grad)
+            if placeholder is None or (placeholder.written and backward is None):
+                continue
+            if placeholder.written:
+                backward.written.append(slot.name)  # type: ignore[union-attr]
+            slot.param.grad = None
+        return backward
+
+    def _agree(self, backward: Backward) -> tuple[int, int | None]:
+        """What every rank of the step does with the buckets started during backward: use them
+        (``USE``), wait them out and reduce the gradients as they are (``AGAIN``: some rank's
+        gradients changed after their buckets took them, or did not come as planned), or refuse
+        the step (``REFUSE``: a freed gradient was written), and the lowest rank that refused.
+        One all-reduce of two int64, before the step runs anything a rank could do alone: a rank
+        that reduced anew, or failed, while its peers used their buckets would leave them
+        waiting for collectives it never starts."""
+        slots = self._slots.stepped()
+        grads = [slot.local_grad() for slot in slots]
+        try:
+            compiled = self._compiler.compiled(slots, [(layout, grad.dtype) for grad, layout in grads])
+        except ShardlangError:  # raised by the step, on every rank (the commit flag)
+            compiled = None
+        stepped = {s.index for s in slots}
+        backward.unused = [s.name for s in backward.slots if s.index not in stepped]
+        backward.changed = [
+            slot.name
+            for slot, key in zip(slots, grad_versions(grads), strict=True)
+            if backward.fed.get(slot.index, key) != key
+        ]
+        planned = not backward.stale and backward.compiled is compiled and backward.slots == slots
+        vote = REFUSE if backward.written else USE if planned and not backward.changed else AGAIN
+        rank = self._slots.rank
+        members = self._slots.members(slots) if slots else ()
+        if len(members) < 2 or not torch.distributed.is_initialized():
+            return vote, rank if vote == REFUSE else None
+        flag = torch.tensor([vote, rank if vote == REFUSE else _NO_RANK], dtype=torch.int64, device=default_device())
+        # The members in another order are a process group of their own (groups are keyed and
+        # named by their ordered ranks): this all-reduce never pairs with a bucket's collective
+        # that a peer has in flight, or that a rank whose hook failed starts only in the step.
+        rotated = self._rotated.get(members)
+        if rotated is None:
+            rotated = self._rotated[members] = members[1:] + members[:1]
+        try:
+            group = ranks_group(rotated, timeout=self._compiler.timeout)
+            agreed = collective("all_reduce", flag, len(members), "min", group, self._compiler.timeout).tolist()
+        except DistributedError:  # a peer is gone: the buckets' own waits raise it, naming them
+            return vote, None
+        return int(agreed[0]), None if agreed[1] == _NO_RANK else int(agreed[1])
 
     @property
     def buckets_started(self) -> int:
@@ -247,8 +330,9 @@ class OverlapController:
             backward.error = backward.error or error
 
     def _free_packed(self, backward: Backward) -> None:
-        """Free the gradients whose buckets have packed them (``free_grads``): each parameter's
-        ``.grad`` becomes ``None`` and an empty stand-in keeps its dtype and layout for the step."""
+        """Free the gradients whose buckets have packed them (``free_grads``): an empty stand-in
+        keeps each one's dtype and layout for the step, and the parameter's ``.grad`` becomes a
+        placeholder without memory that refuses to be read or written (``FreedGrad``)."""
         assert backward.compiled is not None and backward.run is not None
         if backward.grad_legs is None:
             legs = backward.compiled.legs
@@ -256,8 +340,10 @@ class OverlapController:
         for leg in backward.run.packed - backward.freed:
             slot = backward.grad_legs.get(leg)
             backward.freed.add(leg)
-            if slot is not None and slot.param.grad is not None:
+            grad = None if slot is None else slot.param.grad
+            if slot is not None and grad is not None:
                 take_grad(slot, slot.local_grad()[1])
+                slot.param.grad = freed_grad(grad, slot.name, self._owner)
                 backward.fed[slot.index] = memory_and_version(slot.local_grad()[0])
 
     def _begin(self) -> Backward:
@@ -286,45 +372,56 @@ class OverlapController:
         grads: Sequence[tuple[torch.Tensor, Layout]],
         step_number: int,
     ) -> StageRun | None:
-        """The buckets started during backward, if they were planned for these gradients and
-        were given them as they are now; else ``None``, after waiting out any that were not (the
-        step then reduces the gradients as they are). A gradient changes after its bucket took it
-        when a second backward accumulates into it outside ``no_sync()``, or when it is changed
-        in place after backward (``GradScaler.unscale_``); parameters that got no gradient leave
-        the buckets planned for them unfed. The step then runs without overlap, and says why
-        (once each)."""
+        """The buckets started during backward, if every rank of the step agreed to use them
+        (:meth:`take`); else ``None``, after waiting out those started, and every rank reduces
+        the gradients as they are. A gradient changes after its bucket took it when a second
+        backward accumulates into it outside ``no_sync()``, or when it is changed in place after
+        backward (``GradScaler.unscale_``), with ``free_grads=False``; parameters that got no
+        gradient leave the buckets planned for them unfed. The step then runs without overlap,
+        and says why (once each). Where a rank wrote a freed gradient, every rank refuses the
+        step: ``OptimizerError`` there, ``OptimizerStepError`` naming it on the others."""
         if backward is None or backward.run is None:
             return None
-        if backward.stale or backward.compiled is not compiled or backward.slots != list(slots):
-            backward.run.drain()
-            stepped = {s.index for s in slots}
-            unused = [s.name for s in backward.slots if s.index not in stepped]
-            if unused and not backward.stale:
-                self._say(
-                    "unused",
-                    f"{self._owner}: step {step_number}: {names_text(unused)} got no gradient in backward, so the"
-                    " buckets started during backward (planned for every parameter that requires a gradient)"
-                    " were waited out and the step reduced every gradient anew, without overlap; set"
-                    " requires_grad=False on parameters the model does not use, or leave them out of the"
-                    " optimizer (said once)",
+        planned = not backward.stale and backward.compiled is compiled and backward.slots == list(slots)
+        verdict = backward.verdict
+        if verdict == USE and planned:
+            return backward.run
+        backward.run.drain()
+        if verdict == REFUSE:
+            if backward.written:
+                raise OptimizerError(
+                    f"the gradient of {names_text(backward.written)} was accumulated again (or changed in place)"
+                    " after its bucket had taken and freed it (free_grads=True): accumulate micro-batches inside"
+                    " optimizer.no_sync(), clip with optimizer.clip_grad_norm_, or pass free_grads=False"
                 )
-            return None
-        changed = [
-            slot.name
-            for slot, key in zip(slots, grad_versions(grads), strict=True)
-            if backward.fed.get(slot.index, key) != key
-        ]
-        if changed:
-            backward.run.drain()
+            raise OptimizerStepError(
+                f"step {step_number} was refused by rank {backward.refused_by}, where a gradient was written after"
+                " its bucket had taken and freed it; parameters and optimizer states are unchanged on every rank"
+            )
+        if backward.unused and not backward.stale:
+            self._say(
+                "unused",
+                f"{self._owner}: step {step_number}: {names_text(backward.unused)} got no gradient in backward, so"
+                " the buckets started during backward (planned for every parameter that requires a gradient)"
+                " were waited out and the step reduced every gradient anew, without overlap; set"
+                " requires_grad=False on parameters the model does not use, or leave them out of the"
+                " optimizer (said once)",
+            )
+        elif backward.changed:
             self._say(
                 "changed",
-                f"{self._owner}: step {step_number}: the gradients of {names_text(changed)} changed"
+                f"{self._owner}: step {step_number}: the gradients of {names_text(backward.changed)} changed"
                 " after backward had started reducing them, so the step reduced the gradients again, without"
                 " overlap; accumulate micro-batches inside no_sync() and clip with the optimizer's"
                 " clip_grad_norm_ to keep the overlap (said once)",
             )
-            return None
-        return backward.run
+        elif planned:
+            self._say(
+                "peer",
+                f"{self._owner}: step {step_number}: the gradients changed on another rank after backward had"
+                " started reducing them, so every rank reduced the gradients again, without overlap (said once)",
+            )
+        return None
 
     def _say(self, what: str, message: str) -> None:
         if what not in self._said:
