@@ -22,7 +22,8 @@ weight decay 0.01 everywhere. Per rank and variant:
   ``/proc/self/clear_refs`` right before it) minus ``VmRSS`` right before it: what the step
   allocates above what it held;
 * **predicted**: for the sharded optimizers, ``optimizer.memory_report()``'s total (our own
-  accounting, beside the measurement; the goal is agreement within 10%).
+  accounting, beside the measurement; the goal is agreement within 10%; over FSDP2's parameters
+  it counts the unsharded parameters FSDP2 keeps for its largest group).
 
 The table gives the largest over ranks and the ratio to DDP + AdamW of the same world size.
 Losses (rank 0's, the last step) must agree across variants within 1e-3 relative.
@@ -33,11 +34,14 @@ AdamW), ``sharded`` (``ShardedAdamW``, the ZeRO-2 spec: params ``R,R``, gradient
 ``R,R | P(dp):avg``, states ``S(dp),R``, no wrapper), ``sharded-flat`` (the same with states
 ``R,R`` and ``flat_axis="dp"``; both free the gradients in ``step()`` once reduced, their
 default), ``sharded-kept`` (ZeRO-2 with ``free_grads=False``: gradients kept),
-``sharded-overlap`` (ZeRO-2 with ``overlap=True`` and ``free_grads=True``: gradients freed
-during backward), ``sharded-overlap-kept`` (``overlap=True``, gradients kept: its default),
+``sharded-overlap`` (ZeRO-2 with ``overlap=True``: gradients freed during backward, the
+default), ``sharded-overlap-kept`` (``overlap=True`` with ``free_grads=False``: gradients kept),
 ``sharded-overlap-prefetch`` (``sharded-overlap`` with
 ``prefetch_params`` per layer), ``sharded-fsdp2`` (``ShardedAdamW`` over FSDP2's parameters,
-no spec), ``ddp-came`` (DDP + ``came_pytorch.CAME``), ``sharded-came`` and ``sharded-came-flat``.
+no spec), ``ddp-came`` (DDP + ``came_pytorch.CAME``), ``sharded-came`` and ``sharded-came-flat``,
+``ddp-muon`` (DDP + ``torch.optim.Muon`` on the matrices and ``torch.optim.AdamW`` on the rest)
+and ``sharded-muon`` (``ShardedMuon``, the ZeRO-2 spec: each matrix's update gathered whole for
+its Newton-Schulz iteration, one bucket at a time).
 """
 
 from __future__ import annotations
@@ -61,17 +65,21 @@ import results  # noqa: E402
 
 VARIANTS = {key: bench_step.VARIANTS[key] for key in ("ddp", "zero", "fsdp2", "sharded", "sharded-flat")} | {
     "sharded-kept": "ShardedAdamW, ZeRO-2 spec, free_grads=False",
-    "sharded-overlap": "ShardedAdamW, ZeRO-2 spec, overlap + free_grads",
-    "sharded-overlap-kept": "ShardedAdamW, ZeRO-2 spec, overlap",
-    "sharded-overlap-prefetch": "ShardedAdamW, ZeRO-2 spec, overlap + free_grads + prefetch_params",
+    "sharded-overlap": "ShardedAdamW, ZeRO-2 spec, overlap",
+    "sharded-overlap-kept": "ShardedAdamW, ZeRO-2 spec, overlap, free_grads=False",
+    "sharded-overlap-prefetch": "ShardedAdamW, ZeRO-2 spec, overlap + prefetch_params",
     "sharded-fsdp2": "ShardedAdamW over FSDP2's parameters",
     "ddp-came": "DDP + came_pytorch.CAME",
     "sharded-came": "ShardedCAME, ZeRO-2 spec",
     "sharded-came-flat": "ShardedCAME, flat ZeRO",
+    "ddp-muon": "DDP + torch.optim.Muon (matrices) + AdamW",
+    "sharded-muon": "ShardedMuon, ZeRO-2 spec",
 }
 # What each variant is compared with besides DDP + AdamW (the goals of docs/memory.md).
 PEERS = {"sharded": "zero", "sharded-flat": "zero", "sharded-fsdp2": "fsdp2"}
-PEERS |= {"sharded-came": "ddp-came", "sharded-came-flat": "ddp-came"}
+PEERS |= {"sharded-came": "ddp-came", "sharded-came-flat": "ddp-came", "sharded-muon": "ddp-muon"}
+# ShardedMuon's defaults, given to torch's Muon and AdamW alike (the AdamW part: bench_model's).
+MUON = {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
 WIDTH, LAYERS, FEED_FORWARD = 512, 6, 2048
 STEPS = 5
 MMAP_THRESHOLD = 64 * 1024
@@ -114,7 +122,7 @@ def worker(variant: str, rank: int, world: int, port: int, steps: int, bucket_by
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    from runtime.optim import ShardedAdamW, ShardedCAME
+    from runtime.optim import ShardedAdamW, ShardedCAME, ShardedMuon
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=300))
@@ -127,7 +135,7 @@ def worker(variant: str, rank: int, world: int, port: int, steps: int, bucket_by
     model = LanguageModel(WIDTH, LAYERS, FEED_FORWARD)
     module: torch.nn.Module = model
     optimizer: Any
-    if variant in ("ddp", "zero", "ddp-came"):
+    if variant in ("ddp", "zero", "ddp-came", "ddp-muon"):
         module = DistributedDataParallel(model)
     if variant in ("fsdp2", "sharded-fsdp2"):
         for layer in model.layers:
@@ -141,6 +149,14 @@ def worker(variant: str, rank: int, world: int, port: int, steps: int, bucket_by
         )
     elif variant == "ddp-came":
         optimizer = came_pytorch.CAME(model.parameters(), **CAME)
+    elif variant == "ddp-muon":
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim != 2]
+        optimizer = _Both(torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, foreach=True, **ADAMW))
+    elif variant == "sharded-muon":
+        spec = spec_for(model, world, "S(dp),R", "S(dp)")
+        adamw = {f"adamw_{k}": v for k, v in ADAMW.items()}
+        optimizer = ShardedMuon(model.named_parameters(), spec, **MUON, **adamw, bucket_bytes=bucket_bytes)
     elif variant == "sharded-fsdp2":
         optimizer = ShardedAdamW(model.named_parameters(), None, **ADAMW, bucket_bytes=bucket_bytes)
     else:
@@ -148,8 +164,8 @@ def worker(variant: str, rank: int, world: int, port: int, steps: int, bucket_by
         spec = spec_for(model, world, "R,R" if flat else "S(dp),R", "R" if flat else "S(dp)")
         overlap = variant.startswith("sharded-overlap")
         options: dict[str, Any] = {"flat_axis": "dp" if flat else None, "overlap": overlap}
-        if variant.endswith("-kept") or overlap:  # the default: free_grads without overlap only
-            options["free_grads"] = not variant.endswith("-kept")
+        if variant.endswith("-kept"):  # the default frees them, with overlap too
+            options["free_grads"] = False
         options["bucket_bytes"] = bucket_bytes
         if variant.startswith("sharded-came"):
             optimizer = ShardedCAME(model.named_parameters(), spec, **CAME, **options)
@@ -183,6 +199,17 @@ def worker(variant: str, rank: int, world: int, port: int, steps: int, bucket_by
     dist.barrier()
     dist.destroy_process_group()
     return {"held": held, "step_peak": step_peak, "loss": loss, "predicted": predicted}
+
+
+class _Both:
+    """Two torch optimizers stepped as one (Muon's matrices and AdamW's rest)."""
+
+    def __init__(self, *optimizers: Any) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
 
 
 def run_variant(
@@ -286,7 +313,8 @@ def print_table(world: int, keys: list[str], rows: dict[str, list[dict[str, Any]
     print("| variant | held MiB | x DDP | x peer | step peak MiB | predicted MiB | predicted / held | loss |")
     print("|---|---|---|---|---|---|---|---|")
     for key in keys:
-        reference_loss = rows["ddp-came" if "came" in key and "ddp-came" in rows else "ddp"][0]["loss"]
+        family = next((f for f in ("came", "muon") if f in key and f"ddp-{f}" in rows), None)
+        reference_loss = rows["ddp" if family is None else f"ddp-{family}"][0]["loss"]
         held = max(r["held"] for r in rows[key])
         peak = max(r["step_peak"] for r in rows[key])
         predicted = [r["predicted"] for r in rows[key] if r["predicted"] is not None]

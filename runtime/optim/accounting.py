@@ -18,6 +18,7 @@ from runtime.optim.slots import Slot, Slots
 from runtime.optim.states import StateStore
 from runtime.optim.sums import plan_collectives
 from shardlang.dtypes import ITEMSIZE
+from shardlang.interop import is_dtensor
 
 
 class Accounting:
@@ -90,4 +91,31 @@ class Accounting:
         # The second set of the flat buffers and of the own-layout states (the math writes new ones).
         spare = flat + masters + own if self._spare_states else 0
         scratch = scratch_bytes(slots) + self._driver.sum_buffer_bytes
-        return MemoryReport(params, grads, states, masters, buffers, spare, scratch)
+        return MemoryReport(params, grads, states, masters, buffers, spare, scratch, fsdp_unsharded_bytes(slots))
+
+
+def fsdp_unsharded_bytes(slots: Sequence[Slot]) -> int:
+    """Over FSDP2's parameters, the unsharded parameters of the largest ``fully_shard`` group
+    holding one of ``slots``: what FSDP2 keeps between steps besides the shards (measured by
+    ``bench/bench_memory.py``: its all-gather buffers of one group stay resident). FSDP2 has no
+    public way from a parameter to its group, so its module states are read; 0 without FSDP2."""
+    mine = {id(slot.param) for slot in slots if is_dtensor(slot.param)}
+    if not mine:
+        return 0
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # another torch: no FSDP2 states to read
+        return 0
+    largest = 0
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        if not isinstance(state, FSDPState):
+            continue
+        for group in state._fsdp_param_groups:
+            params = group.fsdp_params
+            if any(id(p.sharded_param) in mine for p in params):
+                dtypes = [getattr(p, "param_dtype", None) or p.sharded_param.dtype for p in params]
+                unsharded = sum(p._orig_size.numel() * d.itemsize for p, d in zip(params, dtypes, strict=True))
+                largest = max(largest, unsharded)
+    return largest

@@ -4,7 +4,8 @@ The figures come from the layouts and the step program, not from measuring: para
 their gradients (the rank's pieces, in their dtypes: the training loop holds them, the optimizer
 only reads them), the optimizer states and fp32 master shards (their local shapes), the bucket
 buffers of the step program (its kept and send buffers, ``runtime.execution.step_program._lay_out``), the spare
-state buffers of a transactional step, and the math's working buffers. ``bench/bench_memory.py``
+state buffers of a transactional step, the math's working buffers, and over FSDP2's parameters
+the unsharded parameters FSDP2 keeps for its largest ``fully_shard`` group. ``bench/bench_memory.py``
 sets the total beside the resident memory the operating system measures; docs/memory.md says
 what each part is and how it scales with the ranks.
 """
@@ -35,10 +36,15 @@ class MemoryReport:
     buffers: int  # the step program's bucket buffers (kept and send)
     spare: int  # the second set of state buffers of a transactional step
     scratch: int  # the math's working buffers
+    # What the model's wrapper keeps besides the parameters' shards: over FSDP2's parameters, the
+    # unsharded parameters of its largest fully_shard group (measured held between steps).
+    wrapper: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.params + self.grads + self.states + self.masters + self.buffers + self.spare + self.scratch
+        return (
+            self.params + self.grads + self.states + self.masters + self.buffers + self.spare + self.scratch
+        ) + self.wrapper
 
     def __str__(self) -> str:
         parts = [(k, v) for k, v in attrs.asdict(self).items() if v]
