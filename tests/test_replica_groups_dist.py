@@ -7,7 +7,11 @@
 - an added parameter whose shape is not its spec entry's is refused, nothing added;
 - a spec whose mesh holds more ranks than the job (``mesh[dp=4]`` on 2 ranks) is an
   ``OptimizerError`` at construction on every rank, naming the mesh and the world size, not a
-  process-group error at the first collective.
+  process-group error at the first collective;
+- ranks given different specs or models, with ``verify=False`` and ``verify_replicas=False``
+  (rank 1's parameter in f64; rank 1's states in another layout): an ``OptimizerError`` at
+  construction on every rank naming the tensor, what differs and the ranks, not a gloo abort
+  (f64) or a timeout (layouts) at the first step.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ SHAPES = {"w": (4, 3), "b": (3,)}
 LR = {"w": 0.1, "b": 0.05}
 
 
-def _spec(mesh: str = "mesh[dp=2]") -> dict:
+def _spec(mesh: str = "mesh[dp=2]", state: str = "S(dp)") -> dict:
     from shardlang import parse_layout
     from shardlang.spec import Layouts, TensorSpec
 
@@ -35,7 +39,7 @@ def _spec(mesh: str = "mesh[dp=2]") -> dict:
         return Layouts(
             param=parse_layout(f"{dims} over {mesh}"),
             grad=parse_layout(f"{dims} | P(dp):avg over {mesh}"),
-            states=(("", parse_layout(f"S(dp){',R' * (n - 1)} over {mesh}")),),
+            states=(("", parse_layout(f"{state}{',R' * (n - 1)} over {mesh}")),),
         )
 
     return {n: TensorSpec(name=n, dtype="f32", shape=s, layouts=layouts(len(s))) for n, s in SHAPES.items()}
@@ -72,7 +76,20 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
     optimizer.step()
     out["trained"] = {"w": w.detach().clone(), "b": b.detach().clone()}
     out["larger mesh"] = attempt(lambda: ShardedAdamW([("w", _param("w", rank))], _spec("mesh[dp=4]"), lr=0.1))
+    unchecked = {"lr": 0.1, "timeout": 30, "verify": False, "verify_replicas": False}
+    w64 = torch.nn.Parameter(_param("w", rank).detach().to(torch.float64 if rank == 1 else torch.float32))
+    out["other dtype"] = attempt(lambda: _stepped(ShardedAdamW([("w", w64)], _spec(), **unchecked)))
+    spec = _spec(state="R" if rank == 1 else "S(dp)")
+    out["other layouts"] = attempt(lambda: _stepped(ShardedAdamW([("w", _param("w", rank))], spec, **unchecked)))
     return out
+
+
+def _stepped(optimizer: Any) -> None:
+    """A step, which ranks given different tensors cannot run together."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    optimizer.step()
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +98,7 @@ def ranks() -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["added group", "added shape", "larger mesh"])
+@pytest.mark.parametrize("case", ["added group", "added shape", "larger mesh", "other dtype", "other layouts"])
 def test_each_is_the_golden_error_on_every_rank(ranks: list[dict[str, Any]], case: str) -> None:
     got = [f"rank {rank}: {out[case][0]}: {out[case][1]}" for rank, out in enumerate(ranks)]
     assert got == golden_blocks(GOLDEN)[case], "\n".join(got)

@@ -41,7 +41,7 @@ from runtime.optim.memory import MemoryReport
 from runtime.optim.overlap import Backward, OverlapController, ParamGathers
 from runtime.optim.phases import PhaseDriver, StepWork, Update, done
 from runtime.optim.records import STATE_DICT_FORMAT, HeldTensor, StateWhere, StepTraffic
-from runtime.optim.replica_checks import ReplicaChecks, replica_checks_every
+from runtime.optim.replica_checks import ReplicaChecks, agree_on_layouts, replica_checks_every
 from runtime.optim.slots import Slot, Slots, SpecLike, names_text
 from runtime.optim.states import ShardedStates, StateStore, state_where
 from runtime.optim.sums import SumReducer, SumSpec
@@ -164,8 +164,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         for group in self.param_groups:
             slots.add(slots.place(group))
-        # Declared replication checked: parameters now and after a load, gradients at the
-        # first step (runtime.optim.replica_checks).
+        # The ranks of each mesh hold the same tensors in the same layouts; declared replication
+        # checked: parameters now and after a load, gradients at the first step
+        # (runtime.optim.replica_checks).
+        agree_on_layouts(slots, self.timeout)
         every = replica_checks_every(verify_replicas)
         self._replicas = ReplicaChecks(slots, rank=self.rank, timeout=self.timeout, every=every)
         self._replicas.parameters()
@@ -249,7 +251,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"{kind}.add_param_group needs named parameters: {{'params': list(module.named_parameters()), ...}}"
                 )
             placed = self._slots.place(group)
-            self._replicas.parameters(placed)  # checked as those given at construction
+            agree_on_layouts(placed, self.timeout)  # checked as those given at construction
+            self._replicas.parameters(placed)
         except ShardlangError:
             self.param_groups.pop()
             raise

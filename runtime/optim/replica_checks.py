@@ -1,27 +1,114 @@
-"""Declared replication, checked where an optimizer's inputs come in (``verify_replicas=``):
-the parameters when the optimizer is built, the parameters and the states held in replicated
-layouts after ``load_state_dict``, the gradients declared replicated at the first step (and
-every N-th with ``verify_replicas=N``). Each check is ``runtime.comm.replicas.verify_replicas``:
-one pass over the pieces and a few bytes of collectives, raising ``ReplicaMismatchError`` on
-every rank involved before anything changes (docs/design/failures.md, "Replicas")."""
+"""What the ranks are given, checked where an optimizer's inputs come in.
+
+The tensors' layouts (:func:`agree_on_layouts`, always): when parameters are given, the ranks of
+every state mesh must hold the same tensors on it, of the same shapes and dtypes in the same
+layouts, since the step's collectives are sized from them. Declared replication
+(``verify_replicas=``): the parameters when the optimizer is built, the parameters and the
+states held in replicated layouts after ``load_state_dict``, the gradients declared replicated
+at the first step (and every N-th with ``verify_replicas=N``). Each replica check is
+``runtime.comm.replicas.verify_replicas``: one pass over the pieces and a few bytes of
+collectives, raising ``ReplicaMismatchError`` on every rank involved before anything changes
+(docs/design/failures.md, "Replicas")."""
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from runtime.comm.collectives import collective, default_device
+from runtime.comm.groups import ranks_group
 from runtime.comm.replicas import GRADIENTS_CAUSE, PARAMETERS_CAUSE, verify_replicas
+from runtime.errors import DistributedError
+from runtime.memory.dtypes import dtype_name
 from runtime.optim.errors import OptimizerError
-from runtime.optim.slots import Slot, Slots
+from runtime.optim.slots import Slot, Slots, ranks_text
 from shardlang.layout import Layout
 
 STATES_CAUSE = (
     "the ranks loaded different optimizer states for the same replicated piece: load every rank's "
     "state dict from the same checkpoint"
 )
+
+
+# What a rank holds of a tensor that the step's collectives are sized from, as compared.
+_FIELDS = ("dtype", "shape", "param", "grad", "state", "states kept apart", "flat axis", "math dtype")
+_MASK = (1 << 62) - 1
+
+
+def agree_on_layouts(slots: Sequence[Slot], timeout: datetime.timedelta) -> None:
+    """The ranks of every state mesh hold the same tensors on it, of the same shapes and dtypes,
+    in the same layouts: one all-reduce (min) of a digest and its negation per state mesh, in
+    the meshes' order; only where they differ the ranks exchange what they hold, and every rank
+    of that mesh raises :class:`OptimizerError` naming the tensors and ranks. So ranks given
+    different specs or models fail when the parameters are given, with ``verify=False`` too,
+    not at a collective of mismatched sizes (which gloo answers by aborting the process)."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    by_mesh: dict[tuple[int, ...], list[tuple[str, ...]]] = {}
+    for slot in slots:
+        if slot.shard is not None:
+            by_mesh.setdefault(tuple(slot.state_layout.mesh.ranks), []).append(_held(slot))
+    found = []
+    for members in sorted(by_mesh):
+        if len(members) < 2:
+            continue
+        held = by_mesh[members]
+        digest = int.from_bytes(hashlib.blake2b(repr(held).encode(), digest_size=8).digest(), "little") & _MASK
+        flag = torch.tensor([digest, -digest], dtype=torch.int64, device=default_device())
+        try:
+            group = ranks_group(members, timeout=timeout)
+            agreed = collective("all_reduce", flag, len(members), "min", group, timeout).tolist()
+            if agreed[0] != -agreed[1]:
+                told: list[list[tuple[str, ...]] | None] = [None] * len(members)
+                dist.all_gather_object(told, held, group=group)
+                found.append(_differences(members, told))
+        except (DistributedError, RuntimeError) as e:
+            raise OptimizerError(
+                f"the ranks {ranks_text(members)} could not compare their tensors' layouts: {e}"
+            ) from None
+    if found:
+        raise OptimizerError(
+            "; ".join(found) + ": give every rank the same spec and model (the step's collectives are sized from them)"
+        )
+
+
+def _held(slot: Slot) -> tuple[str, ...]:
+    own = ", ".join(f"{k}: {lay}" for k, lay in sorted(slot.own_layouts.items()))
+    grad = "its gradient's" if slot.grad_layout is None else str(slot.grad_layout)
+    return (
+        slot.name, dtype_name(slot.param.dtype), str(list(slot.shape)), str(slot.param_layout), grad,
+        str(slot.state_layout), own or "none", str(slot.flat_axis), dtype_name(slot.dtype),
+    )  # fmt: skip
+
+
+def _differences(members: tuple[int, ...], told: Sequence[Sequence[tuple[str, ...]] | None]) -> str:
+    """The tensors the ranks hold differently: per tensor, the ranks by what they hold of it."""
+    names: dict[str, None] = {}
+    per_rank = []
+    for held in told:
+        mine = {entry[0]: entry[1:] for entry in held or ()}
+        per_rank.append(mine)
+        names.update(dict.fromkeys(mine))
+    lines = []
+    for name in names:
+        holders: dict[tuple[str, ...] | None, list[int]] = {}
+        for rank, mine in zip(members, per_rank, strict=True):
+            holders.setdefault(mine.get(name), []).append(rank)
+        if len(holders) < 2:
+            continue
+        entries = [entry for entry in holders if entry is not None]
+        differ = [i for i in range(len(_FIELDS)) if len({entry[i] for entry in entries}) > 1]
+        sides = []
+        for entry, ranks in holders.items():
+            what = "not held" if entry is None else ", ".join(f"{_FIELDS[i]} {entry[i]}" for i in differ) or "held"
+            sides.append(f"{what} on ranks {ranks_text(ranks)}")
+        lines.append(f"'{name}': " + " vs ".join(sides))
+    shown = "; ".join(lines[:5]) + (f"; and {len(lines) - 5} more" if len(lines) > 5 else "")
+    return f"the ranks {ranks_text(members)} hold different tensors or layouts: {shown}"
 
 
 def replica_checks_every(value: object) -> int | None:
