@@ -33,7 +33,7 @@ WHAT = {
     "True": "verify_replicas=True (default: parameters at construction, gradients at step 1)",
     "1": "verify_replicas=1 (gradients at every step)",
 }
-BUILDS = 5
+BUILDS = 9
 FIRST_TIMED = 4
 
 
