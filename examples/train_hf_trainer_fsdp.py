@@ -1,12 +1,16 @@
 """The Hugging Face Trainer's ``fsdp=`` option (FSDP2) with ShardedAdamW (docs/stacks/huggingface.md).
 
     torchrun --standalone --nproc-per-node 4 examples/train_hf_trainer_fsdp.py --output-dir out/hf-fsdp --steps 3
+    torchrun --standalone --nproc-per-node 2 examples/train_hf_trainer_fsdp.py --output-dir out/hf-fsdp --steps 3 \
+        --resume out/hf-fsdp/checkpoint-2
 
 ``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``: the Trainer shards the model with
 FSDP2 (every parameter a DTensor, its rows split over the ranks; FSDP2 reduce-scatters the
 gradients), so the spec is ZeRO-3, written from the sharded parameters. The Trainer refuses
 ``optimizers=`` under FSDP; ``ShardedTrainer(make_optimizer=...)`` builds the optimizer from the
 model once it is sharded. The lr schedule is the Trainer's (linear, 2 warm-up steps).
+Checkpoints every 2 steps: the Trainer's FSDP model file and the optimizer's pieces
+(``runtime.checkpoint``); ``--resume`` goes on from one on any number of ranks.
 
 On CPU, accelerate takes no FSDP plugin and the Trainer would run DDP without a word;
 :class:`FSDPOnCPU` sets what accelerate sets on GPUs, so that the Trainer runs FSDP2 on gloo.
@@ -50,7 +54,8 @@ def arguments(output_dir: str, steps: int) -> TrainingArguments:
         optim="adamw_torch",  # the reference: torch.optim.AdamW
         fsdp=True,
         fsdp_config={"version": 2},
-        save_strategy="no",
+        save_strategy="steps",
+        save_steps=2,
         logging_steps=1,
         report_to="none",
         use_cpu=True,
@@ -91,9 +96,13 @@ class TorchFSDPTrainer(FSDPOnCPU, Trainer):
     """The reference: the Trainer's own AdamW under the same FSDP2."""
 
 
-def sharded_trainer(output_dir: str, steps: int) -> ShardedTrainer:
+def sharded_trainer(output_dir: str, steps: int, callbacks: Sequence[Any] = ()) -> ShardedTrainer:
     return ShardedFSDPTrainer(
-        model=tiny_gpt2(), args=arguments(output_dir, steps), train_dataset=Tokens(), make_optimizer=sharded_adamw
+        model=tiny_gpt2(),
+        args=arguments(output_dir, steps),
+        train_dataset=Tokens(),
+        make_optimizer=sharded_adamw,
+        callbacks=list(callbacks),
     )
 
 
@@ -101,16 +110,17 @@ def torch_trainer(output_dir: str, steps: int) -> Trainer:
     return TorchFSDPTrainer(model=tiny_gpt2(), args=arguments(output_dir, steps), train_dataset=Tokens())
 
 
-def main(argv: Sequence[str] | None = None) -> Any:
+def main(argv: Sequence[str] | None = None, callbacks: Sequence[Any] = ()) -> Any:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--resume", help="a checkpoint-N folder to go on from")
     args = parser.parse_args(argv)
     started = not dist.is_initialized()
     if started:  # under torchrun (a test may have started the group)
         dist.init_process_group("gloo")
-    trainer = sharded_trainer(args.output_dir, args.steps)
-    trainer.train()
+    trainer = sharded_trainer(args.output_dir, args.steps, callbacks)
+    trainer.train(resume_from_checkpoint=args.resume)
     if dist.get_rank() == 0:
         for entry in trainer.state.log_history:
             if "loss" in entry:

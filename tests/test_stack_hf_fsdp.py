@@ -9,7 +9,9 @@ FSDP2 reduce-scatters the gradients in both runs, so the parameters must be equa
 On CPU accelerate takes no FSDP plugin (the Trainer would run DDP); the example's ``FSDPOnCPU``
 sets what accelerate sets on GPUs, and the test checks that FSDP2 ran (the model an FSDP
 module, its parameters DTensors sharded by rows). FSDP1 (``version: 1``, flat parameters) is
-refused with our error.
+refused with our error. The sharded run checkpoints at step 2 (the Trainer's FSDP model file
+and the optimizer's pieces); two ranks resume from it: the whole optimizer states, step counts,
+learning rate and parameters must be those saved, and training goes on to step 3.
 """
 
 from __future__ import annotations
@@ -30,13 +32,25 @@ EXAMPLE = "train_hf_trainer_fsdp.py"
 
 
 def _train(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from transformers import TrainerCallback
+
     from runtime.optim import OptimizerError
     from runtime.testing import attempt
 
     as_torchrun(rank, world_size)
     module = example(EXAMPLE)
+    saved: dict[int, Any] = {}
+
+    class AtSave(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            saved[state.global_step] = {
+                "states": whole_states(kwargs["optimizer"]),
+                "lr": kwargs["lr_scheduler"].get_last_lr(),
+                "parameters": parameters(kwargs["model"]),
+            }
+
     initial = parameters(module.tiny_gpt2())
-    trainer = module.main(["--output-dir", f"{folder}/sharded", "--steps", "3"])
+    trainer = module.main(["--output-dir", f"{folder}/sharded", "--steps", "3"], callbacks=[AtSave()])
     reference = module.torch_trainer(f"{folder}/torch", 3)
     reference.train()
     # FSDP1: the process's accelerate state (shared) holds the runs' FSDP2 plugin; make it version 1.
@@ -55,15 +69,39 @@ def _train(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "sharded": parameters(trainer.model),
         "torch": parameters(reference.model),
         "states": len(whole_states(trainer.optimizer)),
+        "saved": saved[2],
         "lrs": (trainer.lr_scheduler.get_last_lr(), reference.lr_scheduler.get_last_lr()),
         "refused": refused[:2],
         "error_type": OptimizerError.__name__,
     }
 
 
+def _resume_on_two(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from transformers import TrainerCallback
+
+    as_torchrun(rank, world_size)
+    module = example(EXAMPLE)
+    resumed: dict[str, Any] = {}
+
+    class AtBegin(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            resumed["states"] = whole_states(kwargs["optimizer"])
+            resumed["steps"] = [h.step for h in kwargs["optimizer"].optimizer.held_tensors()]
+            resumed["lr"] = kwargs["lr_scheduler"].get_last_lr()
+            resumed["parameters"] = parameters(kwargs["model"])
+            resumed["global_step"] = state.global_step
+
+    argv = ["--output-dir", f"{folder}/sharded", "--steps", "3", "--resume", f"{folder}/sharded/checkpoint-2"]
+    trainer = module.main(argv, callbacks=[AtBegin()])
+    after = [h.step for h in trainer.optimizer.optimizer.held_tensors()]
+    finite = all(p.isfinite().all() for p in parameters(trainer.model).values())
+    return resumed | {"finished": trainer.state.global_step, "after": after, "finite": finite}
+
+
 @pytest.mark.slow
-def test_trainer_fsdp_with_sharded_adamw_equals_its_adamw(tmp_path: Path) -> None:
-    for out in run_ranks(_train, 4, (str(tmp_path),), timeout=300):
+def test_trainer_fsdp_with_sharded_adamw_equals_its_adamw_and_resumes_on_two_ranks(tmp_path: Path) -> None:
+    four = run_ranks(_train, 4, (str(tmp_path),), timeout=300)
+    for out in four:
         assert all(kind.startswith("FSDP") for kind in out["kinds"]), out["kinds"]  # FSDP2 ran, not DDP
         assert set(out["placements"].values()) == {"(Shard(dim=0),)"}, out["placements"]
         assert out["states"] > 0 and set(out["lrs"][0]) == set(out["lrs"][1])  # the Trainer has two groups
@@ -73,3 +111,15 @@ def test_trainer_fsdp_with_sharded_adamw_equals_its_adamw(tmp_path: Path) -> Non
             assert torch.equal(out["sharded"][name], want), f"{name} differs from the Trainer's FSDP2 + AdamW"
         name, message = out["refused"]
         assert name == out["error_type"] and "fsdp_config version 2" in message, out["refused"]
+    saved = four[0]["saved"]
+    assert saved["states"] and all(torch.equal(v, four[1]["saved"]["states"][k]) for k, v in saved["states"].items())
+
+    for out in run_ranks(_resume_on_two, 2, (str(tmp_path),), timeout=300):
+        assert out["global_step"] == 2 and out["finished"] == 3 and out["finite"]
+        assert set(out["steps"]) == {2} and set(out["after"]) == {3}, (out["steps"], out["after"])
+        assert out["lr"] == saved["lr"]
+        assert out["states"].keys() == saved["states"].keys()
+        for key, want in saved["states"].items():
+            assert torch.equal(out["states"][key], want), key
+        for name, want in saved["parameters"].items():  # the Trainer's FSDP model file, loaded on 2 ranks
+            assert torch.equal(out["parameters"][name], want), name

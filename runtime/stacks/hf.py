@@ -18,7 +18,8 @@ places its parameters when it is built, so it must see the sharded (DTensor) one
 (accelerate's own ``prepare``, as ``runtime.stacks.fsdp2.prepare_fsdp2`` does) and builds the
 optimizer from it; the Trainer's ``prepare`` of model and optimizer then finds the model sharded
 and keeps its parameters. The lr scheduler is the Trainer's (``lr_scheduler_type``,
-``warmup_steps``).
+``warmup_steps``). Checkpoints keep the Trainer's FSDP model file, which it writes beside the
+optimizer and reads when resuming.
 
     trainer = ShardedTrainer(model=model, args=TrainingArguments(..., fsdp=True, fsdp_config={"version": 2}),
                              train_dataset=data, make_optimizer=lambda m: ShardedAdamW(m.named_parameters(), spec))
@@ -85,6 +86,12 @@ class ShardedTrainer(Trainer):
         return super().create_optimizer(model)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.is_fsdp_enabled:  # the Trainer saves an FSDP model for resuming here, with its optimizer
+            from accelerate.utils import save_fsdp_model
+            from transformers.distributed.fsdp import get_fsdp_ckpt_kwargs
+
+            plugin = self.accelerator.state.fsdp_plugin
+            save_fsdp_model(plugin, self.accelerator, self.model, output_dir, **get_fsdp_ckpt_kwargs())
         checkpoint.save(
             os.path.join(output_dir, FOLDER),
             optimizer=sharded_optimizer(self.optimizer),
