@@ -49,7 +49,7 @@ class Accounting:
         slots, keys = self._slots.coming()
         if not slots or any(key is None for key in keys):
             return StepTraffic()
-        plan = self._compiler.compiled(slots, keys).plan  # type: ignore[arg-type]
+        compiled = self._compiler.compiled(slots, keys)  # type: ignore[arg-type]
         phases = self._driver.phase_specs(slots)
         if self._clipping.every_step:
             phases.append(self._clipping.norm_specs(slots))
@@ -59,7 +59,7 @@ class Accounting:
             sum_bytes += sum(c.bytes for c in collectives)
             sum_collectives += len(collectives)
         flag = self._flag.traffic(self._slots.members(slots))
-        return StepTraffic(plan.total_bytes, plan.collectives, sum_bytes, sum_collectives, *flag)
+        return compiled.traffic((sum_bytes, sum_collectives), flag)
 
     @property
     def bucket_buffer_bytes(self) -> int:

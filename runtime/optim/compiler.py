@@ -27,6 +27,7 @@ from runtime.execution.step_program import StepProgram, compile_step
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name
 from runtime.optim.errors import OptimizerError, OptimizerStepError
+from runtime.optim.records import StepTraffic
 from runtime.optim.slots import Slot, Slots
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
@@ -66,6 +67,12 @@ class CompiledStep:
                 held = torch.zeros(slot.own_piece_shape(state, rank), dtype=slot.dtype, device=device)
             inputs[legs[(slot.name, f"state.{state} -> state")]] = held
         return inputs
+
+    def traffic(self, sums: tuple[int, int], flag: tuple[int, int]) -> StepTraffic:
+        """What a step of this plan communicates on this rank: its buckets (the plan's bytes and
+        collectives), with the statistics all-reduces' and the commit flags' (bytes, collectives)
+        given, as planned (``Accounting.planned_traffic``) or as the step ran them."""
+        return StepTraffic(self.plan.total_bytes, self.plan.collectives, *sums, *flag)
 
 
 class StepCompiler:

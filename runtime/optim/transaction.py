@@ -290,9 +290,7 @@ class StepTransaction:
     def _traffic(
         self, compiled: CompiledStep, slots: Sequence[Slot], sums: tuple[int, int], norm: tuple[int, int]
     ) -> StepTraffic:
-        plan = compiled.plan
-        flag = self.flag.traffic(self._slots.members(slots))
-        return StepTraffic(plan.total_bytes, plan.collectives, sums[0] + norm[0], sums[1] + norm[1], *flag)
+        return compiled.traffic((sums[0] + norm[0], sums[1] + norm[1]), self.flag.traffic(self._slots.members(slots)))
 
     def _staged_in_place(
         self,
