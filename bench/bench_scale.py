@@ -70,6 +70,9 @@ SUGGEST_BUDGET = "24GiB"
 # suggest's budget per model: 70B's plain loop holds its TP shards of parameters and gradients
 # whole (35 GB per rank), so it is asked for an 80 GB accelerator's.
 BUDGETS = {"7b": SUGGEST_BUDGET, "70b": "80GiB"}
+# HiGHS's time limit is wall seconds: on a loaded machine the default 10 would stop the solver
+# short and its CPU seconds would understate the work; this one lets every solve finish.
+SOLVER_SECONDS = "600"
 
 
 def mesh_axes(ranks: int, ndim: int) -> list[tuple[str, int]] | None:
@@ -127,7 +130,7 @@ def command(name: str, spec: Path, norms: str, model: str, axes: list[tuple[str,
     if name in ("suggest", "suggest-any"):
         tensors = ["--tensor", norms, "--tensor", norms_final(norms)]
         loop = ["--loop", "any"] if name == "suggest-any" else []
-        return ["suggest", str(spec), "--memory", BUDGETS[model], *tensors, *loop]
+        return ["suggest", str(spec), "--memory", BUDGETS[model], *tensors, *loop, "--time-limit", SOLVER_SECONDS]
     if name == "reshard":
         data = ",".join(a for a, _ in axes if a != "tp")
         ranks = 1
