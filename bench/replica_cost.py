@@ -6,10 +6,10 @@ the parameters' when the optimizer is built, the gradients' inside ``step()``. T
 ``ShardedAdamW`` on the same processes, interleaved step by step with a barrier before each:
 ``verify_replicas=False`` (no check), ``True`` (the default: the parameters at construction, the
 gradients at the first step) and ``1`` (the gradients at every step). The gradients are random,
-the same on every rank (as DDP leaves them), seeded per step. Measured on rank 0: building the
-optimizer (median of :data:`BUILDS`, interleaved), its first ``step()`` (one sample each: it
-also compiles the plan) and the median ``step()`` of steps 4..N, with the ratio to the run
-without the check.
+the same on every rank (as DDP leaves them), seeded per step. Measured on rank 0, after one
+untimed build and step that make the process groups: building a fresh optimizer and its first
+``step()`` (which also compiles the plan), median of :data:`BUILDS` interleaved, and the median
+``step()`` of steps 4..N of one optimizer per mode, with the ratio to the run without the check.
 """
 
 from __future__ import annotations
@@ -49,29 +49,38 @@ def zero1_spec(model: nn.Module, world: int) -> dict[str, Layouts]:
 
 
 def replica_section(base: nn.Module, world: int, steps: int) -> dict[str, dict[str, list[float]]]:
-    """This rank's seconds per mode: ``build`` (each construction), ``step`` (each step())."""
+    """This rank's seconds per mode: ``build`` and ``first`` (a fresh optimizer built and its
+    first ``step()``, :data:`BUILDS` times), ``step`` (each step of one optimizer)."""
     spec = zero1_spec(base, world)
-    out: dict[str, dict[str, list[float]]] = {mode: {"build": [], "step": []} for mode in MODES}
+    out: dict[str, dict[str, list[float]]] = {mode: {"build": [], "first": [], "step": []} for mode in MODES}
+
+    def fresh(value: bool | int) -> tuple[list[tuple[str, nn.Parameter]], ShardedAdamW, float]:
+        named = [(n, nn.Parameter(p.detach().clone())) for n, p in base.named_parameters()]
+        dist.barrier()
+        started = time.perf_counter()
+        optimizer = ShardedAdamW(named, spec, **ADAMW, verify_replicas=value)
+        return named, optimizer, time.perf_counter() - started
+
+    def timed_step(named: list[tuple[str, nn.Parameter]], optimizer: ShardedAdamW, step: int) -> float:
+        generator = torch.Generator().manual_seed(7000 + step)  # alike on every rank
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=generator)
+        dist.barrier()
+        started = time.perf_counter()
+        optimizer.step()
+        return time.perf_counter() - started
+
+    named, optimizer, _ = fresh(1)  # untimed: the process groups every mode uses, made once
+    timed_step(named, optimizer, 0)
     for _ in range(BUILDS):
         for mode, value in MODES.items():
-            named = [(n, nn.Parameter(p.detach().clone())) for n, p in base.named_parameters()]
-            dist.barrier()
-            started = time.perf_counter()
-            ShardedAdamW(named, spec, **ADAMW, verify_replicas=value)
-            out[mode]["build"].append(time.perf_counter() - started)
-    runs = {}
-    for mode, value in MODES.items():
-        named = [(n, nn.Parameter(p.detach().clone())) for n, p in base.named_parameters()]
-        runs[mode] = (named, ShardedAdamW(named, spec, **ADAMW, verify_replicas=value))
+            named, optimizer, seconds = fresh(value)
+            out[mode]["build"].append(seconds)
+            out[mode]["first"].append(timed_step(named, optimizer, 1))
+    runs = {mode: fresh(value)[:2] for mode, value in MODES.items()}
     for step in range(1, steps + 1):
         for mode, (named, optimizer) in runs.items():
-            generator = torch.Generator().manual_seed(7000 + step)  # alike on every rank
-            for _, p in named:
-                p.grad = torch.randn(p.shape, generator=generator)
-            dist.barrier()
-            started = time.perf_counter()
-            optimizer.step()
-            out[mode]["step"].append(time.perf_counter() - started)
+            out[mode]["step"].append(timed_step(named, optimizer, step))
     return out
 
 
@@ -79,7 +88,7 @@ def report_replicas(name: str, steps: int, seconds: dict[str, dict[str, list[flo
     """Print rank 0's table for one model; the numbers for JSON."""
     print(
         f"\n**{name}, the replica checks' cost** (ShardedAdamW, ZeRO-1 spec: gradients declared replicated; "
-        f"rank 0; build: median of {BUILDS}; step(): median of steps {FIRST_TIMED}..{steps}):\n"
+        f"rank 0; build and first step(): median of {BUILDS}; step(): median of steps {FIRST_TIMED}..{steps}):\n"
     )
     print("| verify_replicas | build ms | x off | first step() ms | x off | step() ms | x off |")
     print("|---|---|---|---|---|---|---|")
@@ -88,11 +97,11 @@ def report_replicas(name: str, steps: int, seconds: dict[str, dict[str, list[flo
         return statistics.median(values) * 1e3
 
     off = seconds["False"]
-    base = (ms(off["build"]), off["step"][0] * 1e3, ms(off["step"][FIRST_TIMED - 1 :]))
+    base = (ms(off["build"]), ms(off["first"]), ms(off["step"][FIRST_TIMED - 1 :]))
     rows = {}
     for mode in MODES:
         got = seconds[mode]
-        build, first, step = ms(got["build"]), got["step"][0] * 1e3, ms(got["step"][FIRST_TIMED - 1 :])
+        build, first, step = ms(got["build"]), ms(got["first"]), ms(got["step"][FIRST_TIMED - 1 :])
         print(
             f"| {WHAT[mode]} | {build:.1f} | {build / base[0]:.2f} | {first:.1f} | {first / base[1]:.2f} "
             f"| {step:.1f} | {step / base[2]:.2f} |"
@@ -103,6 +112,7 @@ def report_replicas(name: str, steps: int, seconds: dict[str, dict[str, list[flo
             "step_median_ms": step,
             "ratios_to_off": [build / base[0], first / base[1], step / base[2]],
             "build_seconds_rank0": got["build"],
+            "first_step_seconds_rank0": got["first"],
             "step_seconds_rank0": got["step"],
         }
     return rows
