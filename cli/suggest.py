@@ -343,9 +343,10 @@ def cmd_suggest(args: argparse.Namespace) -> int:
 
 
 def suggest_line(spec: Spec) -> str:
-    """The main job's line: what ``suggest`` changes within the spec's own memory (AdamW)."""
+    """The main job's line: what ``suggest`` changes within the spec's own memory (AdamW), in
+    the training loop the spec implies."""
     try:
-        problems = build_problems(spec, "adamw")
+        problems = build_problems(spec, "adamw", loop=LOOP_AUTO)  # what the spec's loop runs
         own = problems[0].original()
         result = suggest_best(problems, own.memory)
     except SuggestError as e:
