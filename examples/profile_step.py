@@ -1,7 +1,7 @@
 """Profile one optimizer step and save its trace for ``shardlang timeline`` (docs/stacks/profiler.md).
 
     torchrun --standalone --nproc-per-node 2 examples/profile_step.py --trace trace.rank{rank}.json
-        [--bucket-bytes 32MiB] [--costs hints.json] [--steps 3]
+        [--bucket-bytes 32MiB] [--overlap] [--costs hints.json] [--steps 3]
 
 A small MLP trained data-parallel with ZeRO-2 (ShardedAdamW: gradients reduce-scattered into
 the states' halves, parameters all-gathered back). Its last step runs under torch.profiler and
@@ -51,7 +51,7 @@ def size(text: str) -> int:
 
 
 def profile_step(
-    trace: str, bucket_bytes: int | None = None, costs: str | None = None, steps: int = 3
+    trace: str, bucket_bytes: int | None = None, costs: str | None = None, steps: int = 3, overlap: bool = False
 ) -> tuple[torch.profiler.profile, ShardedAdamW]:
     """Train ``steps`` steps on the initialized group, the last under torch.profiler, and save
     its trace to ``trace`` (``{rank}``: every rank its own)."""
@@ -63,6 +63,7 @@ def profile_step(
         shardlang.parse_spec(SPEC),
         lr=1e-3,
         bucket_bytes=bucket_bytes,
+        overlap=overlap,
         cost=CostModel.from_file(costs) if costs else None,
     )
     generator = torch.Generator().manual_seed(dist.get_rank())  # each rank its own micro-batch
@@ -85,11 +86,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", required=True, help="where each rank saves its trace; {rank} is its rank")
     parser.add_argument("--bucket-bytes", type=size, default=None, help="the optimizer's bucket_bytes")
+    parser.add_argument("--overlap", action="store_true", help="start the buckets before the update during backward")
     parser.add_argument("--costs", help="a hints file of `shardlang calibrate -o`: the planned seconds' cost model")
     parser.add_argument("--steps", type=int, default=3, help="steps in all (at least 2); the last is profiled")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    profile_step(args.trace, args.bucket_bytes, args.costs, args.steps)
+    profile_step(args.trace, args.bucket_bytes, args.costs, args.steps, args.overlap)
     dist.destroy_process_group()
 
 

@@ -83,7 +83,7 @@ def assert_bars(svg: Path, expected: list[dict[str, Any]]) -> None:
 
 
 def test_the_stored_traces_are_drawn_with_one_planned_and_one_measured_bar_per_bucket(tmp_path: Path) -> None:
-    assert len(TRACES) == 2, TRACES
+    assert len(TRACES) == 3, TRACES
     for trace_path in TRACES:
         out = tmp_path / f"{trace_path.stem}.svg"
         assert main(["timeline", str(trace_path), "-o", str(out)]) == 0
@@ -117,6 +117,22 @@ def test_smaller_buckets_plan_and_take_more_time() -> None:
     assert len(big) == 2 and len(small) == 16
     assert sum(b["planned"] for b in small) > sum(b["planned"] for b in big)
     assert sum(b["measured"] for b in small) > sum(b["measured"] for b in big)
+
+
+def test_with_overlap_the_buckets_before_the_update_start_during_backward() -> None:
+    """What the page says of the overlap run, from the raw trace: every bucket before the update
+    starts before optimizer.step()'s range, in the reverse order of the layers."""
+    trace = json.loads((REPO / "docs" / "stacks" / "profiler" / "zero2_64KiB_overlap.json").read_text(encoding="utf-8"))
+    step = next(e for e in trace["traceEvents"] if e.get("name", "").startswith("Optimizer.step#"))
+    events = sorted(trace["traceEvents"], key=lambda e: e.get("ts", 0))
+    starts = [e for e in events if (m := RANGE.fullmatch(e.get("name", ""))) and m[2] == "start"]
+    before = [e for e in starts if e["name"].startswith("shardlang before the update")]
+    assert len(before) == 8 and all(e["ts"] + e["dur"] <= step["ts"] for e in before)
+    assert all(e["ts"] >= step["ts"] for e in starts if e["name"].startswith("shardlang after the update"))
+    assert "'3.0.bias'" in before[0]["name"] and "'0.0.weight'" in before[-1]["name"]
+    waits = {e["name"].replace(": wait ", ": start "): e for e in events if " wait bucket " in e.get("name", "")}
+    in_flight = sum(waits[e["name"]]["ts"] - e["ts"] - e["dur"] for e in before)
+    assert in_flight > sum(waits[e["name"]]["dur"] + e["dur"] for e in before)  # most of their time
 
 
 def _stored(tmp_path: Path, change: Any = None) -> Path:
