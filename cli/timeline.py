@@ -126,7 +126,7 @@ def _bucket_ranges(
     the trace's microseconds (seconds since the epoch lose the nanoseconds)."""
     stages = {b.stage for b in plan.buckets}
     found: dict[tuple[int, str], list[tuple[float, float, str]]] = defaultdict(list)
-    for event in sorted(events, key=lambda e: float(e.get("ts", 0))):
+    for event in sorted(events, key=lambda e: e.get("ts") if isinstance(e.get("ts"), int | float) else 0):
         m = RANGE.fullmatch(str(event.get("name", "")))
         if not m or m["stage"] not in stages:  # Muon's matrix buckets are in stages of their own
             continue
@@ -142,7 +142,10 @@ def _bucket_ranges(
                 f"{path}: bucket {index} is '{m['stage']}: {m['text']}' in the trace but '{bucket.stage}: "
                 f"{bucket.describe()}' in its step plan: save the trace right after the profiled step"
             )
-        found[(index, m["what"])].append((float(event["ts"]), float(event["dur"]), m[0].split(": ", 1)[1]))
+        at, length = event.get("ts"), event.get("dur")
+        if not isinstance(at, int | float) or not isinstance(length, int | float):
+            raise TraceError(f"{path}: the range '{m[0]}' has no numeric ts and dur")
+        found[(index, m["what"])].append((float(at), float(length), m[0].split(": ", 1)[1]))
     if not found:
         raise TraceError(f"{path} holds no shardlang bucket ranges: was the optimizer's step profiled?")
     counts = {(i, what): len(found[(i, what)]) for i in range(1, len(plan.buckets) + 1) for what in ("start", "wait")}

@@ -184,6 +184,11 @@ def test_step_picks_one_of_several_profiled_steps(tmp_path: Path) -> None:
         ),
         (None, ["--step", "2"], "holds 1 profiled step; --step 2 is not one of them"),
         (
+            lambda t: [e.pop("dur") for e in t["traceEvents"] if " wait bucket 1 " in e.get("name", "")],
+            [],
+            "'0.0.bias', '1.0.weight' and 5 more)' has no numeric ts and dur",
+        ),
+        (
             lambda t: t.update(
                 traceEvents=[e for e in t["traceEvents"] if not e.get("name", "").startswith("shardlang")]
             ),
@@ -205,6 +210,18 @@ def test_a_trace_that_does_not_fit_says_why(
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err, err
     assert not (tmp_path / "x.svg").exists()
+
+
+def test_save_trace_takes_a_sharded_optimizer_only(tmp_path: Path) -> None:
+    import torch
+
+    from runtime.optim import OptimizerError
+    from runtime.stacks.profiler import save_trace
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(OptimizerError, match="save_trace needs a sharded optimizer, got AdamW"):
+        save_trace(None, optimizer, tmp_path / "trace.json")  # type: ignore[arg-type]
+    assert not (tmp_path / "trace.json").exists()
 
 
 def test_a_file_that_is_no_trace_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
