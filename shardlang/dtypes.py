@@ -26,8 +26,23 @@ ITEMSIZE: dict[str, int] = {name: size for name, (size, _) in DTYPES.items()}
 COMPLEX = frozenset({"c64", "c128"})
 
 
+# Other names of these types (torch's, numpy's, C's) that a spec may be written with by mistake.
+ALIASES: dict[str, str] = {attr: name for name, (_, attr) in DTYPES.items()} | {
+    "float": "f32", "double": "f64", "half": "f16", "long": "i64", "int": "i32", "short": "i16",
+    "cfloat": "c64", "cdouble": "c128", "fp32": "f32", "fp16": "f16", "fp64": "f64",
+}  # fmt: skip
+
+
+def spelled_as(name: str) -> str | None:
+    """The dtype ``name`` (``float32``, ``torch.bfloat16``, ``np.int64``) stands for, if another
+    framework's name of one."""
+    return ALIASES.get(name.rsplit(".", 1)[-1])
+
+
 def itemsize(dtype: str) -> int:
     try:
         return ITEMSIZE[dtype]
     except KeyError:
-        raise LayoutError(f"unknown dtype '{dtype}' (expected one of {', '.join(ITEMSIZE)})") from None
+        ours = spelled_as(dtype)
+        hint = f": did you mean '{ours}'?" if ours is not None and ours in ITEMSIZE else ""
+        raise LayoutError(f"unknown dtype '{dtype}' (expected one of {', '.join(ITEMSIZE)}){hint}") from None

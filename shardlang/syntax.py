@@ -5,7 +5,10 @@ where :data:`~shardlang.errors.LINE_BREAK` says), some mistakes get messages of 
 
 - a rule's quoted pattern that its line does not close;
 - a block left open: ``tensor a : f32[4] {`` whose ``}`` is missing names the block and where
-  its ``{`` is, at the item that starts inside it or at the end of the text;
+  its ``{`` is, at the item that starts inside it or at the end of the text; a ``[`` or ``(``
+  left open says where it opened and where its closer goes;
+- entries of a block separated by ``,`` or ``;``, and a dtype written with a module's name
+  (``torch.float32``);
 - another framework's notation where a layout goes: DTensor's or Paddle's placements
   (``Shard(0), Replicate()``, ``dist.Partial()``), Paddle's ``dims_mapping`` (``[0, -1]``),
   ColossalAI's sharding sequence (``["S0", "R"]``, read by :mod:`shardlang.notation`), a layout
@@ -28,7 +31,8 @@ from importlib import resources
 import lark
 from lark import Token, Tree
 
-from shardlang.errors import LINE_BREAK, LineIndex, ParseError
+from shardlang.dtypes import itemsize
+from shardlang.errors import LINE_BREAK, LayoutError, LineIndex, ParseError
 from shardlang.notation import COMMAS, PLACEMENTS_EXAMPLE, Meaning, meaning
 
 FRIENDLY = {
@@ -112,6 +116,20 @@ def _explain(
     if misplaced is not None:
         at, message = misplaced
         return ParseError(message, lines.at_offset(at, filename))
+    dtype = _dotted_dtype(text, stack, found)
+    if dtype is not None:
+        at, message = dtype
+        return ParseError(message, lines.at_offset(at, filename))
+    bracket = _unclosed_bracket(stack, found, expected, lines)
+    if bracket is not None:
+        at, message = bracket
+        return ParseError(message, lines.at_offset(at, filename))
+    if found in ("','", "character ';'") and {"ENTRY_KEY", "RBRACE"} <= expected:  # { param = ..., grad = ... }
+        return ParseError(
+            f"the entries of a block are separated by spaces or line breaks, not {found.removeprefix('character ')}: "
+            "remove it",
+            lines.at_offset(offset, filename),
+        )
     if found == "character '\"'" and "STRING" in expected:  # a quote the line does not close
         return ParseError(
             "this '\"' opens a pattern that its line does not close: write the closing '\"' before the line ends",
@@ -124,7 +142,54 @@ def _explain(
     return ParseError(f"unexpected {found}; expected {describe_expected(expected)}", lines.at_offset(offset, filename))
 
 
-# --- a block left open --------------------------------------------------------------------------
+def _dotted_dtype(text: str, stack: Sequence[object], found: str) -> tuple[int, str] | None:
+    """A tensor's dtype written with a module's name (``torch.float32``): where, and the
+    unknown-dtype message with the language's name for it."""
+    last = stack[-1] if stack else None
+    if found != "character '.'" or not isinstance(last, Token) or last.type != "DTYPE":
+        return None
+    begin = last.start_pos or 0
+    name = re.match(r"[\w.]*", text[begin:])
+    try:
+        itemsize(name.group() if name else str(last))
+    except LayoutError as e:
+        return begin, e.message
+    return None
+
+
+# --- a bracket or a block left open --------------------------------------------------------------
+_CLOSERS = {"LSQB": ("[", "]", "RSQB"), "LPAR": ("(", ")", "RPAR")}
+# What never stands inside a shape's, a mesh's or an axis list's brackets.
+_AFTER_BRACKETS = ("'tensor'", "'rule'", "'mesh'", "'over'", "'{'", "'}'", "'|'", "'param'", "'grad'", "'state'", "")
+
+
+def _unclosed_bracket(
+    stack: Sequence[object], found: str, expected: set[str], lines: LineIndex
+) -> tuple[int, str] | None:
+    """Where its closer goes and the message, when the parser met what follows a bracket's
+    contents (``{``, ``over``, the next item) while a ``[`` or ``(`` was still open."""
+    if found not in _AFTER_BRACKETS and not found.startswith("'state."):
+        return None
+    tokens = [v for v in stack if isinstance(v, Token)]
+    depth: dict[str, int] = {"LSQB": 0, "LPAR": 0}
+    for token in reversed(tokens):
+        for opener, (_, _, closer) in _CLOSERS.items():
+            if token.type == closer:
+                depth[opener] += 1
+            elif token.type == opener and depth[opener]:
+                depth[opener] -= 1
+            elif token.type == opener:
+                left, right, _ = _CLOSERS[opener]
+                if closer not in expected:
+                    return None
+                opened = lines.at_offset(token.start_pos or 0)
+                return tokens[-1].end_pos or 0, (
+                    f"the '{left}' at line {opened.line}, column {opened.column} is not closed: write '{right}' "
+                    f"here, before {found or 'the end of the text'}"
+                )
+    return None
+
+
 def _unclosed_block(stack: Sequence[object], found: str, lines: LineIndex) -> tuple[int | None, str] | None:
     """Where to place the error and its message when the parser met a new item (or the end of the
     text) inside a ``{`` block: ``None`` for the end, else the offset of the item's keyword."""

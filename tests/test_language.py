@@ -375,7 +375,7 @@ LAYOUT_ERRORS = [
     ("R | P0:prod over mesh[2]", LayoutError, 8, "unknown reduce op 'prod' (expected one of sum, avg, max, min)"),
     ("S0 R over mesh[2]", ParseError, 4, "separated by commas: did you mean 'S0,R over mesh[2]'?"),
     ("S0,R over", ParseError, 10, "the text ends too early; expected"),
-    ("S0 over mesh[2", ParseError, 15, "the text ends too early; expected"),
+    ("S0 over mesh[2", ParseError, 15, "the '[' at line 1, column 13 is not closed: write ']' here"),
     ("S0 @ over mesh[2]", ParseError, 4, "unexpected character '@'"),
     ("S0 over mesh[2] extra", ParseError, 17, "unexpected 'extra'; expected the end of the text"),
     ("", ParseError, 1, "the text ends too early"),
