@@ -419,7 +419,8 @@ class OverlapController:
             self._say(
                 "peer",
                 f"{self._owner}: step {step_number}: the gradients changed on another rank after backward had"
-                " started reducing them, so every rank reduced the gradients again, without overlap (said once)",
+                " started reducing them (or some did not come there), so every rank reduced the gradients again,"
+                " without overlap; that rank says which (said once)",
             )
         return None
 
