@@ -20,7 +20,7 @@ from lark import Token, Tree
 
 from shardlang.dtypes import itemsize
 from shardlang.errors import LayoutError, LineIndex, ParseError, ShardlangError, SourcePosition, SpecError
-from shardlang.layout import Layout, axis_used_twice, check_reduce_op
+from shardlang.layout import REDUCE_OPS, Layout, axis_used_twice, check_reduce_op
 from shardlang.mesh import Mesh, RowMajorRanks, StridedRanks, check_identifier
 from shardlang.spec import (
     STATE_DEFAULT,
@@ -171,6 +171,22 @@ class _Reader:
                 raise e.at(self.pos(token)) from None
         return refs
 
+    def op_in_axes(self, mesh: Mesh, node: Tree | Token, op: str) -> None:
+        """A reduce op written among a partial's axes (``P(dp, avg)``): where it goes instead."""
+        if isinstance(node, Token):
+            return
+        names = [str(t) for t in node.children]
+        last = node.children[-1]
+        ops = {**{o: o for o in REDUCE_OPS}, "mean": "avg"}  # torch's ReduceOp.AVG is 'avg' here
+        if len(names) > 1 and names[-1] in ops and names[-1] not in (mesh.axis_names or ()):
+            assert isinstance(last, Token)
+            meant = f"P({','.join(names[:-1])}):{ops[names[-1]]}"
+            raise LayoutError(
+                f"'{names[-1]}' is a reduce op, not a mesh axis: it follows the partial's ')' after ':' "
+                f"(did you mean '{meant}'?)" + (f"; this one already says ':{op}'" if op != "sum" else ""),
+                self.pos(last),
+            )
+
     def layout(self, tree: Tree) -> Layout:
         """A layout that names every dim (no ``...``: it has no tensor to stand for dims of)."""
         layout, _, ellipsis = self.layout_parts(tree)
@@ -231,6 +247,7 @@ class _Reader:
                     check_reduce_op(op)
                 except LayoutError as e:
                     raise e.at(self.pos(op_token)) from None
+            self.op_in_axes(mesh, p.children[0], op)
             for axis, pos in self.axes(mesh, p.children[0]):
                 claim(axis, "a partial", pos)
                 partial.append((axis, op))
