@@ -398,6 +398,7 @@ MEMORY = REPO / "docs" / "memory.md"
 GPU = REPO / "docs" / "gpu.md"
 LIMITS = REPO / "docs" / "limits.md"
 CALIBRATION = REPO / "docs" / "calibration.md"
+FAILURES = REPO / "docs" / "design" / "failures.md"
 
 # Generated blocks inside hand-written files: file -> {marker name: text from the records}. A
 # block is `<!-- bench:NAME -->` ... `<!-- /bench:NAME -->` on lines of their own, or, for an
@@ -424,6 +425,7 @@ BLOCKS: dict[Path, dict[str, Callable[[dict[str, dict]], str | None]]] = {
             LIMITS, "planner_speed", "Planner speed per mesh", "[4, 4, 4]", "median ms (best of 3)", " ms (best of 3)"
         ),
     },
+    FAILURES: {"replica-cost": run_tables(FAILURES, "step_replicas")},
     CALIBRATION: {
         "calibration-margin": run_tables(
             CALIBRATION, "calibration", "choice margin", "pairs where the models choose different plans"
