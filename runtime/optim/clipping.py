@@ -171,7 +171,10 @@ def _nonfinite(slots: Sequence[Slot], reduced: Sequence[torch.Tensor]) -> list[t
         for slot, grad in zip(slots, grads, strict=True):
             if grad is None:
                 continue
-            kind = "NaN" if bool(torch.isnan(grad).any()) else "inf" if bool(torch.isinf(grad).any()) else None
+            try:  # what cannot be read (a gradient freed under overlap) names nothing
+                kind = "NaN" if bool(torch.isnan(grad).any()) else "inf" if bool(torch.isinf(grad).any()) else None
+            except Exception:  # (called while the other ranks wait to hear from this one)
+                kind = None
             if kind is not None:
                 found.append((where, slot.name, kind))
     return found
