@@ -18,8 +18,8 @@ from shardlang import parse_layout
 MESH = "mesh[dp=4]"
 
 
-def _moves(src: str, dst: str, shape: tuple[int, ...], rank: int, **options: bool) -> list:
-    plan = planner.plan(parse_layout(f"{src} over {MESH}"), parse_layout(f"{dst} over {MESH}"), shape, "f32", **options)
+def _moves(src: str, dst: str, shape: tuple[int, ...], rank: int) -> list:
+    plan = planner.plan(parse_layout(f"{src} over {MESH}"), parse_layout(f"{dst} over {MESH}"), shape, "f32")
     return [m for m in compile_plan(plan, rank) if m is not None and not (isinstance(m, CollectiveMove) and m.is_local)]
 
 
