@@ -212,8 +212,12 @@ class ShardedAdamW(ShardedOptimizer):
     this global 2-norm, computed on the reduced gradients in their state layout with one small
     all-reduce, as ``torch.nn.utils.clip_grad_norm_`` would on one device (``last_grad_norm``
     holds the norm). ``skip_nonfinite``: skip a step whose gradients hold a NaN or inf, on every
-    rank alike (``last_step_skipped``; a warning says so), as ``GradScaler`` does.
-    ``idle_ranks``: let a rank hold parameters whose state mesh leaves it out (it never steps
+    rank alike (``last_step_skipped``; a warning says so), as ``GradScaler`` does; without it
+    such a step raises ``OptimizerStepError`` on every rank, naming the tensors and ranks, and
+    commits nothing. ``verify_replicas``: check that ranks a layout declares replicas hold equal
+    values (the parameters when given and after ``load_state_dict``, the gradients at the first
+    step; N: every N-th step too; ``False``: never), a ``ReplicaMismatchError`` on every rank
+    otherwise (docs/design/failures.md, "Replicas"). ``idle_ranks``: let a rank hold parameters whose state mesh leaves it out (it never steps
     them: a pipeline stage); otherwise such a parameter is an error, since the replicas would
     drift apart. ``add_param_group`` places new named parameters from the same spec.
     ``all_ranks_commit``: a step commits only when every rank of the stepped tensors' meshes
