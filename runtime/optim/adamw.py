@@ -217,9 +217,10 @@ class ShardedAdamW(ShardedOptimizer):
     commits nothing. ``verify_replicas``: check that ranks a layout declares replicas hold equal
     values (the parameters when given and after ``load_state_dict``, the gradients at the first
     step; N: every N-th step too; ``False``: never), a ``ReplicaMismatchError`` on every rank
-    otherwise (docs/design/failures.md, "Replicas"). ``idle_ranks``: let a rank hold parameters whose state mesh leaves it out (it never steps
-    them: a pipeline stage); otherwise such a parameter is an error, since the replicas would
-    drift apart. ``add_param_group`` places new named parameters from the same spec.
+    otherwise (docs/design/failures.md, "Replicas"). ``idle_ranks``: let a rank hold
+    parameters whose state mesh leaves it out (it never steps them: a pipeline stage);
+    otherwise such a parameter is an error, since the replicas would drift apart.
+    ``add_param_group`` places new named parameters from the same spec.
     ``all_ranks_commit``: a step commits only when every rank of the stepped tensors' meshes
     finished it (one all-reduce of a flag); otherwise every rank raises and nothing changes.
     ``overlap``: start the buckets before the update during backward (README, "Overlap"; with
