@@ -120,6 +120,7 @@ class StageRun:
         self._stable = stable if buffers is not None else frozenset()
         self._buckets = [b for b in program.buckets if b.bucket.stage == stage]
         self._next = 0  # the next bucket to start
+        self._given = 0  # its members up to this one have their inputs (feed)
         self._walks: dict[int, LegWalk] = {}
         self._in_flight: list[tuple[BucketProgram, Started, float]] = []
         self.waited = 0.0  # seconds spent blocked waiting for collectives
@@ -148,10 +149,17 @@ class StageRun:
             walks[i] = LegWalk(program.schedule, x, program.label)
         while self._next < len(self._buckets):
             bucket = self._buckets[self._next]
-            if any(leg not in self._walks for leg, *_ in bucket.members):
+            # Members before ``_given`` have their inputs: each feed looks on from there, so a
+            # bucket's members are looked up once in all, not once per feed (one per gradient
+            # hook under overlap).
+            members, given = bucket.members, self._given
+            while given < len(members) and members[given][0] in walks:
+                given += 1
+            self._given = given
+            if given < len(members):
                 return
             self._start(bucket)
-            self._next += 1
+            self._next, self._given = self._next + 1, 0
 
     def finish(self) -> dict[int, torch.Tensor]:
         """Start the buckets not yet started (every input must have been given), wait for all,
@@ -163,7 +171,7 @@ class StageRun:
                 leg = missing[0]
                 raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' was given no input")
             self._start(bucket, deadline)
-            self._next += 1
+            self._next, self._given = self._next + 1, 0
         while self._in_flight:
             self._wait_oldest(deadline)
         if self._write_to:  # legs that never communicate
