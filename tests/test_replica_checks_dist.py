@@ -75,6 +75,10 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
     # 1. Parameters that differ when the optimizer is built; and with the check off.
     params = _params(rank, off_on=2)
     out["parameters"] = attempt(lambda: ShardedAdamW(list(params.items()), _spec("avg"), lr=0.1, timeout=30))
+    # The same with replicated states (each rank would keep its own model and its own states).
+    out["parameters, replicated states"] = attempt(
+        lambda: ShardedAdamW(list(params.items()), _spec("avg", state="R,R"), lr=0.1, timeout=30)
+    )
     out["parameters, off"] = attempt(
         lambda: ShardedAdamW(list(params.items()), _spec("avg"), lr=0.1, timeout=30, verify_replicas=False)
     )
@@ -131,6 +135,13 @@ def test_each_mistake_is_the_golden_error_on_every_rank(ranks: list[dict[str, An
     assert got == golden_blocks(GOLDEN)[case], "\n".join(got)
     if case != "parameters":  # the first collectives of the job create its groups: slow under load
         assert all(out[case][2] < 10 for out in ranks), [out[case][2] for out in ranks]
+
+
+@pytest.mark.slow
+def test_parameters_that_differ_are_refused_whatever_the_states_layout(ranks: list[dict[str, Any]]) -> None:
+    case = "parameters, replicated states"
+    got = [f"rank {rank}: {out[case][0]}: {out[case][1]}" for rank, out in enumerate(ranks)]
+    assert got == golden_blocks(GOLDEN)["parameters"], "\n".join(got)
 
 
 @pytest.mark.slow
