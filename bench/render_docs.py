@@ -378,7 +378,7 @@ def memory_goals(records: dict[str, dict]) -> str | None:
         ),
         ("prediction, the farthest from the measurement (predicted / held)", "0.90 ... 1.10", f"{worst:.2f}"),
         (
-            "prediction over FSDP2's parameters (FSDP2's own buffers not in it)",
+            "prediction over FSDP2's parameters (FSDP2's unsharded largest group in it)",
             "0.90 ... 1.10",
             cell(run, held, "ShardedAdamW over FSDP2", "predicted / held"),
         ),
