@@ -87,7 +87,7 @@ def _read_after_backward(rank: int, read: str) -> dict[str, Any]:
         outcome = attempt(lambda: model(_pieces(spec, rank, 0)).backward())
     refused = attempt(optimizer.step) if read == "second_backward" else ("not run", "", 0.0)
     unchanged = all(torch.equal(before[n], p) for n, p in _params(model).items())
-    optimizer.zero_grad()
+    optimizer.zero_grad(set_to_none=read != "unscale_")  # zeroing a placeholder clears it too
     model(_pieces(spec, rank, 0)).backward()
     optimizer.step()
     return {"outcome": outcome, "refused": refused, "unchanged": unchanged, "params": _params(model)}
