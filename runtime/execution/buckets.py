@@ -5,7 +5,10 @@ order; local steps (slice, partial, an axis of one rank) run on the leg alone, a
 communicating step waits for its bucket. Each member packs its (padded) blocks straight into its
 columns of the bucket's buffer (``CollectiveMove.send_into``: the same padding as an unbucketed
 reshard, so uneven, empty and nested pieces stay exact), the collective runs once, and each
-member's result is a view of its columns (``CollectiveMove.finish``).
+member's result is a view of its columns (``CollectiveMove.finish``). A bucket of point-to-point
+moves (Muon's matrices to and from their owners: ``runtime.execution.matrix_moves``) runs as one
+``runtime.execution.run.Exchange``, one message per peer; there a leg may hold no piece on a
+rank (``None``: off its source or target mesh).
 
 Memory: with ``buffers`` (a :class:`~runtime.memory.buffers.Scratch` kept by the caller between steps)
 the buckets use the kept and send buffers where the program lays them out
@@ -29,9 +32,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.legs import AFTER, DURING_BACKWARD, IN_STEP, Bucket
+from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError, ReshardError
 from runtime.execution.program import CollectiveMove
-from runtime.execution.run import LegWalk, Started, StartMove, record_traffic, start_move
+from runtime.execution.run import Exchange, LegWalk, Started, StartMove, record_traffic, start_exchange, start_move
 from runtime.execution.step_program import IN_FLIGHT, BucketProgram, LegProgram, StepProgram
 from runtime.measure import stats
 from runtime.memory.buffers import Scratch
@@ -40,14 +44,30 @@ from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 
 
-def _wrong_piece(program: LegProgram, x: torch.Tensor, rank: int) -> ReshardError:
+def _viewed_as_its_piece(program: LegProgram, x: torch.Tensor | None) -> bool:
+    """Whether ``x`` becomes the leg's piece by the view its first hop starts with (a joined
+    block, flat, into the matrix it is: ``planner.matrices``)."""
+    view = program.schedule[0][0]
+    shape = program.source_shape
+    return (
+        x is not None
+        and view is not None
+        and shape is not None
+        and x.dtype == program.dtype
+        and x.numel() == math.prod(shape) == math.prod(view)
+    )
+
+
+def _wrong_piece(program: LegProgram, x: torch.Tensor | None, rank: int) -> ReshardError:
     """The error of an input that is not the piece its leg starts from on this rank."""
     leg = program.leg
     source = leg.hops[0].plan
-    return ReshardError(
-        f"{program.label()}: rank {rank} holds a piece of {dtype_name(x.dtype)} {list(x.shape)}, but "
-        f"'{source.src}' gives it {leg.dtype} {list(program.source_shape)} of {list(source.shape)}"
-    )
+    held = "no piece" if x is None else f"a piece of {dtype_name(x.dtype)} {list(x.shape)}"
+    if program.source_shape is None:
+        given = f"'{source.src}' gives it none (it is not in {source.src.mesh.describe()})"
+    else:
+        given = f"'{source.src}' gives it {leg.dtype} {list(program.source_shape)} of {list(source.shape)}"
+    return ReshardError(f"{program.label()}: rank {rank} holds {held}, but {given}")
 
 
 def run_stage(
@@ -59,7 +79,7 @@ def run_stage(
     timeout: datetime.timedelta,
     buffers: Scratch | None = None,
     start: StartMove | None = None,
-) -> dict[int, torch.Tensor]:
+) -> dict[int, torch.Tensor | None]:
     """Every leg of ``stage`` (keys of ``inputs``: indices into the plan's legs) run from its
     input to its piece in the leg's target layout (:class:`StageRun`, given every input at
     once: nothing is sent before every input has been checked)."""
@@ -110,8 +130,10 @@ class StageRun:
         stable: frozenset[int] = frozenset(),
         write_to: Mapping[int, torch.Tensor] | None = None,
         start: StartMove | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.program, self.stage, self.timeout, self._start_move = program, stage, timeout, start
+        self._device = device  # where an exchange's pieces land on a rank that sends none
         self._write_to = dict(write_to or {})
         if program.shared_after and stage == AFTER and buffers is not None and not write_to:
             raise ReshardError("a step program compiled to write through is run without write_to")
@@ -123,6 +145,8 @@ class StageRun:
         self._given = 0  # its members up to this one have their inputs (feed)
         self._walks: dict[int, LegWalk] = {}
         self._in_flight: list[tuple[BucketProgram, Started, float]] = []
+        # Per exchange in flight: each member's walk and the piece it lands in, and its moves.
+        self._landing: dict[int, tuple[list[tuple[LegWalk, torch.Tensor | None]], list[RankExchange]]] = {}
         self.waited = 0.0  # seconds spent blocked waiting for collectives
         # Legs whose input a started bucket has packed: the stage reads it no more.
         self.packed: set[int] = set()
@@ -142,7 +166,11 @@ class StageRun:
         legs, walks = self.program.legs, self._walks
         for i, x in inputs.items():
             program = legs[i]
-            if x.shape != program.source_shape or x.dtype != program.dtype:
+            if x is None or x.shape != program.source_shape or x.dtype != program.dtype:
+                if x is None and program.source_shape is None:  # a rank off the leg's source mesh
+                    continue
+                if _viewed_as_its_piece(program, x):
+                    continue
                 raise _wrong_piece(program, x, self.program.rank)
         for i, x in inputs.items():  # given only once every input is checked
             program = legs[i]
@@ -226,7 +254,7 @@ class StageRun:
 
     def _wait(self, legs: Sequence[int]) -> None:
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while self._in_flight and any(self._walks[leg].x is None for leg in legs):
+        while self._in_flight and any(self._walks[leg].flying for leg in legs):
             self._wait_oldest(deadline)
 
     def places(self, legs: Sequence[int], device: torch.device) -> dict[int, torch.Tensor]:
@@ -285,11 +313,41 @@ class StageRun:
         while self._in_flight and (
             launch == IN_STEP
             or (launch == DURING_BACKWARD and len(self._in_flight) >= IN_FLIGHT)
-            or any(self._walks[leg].x is None for leg, *_ in bucket.members)
+            or any(self._walks[leg].flying for leg, *_ in bucket.members)
         ):
             self._wait_oldest(deadline)
         with _profiled(self, bucket, "start"):
-            self._pack_and_start(bucket)
+            if bucket.bucket.op == "point_to_point":
+                self._start_exchange(bucket)
+            else:
+                self._pack_and_start(bucket)
+
+    def _start_exchange(self, bucket: BucketProgram) -> None:
+        """Post a bucket of point-to-point moves as one :class:`~runtime.execution.run.Exchange`
+        (one message per peer), each member walked to its move first."""
+        posts, landing = [], []
+        for position, (leg, move, _, _) in zip(bucket.positions, bucket.members, strict=True):
+            walk = self._walks[leg]
+            walk.advance(position)
+            if move is None:  # this rank takes no part: it holds nothing of the leg from here
+                landing.append((walk, None))
+                continue
+            out = None
+            if move.after is not None:
+                device = walk.x.device if walk.x is not None else self._device or torch.device("cpu")
+                out = torch.empty(move.after, dtype=self.program.legs[leg].dtype, device=device)
+            posts.append((move, walk.x, out))
+            landing.append((walk, out))
+        messages = Exchange(posts)  # type: ignore[arg-type]
+        started = time.perf_counter()
+        try:
+            pending = start_exchange(messages)
+        except DistributedError as e:  # the members keep their pieces, as a collective's do
+            raise DistributedError(f"{self._bucket_text(bucket)} failed: {e.message}") from e
+        for walk, _ in landing:
+            walk.x, walk.flying = None, True
+        self._landing[bucket.index] = (landing, [move for move, _, _ in posts])
+        self._in_flight.append((bucket, pending, started))
 
     def _pack_and_start(self, bucket: BucketProgram) -> None:
         """Pack the bucket's members into its send buffer and start its collective."""
@@ -358,7 +416,7 @@ class StageRun:
             # finish(), so that the peers' collective is matched (docs/design/failures.md).
             raise type(e)(f"{self._bucket_text(bucket)} failed: {e.message}") from e
         for walk in walks:
-            walk.x = None  # the piece is in the buffer now
+            walk.x, walk.flying = None, True  # the piece is in the buffer now
         self.packed.update(leg for leg, *_ in bucket.members)
         self._in_flight.append((bucket, pending, started))
 
@@ -378,6 +436,21 @@ class StageRun:
         finally:
             self.waited += time.perf_counter() - blocked
         op = bucket.bucket.op
+        if op == "point_to_point":
+            landing, moves = self._landing.pop(bucket.index)
+            for walk, out in landing:
+                walk.passed(out)
+            if stats.is_recording():
+                names = ",".join(self.program.plan.legs[leg].tensor for leg, *_ in bucket.members)
+                record_traffic(
+                    moves,
+                    tensor=names,
+                    step=bucket.index,
+                    itemsize=ITEMSIZE[bucket.bucket.dtype],
+                    planned_bytes=bucket.bucket.bytes,
+                    started=started,
+                )
+            return
         if stats.is_recording():  # the names are joined only then
             record_traffic(
                 [move for _, move, _, _ in bucket.members],

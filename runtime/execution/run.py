@@ -3,9 +3,10 @@ shares (docs/design.md, "One executor").
 
 :class:`LegWalk` is the one walker of a leg's moves: it runs the local steps (and a step
 program's views between hops) up to the next communicating step, where its driver takes the
-piece. Two drivers walk legs with it: :func:`walk`, one communication at a time, and the bucket
-runner (``runtime.execution.buckets.StageRun``), which packs every member of a bucket into one
-collective.
+piece. Two drivers walk legs with it: :func:`walk`, one communication at a time (a reshard, and
+the simulator of reshards), and the bucket runner (``runtime.execution.buckets.StageRun``),
+which runs a bucket of many legs' moves as one collective or one :class:`Exchange` (the
+optimizers' buckets and Muon's matrix moves).
 
 :func:`walk` takes one rank's piece through a plan's moves: a collective step packs the send
 buffer (``CollectiveMove.send``) and yields it, and unpacks what the driver sends back
@@ -13,18 +14,16 @@ buffer (``CollectiveMove.send``) and yields it, and unpacks what the driver send
 fills, a member of the :class:`Exchange` the driver runs. The driver only communicates:
 :func:`runtime.execution.executor.reshard` with torch.distributed on the calling rank,
 :func:`runtime.execution.simulate.simulate` with every rank's walk in one process and the
-collectives emulated over their send buffers, Muon's matrix moves
-(``runtime.execution.matrix_moves``) with a walk per moved piece, their point-to-point steps
-bucketed into one exchange. So the padding, trimming and packing the simulator checks are the
-runtime's own.
+collectives emulated over their send buffers. So the padding, trimming and packing the
+simulator checks are the runtime's own.
 
 An :class:`Exchange` is a bucket of point-to-point moves: one message per peer however many
 members send to it (members in bucket order; both ends read the same plans, so they agree on
-the message's layout). A reshard's exchange has one member; Muon's matrix moves
-(``runtime.execution.matrix_moves``) bucket many. :func:`exchange` runs one with
-torch.distributed, and :func:`start_move` starts a collective move's, alone or as the first of a
-bucket (``runtime.execution.buckets``): every collective and message of a compiled program is
-posted here, and what each sent is recorded by :func:`record_traffic`.
+the message's layout). A reshard's exchange has one member; Muon's matrix moves bucket many.
+:func:`start_exchange` posts one with torch.distributed, and :func:`start_move` starts a
+collective move's, alone or as the first of a bucket (``runtime.execution.buckets``): every
+collective and message of a compiled program is posted here, and what each sent is recorded
+by :func:`record_traffic`.
 """
 
 from __future__ import annotations
@@ -68,7 +67,8 @@ class LegWalk:
     waits there for its communication). ``unpacking``: the leg's last move, a gather whose result
     ``x`` still holds as the blocks it received (a leg that ``runtime.execution.buckets``
     delivers straight into where it is kept); the walk is then at its end, any views after the
-    gather left to its driver. ``label`` names the leg in errors (called only then).
+    gather left to its driver. ``flying``: its piece is in a communication in flight (``x`` may
+    be ``None`` on a rank that holds none). ``label`` names the leg in errors (called only then).
 
     Every driver walks its legs with it: :func:`walk` (a reshard, the simulator, Muon's
     point-to-point moves) from one communication to the next, ``runtime.execution.buckets``
@@ -76,11 +76,12 @@ class LegWalk:
     has one entry, its reduce_scatter: the walk starts at ``i = 0``, its bucket packs ``x``, and
     the bucket's result makes ``x`` the reduced piece and ``i = 1``, the end."""
 
-    __slots__ = ("i", "label", "schedule", "unpacking", "viewed", "x")
+    __slots__ = ("flying", "i", "label", "schedule", "unpacking", "viewed", "x")
 
     def __init__(self, schedule: tuple[Entry, ...], x: torch.Tensor | None, label: Callable[[], str]) -> None:
         self.schedule, self.x, self.label, self.i, self.viewed = schedule, x, label, 0, False
         self.unpacking: CollectiveMove | None = None
+        self.flying = False  # its piece is in a communication in flight (until passed)
 
     def advance(self, until: int | None = None) -> None:
         """Run the local steps up to the schedule's entry ``until``, a communicating step, and
@@ -89,8 +90,8 @@ class LegWalk:
         stop = len(schedule) if until is None else until
         while self.i < stop:
             view, move, local = schedule[self.i]
-            if view is not None and not self.viewed:
-                self.x = self.x.reshape(view)  # type: ignore[union-attr]
+            if view is not None and not self.viewed and self.x is not None:
+                self.x = self.x.reshape(view)
             if not local:
                 raise ReshardError(f"{self.label()} reached a collective out of order")
             if move is not None:
@@ -100,8 +101,8 @@ class LegWalk:
             if self.i != until:
                 raise ReshardError(f"{self.label()} has no step at entry {until}")
             view = schedule[until][0]
-            if view is not None and not self.viewed:
-                self.x, self.viewed = self.x.reshape(view), True  # type: ignore[union-attr]
+            if view is not None and not self.viewed and self.x is not None:
+                self.x, self.viewed = self.x.reshape(view), True
 
     def next_move(self) -> CollectiveMove | RankExchange | None:
         """Run the local steps up to the next communicating one and return its move (the walk
@@ -128,12 +129,12 @@ class LegWalk:
     def passed(self, x: torch.Tensor | None) -> None:
         """The communicating step the walk waited at has run and left the piece ``x``: go on to
         the next entry."""
-        self.x, self.i, self.viewed = x, self.i + 1, False
+        self.x, self.i, self.viewed, self.flying = x, self.i + 1, False, False
 
     def unpack_later(self, received: torch.Tensor, move: CollectiveMove) -> None:
         """The leg's last move, a gather, has run: keep its blocks (``received``) for the driver
         to unpack where the piece is kept, and go to the end, past any views after it."""
-        self.x, self.unpacking = received, move
+        self.x, self.unpacking, self.flying = received, move, False
         self.i, self.viewed = len(self.schedule), False
 
 
@@ -321,14 +322,37 @@ def record_traffic(
     )
 
 
-def exchange(bucket: Exchange, timeout: datetime.timedelta) -> None:
-    """Run ``bucket`` with torch.distributed: every message posted in one
-    ``batch_isend_irecv``, the local copies made while they travel, all waited on within
-    ``timeout``. Raises ``DistributedError`` when a message fails."""
+class ExchangeInFlight:
+    """An :class:`Exchange` whose messages travel (:func:`start_exchange`): :meth:`wait` waits
+    for them and places what arrived (``runtime.execution.run.Started``; its result is empty:
+    the members' target pieces are filled)."""
+
+    __slots__ = ("bucket", "works")
+
+    def __init__(self, bucket: Exchange, works: list) -> None:
+        self.bucket, self.works = bucket, works
+
+    def wait(self, timeout: datetime.timedelta) -> torch.Tensor:
+        wait_point_to_point(self.works, timeout)
+        self.bucket.land()
+        return _LANDED
+
+
+_LANDED = torch.empty(0)
+
+
+def start_exchange(bucket: Exchange) -> ExchangeInFlight:
+    """Post every message of ``bucket`` with torch.distributed in one ``batch_isend_irecv`` and
+    make the local copies while they travel. Raises ``DistributedError`` when posting fails."""
     works = post_point_to_point(bucket.sends, [(peer, message) for peer, message, _ in bucket.receives])
     bucket.copy_local()
-    wait_point_to_point(works, timeout)
-    bucket.land()
+    return ExchangeInFlight(bucket, works)
+
+
+def exchange(bucket: Exchange, timeout: datetime.timedelta) -> None:
+    """Run ``bucket`` with torch.distributed (:func:`start_exchange`), waited on within
+    ``timeout``. Raises ``DistributedError`` when a message fails."""
+    start_exchange(bucket).wait(timeout)
 
 
 def _landing(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """A step plan (``planner.step``) compiled for one rank: its legs' moves, its buckets' members and
 offsets, and where every bucket's buffers lie (:func:`compile_step`); ``runtime.execution.buckets`` runs it.
 
-A bucket's buffer is laid out peer-major: for a reduce_scatter or all_to_all over ``n`` ranks it
+A bucket of point-to-point moves (Muon's matrix moves to and from their owners) has no buffers of
+its own: its members' ``RankExchange`` run as one ``runtime.execution.run.Exchange``. A
+collective bucket's buffer is laid out peer-major: for a reduce_scatter or all_to_all over ``n`` ranks it
 is ``[n, sum of chunks]``, row ``p`` holding every member's block for peer ``p`` one after
 another; for an all_gather or all_reduce it is the members' pieces one after another. Ranks of
 one group hold the same chunk sizes (``runtime.execution.program``), so their buffers agree. Where the
@@ -40,7 +42,7 @@ class LegProgram:
 
     leg: Leg
     moves: tuple[tuple[CollectiveMove | RankExchange | None, ...], ...]
-    source_shape: tuple[int, ...]
+    source_shape: tuple[int, ...] | None  # None: the rank holds no piece (off the source mesh)
     dtype: torch.dtype  # the leg's, as torch names it
     schedule: tuple[Entry, ...]
     positions: Mapping[tuple[int, int], int]
@@ -57,7 +59,9 @@ class BucketProgram:
 
     index: int
     bucket: Bucket
-    members: tuple[tuple[int, CollectiveMove, int, int], ...]  # (leg, move, chunk, offset)
+    # (leg, move, chunk, offset); of an exchange bucket (point-to-point moves) its members'
+    # RankExchange (None where this rank takes no part), chunk and offset 0.
+    members: tuple[tuple[int, CollectiveMove, int, int], ...]
     total: int
     per_peer: bool  # the send buffer has one row per peer (reduce_scatter, all_to_all)
     final: tuple[bool, ...]  # per member: its step is the last move of its leg (views may follow)
@@ -108,7 +112,7 @@ def compile_step(plan: StepPlan, rank: int, *, write_through: bool = False) -> S
             LegProgram(
                 leg,
                 moves,
-                source.src.rank_piece(source.shape, rank).shape,
+                source.src.rank_piece(source.shape, rank).shape if rank in source.src.mesh.ranks else None,
                 torch_dtype(leg.dtype),
                 *_schedule(leg, moves),
             )
@@ -122,6 +126,12 @@ def compile_step(plan: StepPlan, rank: int, *, write_through: bool = False) -> S
                 opened_by[m.leg] = (index, len(members))
             final.append(all(later is None for _, later, _ in legs[m.leg].schedule[position + 1 :]))
             move = legs[m.leg].moves[m.hop][m.step]
+            if bucket.op == "point_to_point":  # an exchange: no buffers of the bucket's own
+                if move is not None and not isinstance(move, RankExchange):
+                    leg = plan.legs[m.leg]
+                    raise ReshardError(f"{leg.what} of tensor '{leg.tensor}' has a collective in an exchange bucket")
+                members.append((m.leg, move, 0, 0))  # type: ignore[arg-type]  # None: no part in it
+                continue
             if not isinstance(move, CollectiveMove):
                 what = (
                     "a point-to-point step" if isinstance(move, RankExchange) else "a step on a mesh without this rank"
@@ -160,7 +170,7 @@ def _schedule(
             entries.append((hop.view, None, True))
         for k, move in enumerate(hop_moves):
             positions[(h, k)] = len(entries)
-            local = isinstance(move, CollectiveMove) and move.is_local
+            local = move is None or (isinstance(move, CollectiveMove) and move.is_local)  # None: not on its mesh
             entries.append((hop.view if k == 0 else None, move, local))
     return tuple(entries), positions
 
@@ -200,8 +210,9 @@ def _lay_out(
     laid: list[BucketProgram] = []
     send: dict[str, int] = {}
     kept: dict[str, int] = {}
+    laid += [b for b in buckets if b.bucket.op == "point_to_point"]  # exchanges lay out nothing
     for dtype in dict.fromkeys(b.bucket.dtype for b in buckets):
-        mine = [b for b in buckets if b.bucket.dtype == dtype]
+        mine = [b for b in buckets if b.bucket.dtype == dtype and b.bucket.op != "point_to_point"]
         offset, places, later = 0, {}, 0
         for stage in (BEFORE, AFTER):
             shared = 0  # the largest result of the buckets sharing one region (shared_after)
