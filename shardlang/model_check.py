@@ -24,7 +24,7 @@ finding (``Finding.kind``)    severity  what it says
 ``idle_ranks``                warning   ranks of the job that no mesh of the spec holds
 ============================  ========  ==========================================================
 
-Errors are what cannot train (today the optimizer refuses them, later and less clearly);
+Errors are what cannot train (the optimizers run this check when built and refuse them);
 warnings are what trains but is probably not meant. The language layer's own: no torch, no
 planner. ``shardlang check FILE --model MODULE:FACTORY [--world N]`` runs it. Example::
 

@@ -46,7 +46,10 @@ from runtime.optim.slots import Slot, Slots, SpecLike, names_text
 from runtime.optim.states import ShardedStates, StateStore, state_where
 from runtime.optim.sums import SumReducer, SumSpec
 from runtime.optim.transaction import StepTransaction
+from shardlang import Spec
 from shardlang.errors import ShardlangError
+from shardlang.interop import is_dtensor
+from shardlang.model_check import ModelMismatchError, check_model
 
 # Names the optimizers, the checkpoints and DCP import from here.
 __all__ = [
@@ -130,6 +133,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise OptimizerError(
                 f"{kind} needs named parameters: pass model.named_parameters(), not model.parameters()"
             )
+        if isinstance(spec, Spec):
+            # The spec against the parameters before anything is built (shardlang.model_check):
+            # wrappers' prefixes, misspellings with "did you mean", shapes (a rank's piece or the
+            # whole); the same on every rank (meshes against the world size: Slots). DTensors
+            # the spec does not name carry their own layouts.
+            dist = torch.distributed
+            plain = [
+                (n, p)
+                for g in self.param_groups
+                for n, p in zip(g["param_names"], g["params"], strict=True)
+                if not is_dtensor(p)
+            ]
+            try:
+                check_model(spec, plain, rank=dist.get_rank() if dist.is_initialized() else 0).raise_errors()
+            except ModelMismatchError as e:
+                raise OptimizerError(f"{kind}: {e}") from None
         if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes < 1):
             raise OptimizerError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
