@@ -20,6 +20,7 @@ width; ``…`` in a transcript stands for any text within its line (a solve time
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import re
@@ -32,6 +33,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from cli.main import build_parser
 from runtime.testing import run_ranks
 from tests.conftest import REPO
 
@@ -253,7 +255,10 @@ def help_text(command: str) -> str:
     return done.stdout
 
 
-SUBCOMMANDS = ("check", "plan", "show", "render", "explain", "init", "suggest", "calibrate")
+# The command's own subcommands, read from its parser so that a new one is checked too.
+SUBCOMMANDS = tuple(
+    next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+)
 
 
 # ---- refreshing the transcripts ----
