@@ -1,5 +1,9 @@
 """A profiled optimizer step: ``torch.profiler``'s trace holds one named range per bucket for
-its start and one for its wait, in each stage, named after the bucket (2 gloo ranks)."""
+its start and one for its wait, in each stage, named after the bucket, and one per stage of the
+step around them: the gradient hooks under overlap (named after the gradient and its bucket),
+the overlap agreement, the gradient norm, the math and its phases' sums, and the commit flags
+(2 gloo ranks; the names are the table's of docs/stacks/profiler.md). The expected ranges
+are built from the model's tensors and the step plan's buckets, not from the ranges."""
 
 from __future__ import annotations
 
@@ -11,50 +15,102 @@ import pytest
 import torch
 
 from runtime.testing import run_ranks
-from shardlang import parse_layout
-from shardlang.spec import Layouts
 
-SHAPES = {f"w{i}": (32, 16) for i in range(6)} | {"b": (16,)}
+SPEC = """
+mesh world = [dp=2]
+rule "*.weight" {
+  param = R,R over world
+  grad  = R,R | P(dp):avg over world
+  state = S(dp),R over world
+}
+rule "*.bias" {
+  param = R over world
+  grad  = R | P(dp):avg over world
+  state = S(dp) over world
+}
+"""
+WIDTH, LAYERS = 16, 3
 
 
-def _run(rank: int, world_size: int) -> dict[str, Any]:
-    from runtime.optim import ShardedAdamW
+def _run(rank: int, world_size: int, kind: str, options: dict[str, Any]) -> dict[str, Any]:
+    import shardlang
+    from runtime.optim import ShardedAdafactor, ShardedAdamW
 
-    spec = {}
-    for name, shape in SHAPES.items():
-        dims = ",".join("R" for _ in shape)
-        spec[name] = Layouts(
-            param=parse_layout(f"{dims} over mesh[dp=2]"),
-            grad=parse_layout(f"{dims} | P(dp):avg over mesh[dp=2]"),
-            states=(("", parse_layout(f"{','.join(['S(dp)', *('R' for _ in shape[1:])])} over mesh[dp=2]")),),
-        )
-    params = {n: torch.nn.Parameter(torch.ones(s)) for n, s in SHAPES.items()}
-    optimizer = ShardedAdamW(list(params.items()), spec, bucket_bytes=4096)
-    for p in params.values():
-        p.grad = torch.full(p.shape, 0.5)
-    optimizer.step()  # plans and compiles: the profiled step is a steady one
-    for p in params.values():
-        p.grad = torch.full(p.shape, 0.25)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
+    make = {"ShardedAdamW": ShardedAdamW, "ShardedAdafactor": ShardedAdafactor}[kind]
+    optimizer = make(model.named_parameters(), shardlang.parse_spec(SPEC), lr=1e-3, **options)
+    generator = torch.Generator().manual_seed(rank)
+
+    def train_step() -> None:
+        model(torch.randn(4, WIDTH, generator=generator)).square().mean().backward()
         optimizer.step()
+        optimizer.zero_grad()
+
+    train_step()  # plans and compiles: the profiled step is a steady one
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        train_step()
     plan = optimizer.step_plan()
     return {
         "names": [e.name for e in profile.events() if e.name.startswith("shardlang ")],
-        "buckets": [(b.stage, b.describe()) for b in plan.buckets],
+        "buckets": [
+            (b.stage, b.describe(), sorted({plan.legs[m.leg].tensor for m in b.members})) for b in plan.buckets
+        ],
+        "tensors": [n for n, p in model.named_parameters()],
     }
 
 
+def _bucket(index: int, count: int, described: str, tensors: list[str]) -> re.Pattern[str]:
+    """A bucket's part of a range name: 'bucket 2 of 5 (reduce_scatter(...) f32 of 'w', 'b')'."""
+    listed = "".join(rf"(?=.*'{re.escape(t)}')" for t in tensors[:3])
+    return re.compile(rf"bucket {index} of {count} \({re.escape(described)} of {listed}.*\)")
+
+
+def _expected(got: dict[str, Any], kind: str, options: dict[str, Any]) -> list[tuple[str, int]]:
+    """Per range (a regular expression of its whole name), how many times the step runs it."""
+    buckets, tensors = got["buckets"], got["tensors"]
+    count = len(buckets)
+    want = []
+    for index, (stage, described, members) in enumerate(buckets, start=1):
+        bucket = _bucket(index, count, described, members).pattern
+        want += [(rf"shardlang {stage}: start {bucket}", 1), (rf"shardlang {stage}: wait {bucket}", 1)]
+    if options.get("overlap"):
+        for tensor in tensors:  # each gradient's hook, named after the bucket that packs it
+            index, (_, described, members) = next(
+                (i, b) for i, b in enumerate(buckets, start=1) if b[0] == "before the update" and tensor in b[2]
+            )
+            bucket = _bucket(index, count, described, members).pattern
+            want.append((rf"shardlang backward: hook '{re.escape(tensor)}' into {bucket}", 1))
+        want.append(("shardlang before the update: overlap agreement", 1))
+    if options.get("max_grad_norm"):
+        want.append(("shardlang before the update: gradient norm", 1))
+    want.append((rf"shardlang the update: {kind} math", 1))
+    if kind == "ShardedAdafactor":  # its two phases' sums (runtime.optim.adafactor.PHASES)
+        want.append((r"shardlang the update: sums 1 of 2 \(the second-moment sums and the parameter's norm\)", 1))
+        want.append((r"shardlang the update: sums 2 of 2 \(the update's RMS\)", 1))
+    flags = 1 if options.get("transactional") else 2
+    want += [(f"shardlang commit: flag {k} of {flags}", 1) for k in range(1, flags + 1)]
+    return want
+
+
+CASES = {
+    "zero2": ("ShardedAdamW", {"bucket_bytes": 1100, "max_grad_norm": 1.0}),
+    "overlap": ("ShardedAdamW", {"bucket_bytes": 1100, "overlap": True, "max_grad_norm": 1.0}),
+    "transactional": ("ShardedAdafactor", {"bucket_bytes": 1100, "transactional": True}),
+}
+
+
 @pytest.mark.slow
-def test_a_profiled_step_names_every_bucket_start_and_wait() -> None:
-    for got in run_ranks(_run, 2, timeout=120):
-        names, buckets = got["names"], got["buckets"]
-        assert len(buckets) >= 4, buckets  # several buckets before the update and after it
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_profiled_step_names_every_bucket_and_stage(case: str) -> None:
+    kind, options = CASES[case]
+    for got in run_ranks(_run, 2, (kind, options), timeout=120):
+        names = got["names"]
+        assert len(got["buckets"]) >= 4, got["buckets"]  # several buckets before the update and after it
         counts = Counter(names)
-        for index, (stage, described) in enumerate(buckets, start=1):
-            for what in ("start", "wait"):
-                wanted = [n for n in counts if n.startswith(f"shardlang {stage}: {what} bucket {index} of ")]
-                assert len(wanted) == 1 and counts[wanted[0]] == 1, (stage, what, index, names)
-                assert described in wanted[0], (described, wanted[0])
-        shape = re.compile(r"shardlang (before|after) the update: (start|wait) bucket \d+ of \d+ \(")
-        assert all(shape.match(n) for n in names), names
-        assert len(names) == 2 * len(buckets), names
+        matched: set[str] = set()
+        for pattern, times in _expected(got, kind, options):
+            found = [n for n in counts if re.fullmatch(pattern, n)]
+            assert len(found) == 1 and counts[found[0]] == times, (pattern, names)
+            matched.add(found[0])
+        assert set(counts) == matched, sorted(set(counts) - matched)  # no range the table leaves out

@@ -19,10 +19,12 @@ from functools import partial
 import attrs
 import torch
 
+from planner.legs import BEFORE
 from runtime.errors import DistributedError
 from runtime.optim.commit import Finite
 from runtime.optim.compiler import CompiledStep
 from runtime.optim.errors import OptimizerStepError
+from runtime.optim.ranges import profiled
 from runtime.optim.slots import Slot, grad_versions
 from runtime.optim.sums import SumReducer, SumSpec
 from shardlang.layout import Layout
@@ -107,15 +109,16 @@ class Clipping:
     ) -> tuple[torch.Tensor, int, int]:
         """The 2-norm of all the reduced gradients (every rank gets the same), and the bytes and
         all-reduces it took."""
-        squares = [g.to(slot.dtype).square().sum().reshape(1) for slot, g in zip(slots, grads, strict=True)]
-        try:
-            completed, collectives = self._reducer.reduce(self.norm_specs(slots), squares, "the gradient norm")
-        except DistributedError as e:
-            raise OptimizerStepError(
-                f"step {step_number} failed reducing the gradient norm: {e.message}; "
-                "parameters and optimizer states are unchanged"
-            ) from e
-        total = torch.stack([c.reshape(()).to(torch.float64) for c in completed]).sum().sqrt()
+        with profiled(BEFORE, "gradient norm"):
+            squares = [g.to(slot.dtype).square().sum().reshape(1) for slot, g in zip(slots, grads, strict=True)]
+            try:
+                completed, collectives = self._reducer.reduce(self.norm_specs(slots), squares, "the gradient norm")
+            except DistributedError as e:
+                raise OptimizerStepError(
+                    f"step {step_number} failed reducing the gradient norm: {e.message}; "
+                    "parameters and optimizer states are unchanged"
+                ) from e
+            total = torch.stack([c.reshape(()).to(torch.float64) for c in completed]).sum().sqrt()
         return total.to(slots[0].dtype), sum(c.bytes for c in collectives), len(collectives)
 
     def clip(

@@ -224,6 +224,11 @@ class CommitFlag:
         # Why the last agreement failed, where the ranks told it (they step different things).
         self.why: str | None = None
 
+    @property
+    def flags(self) -> int:
+        """Agreements per step: 2 for an update in place, else 1."""
+        return self._flags
+
     def traffic(self, members: Sequence[int]) -> tuple[int, int]:
         """Bytes and collectives of a step's flags (the cost model's all_reduce row for
         :data:`FLAG_ELEMENTS` int64: ``2 (n-1)`` times that sent)."""

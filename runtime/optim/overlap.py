@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 
-from planner.legs import BEFORE
+from planner.legs import AFTER, BEFORE
 from runtime.comm.collectives import collective, default_device
 from runtime.comm.groups import ranks_group
 from runtime.errors import DistributedError, ReshardError
@@ -23,6 +23,7 @@ from runtime.memory.dtypes import as_dtype
 from runtime.optim.compiler import CompiledStep, StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.freed_grads import freed_grad, freed_of
+from runtime.optim.ranges import BACKWARD, profiled
 from runtime.optim.slots import (
     Slot,
     Slots,
@@ -107,7 +108,8 @@ class ParamGathers:
             return
         written = [s for s in waiting if memory_and_version(s.local_param()) != gathers.written[s.index]]
         try:
-            gathers.run.write({gathers.legs[s.index]: s.local_param() for s in waiting if s not in written})
+            with profiled(AFTER, lambda: f"write {names_text([s.name for s in waiting])}"):
+                gathers.run.write({gathers.legs[s.index]: s.local_param() for s in waiting if s not in written})
         except ShardlangError as e:
             self._fail(e)
         for slot in waiting:
@@ -216,7 +218,8 @@ class OverlapController:
         backward accumulating into it) makes every rank refuse the step."""
         backward = self._release()
         if backward is not None and backward.run is not None:
-            backward.verdict, backward.refused_by = self._agree(backward)
+            with profiled(BEFORE, "overlap agreement"):
+                backward.verdict, backward.refused_by = self._agree(backward)
         return backward
 
     def drop(self) -> None:
@@ -311,10 +314,12 @@ class OverlapController:
             return
         wire = self._compiler.wire_dtype(grad.dtype)
         try:
-            backward.run.feed({leg: as_dtype(grad, wire)})
-            backward.fed[slot.index] = memory_and_version(grad)
-            if self._free_grads:
-                self._free_packed(backward)
+            run = backward.run
+            with profiled(BACKWARD, lambda: _hook_name(run, slot, leg)):
+                run.feed({leg: as_dtype(grad, wire)})
+                backward.fed[slot.index] = memory_and_version(grad)
+                if self._free_grads:
+                    self._free_packed(backward)
         except ReshardError as e:  # a piece of the wrong shape: sent as zeros, raised in step()
             backward.error = backward.error or e
             if leg not in backward.run.legs:
@@ -428,6 +433,14 @@ class OverlapController:
         if what not in self._said:
             self._said.add(what)
             warnings.warn(message, stacklevel=4)
+
+
+def _hook_name(run: StageRun, slot: Slot, leg: int) -> str:
+    """A gradient hook's range: the gradient and the bucket it goes into, named as the bucket's
+    own ranges name it (docs/stacks/profiler.md)."""
+    stage = (b for b in run.program.buckets if b.bucket.stage == BEFORE)
+    bucket = next((b for b in stage if any(member[0] == leg for member in b.members)), None)
+    return f"hook '{slot.name}'" + ("" if bucket is None else f" into {run._bucket_text(bucket)}")
 
 
 def _first_line(error: Exception) -> str:

@@ -17,6 +17,7 @@ import torch
 from runtime.errors import DistributedError
 from runtime.optim.errors import OptimizerStepError
 from runtime.optim.flat import FlatStates
+from runtime.optim.ranges import UPDATE, profiled
 from runtime.optim.slots import Slot
 from runtime.optim.sums import SumReducer, SumSpec
 from shardlang.errors import ShardlangError
@@ -177,7 +178,8 @@ class PhaseDriver:
                 device = work.grads[0].device
                 values = [torch.zeros(spec.numel, dtype=spec.dtype, device=device) for spec in phase_specs]
             try:
-                completed, collectives = self._reducer.reduce(phase_specs, values, phase)
+                with profiled(UPDATE, f"sums {k + 1} of {len(self.phases)} ({phase})"):
+                    completed, collectives = self._reducer.reduce(phase_specs, values, phase)
             except DistributedError as e:
                 raise OptimizerStepError(
                     f"step {step_number} failed reducing {phase}: {e.message}; "

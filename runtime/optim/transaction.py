@@ -28,6 +28,7 @@ from runtime.optim.compiler import CompiledStep, StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.overlap import Backward, OverlapController, ParamGathers
 from runtime.optim.phases import PhaseDriver, StepWork, UpdateFailed
+from runtime.optim.ranges import COMMIT, UPDATE, profiled
 from runtime.optim.records import StepTraffic
 from runtime.optim.replica_checks import ReplicaChecks
 from runtime.optim.slots import Slot, Slots, grad_versions, names_text, ranks_text, take_grad
@@ -75,6 +76,9 @@ class StepTransaction:
         self.rank = slots.rank
         self._replicas = replicas  # the gradients declared replicated, checked before the commit
         self.last = LastStep()
+        # The names of the math's and the flags' ranges (runtime.optim.ranges).
+        self._math = f"{owner} math"
+        self._flag_names = tuple(f"flag {k} of {flag.flags}" for k in (1, 2))
         # _fresh_flat's views per set of slots stepped, with the buffers they are views of.
         self._fresh_views: dict[tuple[int, ...], tuple[dict[int, torch.Tensor], list[tuple[Any, int, int]]]] = {}
 
@@ -82,12 +86,16 @@ class StepTransaction:
         """Stage a step of ``slots``, agree, and commit it on every rank or on none."""
         members = self._slots.members(slots)
         try:
+            first = self._flag_names[0]
             try:
                 staged = stage()
             except Exception:
-                self.flag.agree(members, ok=False)  # the others must not commit either
+                with profiled(COMMIT, first):
+                    self.flag.agree(members, ok=False)  # the others must not commit either
                 raise
-            if not self.flag.agree(members, ok=True, slots=slots, finite=staged.finite):
+            with profiled(COMMIT, first):
+                agreed = self.flag.agree(members, ok=True, slots=slots, finite=staged.finite)
+            if not agreed:
                 staged.abandon()
                 why = self.flag.why or f"failed on another rank of {ranks_text(members)}"
                 raise OptimizerStepError(
@@ -235,7 +243,8 @@ class StepTransaction:
                 own[(i, state)] = arrived[legs[(slot.name, f"state.{state} -> state")]]
         work = StepWork(slots, reduced, params, new_params, flat, new_buffers, own)
         try:
-            sums = self._driver.run(work, step_number)
+            with profiled(UPDATE, self._math):
+                sums = self._driver.run(work, step_number)
         except UpdateFailed as failed:
             if after is not None:
                 self._join_after(after, compiled, slots)
@@ -329,7 +338,8 @@ class StepTransaction:
             try:
                 for master, shard in first_masters:
                     master.copy_(shard)
-                sums = self._driver.run(StepWork.in_place_of(slots, reduced, params, flat, own), step_number)
+                with profiled(UPDATE, self._math):
+                    sums = self._driver.run(StepWork.in_place_of(slots, reduced, params, flat, own), step_number)
             except UpdateFailed as e:  # after the commit point: joined below, then raised everywhere
                 failure, sums = e.error, (0, 0)
             except Exception as e:
@@ -388,7 +398,9 @@ class StepTransaction:
         except Exception as e:
             after.drain()
             failure = failure or e
-        if not self.flag.agree(members, ok=failure is None) or failure is not None:
+        with profiled(COMMIT, self._flag_names[1]):
+            agreed = self.flag.agree(members, ok=failure is None)
+        if not agreed or failure is not None:
             if prefetch:
                 after.drain()
             where = f"another rank of {ranks_text(members)}"

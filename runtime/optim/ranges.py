@@ -1,0 +1,25 @@
+"""Named ranges of ``torch.profiler`` traces for the stages of an optimizer step, one naming
+scheme for all: ``shardlang <where>: <what>`` (the table in docs/stacks/profiler.md). The
+buckets' own start and wait ranges (``runtime.execution.buckets``) follow it too.
+
+Nothing is built when no profiler runs: a name made from a bucket's members costs more than
+the rest of a small step's bookkeeping, so it is passed as a function, called only under a
+profiler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+BACKWARD, COMMIT, FORWARD = "backward", "commit", "forward"
+UPDATE = "the update"  # between the stages "before the update" and "after the update"
+
+
+def profiled(where: str, what: str | Callable[[], str]) -> contextlib.AbstractContextManager[object]:
+    """The range ``shardlang {where}: {what}`` while a profiler runs, else nothing."""
+    if not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"shardlang {where}: {what if isinstance(what, str) else what()}")
