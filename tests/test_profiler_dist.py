@@ -1,9 +1,10 @@
 """A profiled optimizer step: ``torch.profiler``'s trace holds one named range per bucket for
 its start and one for its wait, in each stage, named after the bucket, and one per stage of the
 step around them: the gradient hooks under overlap (named after the gradient and its bucket),
-the overlap agreement, the gradient norm, the math and its phases' sums, and the commit flags
-(2 gloo ranks; the names are the table's of docs/stacks/profiler.md). The expected ranges
-are built from the model's tensors and the step plan's buckets, not from the ranges."""
+the overlap agreement, the gradient norm, the math and its phases' sums, the commit flags and,
+with prefetch_params, the gathers' writes in forward (2 gloo ranks; the names are the table's
+of docs/stacks/profiler.md). The expected ranges are built from the model's tensors and the
+step plan's buckets, not from the ranges."""
 
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ def _run(rank: int, world_size: int, kind: str, options: dict[str, Any]) -> dict
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
     make = {"ShardedAdamW": ShardedAdamW, "ShardedAdafactor": ShardedAdafactor}[kind]
+    prefetch = options.pop("prefetch_params", False)
     optimizer = make(model.named_parameters(), shardlang.parse_spec(SPEC), lr=1e-3, **options)
+    if prefetch:  # each layer's forward writes its parameters, gathered since the last step
+        optimizer.prefetch_params(*model)
     generator = torch.Generator().manual_seed(rank)
 
     def train_step() -> None:
@@ -88,6 +92,8 @@ def _expected(got: dict[str, Any], kind: str, options: dict[str, Any]) -> list[t
     if kind == "ShardedAdafactor":  # its two phases' sums (runtime.optim.adafactor.PHASES)
         want.append((r"shardlang the update: sums 1 of 2 \(the second-moment sums and the parameter's norm\)", 1))
         want.append((r"shardlang the update: sums 2 of 2 \(the update's RMS\)", 1))
+    if options.get("prefetch_params"):  # in forward, each layer's gathers written into it
+        want += [(rf"shardlang after the update: write '{i}\.weight' and 1 more", 1) for i in range(LAYERS)]
     flags = 1 if options.get("transactional") else 2
     want += [(f"shardlang commit: flag {k} of {flags}", 1) for k in range(1, flags + 1)]
     return want
@@ -96,6 +102,7 @@ def _expected(got: dict[str, Any], kind: str, options: dict[str, Any]) -> list[t
 CASES = {
     "zero2": ("ShardedAdamW", {"bucket_bytes": 1100, "max_grad_norm": 1.0}),
     "overlap": ("ShardedAdamW", {"bucket_bytes": 1100, "overlap": True, "max_grad_norm": 1.0}),
+    "prefetch": ("ShardedAdamW", {"bucket_bytes": 1100, "prefetch_params": True}),
     "transactional": ("ShardedAdafactor", {"bucket_bytes": 1100, "transactional": True}),
 }
 
@@ -104,7 +111,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_profiled_step_names_every_bucket_and_stage(case: str) -> None:
     kind, options = CASES[case]
-    for got in run_ranks(_run, 2, (kind, options), timeout=120):
+    for got in run_ranks(_run, 2, (kind, dict(options)), timeout=120):
         names = got["names"]
         assert len(got["buckets"]) >= 4, got["buckets"]  # several buckets before the update and after it
         counts = Counter(names)
