@@ -3,18 +3,19 @@ partial over it), the ranks along that axis must hold the same values. A forgott
 model not broadcast, gradients declared ``R`` that no DDP reduced: each trains silently wrong
 otherwise (docs/design/failures.md, "Replicas").
 
-Each tensor's piece is summarized by a fingerprint: the sum, modulo 2**64, of every element's
-bits times a weight that depends on its position. Equal pieces give equal fingerprints on every
-device; two pieces that differ in one element, or hold the same elements in another order,
-give different ones except by a 1 in 2**64 chance. The fingerprints of all the tensors that
+Each tensor's piece is summarized by a fingerprint (:func:`fingerprint`): the sum, modulo
+2**64, of its bytes' 32-bit words times odd weights that depend on their positions. Equal
+pieces give equal fingerprints on every device; two that differ in one element always give
+different ones, two that hold the same elements in another order (or differ in several)
+except by a chance of about 2**-63, 2**-32 at worst. The fingerprints of all the tensors that
 share a group of replicas, folded into one, go in one all-gather of three integers per group
 (only where a group differs, a second all-gather of every tensor's fingerprint names them), and
 one all-reduce of the mismatch count over every rank involved makes all of them raise together:
 
     verify_replicas([("w", w, layout), ...], rank, what="parameters", cause=PARAMETERS_CAUSE)
 
-Its cost: one pass over the pieces (in chunks of :data:`CHUNK` elements, so the scratch is
-bounded), one all-gather of 24 bytes per group of replicas and one all-reduce of 8 bytes.
+Its cost: one pass over the pieces (in chunks, so the scratch is bounded), one all-gather of 24
+bytes per group of replicas and one all-reduce of 8 bytes.
 """
 
 from __future__ import annotations
@@ -31,12 +32,10 @@ from runtime.errors import DistributedError, ReplicaMismatchError
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 
-# Elements fingerprinted at once: bounds the int64 scratch to 16 MiB.
-CHUNK = 1 << 20
-# The weights cycle through this prime's residues (1 ... PRIME), so that a swap of two
-# elements less than PRIME apart always changes the sum.
-PRIME = 1_000_003
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# 32-bit words fingerprinted at once (:func:`_chunk`): on an accelerator, and on the CPU, where
+# a smaller scratch stays in cache (bench/replica_cost.py measures the fingerprint).
+CHUNK = 1 << 21
+CPU_CHUNK = 1 << 16
 
 PARAMETERS_CAUSE = (
     "the ranks started from different values: seed every rank alike before building the model, "
@@ -49,8 +48,24 @@ GRADIENTS_CAUSE = (
 
 
 def fingerprint(piece: torch.Tensor) -> int:
-    """The piece's fingerprint (module docstring): an integer of 64 bits, the same for equal
-    values whatever the device, strides or summation order.
+    """The piece's fingerprint: an integer of 64 bits, the same for equal bytes whatever the
+    device, strides or summation order.
+
+    The piece's bytes, read as 32-bit words ``x`` (a last partial word padded with zeros), sign
+    extended, give ``sum(x[i] * W[i]) mod 2**64`` plus a term for the byte count; every ``W[i]``
+    is odd and pseudo-random (:func:`_weights`: a fixed hash of the position, so alike on every
+    rank). Integer products and sums wrap modulo ``2**64`` alike on every device and in any
+    order. What it detects:
+
+    - a piece that differs in one element, whatever the dtype (a single-ulp change, a sign
+      flip, NaN against a number, ``-0.0`` against ``0.0``): always, as the word changes by
+      ``d``, ``0 < |d| < 2**32``, and ``d * W[i]`` with ``W[i]`` odd is never ``0 mod 2**64``;
+    - pieces of other lengths in bytes: always;
+    - anything else (elements swapped or permuted, several changed): the digests collide with a
+      probability of about ``2**-32`` where the words differ only in their top bit (values of
+      opposite sign swapped), ``2**(k-64)`` where the lowest differing bit of some word is bit
+      ``k``: about ``2**-63`` for most differences. It is a checksum against mistakes, not
+      against an adversary who knows the weights.
 
     >>> a = torch.tensor([1.0, 2.0, 3.0])
     >>> fingerprint(a) == fingerprint(a.clone()) != fingerprint(a.flip(0))
@@ -60,20 +75,82 @@ def fingerprint(piece: torch.Tensor) -> int:
 
 
 def _fingerprint(piece: torch.Tensor) -> torch.Tensor:
-    """:func:`fingerprint` as a 0-d int64 tensor on the piece's device (no host round trip)."""
+    """:func:`fingerprint` as a 0-d int64 tensor on the piece's device (no host round trip).
+
+    In chunks of :func:`_chunk` words, each through one int64 scratch (bounded, and on the CPU
+    small enough to stay in cache): copy (sign extending), then the dot product with the
+    weights; chunk ``k``'s sum is weighted by a second odd number, so that the same position in
+    two chunks weighs differently."""
     flat = piece.detach().reshape(-1)
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    bits = flat.view(_BITS[flat.element_size()])
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, bits.numel(), CHUNK):
-        chunk = bits[start : start + CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=flat.device) % PRIME + 1
-        # Integer products and sums wrap modulo 2**64 alike on every device and in any order.
-        total += (chunk * weights).sum()
-    return total
+    data = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
+    if data.storage_offset() % 4:  # a 4-byte view needs an aligned start
+        data = data.clone()
+    nbytes = data.numel()
+    device = data.device
+    words = data[: nbytes - nbytes % 4].view(torch.int32)
+    if nbytes % 4:
+        tail = torch.zeros(4, dtype=torch.uint8, device=device)
+        tail[: nbytes % 4] = data[nbytes - nbytes % 4 :]
+        words = torch.cat([words, tail.view(torch.int32)])
+    chunk = _chunk(device)
+    weights = _weights(chunk, device)
+    scratch = torch.empty(min(chunk, words.numel()), dtype=torch.int64, device=device)
+    sums = [torch.full((), _signed(_mix(nbytes)), dtype=torch.int64, device=device)]
+    for start in range(0, words.numel(), chunk):
+        part = words[start : start + chunk]
+        sums.append(_dot(scratch[: part.numel()].copy_(part), weights[: part.numel()]))
+    # Chunk k's weight hashes _CHUNK_KEYS + k, a value no position reaches: were it _mix(k),
+    # position i of chunk k and position k of chunk i would weigh the same.
+    chunk_weights = [1] + [_signed(_mix(_CHUNK_KEYS + k) | 1) for k in range(len(sums) - 1)]
+    return _dot(torch.stack(sums), torch.tensor(chunk_weights, dtype=torch.int64, device=device))
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum(a * b)`` of int64 vectors, wrapping: on the CPU one fused pass (int64 ``dot`` has
+    no kernel on accelerators, where ``a`` is multiplied in place)."""
+    return torch.dot(a, b) if a.device.type == "cpu" else a.mul_(b).sum()
+
+
+_MASK64 = (1 << 64) - 1
+_CHUNK_KEYS = 1 << 62
+_weights_cache: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _chunk(device: torch.device) -> int:
+    """Words fingerprinted at once: on the CPU few enough that the scratch (512 KiB) stays in
+    cache, on an accelerator enough that the kernels' launches do not count (16 MiB)."""
+    return CPU_CHUNK if device.type == "cpu" else CHUNK
+
+
+def _mix(value: int) -> int:
+    """splitmix64's finalizer: a fixed, well-mixed 64-bit hash of ``value``."""
+    z = (value * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 holding it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """The odd weights of positions ``0 .. n-1`` (:func:`_mix` of the position, made odd),
+    computed once per device and size, then cached: the same on every rank and device."""
+    key = (device, n)
+    weights = _weights_cache.get(key)
+    if weights is None:
+        # int64 arithmetic in torch wraps like the masked Python above; >> on int64 is arithmetic,
+        # so each shift is masked to stay logical.
+        z = torch.arange(n, dtype=torch.int64) * _signed(0x9E3779B97F4A7C15) + 0x632BE59BD9B4E019
+        z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _signed(0xBF58476D1CE4E5B9)
+        z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _signed(0x94D049BB133111EB)
+        z = z ^ ((z >> 31) & ((1 << 33) - 1))
+        weights = _weights_cache[key] = (z | 1).to(device)
+    return weights
 
 
 def verify_replicas(
