@@ -33,9 +33,10 @@ state, intermediate layouts included. Results are memoized on all arguments.
 
 Budget: one ``max_states`` (``planner.search``) covers the whole request. Each collective leg
 charges the states its search generated, each candidate one more, and pricing a
-point-to-point step charges one state per rank of both meshes and per message (counted before
-the messages are built). The request ends in a :class:`PlanBudgetError` as soon as the charges
-pass ``max_states``; charges depend only on the request, so every process agrees.
+point-to-point step charges one state per rank holding a nonempty piece on either side of it
+(``planner.holdings.holder_count``) and per message (both counted before anything is built).
+The request ends in a :class:`PlanBudgetError` as soon as the charges pass ``max_states``;
+charges depend only on the request, so every process agrees.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import attrs
 
 from planner.cost import COPY, STEP, CostModel, collective_rounds, priced_as
 from planner.errors import PlanBudgetError, PlanError
+from planner.holdings import holder_count
 from planner.p2p import Links, PlannedExchange, message_count, time_lower_bound
 from planner.plans import Plan
 from planner.search import DEFAULT_MAX_STATES, Request, budget_error, checked, collective_outcome
@@ -230,7 +232,6 @@ def _cheapest_within(budget: _Budget) -> Plan:
     afters = [(leg, _units(leg, links.dst_rates)) for m in target_fillings(dst, src, shape)
               if (leg := _leg(m, dst, budget)) is not None]  # fmt: skip
     budget.charge(len(befores) * len(afters), "pairing the intermediate layouts")
-    ranks = src.mesh.size + dst.mesh.size
     for order, ((before, b_units), (after, a_units)) in enumerate(itertools.product(befores, afters), start=1):
         if one_mesh and before.dst.dims == after.src.dims:
             continue  # the step would only copy locally: the collective plan through it is never worse
@@ -243,7 +244,8 @@ def _cheapest_within(budget: _Budget) -> Plan:
             break
         mix: _Mix = candidate  # type: ignore[assignment]
         if stage == 0:
-            budget.charge(ranks, f"pricing the point-to-point step {mix.before.dst} -> {mix.after.src}")
+            holders = holder_count(mix.before.dst, shape) + holder_count(mix.after.src, shape)
+            budget.charge(holders, f"pricing the point-to-point step {mix.before.dst} -> {mix.after.src}")
             units += time_lower_bound(mix.before.dst, mix.after.src, shape, itemsize, links)
         else:
             budget.charge(

@@ -36,16 +36,42 @@ class Blocks:
     """The nonempty blocks of a layout for one tensor shape, with their holders.
 
     ``intervals[d]``: the distinct nonempty intervals of dim ``d``, ascending. ``holders[box]``:
-    the ranks holding block ``box``, in mesh order. ``of_rank[rank]``: each rank's block.
+    the ranks holding block ``box``, in mesh order. ``of_rank[rank]``: each rank's block, for the
+    ranks that hold a nonempty one, in mesh order.
+
+    Built from the mesh's structure, not rank by rank: per dim, the nonempty intervals its axes
+    cut and the part of the mesh position their coordinates make (:func:`_dim_pieces`); a
+    block's holders are then its dims' positions plus every position of the axes that split no
+    dim. The work follows the ranks that hold data, not the mesh's size (a 32000-row tensor on
+    131,072 ranks lists 32000 holders).
     """
 
     def __init__(self, layout: Layout, shape: tuple[int, ...]) -> None:
-        self.of_rank: dict[int, Box] = {rank: layout.rank_piece(shape, rank) for rank in layout.mesh.ranks}
-        holders: dict[Box, list[int]] = {}
-        for rank, box in self.of_rank.items():
-            if box.numel:
-                holders.setdefault(box, []).append(rank)
-        self.holders = {box: tuple(ranks) for box, ranks in holders.items()}
+        mesh = layout.mesh
+        strides = _strides(mesh.shape)
+        per_dim = [
+            _dim_pieces(length, axes, mesh.shape, strides) for length, axes in zip(shape, layout.dims, strict=True)
+        ]
+        splitting = {a for axes in layout.dims for a in axes}
+        others = [0]
+        for a in range(mesh.ndim):
+            if a not in splitting:
+                others = [o + c * strides[a] for o in others for c in range(mesh.shape[a])]
+        others.sort()
+        ranks = mesh.ranks
+        found = []
+        for combo in itertools.product(*per_dim):
+            base = sum(offset for _, offset in combo)
+            found.append((base, Box.trusted(interval for interval, _ in combo)))
+        found.sort(key=lambda entry: entry[0])
+        self.holders: dict[Box, tuple[int, ...]] = {}
+        owned = []
+        for base, box in found:
+            positions = [base + o for o in others]
+            self.holders[box] = tuple(ranks[p] for p in positions)
+            owned.extend(zip(positions, self.holders[box], itertools.repeat(box)))
+        owned.sort(key=lambda entry: entry[0])
+        self.of_rank: dict[int, Box] = {rank: box for _, rank, box in owned}
         self.intervals = tuple(tuple(sorted({box[d] for box in self.holders})) for d in range(len(shape)))
         self._starts = tuple(tuple(lo for lo, _ in dim) for dim in self.intervals)
 
@@ -70,6 +96,56 @@ class Blocks:
     def count_overlapping(self, box: Box) -> int:
         """How many blocks share elements with ``box``."""
         return math.prod(len(dim) for dim in self._overlapping_intervals(box))
+
+
+def _strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Each mesh axis's step in the row-major position."""
+    out, step = [], 1
+    for n in reversed(sizes):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def _dim_pieces(
+    length: int, axes: Sequence[int], sizes: Sequence[int], strides: Sequence[int]
+) -> list[tuple[tuple[int, int], int]]:
+    """The nonempty intervals a dim of ``length`` is cut into by ``axes`` (nested, as
+    ``Layout.piece`` cuts it), each with the part of the mesh position its axes' coordinates
+    make. Only nonempty pieces are visited: a piece cut in ``n`` has ``ceil(len / ceil(len / n))``
+    nonempty parts, the first ones (``chunk_bounds``)."""
+    pieces = [((0, length), 0)] if length else []
+    for a in axes:
+        n, stride = sizes[a], strides[a]
+        cut = []
+        for (start, stop), offset in pieces:
+            size = -(-(stop - start) // n)
+            for c in range(-(-(stop - start) // size)):
+                cut.append(((start + c * size, min(start + (c + 1) * size, stop)), offset + c * stride))
+        pieces = cut
+    return pieces
+
+
+def holder_count(layout: Layout, shape: tuple[int, ...]) -> int:
+    """How many ranks hold a nonempty piece of ``layout`` (the ranks :class:`Blocks` lists),
+    from the piece lengths each dim's cuts make, without listing them: what the planner's
+    budget charges before building the blocks."""
+    count = 1
+    splitting = set()
+    for length, axes in zip(shape, layout.dims, strict=True):
+        lengths = {length: 1} if length else {}
+        for a in axes:
+            splitting.add(a)
+            n, cut = layout.mesh.shape[a], {}
+            for piece, times in lengths.items():
+                size = -(-piece // n)
+                full, rest = divmod(piece, size)
+                cut[size] = cut.get(size, 0) + full * times
+                if rest:
+                    cut[rest] = cut.get(rest, 0) + times
+            lengths = cut
+        count *= sum(lengths.values())
+    return count * math.prod(n for a, n in enumerate(layout.mesh.shape) if a not in splitting)
 
 
 @functools.lru_cache(maxsize=1024)

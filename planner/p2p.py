@@ -47,7 +47,7 @@ import attrs
 from planner.copies import exchange_copy_elements
 from planner.cost import COPY, STEP, CostModel
 from planner.errors import PlanError
-from planner.holdings import blocks_of
+from planner.holdings import blocks_of, holder_count
 from planner.plans import Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, budget_error, checked
 from planner.units import integer_op_rates
@@ -154,9 +154,11 @@ class PlannedExchange:
         # order: [sender (None until chosen), receiver, part]; per block, its messages.
         slots: list[list] = []
         jobs: dict[Box, list[tuple[int, int, int]]] = {}
-        for position, receiver in enumerate(after.mesh.ranks):
+        # Only target ranks with a nonempty piece receive (in mesh order): the work follows the
+        # ranks that hold data, not the meshes' sizes.
+        for position, (receiver, piece) in enumerate(blocks_of(after, shape).of_rank.items()):
             own = blocks.of_rank.get(receiver)
-            for block, part in blocks.overlapping(after.rank_piece(shape, receiver)):
+            for block, part in blocks.overlapping(piece):
                 if block == own:
                     slots.append([receiver, receiver, part])
                 else:
@@ -264,12 +266,14 @@ def point_to_point_plan(
     bound), each from one holder, senders balanced as the module docstring says.
 
     ``planner.plan`` chooses between this, collectives and mixes; this is the plain step. Its
-    budget (``planner.cheapest``): one state per rank of both meshes, then one per message; a
+    budget (``planner.cheapest``): one state per rank holding a nonempty piece of either layout
+    (``planner.holdings.holder_count``: ranks holding nothing cost nothing), then one per message; a
     :class:`PlanBudgetError` past ``max_states``.
     """
     request = checked(src, dst, shape, dtype, cost, None, max_states)
     shape, cost = request.shape, request.cost
-    if src.mesh.size + dst.mesh.size > max_states:
+    holders = holder_count(src, shape) + holder_count(dst, shape)
+    if holders > max_states:
         raise budget_error(src, dst, shape, max_states, "listing the blocks of both meshes' ranks")
     for name, layout in (("source", src), ("target", dst)):
         if layout.is_partial:
@@ -277,7 +281,7 @@ def point_to_point_plan(
                 f"cannot plan {src} -> {dst} by one point-to-point step: the {name} is partial "
                 f"(planner.plan(..., point_to_point=True) resolves partials with collectives)"
             )
-    if src.mesh.size + dst.mesh.size + message_count(src, dst, shape) > max_states:
+    if holders + message_count(src, dst, shape) > max_states:
         raise budget_error(src, dst, shape, max_states, "the messages of the point-to-point step")
     step = PlannedExchange(src, dst, shape, dtype_itemsize(dtype), Links(cost, src.mesh, dst.mesh)).step()
     return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(step,), cost=cost)

@@ -21,7 +21,7 @@ import torch
 
 import planner
 from planner import cheapest
-from planner.holdings import Blocks
+from planner.holdings import Blocks, holder_count
 from planner.p2p import point_to_point_plan
 from planner.plans import Plan
 from planner.search import collective_plan
@@ -383,6 +383,45 @@ def test_the_holders_of_a_block_are_gathered_in_mesh_order():
     layout = L("R over mesh[256,256] ranks 1..65536")
     blocks = Blocks(layout, (8,))
     assert blocks.holders == {((0, 8),): tuple(range(1, 65537))}
+
+
+def test_blocks_listed_from_the_mesh_structure_match_a_walk_over_every_rank():
+    """Blocks are built per dim and axis, visiting only nonempty pieces; a rank-by-rank walk
+    (``Layout.rank_piece`` on every rank of the mesh) must find the same holders, each rank's
+    block and the same count, on random meshes (explicit rank lists included) and shapes with
+    empty pieces."""
+    rng = random.Random(7)
+    for _ in range(400):
+        sizes = [rng.choice([1, 2, 3, 4, 5]) for _ in range(rng.randint(1, 4))]
+        n = math.prod(sizes)
+        ranks = rng.choice([tuple(range(n)), tuple(rng.sample(range(3 * n), n))])
+        dims: list[list[int]] = [[] for _ in range(rng.randint(0, 3))]
+        for a in rng.sample(range(len(sizes)), len(sizes)):
+            if dims and rng.random() < 0.7:
+                dims[rng.randrange(len(dims))].append(a)
+        layout = Layout(dims=dims, mesh=Mesh(shape=sizes, ranks=ranks))
+        shape = tuple(rng.choice([0, 1, 2, 3, 5, 13]) for _ in dims)
+        walked = {r: layout.rank_piece(shape, r) for r in ranks}
+        held = {r: box for r, box in walked.items() if box.numel}
+        holders: dict = {}
+        for r, box in held.items():
+            holders.setdefault(box, []).append(r)
+        blocks = Blocks(layout, shape)
+        assert list(blocks.of_rank.items()) == list(held.items()), (layout, shape)
+        assert blocks.holders == {box: tuple(rs) for box, rs in holders.items()}, (layout, shape)
+        assert holder_count(layout, shape) == len(held), (layout, shape)
+
+
+def test_ranks_that_hold_nothing_cost_no_budget():
+    """A 32-row tensor on 131,072 ranks: 32 ranks hold rows, so listing and pricing the step
+    fits the default budget, where the meshes' 229,376 ranks would not (each rank keeps its row:
+    no messages, one local copy per row)."""
+    src, dst = L("S(tp,dp),R over mesh[dp=16384,tp=8]"), L("S(tp,dp),R over mesh[dp=12288,tp=8]")
+    step = point_to_point_plan(src, dst, (32, 4)).steps[0]
+    # Rank dp * 8 + tp holds row tp * 4 + dp (4 rows per tp, one per dp < 4) in both layouts.
+    expected = [(r, r, ((r % 8 * 4 + r // 8, r % 8 * 4 + r // 8 + 1), (0, 4))) for r in range(32)]
+    assert [(t.src_rank, t.dst_rank, tuple(t.box)) for t in step.transfers] == expected
+    assert planner.plan(src, dst, (32, 4)).steps == (step,)
 
 
 # --- JSON, memo, limits, flags, errors --------------------------------------------------
