@@ -1,5 +1,5 @@
 """runtime.comm.groups: a group's ranks from the mesh's strides (against the mesh's own coordinates,
-rank by rank), and one cached process group per ordered set of members."""
+rank by rank), and one cached process group per ordered set of members and purpose."""
 
 from __future__ import annotations
 
@@ -56,20 +56,24 @@ def _groups_of(rank: int, world_size: int) -> dict[str, object]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1024)
     made = []
     new_group = groups._new_group
-    groups._new_group = lambda members, timeout: made.append(members) or new_group(members, timeout)
+    groups._new_group = lambda members, timeout, purpose: made.append(members) or new_group(members, timeout, purpose)
     members = tuple(range(0, 1024, 2))
     first = groups.ranks_group(members)
     again = [groups.ranks_group(members) for _ in range(3)]
     copy = groups.ranks_group(tuple(list(members)))
     other = groups.ranks_group(tuple(range(512)))
+    apart = groups.ranks_group(members, purpose="agreement")
+    apart_again = groups.ranks_group(tuple(list(members)), purpose="agreement")
+    names = {dist._get_process_group_name(g) for g in (first, other, apart)}
     return {
         "same": all(g is first for g in again) and copy is first,
         "other": other is not first,
+        "purpose": apart is not first and apart_again is apart and len(names) == 3,
         "made": len(made),
-        "ranks": dist.get_process_group_ranks(first) == list(members),
+        "ranks": dist.get_process_group_ranks(first) == list(members) == dist.get_process_group_ranks(apart),
     }
 
 
 def test_ranks_group_makes_one_group_per_ordered_members() -> None:
     got = run_ranks(_groups_of, 1, timeout=60)[0]
-    assert got == {"same": True, "other": True, "made": 2, "ranks": True}
+    assert got == {"same": True, "other": True, "purpose": True, "made": 3, "ranks": True}

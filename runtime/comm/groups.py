@@ -18,7 +18,10 @@ member ranks, so two meshes that share a group share one process group (and no n
 twice), and it is dropped when the default process group changes (destroy and re-init).
 
 ``ranks_group(members)`` is the group of any ordered set of ranks (the union of two meshes,
-whose ranks compare plan fingerprints before a cross-mesh reshard).
+whose ranks compare plan fingerprints before a cross-mesh reshard). ``ranks_group(members,
+purpose="...")`` is another group of the same ranks, one per purpose: a collective on it never
+pairs with one a peer has in flight on the plain group (the overlap's agreement, run while a
+backward's bucket collectives may still be under way on the plain group).
 
 A user's ``DeviceMesh`` can supply the groups instead (``device_mesh=``): a single axis uses
 ``device_mesh.get_group(axis)``, after checking that the device mesh is the same grid of ranks
@@ -43,11 +46,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from runtime.errors import DistributedError, ReshardError
 from shardlang.mesh import Mesh, RowMajorRanks
 
-# Keyed by the ordered member ranks, or by (DeviceMesh, mesh, axis) for a user's groups.
+# Keyed by (the ordered member ranks, purpose), or by (DeviceMesh, mesh, axis) for a user's groups.
 _groups: dict[tuple, dist.ProcessGroup] = {}
 _groups_world: object = None
-# id(members) -> (members, its group): ranks_group's lookup without hashing the members.
-_by_identity: dict[int, tuple[tuple[int, ...], dist.ProcessGroup]] = {}
+# (id(members), purpose) -> (members, its group): ranks_group's lookup without hashing the members.
+_by_identity: dict[tuple[int, str], tuple[tuple[int, ...], dist.ProcessGroup]] = {}
 _BY_IDENTITY_MAX = 1024  # entries, then emptied (callers that build a new tuple every call)
 
 
@@ -131,22 +134,27 @@ def group_for(
     return group
 
 
-def ranks_group(members: tuple[int, ...], *, timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+def ranks_group(
+    members: tuple[int, ...], *, timeout: datetime.timedelta | None = None, purpose: str = ""
+) -> dist.ProcessGroup:
     """The process group of exactly ``members`` (global ranks; group rank ``i`` is
-    ``members[i]``), created by the members alone on first use, then cached."""
+    ``members[i]``), created by the members alone on first use, then cached. A ``purpose``
+    other than ``""`` gives a separate group of the same members, named apart (every member
+    must ask with the same purpose), whose collectives never pair with those of the plain
+    group or of another purpose's."""
     cache = _cache()
     # Steps ask again and again with the same tuple (a bucket's members, the commit flag's
     # ranks): found by identity, without hashing thousands of ranks on every call.
-    seen = _by_identity.get(id(members))
+    seen = _by_identity.get((id(members), purpose))
     if seen is not None and seen[0] is members:
         return seen[1]
-    key = (members,)
+    key = (members, purpose)
     group = cache.get(key)
     if group is None:
-        group = cache[key] = _new_group(members, timeout)
+        group = cache[key] = _new_group(members, timeout, purpose)
     if len(_by_identity) >= _BY_IDENTITY_MAX:
         _by_identity.clear()
-    _by_identity[id(members)] = (members, group)  # holding ``members`` keeps its id unique
+    _by_identity[(id(members), purpose)] = (members, group)  # holding ``members`` keeps its id unique
     return group
 
 
@@ -184,7 +192,7 @@ def _cache() -> dict[tuple, dist.ProcessGroup]:
 _KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
-def _new_group(members: tuple[int, ...], timeout: datetime.timedelta | None) -> dist.ProcessGroup:
+def _new_group(members: tuple[int, ...], timeout: datetime.timedelta | None, purpose: str) -> dist.ProcessGroup:
     order = {"sort_ranks": False} if _KEEPS_ORDER else {}
     if not _KEEPS_ORDER and list(members) != sorted(members):
         raise DistributedError(
@@ -193,28 +201,30 @@ def _new_group(members: tuple[int, ...], timeout: datetime.timedelta | None) -> 
             "upgrade torch, or give the mesh its ranks in increasing order along every axis"
         )
     try:
-        with _member_named_groups():
+        with _member_named_groups(purpose):
             return dist.new_group(list(members), timeout=timeout, use_local_synchronization=True, **order)
     except (RuntimeError, ValueError) as e:
-        raise DistributedError(f"cannot create the process group of ranks {list(members)}: {e}") from e
+        what = f" for {purpose}" if purpose else ""
+        raise DistributedError(f"cannot create the process group{what} of ranks {list(members)}: {e}") from e
 
 
 @contextlib.contextmanager
-def _member_named_groups() -> Iterator[None]:
+def _member_named_groups(purpose: str) -> Iterator[None]:
     """Within the block, ``new_group(..., use_local_synchronization=True)`` names a group by its
-    ordered ranks alone (see the module docstring). torch has no public argument for the name,
+    ordered ranks and ``purpose`` alone (see the module docstring). torch has no public argument for the name,
     so its private hashing function (``_hash_ranks_to_str(ranks) -> str``) is swapped for the
     block; a torch without it fails loudly here rather than deadlocking later."""
     original = c10d._hash_ranks_to_str
-    c10d._hash_ranks_to_str = _group_name
+    c10d._hash_ranks_to_str = lambda ranks: _group_name(ranks, purpose)
     try:
         yield
     finally:
         c10d._hash_ranks_to_str = original
 
 
-def _group_name(ranks: Sequence[int]) -> str:
-    return "shardlang-" + hashlib.sha1("_".join(map(str, ranks)).encode(), usedforsecurity=False).hexdigest()
+def _group_name(ranks: Sequence[int], purpose: str) -> str:
+    text = "_".join(map(str, ranks)) + (f"/{purpose}" if purpose else "")
+    return "shardlang-" + hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
 
 
 def check_device_mesh(device_mesh: DeviceMesh, mesh: Mesh) -> None:

@@ -194,7 +194,6 @@ class OverlapController:
         self._sync = True  # False inside no_sync()
         self._backward: Backward | None = None
         self._said: set[str] = set()  # the warnings said so far (each once)
-        self._rotated: dict[tuple[int, ...], tuple[int, ...]] = {}  # the agreement's group (_agree)
         self._hooks: list[Any] = []
 
     def hook(self, slots: Sequence[Slot]) -> None:
@@ -275,14 +274,10 @@ class OverlapController:
         if len(members) < 2 or not torch.distributed.is_initialized():
             return vote, rank if vote == REFUSE else None
         flag = torch.tensor([vote, rank if vote == REFUSE else _NO_RANK], dtype=torch.int64, device=default_device())
-        # The members in another order are a process group of their own (groups are keyed and
-        # named by their ordered ranks): this all-reduce never pairs with a bucket's collective
+        # A group of its own (a purpose): this all-reduce never pairs with a bucket's collective
         # that a peer has in flight, or that a rank whose hook failed starts only in the step.
-        rotated = self._rotated.get(members)
-        if rotated is None:
-            rotated = self._rotated[members] = members[1:] + members[:1]
         try:
-            group = ranks_group(rotated, timeout=self._compiler.timeout)
+            group = ranks_group(members, timeout=self._compiler.timeout, purpose="overlap agreement")
             agreed = collective("all_reduce", flag, len(members), "min", group, self._compiler.timeout).tolist()
         except DistributedError:  # a peer is gone: the buckets' own waits raise it, naming them
             return vote, None
