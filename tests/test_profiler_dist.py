@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from runtime.testing import run_ranks
+from tests.conftest import REPO
 
 SPEC = """
 mesh world = [dp=2]
@@ -121,3 +122,31 @@ def test_a_profiled_step_names_every_bucket_and_stage(case: str) -> None:
             assert len(found) == 1 and counts[found[0]] == times, (pattern, names)
             matched.add(found[0])
         assert set(counts) == matched, sorted(set(counts) - matched)  # no range the table leaves out
+
+
+def _table() -> list[re.Pattern[str]]:
+    """The page's table of ranges, each name made a pattern: ``(...)`` any bucket, numbers any
+    number, a quoted tensor any tensor, the optimizer any optimizer."""
+    page = (REPO / "docs" / "stacks" / "profiler.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(shardlang [^`]+)` \|", page, flags=re.M)
+    patterns = []
+    for row in rows:
+        text = re.escape(row).replace(r"\(\.\.\.\)", r"\(.*\)").replace("ShardedAdamW", r"\w+")
+        text = re.sub(r"'[^']*'", "'[^']+'", re.sub(r"\d+", r"\\d+", text))
+        patterns.append(re.compile(text))
+    return patterns
+
+
+@pytest.mark.slow
+def test_the_pages_table_names_every_range_seen() -> None:
+    """docs/stacks/profiler.md's table holds every range a step shows, and each of its rows is
+    seen in some step of the cases above."""
+    table = _table()
+    assert len(table) >= 10, table
+    seen: set[str] = set()
+    for kind, options in CASES.values():
+        seen |= {n for got in run_ranks(_run, 2, (kind, dict(options)), timeout=120)[:1] for n in got["names"]}
+    for name in seen:
+        assert any(p.fullmatch(name) for p in table), f"{name!r} is not in the page's table"
+    for pattern in table:
+        assert any(pattern.fullmatch(n) for n in seen), f"no step shows {pattern.pattern!r}"
