@@ -19,8 +19,7 @@ import bisect
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Iterator, Sequence
 
 from shardlang.box import Box
 from shardlang.dtypes import itemsize as dtype_itemsize
@@ -154,29 +153,29 @@ def blocks_of(layout: Layout, shape: tuple[int, ...]) -> Blocks:
 
 
 @functools.lru_cache(maxsize=4096)
-def missing_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str) -> Mapping[int, int]:
-    """Per target rank (in target mesh order), the bytes of its target piece it does not hold
-    (module docstring); a partial target's piece is the block its rank holds addends of."""
-    itemsize = dtype_itemsize(dtype)
-    source = set(src.mesh.ranks) if holds_values(src) else set()
-    out = {}
-    for rank in dst.mesh.ranks:
-        target = dst.rank_piece(shape, rank)
-        held = src.rank_piece(shape, rank).intersect(target) if rank in source else None
-        out[rank] = (target.numel - (held.numel if held else 0)) * itemsize
-    return MappingProxyType(out)
+def most_missing_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> int:
+    """The most bytes of its target piece a target rank does not hold (module docstring), over
+    the target ranks that hold a nonempty piece (the others lack nothing); a partial target's
+    piece is the block its rank holds addends of. Walks :class:`Blocks`, not the meshes' ranks."""
+    source = blocks_of(src, shape).of_rank if holds_values(src) else {}
+    most = 0
+    for rank, target in blocks_of(dst, shape).of_rank.items():
+        own = source.get(rank)
+        held = own.intersect(target) if own is not None else None
+        most = max(most, target.numel - (held.numel if held else 0))
+    return most * itemsize
 
 
 def receive_lower_bound(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str = "f32") -> int:
     """The largest, over target ranks, of the bytes a target rank must receive to go from
     ``src`` to ``dst`` (same mesh or not): any plan has a rank that receives at least this.
     From the layouts' structure where it decides the bound (:func:`structural_receive_lower_bound`,
-    no walk over the ranks), else rank by rank (:func:`missing_bytes`)."""
+    no walk over the ranks), else block by block (:func:`most_missing_bytes`)."""
     shape = tuple(int(s) for s in shape)
     found = structural_receive_lower_bound(src, dst, shape, dtype_itemsize(dtype))
     if found is not None:
         return found
-    return max(missing_bytes(src, dst, shape, dtype).values(), default=0)
+    return most_missing_bytes(src, dst, shape, dtype_itemsize(dtype))
 
 
 def _chunk_lengths(length: int, n: int) -> frozenset[int]:

@@ -410,6 +410,10 @@ def test_blocks_listed_from_the_mesh_structure_match_a_walk_over_every_rank():
         assert list(blocks.of_rank.items()) == list(held.items()), (layout, shape)
         assert blocks.holders == {box: tuple(rs) for box, rs in holders.items()}, (layout, shape)
         assert holder_count(layout, shape) == len(held), (layout, shape)
+        # Across meshes the receive lower bound walks these blocks: it must equal the bound by hand.
+        other = Layout(dims=[d[::-1] for d in dims], mesh=Mesh(shape=sizes[::-1], ranks=tuple(range(1, n + 1))))
+        for src, dst in ((layout, other), (other, layout)):
+            assert planner.receive_lower_bound(src, dst, shape) == lower_bound_by_hand(src, dst, shape, 4)
 
 
 def test_ranks_that_hold_nothing_cost_no_budget():
