@@ -38,7 +38,8 @@ def test_each_ranks_timeline_has_the_profilers_ranges_and_the_plans_seconds(tmp_
         ranges: dict[tuple[str, str], tuple[float, float]] = {}
         for name, start, end in got["events"]:
             m = RANGE.fullmatch(name)
-            assert m, name
+            if m is None:  # the step's other stages (docs/stacks/profiler.md, the table)
+                continue
             assert (m[3], m[2]) not in ranges, f"{name} twice in one profiled step"
             ranges[(m[3], m[2])] = (start, end)
         names = sorted({n for n, _ in ranges}, key=lambda n: int(n.split()[1]))
