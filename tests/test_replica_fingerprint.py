@@ -84,7 +84,7 @@ def _check(digest: Callable[[torch.Tensor], int], dtype: torch.dtype, n: int) ->
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [11, 64, 3 * replicas.CPU_CHUNK + 5], ids=["11", "64", "chunks"])
+@pytest.mark.parametrize("n", [11, 64, 3 * replicas.BLOCK + 5], ids=["11", "64", "chunks"])
 def test_the_fingerprint_tells_every_perturbation(dtype: torch.dtype, n: int) -> None:
     assert _check(fingerprint, dtype, n) == []
 
@@ -126,3 +126,17 @@ def test_other_dtypes_are_fingerprinted_by_their_bytes(dtype: torch.dtype) -> No
     y = x.clone()
     y[4] = ~y[4] if dtype == torch.bool else -y[4]
     assert fingerprint(x) == fingerprint(x.clone()) != fingerprint(y)
+
+
+@pytest.mark.parametrize("span", [replicas.BLOCK, 4 * replicas.BLOCK, replicas.CHUNK], ids=["1", "4", "chunk"])
+def test_the_digest_does_not_depend_on_how_the_pass_is_chunked(span: int) -> None:
+    """The accelerators' path (chunks of many blocks, multiplied then summed) gives the CPU's
+    digest (a block at a time, a fused dot), checked against a sum written out in Python."""
+    words = torch.randint(-(2**31), 2**31, (9 * replicas.BLOCK + 7,), dtype=torch.int32)
+    cpu = replicas._block_sums(words, replicas.BLOCK, fused=True)
+    assert torch.equal(replicas._block_sums(words, span, fused=False), cpu)
+    weights = replicas._weights(words.device).tolist()
+    x = words.tolist()
+    for block in (0, 9):
+        expected = sum(v * weights[i] for i, v in enumerate(x[block * replicas.BLOCK : (block + 1) * replicas.BLOCK]))
+        assert int(cpu[block]) == replicas._signed(expected % 2**64)

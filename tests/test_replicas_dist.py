@@ -39,10 +39,10 @@ def test_fingerprints_agree_exactly_when_the_values_do(dtype: torch.dtype) -> No
 def test_a_large_piece_is_fingerprinted_in_chunks_with_the_same_result() -> None:
     import runtime.comm.replicas as replicas
 
-    a = torch.randn(3 * replicas.CPU_CHUNK + 5)
+    a = torch.randn(3 * replicas.BLOCK + 5)
     whole = fingerprint(a)
     b = a.clone()
-    b[2 * replicas.CPU_CHUNK + 1] += 1
+    b[2 * replicas.BLOCK + 1] += 1
     assert fingerprint(b) != whole
     assert fingerprint(torch.cat([a[:7], a[7:]])) == whole
 

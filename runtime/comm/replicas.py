@@ -32,10 +32,11 @@ from runtime.errors import DistributedError, ReplicaMismatchError
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 
-# 32-bit words fingerprinted at once (:func:`_chunk`): on an accelerator, and on the CPU, where
-# a smaller scratch stays in cache (2**16 words: the fastest on a 2-core x86 CPU).
+# 32-bit words per block of position weights (:func:`fingerprint`), and fingerprinted at once
+# on the CPU, where the scratch then stays in cache (2**16: the fastest on a 2-core x86 CPU).
+BLOCK = 1 << 16
+# 32-bit words fingerprinted at once on an accelerator (a 16 MiB scratch; fewer kernel launches).
 CHUNK = 1 << 21
-CPU_CHUNK = 1 << 16
 
 PARAMETERS_CAUSE = (
     "the ranks started from different values: seed every rank alike before building the model, "
@@ -52,16 +53,17 @@ def fingerprint(piece: torch.Tensor) -> int:
     device, strides or summation order.
 
     The piece's bytes, read as 32-bit words ``x`` (a last partial word padded with zeros), sign
-    extended, give ``sum(x[i] * W[i]) mod 2**64`` plus a term for the byte count; every ``W[i]``
-    is odd and pseudo-random (:func:`_weights`: a fixed hash of the position, so alike on every
-    rank). Integer products and sums wrap modulo ``2**64`` alike on every device and in any
-    order. What it detects:
+    extended, give ``sum(x[i] * W[i]) mod 2**64`` plus a hash of the byte count. Every ``W[i]``
+    is odd and pseudo-random, a fixed hash of the position: the weight of ``i`` within its block
+    of :data:`BLOCK` words (:func:`_weights`) times its block's (:func:`_block_weights`), so
+    alike on every rank and device, however the pass is chunked. Integer products and sums wrap
+    modulo ``2**64`` alike on every device and in any order. What it detects:
 
     - a piece that differs in one element, whatever the dtype (a single-ulp change, a sign
       flip, NaN against a number, ``-0.0`` against ``0.0``): always, as the word changes by
       ``d``, ``0 < |d| < 2**32``, and ``d * W[i]`` with ``W[i]`` odd is never ``0 mod 2**64``;
-    - pieces of other lengths in bytes: always;
-    - anything else (elements swapped or permuted, several changed): the digests collide with a
+    - anything else (pieces of other lengths in bytes, as a piece and the same with zeros
+      appended ; elements swapped or permuted; several changed): the digests collide with a
       probability of about ``2**-32`` where the words differ only in their top bit (values of
       opposite sign swapped), ``2**(k-64)`` where the lowest differing bit of some word is bit
       ``k``: about ``2**-63`` for most differences. It is a checksum against mistakes, not
@@ -75,12 +77,7 @@ def fingerprint(piece: torch.Tensor) -> int:
 
 
 def _fingerprint(piece: torch.Tensor) -> torch.Tensor:
-    """:func:`fingerprint` as a 0-d int64 tensor on the piece's device (no host round trip).
-
-    In chunks of :func:`_chunk` words, each through one int64 scratch (bounded, and on the CPU
-    small enough to stay in cache): copy (sign extending), then the dot product with the
-    weights; chunk ``k``'s sum is weighted by a second odd number, so that the same position in
-    two chunks weighs differently."""
+    """:func:`fingerprint` as a 0-d int64 tensor on the piece's device (no host round trip)."""
     flat = piece.detach().reshape(-1)
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
@@ -88,40 +85,52 @@ def _fingerprint(piece: torch.Tensor) -> torch.Tensor:
     if data.storage_offset() % 4:  # a 4-byte view needs an aligned start
         data = data.clone()
     nbytes = data.numel()
-    device = data.device
     words = data[: nbytes - nbytes % 4].view(torch.int32)
     if nbytes % 4:
-        tail = torch.zeros(4, dtype=torch.uint8, device=device)
+        tail = torch.zeros(4, dtype=torch.uint8, device=data.device)
         tail[: nbytes % 4] = data[nbytes - nbytes % 4 :]
         words = torch.cat([words, tail.view(torch.int32)])
-    chunk = _chunk(device)
-    weights = _weights(chunk, device)
-    scratch = torch.empty(min(chunk, words.numel()), dtype=torch.int64, device=device)
-    sums = [torch.full((), _signed(_mix(nbytes)), dtype=torch.int64, device=device)]
-    for start in range(0, words.numel(), chunk):
-        part = words[start : start + chunk]
-        sums.append(_dot(scratch[: part.numel()].copy_(part), weights[: part.numel()]))
-    # Chunk k's weight hashes _CHUNK_KEYS + k, a value no position reaches: were it _mix(k),
-    # position i of chunk k and position k of chunk i would weigh the same.
-    chunk_weights = [1] + [_signed(_mix(_CHUNK_KEYS + k) | 1) for k in range(len(sums) - 1)]
-    return _dot(torch.stack(sums), torch.tensor(chunk_weights, dtype=torch.int64, device=device))
+    on_cpu = data.device.type == "cpu"
+    sums = _block_sums(words, BLOCK if on_cpu else CHUNK, fused=on_cpu)
+    total = _dot(sums, _block_weights(sums.numel(), sums.device), fused=on_cpu)
+    return total + _signed(_mix(_LENGTH_KEY + nbytes))
 
 
-def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum(a * b)`` of int64 vectors, wrapping: on the CPU one fused pass (int64 ``dot`` has
-    no kernel on accelerators, where ``a`` is multiplied in place)."""
-    return torch.dot(a, b) if a.device.type == "cpu" else a.mul_(b).sum()
+def _block_sums(words: torch.Tensor, span: int, *, fused: bool) -> torch.Tensor:
+    """``sum(x * weights)`` of every block of :data:`BLOCK` words (the last may be shorter), an
+    int64 vector. ``span`` words (a multiple of the block) at a time go through one int64
+    scratch (bounded; on the CPU one block, small enough to stay in cache): copied (sign
+    extending), then multiplied by the weights and summed, in one fused pass where ``fused``."""
+    weights = _weights(words.device)
+    scratch = torch.empty(min(span, words.numel()), dtype=torch.int64, device=words.device)
+    sums = [torch.zeros(0, dtype=torch.int64, device=words.device)]
+    for start in range(0, words.numel(), span):
+        part = scratch[: min(span, words.numel() - start)].copy_(words[start : start + span])
+        full = part.numel() // BLOCK * BLOCK
+        if full:
+            blocks = part[:full].view(-1, BLOCK)
+            if fused:
+                sums.append(torch.stack([torch.dot(row, weights) for row in blocks]))
+            else:
+                sums.append(blocks.mul_(weights).sum(dim=1))
+        if full < part.numel():
+            sums.append(_dot(part[full:], weights[: part.numel() - full], fused=fused).view(1))
+    return torch.cat(sums)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor, *, fused: bool) -> torch.Tensor:
+    """``sum(a * b)`` of int64 vectors, wrapping; ``a`` is overwritten unless ``fused`` (int64
+    ``dot``, one pass, has a kernel on the CPU only)."""
+    return torch.dot(a, b) if fused else a.mul_(b).sum()
 
 
 _MASK64 = (1 << 64) - 1
-_CHUNK_KEYS = 1 << 62
-_weights_cache: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _chunk(device: torch.device) -> int:
-    """Words fingerprinted at once: on the CPU few enough that the scratch (512 KiB) stays in
-    cache, on an accelerator enough that the kernels' launches do not count (16 MiB)."""
-    return CPU_CHUNK if device.type == "cpu" else CHUNK
+# Block k's weight hashes _BLOCK_KEYS + k, the byte count _LENGTH_KEY + nbytes: values no
+# position reaches (were a block's _mix(k), position i of block k and position k of block i
+# would weigh the same).
+_BLOCK_KEYS = 1 << 62
+_LENGTH_KEY = 1 << 63
+_weights_cache: dict[torch.device, torch.Tensor] = {}
 
 
 def _mix(value: int) -> int:
@@ -137,20 +146,24 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _weights(n: int, device: torch.device) -> torch.Tensor:
-    """The odd weights of positions ``0 .. n-1`` (:func:`_mix` of the position, made odd),
-    computed once per device and size, then cached: the same on every rank and device."""
-    key = (device, n)
-    weights = _weights_cache.get(key)
+def _weights(device: torch.device) -> torch.Tensor:
+    """The odd weights of the positions ``0 .. BLOCK-1`` in a block (:func:`_mix` of the
+    position, made odd), computed once per device, then cached: the same on every rank."""
+    weights = _weights_cache.get(device)
     if weights is None:
-        # int64 arithmetic in torch wraps like the masked Python above; >> on int64 is arithmetic,
-        # so each shift is masked to stay logical.
-        z = torch.arange(n, dtype=torch.int64) * _signed(0x9E3779B97F4A7C15) + 0x632BE59BD9B4E019
+        # int64 arithmetic in torch wraps like the masked Python in _mix; >> on int64 is
+        # arithmetic, so each shift is masked to stay logical.
+        z = torch.arange(BLOCK, dtype=torch.int64) * _signed(0x9E3779B97F4A7C15) + 0x632BE59BD9B4E019
         z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _signed(0xBF58476D1CE4E5B9)
         z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _signed(0x94D049BB133111EB)
         z = z ^ ((z >> 31) & ((1 << 33) - 1))
-        weights = _weights_cache[key] = (z | 1).to(device)
+        weights = _weights_cache[device] = (z | 1).to(device)
     return weights
+
+
+def _block_weights(n: int, device: torch.device) -> torch.Tensor:
+    """The odd weights of blocks ``0 .. n-1``."""
+    return torch.tensor([_signed(_mix(_BLOCK_KEYS + k) | 1) for k in range(n)], dtype=torch.int64, device=device)
 
 
 def verify_replicas(
