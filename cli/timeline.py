@@ -5,7 +5,8 @@ Chrome trace, whose ranges name every bucket's start and wait (``shardlang befor
 start bucket 2 of 5 (...)``), and the optimizer's step plan, whose buckets carry the seconds the
 cost model gave their collectives. The picture has one row per bucket, by stage: the planned
 bar (drawn from the bucket's measured start) above the measured one, from the start of its
-start range to the end of its wait range (docs/stacks/profiler.md).
+start range to the end of its wait range; under them a row for each of the step's other ranges
+(the math, the commit flags, backward's hooks: docs/stacks/profiler.md).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ RANGE = re.compile(
     r"shardlang (?P<stage>.+?): (?P<what>start|wait) bucket (?P<index>\d+) of (?P<count>\d+) \((?P<text>.*)\)"
 )
 STEP_RANGE = "Optimizer.step#"  # torch.optim.Optimizer.step's own range
+# The step's other ranges (docs/stacks/profiler.md, the table); hooks and writes, one per
+# gradient or layer, are drawn on one row each.
+OTHER_RANGE = re.compile(r"shardlang (?P<where>[^:]+): (?P<what>.+)")
+GROUPED = {"hook": "gradient hooks", "write": "parameter writes"}
 
 
 class TraceError(ShardlangError):
@@ -60,6 +65,19 @@ class BucketTiming:
 
 
 @attrs.frozen
+class StageTiming:
+    """One of the step's other ranges (the math, a commit flag, ...): its row's name and each
+    time it ran in the step, (start, seconds) from the timeline's origin."""
+
+    name: str  # 'commit: flag 1 of 2', 'backward: gradient hooks'
+    spans: tuple[tuple[float, float], ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(length for _, length in self.spans)
+
+
+@attrs.frozen
 class StepTimeline:
     rank: int
     world_size: int
@@ -68,6 +86,9 @@ class StepTimeline:
     steps: int
     buckets: tuple[BucketTiming, ...]
     step_range: tuple[float, float] | None  # optimizer.step()'s range (start, seconds), if traced
+    # The step's other ranges, by their first start: from the end of the previous step's last
+    # bucket range (its backward's hooks) to the end of this step.
+    stages: tuple[StageTiming, ...] = ()
 
     @property
     def planned(self) -> float:
@@ -102,7 +123,11 @@ def read_timeline(path: str, step: int | None = None) -> StepTimeline:
         raise TraceError(f"{path} holds {steps} profiled step{'s' * (steps != 1)}; --step {step} is not one of them")
     picked = {key: found[chosen - 1] for key, found in ranges.items()}
     step_range = _step_range(events, picked)
-    origin = min([picked[(1, "start")][0], *([step_range[0]] if step_range else [])])
+    previous = max((t + d for found in ranges.values() for t, d, _ in found[chosen - 2 : chosen - 1]), default=None)
+    end = max([t + d for t, d, _ in picked.values()] + ([sum(step_range)] if step_range else []))
+    others = _other_ranges(events, previous, end)
+    first = [at for spans in others.values() for at, _ in spans[:1]]
+    origin = min([picked[(1, "start")][0], *([step_range[0]] if step_range else []), *first])
     buckets = []
     for i, bucket in enumerate(plan.buckets, start=1):
         (start, start_length, name), (wait, wait_length, _) = picked[(i, "start")], picked[(i, "wait")]
@@ -116,7 +141,29 @@ def read_timeline(path: str, step: int | None = None) -> StepTimeline:
         steps=steps,
         buckets=tuple(buckets),
         step_range=None if step_range is None else ((step_range[0] - origin) / 1e6, step_range[1] / 1e6),
+        stages=tuple(
+            StageTiming(name, tuple(((at - origin) / 1e6, length / 1e6) for at, length in spans))
+            for name, spans in others.items()
+        ),
     )
+
+
+def _other_ranges(
+    events: list[dict[str, Any]], after: float | None, until: float
+) -> dict[str, list[tuple[float, float]]]:
+    """The step's ranges other than its buckets' starting after ``after`` (the previous step's
+    end, microseconds) and by ``until``: per row name, (start, duration), by first start."""
+    rows: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for event in sorted(events, key=lambda e: e.get("ts") if isinstance(e.get("ts"), int | float) else 0):
+        m = OTHER_RANGE.fullmatch(str(event.get("name", "")))
+        at, length = event.get("ts"), event.get("dur")
+        if not m or RANGE.fullmatch(m[0]) or not isinstance(at, int | float) or not isinstance(length, int | float):
+            continue
+        if (after is not None and at <= after) or at > until:
+            continue
+        kind = m["what"].split(" ", 1)[0]
+        rows[f"{m['where']}: {GROUPED.get(kind, m['what'])}"].append((float(at), float(length)))
+    return dict(rows)
 
 
 def _bucket_ranges(
@@ -170,7 +217,14 @@ def _step_range(
 
 # --- the picture ---------------------------------------------------------------------------
 WIDTH, LABEL, RIGHT, ROW, HEAD = 1000, 360, 24, 36, 96
-COLORS = {"planned": "#4c72b0", "start": "#c44e52", "flight": "#f2c4a0", "wait": "#dd8452", "step": "#8c8c8c"}
+COLORS = {
+    "planned": "#4c72b0",
+    "start": "#c44e52",
+    "flight": "#f2c4a0",
+    "wait": "#dd8452",
+    "step": "#8c8c8c",
+    "range": "#55a868",
+}
 
 
 def _ms(seconds: float) -> str:
@@ -192,12 +246,14 @@ def timeline_svg(timeline: StepTimeline) -> str:
     """The timeline as an SVG: per bucket a group ``bucket-N`` titled with the bucket's name,
     holding its planned bar and its measured one (start, in flight, wait)."""
     ends = [b.end for b in timeline.buckets] + [b.start + b.planned for b in timeline.buckets]
+    ends += [at + length for stage in timeline.stages for at, length in stage.spans]
     if timeline.step_range:
         ends.append(sum(timeline.step_range))
     span = max(ends) or 1e-6
     scale = (WIDTH - LABEL - RIGHT) / span
     stages = list(dict.fromkeys(b.stage for b in timeline.buckets))
     rows = len(timeline.buckets) + len(stages) + (1 if timeline.step_range else 0)
+    rows += len(timeline.stages) + (1 if timeline.stages else 0)
     height = HEAD + rows * ROW + 60
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
@@ -209,6 +265,7 @@ def timeline_svg(timeline: StepTimeline) -> str:
         "drawn from the bucket's measured start; measured: torch.profiler's ranges</text>",
     ]
     legend = [("planned", "planned"), ("start", "start (pack, launch)"), ("flight", "in flight"), ("wait", "wait")]
+    legend += [("range", "the step's other ranges")] if timeline.stages else []
     x = 12
     for key, text in legend:
         out.append(f'<rect x="{x}" y="54" width="14" height="10" fill="{COLORS[key]}"/>')
@@ -232,6 +289,12 @@ def timeline_svg(timeline: StepTimeline) -> str:
         y += ROW
         for b in (b for b in timeline.buckets if b.stage == stage):
             out.extend(_bucket(b, y, scale))
+            y += ROW
+    if timeline.stages:
+        out.append(f'<text x="12" y="{y + 22}" font-weight="bold">the step\'s other ranges</text>')
+        y += ROW
+        for stage in timeline.stages:
+            out.extend(_stage(stage, y, scale))
             y += ROW
     out.append(
         f'<text x="12" y="{height - 28}" fill="#555">measured: from the start range\'s beginning to the wait '
@@ -257,6 +320,19 @@ def _bucket(b: BucketTiming, y: int, scale: float) -> list[str]:
         "</g>",
         "</g>",
     ]
+
+
+def _stage(stage: StageTiming, y: int, scale: float) -> list[str]:
+    times = f" x{len(stage.spans)}" if len(stage.spans) > 1 else ""
+    return [
+        f'<g class="stage" data-seconds="{stage.seconds:.9g}">',
+        f"<title>{escape(stage.name)}</title>",
+        f'<text x="24" y="{y + 22}">{escape(_short(stage.name))}</text>',
+        *(_rect("range", at, length, y + 12, scale, COLORS["range"]) for at, length in stage.spans),
+        _value(stage.spans[0][0], stage.spans[-1][0] + stage.spans[-1][1] - stage.spans[0][0], y + 12, scale,
+               f"{_ms(stage.seconds)}{times}"),
+        "</g>",
+    ]  # fmt: skip
 
 
 def _rect(kind: str, start: float, seconds: float, y: int, scale: float, color: str) -> str:
@@ -308,6 +384,8 @@ def format_timeline(timeline: StepTimeline) -> str:
             f"{_short(b.stage + ': ' + b.name, 60):<60} {_ms(b.planned):>10} {_ms(b.measured):>10} "
             f"{_ms(b.wait_seconds):>10}"
         )
+    for stage in timeline.stages:
+        lines.append(f"{_short(stage.name, 60):<60} {'':>10} {_ms(stage.seconds):>10}")
     if timeline.step_range:
         lines.append(f"{'optimizer.step()':<60} {_ms(timeline.planned):>10} {_ms(timeline.step_range[1]):>10}")
     return "\n".join(lines)

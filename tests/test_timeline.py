@@ -93,6 +93,50 @@ def test_the_stored_traces_are_drawn_with_one_planned_and_one_measured_bar_per_b
         assert_bars(out, expected)
 
 
+def expected_others(trace: dict[str, Any]) -> dict[str, tuple[int, float]]:
+    """Per row of the step's other ranges, from the raw trace (one profiled step): how many
+    ranges and their seconds; a gradient's hook and a layer's write are a row each of its kind."""
+    rows: dict[str, tuple[int, float]] = {}
+    for event in trace["traceEvents"]:
+        name = event.get("name", "")
+        if event.get("ph") != "X" or not name.startswith("shardlang ") or RANGE.fullmatch(name):
+            continue
+        where, what = name.removeprefix("shardlang ").split(": ", 1)
+        what = {"hook": "gradient hooks", "write": "parameter writes"}.get(what.split()[0], what)
+        count, seconds = rows.get(f"{where}: {what}", (0, 0.0))
+        rows[f"{where}: {what}"] = (count + 1, seconds + event["dur"] / 1e6)
+    return rows
+
+
+def drawn_others(svg: Path) -> dict[str, tuple[int, float]]:
+    rows = {}
+    for group in ET.parse(svg).getroot().iter(f"{SVG}g"):
+        if group.get("class") == "stage":
+            ranges = [r for r in group.iter(f"{SVG}rect") if r.get("class") == "range"]
+            assert float(group.get("data-seconds")) == pytest.approx(sum(float(r.get("data-seconds")) for r in ranges))
+            rows[group.find(f"{SVG}title").text] = (len(ranges), float(group.get("data-seconds")))
+    return rows
+
+
+def test_the_stored_traces_draw_the_steps_other_ranges_a_row_each(tmp_path: Path) -> None:
+    """The math, the flags, the overlap agreement and backward's hooks, as the raw traces hold
+    them (docs/stacks/profiler.md, the table)."""
+    rows = {}
+    for trace_path in TRACES:
+        out = tmp_path / f"{trace_path.stem}.svg"
+        assert main(["timeline", str(trace_path), "-o", str(out)]) == 0
+        expected = expected_others(json.loads(trace_path.read_text(encoding="utf-8")))
+        drawn = rows[trace_path.stem] = drawn_others(out)
+        assert drawn.keys() == expected.keys(), trace_path.name
+        for name, (count, seconds) in expected.items():
+            assert drawn[name][0] == count and drawn[name][1] == pytest.approx(seconds, rel=1e-6), name
+    for drawn in rows.values():
+        assert {"commit: flag 1 of 2", "the update: ShardedAdamW math", "commit: flag 2 of 2"} <= drawn.keys()
+    overlap = rows["zero2_64KiB_overlap"]
+    assert overlap["backward: gradient hooks"][0] == 8 and "before the update: overlap agreement" in overlap
+    assert "backward: gradient hooks" not in rows["zero2_64KiB"]
+
+
 def test_the_pages_pictures_are_what_its_commands_draw(tmp_path: Path) -> None:
     """Generated, not drawn by hand: every ``shardlang timeline`` line of the page, run again on
     the stored trace, gives the stored SVG byte for byte, and the page shows that SVG."""

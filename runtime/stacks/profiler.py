@@ -6,7 +6,8 @@
     save_trace(profile, optimizer, "trace.rank{rank}.json")
 
 Every bucket of a step shows in ``torch.profiler``'s trace as two named ranges, its start and
-its wait (docs/reference/runtime.md, "Profiling"). :func:`save_trace` writes the trace as
+its wait, and so does every other stage of the step: the math, the commit flags, backward's
+hooks (docs/stacks/profiler.md has the table). :func:`save_trace` writes the trace as
 ``profile.export_chrome_trace`` does (it opens in Perfetto as before) and adds, under the key
 :data:`TRACE_KEY`, the optimizer's step plan: what each bucket moves and the seconds the cost
 model gave it. ``shardlang timeline TRACE.json`` draws the two side by side.
