@@ -17,7 +17,8 @@ The pieces' layout is the state layout; for flat chunks of a whole matrix (flat 
 own 1-d layout of the matrix flattened; for flat chunks of a block, the block's layout.
 
 **Buckets.** Collective steps share one collective per kind and group, as in the step plan
-(:func:`planner.legs.bucket_stage`, under the same byte cap). The point-to-point steps of one
+(:func:`planner.legs.bucket_stage`, under a :data:`WAVE_COPIES`-th of its byte cap: a rank runs
+the matrices a wave of buckets at a time). The point-to-point steps of one
 stage, for all matrices of one state mesh and one dtype, share one exchange: every pair of
 ranks sends one message, the members' blocks for that peer one after another in member order.
 Its modeled time is the busiest rank's: one latency per peer it sends to (or receives from)
@@ -72,6 +73,10 @@ from shardlang.layout import Layout
 
 TO, BACK = "to the iteration", "back from the iteration"
 MATRIX_STAGES = (TO, BACK)
+# What a wave of matrices holds on a rank, in its buckets' bytes: the updates, the messages sent
+# and received, and the whole matrices they land in (docs/memory.md); its buckets are cut at the
+# step's bucket size over this, so that a step's moves stay within one bucket.
+WAVE_COPIES = 4
 
 
 def pieces(tensor: StepTensor) -> tuple[Layout, tuple[int, ...]]:
@@ -242,7 +247,9 @@ def plan_matrices(
     buckets as the module docstring says. ``ns_steps`` per tensor name or for all;
     ``flops_per_second`` defaults to the rate the first tensor's cost model carries (a hints
     file's ``flops_per_second``, measured by ``shardlang calibrate``), else
-    :data:`DEFAULT_FLOPS_PER_SECOND`."""
+    :data:`DEFAULT_FLOPS_PER_SECOND`. The buckets are cut at ``bucket_bytes`` over
+    :data:`WAVE_COPIES`: a rank runs the matrices a wave of buckets at a time
+    (``runtime.execution.matrix_moves``), and a wave holds about that many copies of its bytes."""
     if placement not in PLACEMENTS:
         raise PlanError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     for t in tensors:
@@ -272,11 +279,10 @@ def plan_matrices(
         )
     costs = {t.name: t.cost for t in tensors}
     exchanged = {i for i, leg in enumerate(legs) if _exchanges(leg)}
-    buckets = list(bucket_stage(legs, TO, costs, bucket_bytes, reverse=False, skip=exchanged))
+    cap = max(1, bucket_bytes // WAVE_COPIES)
+    buckets = list(bucket_stage(legs, TO, costs, cap, reverse=False, skip=exchanged))
     for stage in MATRIX_STAGES:
-        buckets += _exchange_buckets(
-            legs, [i for i in sorted(exchanged) if legs[i].stage == stage], costs, bucket_bytes
-        )
+        buckets += _exchange_buckets(legs, [i for i in sorted(exchanged) if legs[i].stage == stage], costs, cap)
     return MatrixPlan(
         rank=rank,
         placement=placement,

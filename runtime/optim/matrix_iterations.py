@@ -9,18 +9,17 @@ ranks of every state mesh agree on it, and runs the moves around the optimizer's
 from __future__ import annotations
 
 import datetime
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from planner.legs import DEFAULT_BUCKET_BYTES, StepTensor
-from planner.matrices import BACK, TO, MatrixPlan, joins, pieces, plan_matrices
+from planner.matrices import MatrixPlan, joins, pieces, plan_matrices
 from runtime.comm.groups import ranks_group
 from runtime.errors import DistributedError, PlanMismatchError
 from runtime.execution.agreement import differing_ranks
-from runtime.execution.matrix_moves import MatrixProgram, compile_matrices, run_matrix_stage
+from runtime.execution.matrix_moves import MatrixProgram, MatrixRun, compile_matrices
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name
 from runtime.memory.packing import region
@@ -31,6 +30,10 @@ from shardlang.layout import Layout
 
 # The iteration of one matrix: the slot, the whole matrix in its pieces' shape, and that shape.
 Iterate = Callable[[Slot, torch.Tensor, tuple[int, ...]], torch.Tensor]
+# A matrix's update, this rank's piece of it (made when its wave moves).
+Update = Callable[[Slot], torch.Tensor]
+# What takes this rank's piece of a matrix's iteration result.
+Use = Callable[[Slot, torch.Tensor], None]
 
 
 class MatrixIterations:
@@ -54,6 +57,11 @@ class MatrixIterations:
         self._buffers = Scratch()  # the matrices' bucket buffers, kept between steps
         self._agreed: set[int] = set()  # ids of the matrix plans the ranks have agreed on
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The bucket buffers kept between steps: the largest wave's gathers (none for owners)."""
+        return self._buffers.nbytes
+
     def plan(self, slots: list[Slot]) -> tuple[MatrixPlan, MatrixProgram]:
         """The matrix plan of the 2-d tensors among ``slots`` and this rank's program of it;
         built once per set of slots."""
@@ -76,53 +84,52 @@ class MatrixIterations:
                 raise OptimizerError(e.message) from None
         return cached
 
-    def run(self, slots: list[Slot], updates: Mapping[str, torch.Tensor], iterate: Iterate) -> dict[str, torch.Tensor]:
-        """This rank's piece (block or flat chunk) of every matrix's iteration result, the
-        matrices moved and iterated as the step plan's matrix part says."""
+    def run(self, slots: list[Slot], update: Update, iterate: Iterate, use: Use) -> None:
+        """Every matrix's iteration, moved as the step plan's matrix part says, one wave of
+        matrices at a time (``runtime.execution.matrix_moves``): each wave's updates made
+        (``update``, this rank's piece), moved, iterated, and its whole matrices dropped before
+        the next, so that a rank holds one wave's, not the model's; ``use`` is given this rank's
+        piece (block or flat chunk) of every result: a gathered matrix's as soon as it is
+        iterated, an owned one's once it is back."""
         plan, program = self.plan(slots)
         by_name = {s.name: s for s in slots}
         if self._verify and id(plan) not in self._agreed:
             self._agree(plan, by_name)
             self._agreed.add(id(plan))
-        device = slots[0].local_param().device
-        run = functools.partial(
-            run_matrix_stage,
+        moves = MatrixRun(
             program,
-            device=device,
+            device=slots[0].local_param().device,
             device_meshes={s.name: s.device_mesh for s in slots},
             timeout=self.timeout,
             buffers=self._buffers,
         )
         step_number = slots[0].step + 1
         try:
-            arrived = run(TO, dict(updates))
-            results: dict[str, torch.Tensor | None] = {}
-            for matrix in plan.matrices:
-                slot, whole = by_name[matrix.name], arrived[matrix.name]
-                layout, shape = _pieces_of(slot)
-                if matrix.owner is None:  # gathered: every rank iterates and keeps its piece
-                    assert whole is not None
-                    results[matrix.name] = region(iterate(slot, whole, shape), layout.rank_piece(shape, self.rank))
-                else:  # the owner iterates; the others receive their pieces
-                    results[matrix.name] = None if whole is None else iterate(slot, whole, shape)
-            owned = {m.name: results[m.name] for m in plan.matrices if m.owner is not None}
-            if owned:
-                results |= run(BACK, owned)
+            for wave in program.waves:
+                arrived = moves.to_iteration(wave, {name: update(by_name[name]) for name in wave.names})
+                results: dict[str, torch.Tensor | None] = {}
+                for name in wave.names:
+                    slot, whole = by_name[name], arrived.pop(name)
+                    layout, shape = _pieces_of(slot)
+                    if plan.of(name).owner is None:  # gathered: every rank iterates and keeps its piece
+                        assert whole is not None
+                        mine = layout.rank_piece(shape, self.rank)
+                        use(slot, _piece(slot, region(iterate(slot, whole, shape), mine)))
+                    else:  # the owner iterates; the others receive their pieces
+                        results[name] = None if whole is None else iterate(slot, whole, shape)
+                    del whole
+                if results:
+                    moves.back(results)
+            for name, result in moves.finish().items():
+                assert result is not None
+                use(by_name[name], _piece(by_name[name], result))
         except ShardlangError as e:
+            moves.drain()
             names = ", ".join(f"'{m.name}'" for m in plan.matrices)
             raise OptimizerStepError(
                 f"step {step_number} failed moving tensors {names} for their Newton-Schulz iteration: {e.message}; "
                 "parameters and optimizer states are unchanged"
             ) from e
-        out = {}
-        for name, result in results.items():
-            assert result is not None
-            slot = by_name[name]
-            if slot.shard is not None and slot.shard.flat_range is not None and joins(tensor_view(slot)):
-                lo, hi = slot.shard.flat_range  # the block's flat chunk
-                result = result.reshape(-1)[lo:hi]
-            out[name] = result
-        return out
 
     def _agree(self, plan: MatrixPlan, slots: dict[str, Slot]) -> None:
         """Every rank of a state mesh holds the same placements and buckets of its matrices: a
@@ -173,3 +180,11 @@ def tensor_view(slot: Slot) -> StepTensor:
 
 def _pieces_of(slot: Slot) -> tuple[Layout, tuple[int, ...]]:
     return pieces(tensor_view(slot))
+
+
+def _piece(slot: Slot, result: torch.Tensor) -> torch.Tensor:
+    """This rank's part of its piece of a result: a flat chunk of a joined block is a slice of it."""
+    if slot.shard is not None and slot.shard.flat_range is not None and joins(tensor_view(slot)):
+        lo, hi = slot.shard.flat_range
+        return result.reshape(-1)[lo:hi]
+    return result

@@ -14,16 +14,17 @@ says, per matrix, where it runs and how it moves, and the step runs exactly that
 
 Flat chunks of a whole matrix (flat ZeRO) move as the 1-d chunks they are; flat chunks of a
 block that other axes split are first all-gathered over the flat axis into the block. The moves
-of all matrices run bucketed (``runtime.optim.matrix_iterations`` over ``runtime.execution.matrix_moves``):
-the gathers of one kind and group in one collective, the moves to owners in one exchange, the
-results back in another. The
-iteration is torch's own (``torch.optim._muon``), on the same bits, so the result equals
-torch's whatever the layout.
+run bucketed (``runtime.optim.matrix_iterations`` over ``runtime.execution.matrix_moves``): the
+gathers of one kind and group in one collective, the moves to owners in one exchange, the
+results back in another; a wave of matrices at a time (those whose moves share buckets): its
+updates made, moved, iterated and dropped before the next, so that a step holds one wave's whole
+matrices, not the model's (docs/memory.md). The iteration is torch's own (``torch.optim._muon``),
+on the same bits, so the result equals torch's whatever the layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Unpack
 
 import attrs
@@ -132,6 +133,10 @@ class ShardedMuon(ShardedOptimizer):
         names = MUON_STATES if len(slot.shape) == 2 else ADAMW_STATES
         return dict.fromkeys(names, slot.shard.local_shape)
 
+    def _scratch_bytes(self, slots: Sequence[Slot]) -> int:
+        """The math's working buffers and the matrices' bucket buffers (one wave's gathers)."""
+        return super()._scratch_bytes(slots) + self._iterations.buffer_bytes
+
     # --- where each matrix is iterated: the step plan's matrix part ---------------------
     def step_plan(self) -> StepPlan:
         """The plan of the next step, for the parameters that have gradients now, with the
@@ -162,37 +167,45 @@ class ShardedMuon(ShardedOptimizer):
 
     # --- the math ----------------------------------------------------------------------
     def _updates(self, work: StepWork) -> list[Update]:
-        updates: dict[str, torch.Tensor] = {}
+        at = {slot.name: i for i, slot in enumerate(work.slots)}
+        matrices = []
         for i, slot in enumerate(work.slots):
-            group = slot.group
-            grad, param, new_param = work.grads[i].to(slot.dtype), work.params[i], work.new_params[i]
-            if len(slot.shape) != 2:
-                adamw_update(
-                    param,
-                    grad,
-                    work.state(i, "exp_avg"),
-                    work.state(i, "exp_avg_sq"),
-                    (new_param, work.new_state(i, "exp_avg"), work.new_state(i, "exp_avg_sq")),
-                    slot.step + 1,
-                    lr=group["adamw_lr"],
-                    betas=group["adamw_betas"],
-                    eps=group["adamw_eps"],
-                    weight_decay=group["adamw_weight_decay"],
-                )
+            if len(slot.shape) == 2:
+                matrices.append(slot)
                 continue
-            momentum = group["momentum"]
+            group = slot.group
+            adamw_update(
+                work.params[i],
+                work.grads[i].to(slot.dtype),
+                work.state(i, "exp_avg"),
+                work.state(i, "exp_avg_sq"),
+                (work.new_params[i], work.new_state(i, "exp_avg"), work.new_state(i, "exp_avg_sq")),
+                slot.step + 1,
+                lr=group["adamw_lr"],
+                betas=group["adamw_betas"],
+                eps=group["adamw_eps"],
+                weight_decay=group["adamw_weight_decay"],
+            )
+
+        def update(slot: Slot) -> torch.Tensor:
+            """The matrix's momentum (written to its new state) and update, made when its
+            wave moves, so that a step holds one wave's updates (docs/memory.md)."""
+            i, group = at[slot.name], slot.group
+            grad, momentum = work.grads[i].to(slot.dtype), group["momentum"]
             buffer = torch.lerp(
                 work.state(i, "momentum_buffer"), grad, 1 - momentum, out=work.new_state(i, "momentum_buffer")
             )
-            updates[slot.name] = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-        if updates:
-            orthogonalised = self._iterations.run([s for s in work.slots if s.name in updates], updates, _iterate)
-            for i, slot in enumerate(work.slots):
-                if slot.name in updates:
-                    group, new_param = slot.group, work.new_params[i]
-                    torch.mul(work.params[i], 1 - group["lr"] * group["weight_decay"], out=new_param)
-                    lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], torch.Size(slot.shape))
-                    new_param.add_(orthogonalised[slot.name], alpha=-lr)
+            return grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+
+        def use(slot: Slot, orthogonalised: torch.Tensor) -> None:
+            i, group = at[slot.name], slot.group
+            new_param = work.new_params[i]
+            torch.mul(work.params[i], 1 - group["lr"] * group["weight_decay"], out=new_param)
+            lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], torch.Size(slot.shape))
+            new_param.add_(orthogonalised, alpha=-lr)
+
+        if matrices:
+            self._iterations.run(matrices, update, _iterate, use)
         return [done()]
 
 
