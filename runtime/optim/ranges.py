@@ -14,12 +14,17 @@ from collections.abc import Callable
 
 import torch
 
-BACKWARD, COMMIT, FORWARD = "backward", "commit", "forward"
+BACKWARD, COMMIT = "backward", "commit"
 UPDATE = "the update"  # between the stages "before the update" and "after the update"
+
+# Looked up once: a step under overlap enters a range per gradient, and without a profiler the
+# lookups and a new null context would be most of its cost.
+_enabled = torch.autograd._profiler_enabled
+_NOTHING = contextlib.nullcontext()
 
 
 def profiled(where: str, what: str | Callable[[], str]) -> contextlib.AbstractContextManager[object]:
     """The range ``shardlang {where}: {what}`` while a profiler runs, else nothing."""
-    if not torch.autograd._profiler_enabled():
-        return contextlib.nullcontext()
+    if not _enabled():
+        return _NOTHING
     return torch.profiler.record_function(f"shardlang {where}: {what if isinstance(what, str) else what()}")
