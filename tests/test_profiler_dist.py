@@ -3,8 +3,8 @@ its start and one for its wait, in each stage, named after the bucket, and one p
 step around them: the gradient hooks under overlap (named after the gradient and its bucket),
 the overlap agreement, the gradient norm, the math and its phases' sums, the commit flags and,
 with prefetch_params, the gathers' writes in forward (2 gloo ranks; the names are the table's
-of docs/stacks/profiler.md). The expected ranges are built from the model's tensors and the
-step plan's buckets, not from the ranges."""
+of docs/stacks/profiler.md); a step without a profiler builds none. The expected ranges are
+built from the model's tensors and the step plan's buckets, not from the ranges."""
 
 from __future__ import annotations
 
@@ -53,10 +53,17 @@ def _run(rank: int, world_size: int, kind: str, options: dict[str, Any]) -> dict
         optimizer.zero_grad()
 
     train_step()  # plans and compiles: the profiled step is a steady one
+    built, record = [], torch.profiler.record_function
+    torch.profiler.record_function = lambda name, *_: built.append(name)  # type: ignore[assignment,misc]
+    try:
+        train_step()  # no profiler runs: no range is built
+    finally:
+        torch.profiler.record_function = record  # type: ignore[misc]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         train_step()
     plan = optimizer.step_plan()
     return {
+        "built": built,
         "names": [e.name for e in profile.events() if e.name.startswith("shardlang ")],
         "buckets": [
             (b.stage, b.describe(), sorted({plan.legs[m.leg].tensor for m in b.members})) for b in plan.buckets
@@ -114,6 +121,7 @@ def test_a_profiled_step_names_every_bucket_and_stage(case: str) -> None:
     kind, options = CASES[case]
     for got in run_ranks(_run, 2, (kind, dict(options)), timeout=120):
         names = got["names"]
+        assert got["built"] == [], got["built"]  # nothing without a profiler
         assert len(got["buckets"]) >= 4, got["buckets"]  # several buckets before the update and after it
         counts = Counter(names)
         matched: set[str] = set()
