@@ -37,7 +37,7 @@ def test_parse_mesh_reads_the_declaration_form_with_spaces() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("mesh[2", "<text>:1:7: the text ends too early"),
+        ("mesh[2", r"<text>:1:7: the '\[' at line 1, column 5 is not closed: write '\]' here"),
         ("mesh[0]", "mesh axis size 0 must be at least 1"),
         ("mesh R = [2]", "reserved word"),
         ("mesh[2] ranks 1..0", "rank range 1..0 is empty"),
