@@ -35,6 +35,7 @@ from planner.legs import AFTER, DURING_BACKWARD, IN_STEP, Bucket
 from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError, ReshardError
 from runtime.execution.program import CollectiveMove
+from runtime.execution.ranges import profiled
 from runtime.execution.run import Exchange, LegWalk, Started, StartMove, record_traffic, start_exchange, start_move
 from runtime.execution.step_program import IN_FLIGHT, BucketProgram, LegProgram, StepProgram
 from runtime.measure import stats
@@ -316,7 +317,7 @@ class StageRun:
             or any(self._walks[leg].flying for leg, *_ in bucket.members)
         ):
             self._wait_oldest(deadline)
-        with _profiled(self, bucket, "start"):
+        with profiled(self.stage, lambda: f"start {self.bucket_text(bucket)}"):
             if bucket.bucket.op == "point_to_point":
                 self._start_exchange(bucket)
             else:
@@ -343,7 +344,7 @@ class StageRun:
         try:
             pending = start_exchange(messages)
         except DistributedError as e:  # the members keep their pieces, as a collective's do
-            raise DistributedError(f"{self._bucket_text(bucket)} failed: {e.message}") from e
+            raise DistributedError(f"{self.bucket_text(bucket)} failed: {e.message}") from e
         for walk, _ in landing:
             walk.x, walk.flying = None, True
         self._landing[bucket.index] = (landing, [move for move, _, _ in posts])
@@ -414,7 +415,7 @@ class StageRun:
         except (DistributedError, ReshardError) as e:
             # The members keep their pieces: the bucket is started again by the next feed() or
             # finish(), so that the peers' collective is matched (docs/design/failures.md).
-            raise type(e)(f"{self._bucket_text(bucket)} failed: {e.message}") from e
+            raise type(e)(f"{self.bucket_text(bucket)} failed: {e.message}") from e
         for walk in walks:
             walk.x, walk.flying = None, True  # the piece is in the buffer now
         self.packed.update(leg for leg, *_ in bucket.members)
@@ -422,7 +423,7 @@ class StageRun:
 
     def _wait_oldest(self, deadline: float | None) -> None:
         bucket, pending, started = self._in_flight.pop(0)
-        with _profiled(self, bucket, "wait"):
+        with profiled(self.stage, lambda: f"wait {self.bucket_text(bucket)}"):
             self._finish(bucket, pending, started, deadline)
 
     def _finish(self, bucket: BucketProgram, pending: Started, started: float, deadline: float | None) -> None:
@@ -432,7 +433,7 @@ class StageRun:
         try:
             received = pending.wait(datetime.timedelta(seconds=left))
         except DistributedError as e:
-            raise DistributedError(f"{self._bucket_text(bucket)} failed: {e.message}") from e
+            raise DistributedError(f"{self.bucket_text(bucket)} failed: {e.message}") from e
         finally:
             self.waited += time.perf_counter() - blocked
         op = bucket.bucket.op
@@ -500,19 +501,11 @@ class StageRun:
             return make(*args)
         return self.program.views.get(key, held, make, *args)
 
-    def _bucket_text(self, bucket: BucketProgram) -> str:
+    def bucket_text(self, bucket: BucketProgram) -> str:
+        """The bucket as errors and profiler ranges name it:
+        ``bucket 2 of 5 (reduce_scatter over dp of 'w1', 'b1')``."""
         names = [self.program.plan.legs[leg].tensor for leg, *_ in bucket.members]
         return f"bucket {bucket.index + 1} of {len(self.program.plan.buckets)} ({_describe(bucket.bucket, names)})"
-
-
-def _profiled(run: StageRun, bucket: BucketProgram, what: str) -> contextlib.AbstractContextManager[object]:
-    """A named range of ``torch.profiler`` traces for one bucket's start or wait
-    (``shardlang before: start bucket 2 of 5 (reduce_scatter over dp of 'w1', 'b1')``), as DDP
-    and FSDP2 name theirs; nothing when no profiler runs, since building the name costs more
-    than the rest of a small bucket's bookkeeping (docs/reference/runtime.md, "Profiling")."""
-    if not torch.autograd._profiler_enabled():
-        return contextlib.nullcontext()
-    return torch.profiler.record_function(f"shardlang {run.stage}: {what} {run._bucket_text(bucket)}")
 
 
 def _advanced_view(walk: LegWalk, until: int | None) -> list[torch.Tensor] | None:

@@ -21,10 +21,10 @@ import torch
 
 from planner.legs import BEFORE
 from runtime.errors import DistributedError
+from runtime.execution.ranges import profiled
 from runtime.optim.commit import Finite
 from runtime.optim.compiler import CompiledStep
 from runtime.optim.errors import OptimizerStepError
-from runtime.optim.ranges import profiled
 from runtime.optim.slots import Slot, grad_versions
 from runtime.optim.sums import SumReducer, SumSpec
 from shardlang.layout import Layout

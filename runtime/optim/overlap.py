@@ -19,11 +19,11 @@ from runtime.comm.collectives import collective, default_device
 from runtime.comm.groups import ranks_group
 from runtime.errors import DistributedError, ReshardError
 from runtime.execution.buckets import StageRun
+from runtime.execution.ranges import BACKWARD, profiled
 from runtime.memory.dtypes import as_dtype
 from runtime.optim.compiler import CompiledStep, StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.freed_grads import freed_grad, freed_of
-from runtime.optim.ranges import BACKWARD, profiled
 from runtime.optim.slots import (
     Slot,
     Slots,
@@ -435,7 +435,7 @@ def _hook_name(run: StageRun, slot: Slot, leg: int) -> str:
     own ranges name it (docs/stacks/profiler.md)."""
     stage = (b for b in run.program.buckets if b.bucket.stage == BEFORE)
     bucket = next((b for b in stage if any(member[0] == leg for member in b.members)), None)
-    return f"hook '{slot.name}'" + ("" if bucket is None else f" into {run._bucket_text(bucket)}")
+    return f"hook '{slot.name}'" + ("" if bucket is None else f" into {run.bucket_text(bucket)}")
 
 
 def _first_line(error: Exception) -> str:

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from runtime.errors import DistributedError
+from runtime.execution.ranges import UPDATE, profiled
 from runtime.optim.errors import OptimizerStepError
 from runtime.optim.flat import FlatStates
-from runtime.optim.ranges import UPDATE, profiled
 from runtime.optim.slots import Slot
 from runtime.optim.sums import SumReducer, SumSpec
 from shardlang.errors import ShardlangError

@@ -20,6 +20,7 @@ import torch
 
 from planner.legs import AFTER, BEFORE
 from runtime.execution.buckets import StageRun
+from runtime.execution.ranges import COMMIT, UPDATE, profiled
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import as_dtype
 from runtime.optim.clipping import Clipping, Reduced, gradients_finite
@@ -28,7 +29,6 @@ from runtime.optim.compiler import CompiledStep, StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.overlap import Backward, OverlapController, ParamGathers
 from runtime.optim.phases import PhaseDriver, StepWork, UpdateFailed
-from runtime.optim.ranges import COMMIT, UPDATE, profiled
 from runtime.optim.records import StepTraffic
 from runtime.optim.replica_checks import ReplicaChecks
 from runtime.optim.slots import Slot, Slots, grad_versions, names_text, ranks_text, take_grad
@@ -76,7 +76,7 @@ class StepTransaction:
         self.rank = slots.rank
         self._replicas = replicas  # the gradients declared replicated, checked before the commit
         self.last = LastStep()
-        # The names of the math's and the flags' ranges (runtime.optim.ranges).
+        # The names of the math's and the flags' ranges (runtime.execution.ranges).
         self._math = f"{owner} math"
         self._flag_names = tuple(f"flag {k} of {flag.flags}" for k in (1, 2))
         # _fresh_flat's views per set of slots stepped, with the buffers they are views of.
