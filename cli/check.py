@@ -12,7 +12,7 @@ import attrs
 from cli.plan_report import padding_warnings
 from cli.summary import plan_spec_with_progress
 from cli.terminal import Style
-from planner import CostModel
+from planner import DEFAULT_MAX_STATES, CostModel
 from shardlang import Spec, load_spec
 from shardlang.errors import ShardlangError
 
@@ -26,13 +26,18 @@ class Checked:
 
 
 def check_file(
-    path: str, progress: TextIO, flat_axis: str | int | None = None, cost: CostModel | None = None
+    path: str,
+    progress: TextIO,
+    flat_axis: str | int | None = None,
+    cost: CostModel | None = None,
+    max_states: int = DEFAULT_MAX_STATES,
 ) -> Checked:
     """Load and plan one file (with ``flat_axis``, as the optimizers' flat sharding over it;
-    with ``cost``, under that model instead of the spec's hints)."""
+    with ``cost``, under that model instead of the spec's hints; ``max_states``, the search
+    budget of each tensor's pairs)."""
     try:
         spec = load_spec(path)
-        spec_plan = plan_spec_with_progress(spec, progress, flat_axis=flat_axis, cost=cost)
+        spec_plan = plan_spec_with_progress(spec, progress, flat_axis=flat_axis, cost=cost, max_states=max_states)
     except ShardlangError as e:
         return Checked(path, None, e)
     return Checked(path, spec, None, tuple(padding_warnings(spec_plan)))
@@ -67,8 +72,9 @@ def run_check(
     err: TextIO,
     flat_axis: str | int | None = None,
     cost: CostModel | None = None,
+    max_states: int = DEFAULT_MAX_STATES,
 ) -> int:
-    results = [check_file(p, err, flat_axis, cost) for p in paths]
+    results = [check_file(p, err, flat_axis, cost, max_states) for p in paths]
     if fmt == "json":
         files = [
             {

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from cli.check import Checked, check_file, describe_spec, error_json, error_text
 from cli.tables import format_bytes
 from cli.terminal import Style
-from planner import CostModel
+from planner import DEFAULT_MAX_STATES, CostModel
 from planner.spec_plan import plan_spec
 from shardlang.errors import ShardlangError
 from shardlang.model_check import ERROR, Finding, ModelCheck, check_model, with_model_dtypes
@@ -62,14 +62,15 @@ def model_parameters(target: str) -> list[tuple[str, tuple[int, ...], str]]:
 def run_model_check(args: argparse.Namespace, out: TextIO, err: TextIO, cost: CostModel | None = None) -> int:
     """``check`` of ``args.files`` with ``--model`` (and ``--world``)."""
     parameters = model_parameters(args.model)
+    budget = DEFAULT_MAX_STATES if args.max_states is None else args.max_states
     results: list[tuple[Checked, ModelCheck | None]] = []
     priced: dict[str, tuple[int, int] | None] = {}
     for path in args.files:
-        checked = check_file(path, err, args.flat_axis, cost)
+        checked = check_file(path, err, args.flat_axis, cost, budget)
         found = None if checked.spec is None else check_model(checked.spec, parameters, world_size=args.world)
         results.append((checked, found))
         if found is not None and any(f.kind == "dtype" for f in found.findings):
-            step_bytes = _step_bytes(checked, parameters, args.flat_axis, cost)
+            step_bytes = _step_bytes(checked, parameters, args.flat_axis, cost, budget)
             priced[path] = step_bytes if step_bytes is not None and step_bytes[0] != step_bytes[1] else None
     against = f"{args.model} ({len(parameters)} parameters" + (f", world {args.world})" if args.world else ")")
     if args.format == "json":
@@ -124,13 +125,15 @@ def _step_bytes(
     parameters: list[tuple[str, tuple[int, ...], str]],
     flat_axis: str | int | None,
     cost: CostModel | None,
+    max_states: int,
 ) -> tuple[int, int] | None:
     """The bytes per rank of the declared tensors' step plan, as declared and in the model's
     dtypes (``None`` where the plan with the model's dtypes cannot be made)."""
     assert checked.spec is not None
     try:
-        real = plan_spec(with_model_dtypes(checked.spec, parameters), flat_axis=flat_axis, cost=cost)
-        declared = plan_spec(checked.spec, flat_axis=flat_axis, cost=cost)
+        options: dict[str, Any] = {"flat_axis": flat_axis, "cost": cost, "max_states": max_states}
+        real = plan_spec(with_model_dtypes(checked.spec, parameters), **options)
+        declared = plan_spec(checked.spec, **options)
     except ShardlangError:
         return None
     return declared.total_bytes, real.total_bytes

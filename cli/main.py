@@ -101,6 +101,11 @@ def _add_cost_options(p: argparse.ArgumentParser, memory: bool = True) -> None:
             metavar="N",
             help="no state of a plan may hold more bytes per rank (1048576, 64MiB)",
         )
+    _add_max_states(p)
+
+
+def _add_max_states(p: argparse.ArgumentParser) -> None:
+    """The search budget, wherever a budget error tells the user to raise it."""
     p.add_argument(
         "--max-states",
         type=max_states_arg,
@@ -176,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan every tensor's step under the cost model of a hints file (`shardlang calibrate -o`) "
         "instead of the spec's hints: the file is checked, and must fit every mesh",
     )
+    _add_max_states(p)
     p.add_argument("--format", choices=("text", "json"), default="text")
     add_model_options(p)
 
@@ -477,7 +483,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     cost = CostModel.from_file(args.costs) if args.costs else None
     if args.model is not None:  # torch is imported to build the model, only then
         return run_model_check(args, sys.stdout, sys.stderr, cost)
-    return run_check(args.files, args.format, sys.stdout, sys.stderr, flat_axis=args.flat_axis, cost=cost)
+    budget = DEFAULT_MAX_STATES if args.max_states is None else args.max_states
+    return run_check(
+        args.files, args.format, sys.stdout, sys.stderr, flat_axis=args.flat_axis, cost=cost, max_states=budget
+    )
 
 
 COMMAND_FUNCTIONS = {

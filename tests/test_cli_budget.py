@@ -72,3 +72,14 @@ def test_explain_takes_the_budget_its_error_names() -> None:
     no_traceback(refused)
     assert refused.returncode == 1 and "max_states=3" in refused.stderr and "--max-states" in refused.stderr
     assert run("explain", *CROSS, "--shape", "8x8", "--max-states", "100000").returncode == 0
+
+
+def test_check_takes_the_budget_its_error_names(tmp_path: Path) -> None:
+    """check plans every tensor's step, so its budget errors say to raise --max-states: it takes it."""
+    spec = tmp_path / "big.shard"
+    spec.write_text(BIG)
+    refused = run("check", str(spec), "--max-states", "1")
+    no_traceback(refused)
+    assert refused.returncode == 1 and "max_states=1 " in refused.stdout + refused.stderr
+    assert "--max-states" in refused.stdout + refused.stderr
+    assert run("check", str(spec), "--max-states", "100000").returncode == 0
