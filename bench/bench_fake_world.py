@@ -36,6 +36,9 @@ ranks. Per world size:
   the steps less those before the parameters were made), counted in a second fresh process of
   the same world, since tracing costs resident memory of its own; **held / (predicted +
   objects)**: the resident set against the tensors the report predicts plus those objects.
+  The calls and the allocations per step are counted in that second process too, so that the
+  first one's steps are all plain: its timings and its held RSS are the steps' own, not the
+  counting's (``sys.setprofile``'s counters, ``tracemalloc``'s tables, about 0.4 MiB).
 
 What the held resident set counts, and why it is the rank's (measured phase by phase with
 ``VmRSS``, ``mallinfo2`` and ``sys._debugmallocstats`` at 4,096 ranks): the baseline is taken
@@ -216,6 +219,7 @@ def run_world(
     around_step: Callable[[], object] | None = None,
     warm_up: bool = True,
     trace_objects: bool = False,
+    count_calls: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
     """Rank 0 of a fake world of ``world`` ranks (already joined: :func:`join_fake_world`) runs
@@ -224,7 +228,8 @@ def run_world(
     every step's measurement (the tests' stand-in for work that walks the ranks); without
     ``warm_up`` the held RSS also counts what the first run of the code loads; with
     ``trace_objects`` Python's allocations are traced from the baseline on ("objects": what they
-    hold at the end), which makes the resident figures the tracing's too."""
+    hold at the end), which makes the resident figures the tracing's too; without ``count_calls``
+    no step is counted or traced (calls and alloc 0), so that the held RSS is the steps' alone."""
     import torch
     import torch.distributed as dist
 
@@ -266,9 +271,9 @@ def run_world(
     for step in range(steps):
         for _, p in params:
             p.grad = torch.randn(p.shape, generator=generator).to(torch.bfloat16)
-        if step == steps - 1:  # the last step, counted and traced (both slow it: not timed)
+        if step == steps - 1 and count_calls:  # the last step, counted and traced (both slow it: not timed)
             calls = counted_calls(one_step)
-        elif step == steps - 2 and steps > 3:
+        elif step == steps - 2 and steps > 3 and count_calls:
             alloc = traced_peak(one_step)
         elif step == steps - 3 and profile:
             profiler = cProfile.Profile()
@@ -281,7 +286,7 @@ def run_world(
             one_step()
             seconds.append(time.perf_counter() - wall)
             cpu.append(time.process_time() - process)
-    if steps == 3:
+    if steps == 3 and count_calls:
         alloc = traced_peak(one_step)
     started = time.perf_counter()
     state = optimizer.state_dict()
@@ -332,6 +337,7 @@ def _child(args: argparse.Namespace) -> None:
         steps=args.steps,
         profile=args.profile,
         trace_objects=args.trace_objects,
+        count_calls=args.trace_objects,
         bucket_bytes=args.bucket_bytes,
     )
     print("RESULT " + json.dumps(got))
@@ -416,7 +422,8 @@ def main() -> None:
     runs = []
     for world in (int(w) for w in args.worlds.split(",")):
         got = _in_fresh_process(world, args)
-        got["objects"] = _in_fresh_process(world, args, trace_objects=True)["objects"]
+        traced = _in_fresh_process(world, args, trace_objects=True)
+        got |= {k: traced[k] for k in ("objects", "calls", "calls_per_step", "alloc_per_step")}
         runs.append(got)
         print(f"{world:,} ranks: {got['report']}", flush=True)
         if got["profile"]:
