@@ -12,7 +12,7 @@ rank (``None``: off its source or target mesh).
 
 Memory: with ``buffers`` (a :class:`~runtime.memory.buffers.Scratch` kept by the caller between steps)
 the buckets use the kept and send buffers where the program lays them out
-(``runtime.execution.step_program._lay_out``: one send buffer shared by the buckets of a stage run in
+(``planner.buffers.lay_out``: one send buffer shared by the buckets of a stage run in
 ``step()``, a few slots of it for those started during backward, results in the kept buffer).
 Without it every bucket allocates both. Results are views of bucket results or of the inputs (a
 leg that never communicates returns a view of its input), valid until the next run with the
@@ -31,13 +31,14 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from planner.buffers import IN_FLIGHT
 from planner.legs import AFTER, DURING_BACKWARD, IN_STEP, Bucket
 from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError, ReshardError
 from runtime.execution.program import CollectiveMove
 from runtime.execution.ranges import profiled
 from runtime.execution.run import Exchange, LegWalk, Started, StartMove, record_traffic, start_exchange, start_move
-from runtime.execution.step_program import IN_FLIGHT, BucketProgram, LegProgram, StepProgram
+from runtime.execution.step_program import BucketProgram, LegProgram, StepProgram
 from runtime.measure import stats
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name

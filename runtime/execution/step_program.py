@@ -7,7 +7,7 @@ collective bucket's buffer is laid out peer-major: for a reduce_scatter or all_t
 is ``[n, sum of chunks]``, row ``p`` holding every member's block for peer ``p`` one after
 another; for an all_gather or all_reduce it is the members' pieces one after another. Ranks of
 one group hold the same chunk sizes (``runtime.execution.program``), so their buffers agree. Where the
-buffers lie, and what shares space with what, is :func:`_lay_out`'s (docs/memory.md).
+buffers lie, and what shares space with what, is :func:`planner.buffers.lay_out`'s (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from planner.legs import AFTER, AFTER_STEP, BEFORE, DURING_BACKWARD, IN_STEP, Bucket, Leg
+from planner.buffers import BucketUse, lay_out
+from planner.legs import AFTER, IN_STEP, Bucket, Leg
 from planner.step import StepPlan
 from runtime.comm.exchange import RankExchange
 from runtime.errors import ReshardError
@@ -25,11 +26,6 @@ from runtime.execution.program import CollectiveMove, compile_plan
 from runtime.execution.run import Entry
 from runtime.memory.buffers import KeptViews
 from runtime.memory.dtypes import torch_dtype
-
-# Buckets launched during backward that may be in flight at once: a hook that would start one
-# more first waits for the oldest (as FSDP2 bounds its reduce-scatters in flight), so their
-# buffers are a few buckets', not the model's (docs/memory.md).
-IN_FLIGHT = 2
 
 
 @attrs.frozen(eq=False)
@@ -178,93 +174,22 @@ def _schedule(
 def _lay_out(
     buckets: Sequence[BucketProgram], *, shared_after: bool = False
 ) -> tuple[list[BucketProgram], dict[str, int], dict[str, int]]:
-    """Place every bucket's buffers, per wire dtype: send buffers, and one kept buffer holding,
-    in order, the results of the buckets before the update (read by the math), then those after
-    it (read at the commit). A gloo reduce_scatter's all_to_all workspace is alive only while its
-    collective runs, before the update, so it shares the space of the later results.
-
-    An all_gather sends from its own row of its result (in place: ``runtime.comm.collectives``), an
-    all_reduce reduces its result in place, so neither takes send space. Buckets launched in
-    ``step()`` run one at a time: they share one send buffer (the largest bucket's) and one
-    workspace. Buckets launched during backward or after the step are in
-    flight together, so each gets its own send region and workspace; the two stages never are
-    (the gathers after a step are waited on before the next backward), so their send regions
-    share one buffer.
-
-    E.g. ZeRO-2 on 4 ranks, buckets of ``T`` elements per rank run in ``step()``: the
-    reduce_scatter's result takes ``[0, T)``, its workspace ``[T, 5T)``, the all_gather's
-    result ``[T, 5T)`` too, its send buffer its row ``[T + rT, T + (r+1)T)`` there on rank ``r``;
-    the kept buffer has ``5T`` elements and the send buffer ``4T``.
-    Launched during backward, buckets are in flight together, at most :data:`IN_FLIGHT` of them:
-    they take that many slots of send space and workspace in turn, so that the stage holds a
-    few buckets' buffers, not the model's. Two such reduce_scatters take the send regions
-    ``[0, 4T)`` and ``[4T, 8T)`` and the workspaces ``[2T, 6T)`` and ``[6T, 10T)`` of the kept
-    buffer; a third takes the first ones again, once the first bucket has landed. Launched after
-    the step (gathers waited on by forward), each bucket has regions of its own.
-
-    ``shared_after``: the buckets after the update launched in ``step()`` are written out as each
-    lands (``StageRun``'s ``write_to``), so they all take the same region, the largest one's: the
-    kept buffer is then the results before the update plus one bucket, not the whole model's
-    gathered parameters. With ``k`` all_gather buckets of ``T`` per rank above, every one's result
-    takes ``[T, 5T)``."""
-    laid: list[BucketProgram] = []
-    send: dict[str, int] = {}
-    kept: dict[str, int] = {}
-    laid += [b for b in buckets if b.bucket.op == "point_to_point"]  # exchanges lay out nothing
-    for dtype in dict.fromkeys(b.bucket.dtype for b in buckets):
-        mine = [b for b in buckets if b.bucket.dtype == dtype and b.bucket.op != "point_to_point"]
-        offset, places, later = 0, {}, 0
-        for stage in (BEFORE, AFTER):
-            shared = 0  # the largest result of the buckets sharing one region (shared_after)
-            for b in mine:
-                if b.bucket.stage == stage:
-                    n = b.members[0][1].n
-                    numel = n * b.total if b.bucket.op in ("all_gather", "all_to_all") else b.total
-                    if shared_after and stage == AFTER and b.bucket.launch == IN_STEP:
-                        places[b.index] = (later, numel)
-                        shared = max(shared, numel)
-                        continue
-                    places[b.index] = (offset + (shared if stage == AFTER else 0), numel)
-                    offset += numel
-            if stage == BEFORE:
-                later = offset
-            else:
-                offset += shared
-        end = offset
-        workspace_at = {BEFORE: later, AFTER: offset}
-        send_at = dict.fromkeys((BEFORE, AFTER), 0)
-        send_numel = 0
-        # Buckets launched during backward take IN_FLIGHT slots in turn, each of the largest one's
-        # size (StageRun starts one only when the one before it in its slot has landed).
-        ring = [b for b in mine if b.bucket.launch == DURING_BACKWARD]
-        slot_numel = max((b.send_numel for b in ring), default=0)
-        turn = {b.index: k % IN_FLIGHT for k, b in enumerate(ring)}
-        for b in mine:
-            stage, together = b.bucket.stage, b.bucket.launch == AFTER_STEP
-            workspace = None
-            sent = 0
-            if b.index in turn:
-                at = turn[b.index] * slot_numel
-                if b.bucket.op == "reduce_scatter":
-                    workspace = (workspace_at[stage] + at, b.send_numel)
-                    end = max(end, workspace_at[stage] + at + b.send_numel)
-                if b.bucket.op not in ("all_reduce", "all_gather"):
-                    sent = at
-                    send_numel = max(send_numel, sent + b.send_numel)
-                laid.append(attrs.evolve(b, result=places[b.index], workspace=workspace, send=sent))
-                continue
-            if b.bucket.op == "reduce_scatter":
-                workspace = (workspace_at[stage], b.send_numel)
-                end = max(end, workspace_at[stage] + b.send_numel)
-                if together:
-                    workspace_at[stage] += b.send_numel
-            if b.bucket.op not in ("all_reduce", "all_gather"):
-                sent = send_at[stage]
-                send_numel = max(send_numel, sent + b.send_numel)
-                if together:
-                    send_at[stage] += b.send_numel
-            laid.append(attrs.evolve(b, result=places[b.index], workspace=workspace, send=sent))
-        send[dtype] = send_numel
-        kept[dtype] = end
+    """Every bucket placed in the kept and send buffers of its wire dtype, and per dtype their
+    elements: :func:`planner.buffers.lay_out`'s placement (the one the planner's memory
+    predictions size), applied to this rank's chunks."""
+    uses = [
+        BucketUse(b.index, b.bucket.op, b.bucket.stage, b.bucket.launch, b.bucket.dtype, _peers(b), b.total)
+        for b in buckets
+    ]
+    layout = lay_out(uses, shared_after=shared_after)
+    laid = [
+        b if b.index not in layout.places else attrs.evolve(b, **attrs.asdict(layout.places[b.index], recurse=False))
+        for b in buckets
+    ]
     laid.sort(key=lambda b: b.index)
-    return laid, send, kept
+    return laid, layout.send_numel, layout.kept_numel
+
+
+def _peers(bucket: BucketProgram) -> int:
+    """The size of a collective bucket's axis (1 for an exchange, which lays out nothing)."""
+    return 1 if bucket.bucket.op == "point_to_point" else bucket.members[0][1].n

@@ -3,7 +3,7 @@
 The figures come from the layouts and the step program, not from measuring: parameters and
 their gradients (the rank's pieces, in their dtypes: the training loop holds them, the optimizer
 only reads them), the optimizer states and fp32 master shards (their local shapes), the bucket
-buffers of the step program (its kept and send buffers, ``runtime.execution.step_program._lay_out``), the spare
+buffers of the step program (its kept and send buffers, ``planner.buffers.lay_out``), the spare
 state buffers of a transactional step, the math's working buffers, and over FSDP2's parameters
 the unsharded parameters FSDP2 keeps for its largest ``fully_shard`` group. ``bench/bench_memory.py``
 sets the total beside the resident memory the operating system measures; docs/memory.md says
