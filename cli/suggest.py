@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from cli.buckets import cap_warning
 from cli.init import named_tensors
 from cli.inputs import UsageError, bucket_cap_arg, bytes_arg, read_spec, shape_arg
@@ -23,6 +25,7 @@ from planner.bucket_cap import AUTO
 from planner.knapsack import better, fixed_choices, smallest_memory, suggest_best
 from planner.loops import AUTO as LOOP_AUTO
 from planner.loops import LOOPS
+from planner.memory import MemoryPrediction
 from planner.suggest import OPTIMIZERS, Choice, Problem, SuggestError, Suggestion, build_problems
 from shardlang import Spec, TensorSpec, format_spec
 from shardlang.errors import ShardlangError, SpecError
@@ -152,6 +155,7 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
         "",
         f"suggested: {format_bytes(best.memory)} per rank, {format_seconds(best.seconds)} modeled{flat}; "
         f"{problem.changed(best)} of {n} tensors changed",
+        f"as the runtime holds it (memory_report()'s kinds): {_kinds(problem.prediction(best.picks))}",
         "",
         "  strategy        memory/rank  modeled time  fits  time vs suggested",
     ]
@@ -190,6 +194,12 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
         f"{candidates} candidates in {len(problems)} problem{'s' * (len(problems) != 1)}: {kinds})"
     )
     return "\n".join(out)
+
+
+def _kinds(prediction: MemoryPrediction) -> str:
+    """``params 64.0 KiB + states 32.0 KiB + buffers 96.0 KiB = 192 KiB``: the kinds held."""
+    parts = [f"{k} {format_bytes(v)}" for k, v in attrs.asdict(prediction).items() if v]
+    return f"{' + '.join(parts)} = {format_bytes(prediction.total_bytes)} per rank"
 
 
 def _loop_reason(problem: Problem) -> str:
@@ -238,6 +248,7 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
         "budget_bytes": result.budget,
         "flat_axis": problem.flat_axis,
         "suggested": _choice_json(problem, result.best),
+        "runtime_memory": problem.prediction(result.best.picks).to_json(),
         "this_spec": _choice_json(problems[0], _fixed(result, problems)[0][1][0][1] or problems[0].original()),
         "strategies": strategies,
         "optimal": result.optimal,

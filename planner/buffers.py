@@ -174,6 +174,15 @@ def bucket_use(index: int, bucket: Bucket) -> BucketUse:
     return BucketUse(index, bucket.op, bucket.stage, bucket.launch, bucket.dtype, n, total)
 
 
+def shares_after(plan: StepPlan) -> bool:
+    """Whether the buckets after the update may share one result region when the stage is
+    written out as each bucket lands (:func:`lay_out`'s ``shared_after``): all of them launched
+    in ``step()``, and every leg after the update communicating in at most one step, so that a
+    bucket's results are final pieces and nothing of it is read once the next one starts."""
+    launches = {b.launch for b in plan.buckets if b.stage == AFTER}
+    return launches == {IN_STEP} and all(len(leg.communicating) <= 1 for leg in plan.legs if leg.stage == AFTER)
+
+
 def step_buffer_bytes(plan: StepPlan, *, shared_after: bool = False) -> int:
     """Bytes of the kept and send buffers a rank holds to run ``plan`` (:func:`lay_out`), as
     ``memory_report()`` counts them."""

@@ -53,7 +53,10 @@ and an f32 master for a lower-precision parameter (flat: the moments and the mas
 chunk, ``ceil(block / |a|)``, CAME's statistics those of the whole base block, as the
 optimizers keep them); plus the largest transient buffer of any
 tensor: its largest step collective's buffer, its gathered parameter ``C`` when it is
-sharded, its unreduced gradient ``G0`` when backward reduces it.
+sharded, its unreduced gradient ``G0`` when backward reduces it. Beside that count, which the
+budget bounds, a choice's memory as the runtime holds it (:meth:`Problem.prediction`,
+``planner.memory``: the kinds of ``memory_report()``, bucket buffers included) is what
+``shardlang suggest`` reports per rank.
 
 Tensors of equal shape, dtype and layouts form a group with one integer count per candidate,
 so a model of 226 tensors in 8 groups is a program of a few dozen variables.
@@ -75,6 +78,7 @@ from planner.errors import PlanError
 from planner.legs import AFTER, BEFORE, DEFAULT_BUCKET_BYTES, STAGES, Hop, Leg, bucket_stage, without_axis
 from planner.loops import AUTO as AUTO_LOOP
 from planner.loops import LOOPS, infer_loop, runs_in
+from planner.memory import MemoryPrediction, predict_memory, state_bytes
 from planner.spec_plan import cost_for, step_tensor
 from planner.step import plan_step
 from shardlang.dtypes import itemsize
@@ -188,6 +192,15 @@ class Problem:
         seconds = self.model_cap(picks).seconds if self.bucket_bytes == AUTO else price(int(self.bucket_bytes))[0]
         return Choice(picks=tuple(tuple(p) for p in picks), memory=self.memory_of(picks), seconds=seconds)
 
+    def prediction(self, picks: Sequence[Sequence[int]]) -> MemoryPrediction:
+        """What the first rank holds for a choice as the runtime counts it (``planner.memory``:
+        the kinds of ``memory_report()``, bucket buffers included, under the bucket cap the
+        optimizers run with), beside the integer program's own count (:meth:`memory_of`)."""
+        spec = self.spec_of(Choice(picks=tuple(tuple(p) for p in picks), memory=0, seconds=0.0))
+        return predict_memory(
+            spec, self.optimizer, tensors=spec.tensors, flat_axis=self.flat_axis, bucket_bytes=self.bucket_bytes
+        )
+
     def model_cap(self, picks: Sequence[Sequence[int]]) -> BucketCap:
         """The cost model's bucket cap for a choice's step and loop (``planner.bucket_cap``)."""
         return choose_cap(self.priced(picks))
@@ -222,7 +235,8 @@ class Problem:
         return price
 
     def memory_of(self, picks: Sequence[Sequence[int]]) -> int:
-        """The memory per rank of a choice (module doc): its tensors' and the largest transient."""
+        """The memory per rank of a choice as the integer program counts it (module doc): its
+        tensors' and the largest transient."""
         memory, transient = 0, 0
         for group, picked in zip(self.groups, picks, strict=True):
             for c in picked:
@@ -388,22 +402,6 @@ def _find(layouts: Layouts, among: Sequence[Layouts], flat: int | None) -> int |
 
 def _local_bytes(layout: Layout, shape: tuple[int, ...], dtype: str) -> int:
     return math.prod(layout.local_shape(shape)) * itemsize(dtype)
-
-
-def state_bytes(tensor: TensorSpec, state: Layout, optimizer: str, flat: int | None = None) -> int:
-    """The optimizer states of ``tensor`` per rank, states in ``state`` (module doc); with
-    ``flat``, in equal chunks over that axis of the base block (``state`` without it)."""
-    dtype = "f64" if tensor.dtype == "f64" else "f32"
-    if flat is not None:
-        state = without_axis(state, flat)
-    local = state.local_shape(tensor.shape)
-    elements = math.prod(local) if flat is None else -(-math.prod(local) // state.mesh.shape[flat])
-    full = elements * itemsize(dtype)
-    master = full if tensor.dtype not in ("f32", "f64") else 0
-    if optimizer == "adamw" or len(local) < 2:
-        return 2 * full + master
-    rows, cols = math.prod(local[:-1]), math.prod(local[:-2] + local[-1:])
-    return full + 2 * (rows + cols) * itemsize(dtype) + master
 
 
 def _price(

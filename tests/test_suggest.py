@@ -177,6 +177,11 @@ def test_the_command_text_json_output_and_errors(tmp_path: Path, capsys: pytest.
         "      param = S(dp) over world   grad = S(dp) over world   state = S(dp) over world",
         "",
         "suggested: 19.4 KiB per rank, 120 us modeled; 3 of 3 tensors changed",
+        # By hand, on the first rank: pieces of 512 (w, bf16), 480 and 12 floats; the two moments
+        # and w's f32 master; no bucket (ZeRO-3 steps in place); the square roots of all three
+        # shards at once (1004 floats). The loop's gathered parameters are not the optimizer's.
+        "as the runtime holds it (memory_report()'s kinds): params 2.92 KiB + states 7.84 KiB + masters 2 KiB + "
+        "scratch 3.92 KiB = 16.7 KiB per rank",
         "",
         "  strategy        memory/rank  modeled time  fits  time vs suggested",
         "  this spec          35.1 KiB       80.2 us    no  0.667x",
@@ -289,7 +294,7 @@ def test_flat_wins_where_pieces_are_padded(tmp_path: Path, capsys: pytest.Captur
         "suggested: 912 B per rank, 120 us modeled, states flat over dp (the optimizers' flat_axis); "
         "0 of 2 tensors changed"
     )
-    assert lines[15:20] == [
+    assert lines[16:21] == [
         "  zero2                 984 B        120 us    no  1.000x",
         # t and u share each collective (f32 both; 20 us a round, 3 rounds on 4 ranks, 6 for an
         # all-reduce): ZeRO-3 gathers twice and reduce-scatters, 3 x 60 us; flat ZeRO-1 all-reduces

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from planner.buffers import BucketUse, lay_out
-from planner.legs import AFTER, IN_STEP, Bucket, Leg
+from planner.buffers import BucketUse, lay_out, shares_after
+from planner.legs import Bucket, Leg
 from planner.step import StepPlan
 from runtime.comm.exchange import RankExchange
 from runtime.errors import ReshardError
@@ -138,21 +138,9 @@ def compile_step(plan: StepPlan, rank: int, *, write_through: bool = False) -> S
             offset += move.chunk
         per_peer = bucket.op in ("reduce_scatter", "all_to_all")
         buckets.append(BucketProgram(index, bucket, tuple(members), offset, per_peer, tuple(final), positions))
-    launches = {b.launch for b in plan.buckets if b.stage == AFTER}
-    shared = write_through and launches == {IN_STEP} and _one_bucket_each(legs, AFTER)
+    shared = write_through and shares_after(plan)
     laid, send_numel, kept_numel = _lay_out(buckets, shared_after=shared)
     return StepProgram(plan, rank, tuple(legs), tuple(laid), send_numel, kept_numel, opened_by, shared_after=shared)
-
-
-def _one_bucket_each(legs: Sequence[LegProgram], stage: str) -> bool:
-    """Whether every leg of ``stage`` communicates in at most one step: then a bucket's results
-    are final pieces, written out when it lands, and nothing of it is read once the next bucket
-    of the stage starts."""
-    return all(
-        sum(move is not None and not local for _, move, local in leg.schedule) <= 1
-        for leg in legs
-        if leg.leg.stage == stage
-    )
 
 
 def _schedule(

@@ -12,11 +12,12 @@ that a failed step can be dropped.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Unpack
 
 import torch
 
+from planner.memory import denom_groups
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import as_dtype
 from runtime.optim.base import ShardedOptimizer, StepOptions
@@ -58,12 +59,6 @@ def adamw_update(
     denom.div_((1 - beta2**step) ** 0.5)
     denom.add_(eps)
     new_param.addcdiv_(new_exp_avg, denom, value=-(lr / (1 - beta1**step)))
-
-
-# Elements of the square-root scratch an update in place takes at once (4 MiB of f32): the
-# update runs over groups of tensors of at most this many elements (a larger tensor alone), so
-# its scratch is bounded by this, not by the states.
-DENOM_CHUNK = 1 << 20
 
 
 def adamw_in_place(
@@ -154,23 +149,6 @@ def fused_adamw(
         grad_scale=None,
         found_inf=None,
     )
-
-
-def denom_groups(numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """The groups :func:`adamw_in_place` runs its square roots over: ``(start, end, elements)``
-    of consecutive tensors of at most :data:`DENOM_CHUNK` elements together, a larger one alone.
-
-    >>> list(denom_groups([DENOM_CHUNK // 2, DENOM_CHUNK // 2, 1, 3 * DENOM_CHUNK]))
-    [(0, 2, 1048576), (2, 3, 1), (3, 4, 3145728)]
-    """
-    start = 0
-    while start < len(numels):
-        end, numel = start + 1, numels[start]
-        while end < len(numels) and numel + numels[end] <= DENOM_CHUNK:
-            numel += numels[end]
-            end += 1
-        yield start, end, numel
-        start = end
 
 
 def _per_tensor(

@@ -1,0 +1,108 @@
+"""``suggest`` predicts per-rank memory as the runtime holds it: for the layouts it proposes
+(ZeRO-1, ZeRO-2, flat ZeRO-2 on a small model; ``shardlang suggest`` on a plain model), its
+prediction equals ``ShardedAdamW(...).memory_report()`` kind by kind on every one of 4 gloo
+ranks, bucket buffers and scratch included, and lies within 10% of what the optimizer's tensors
+hold, counted through their storages (as tests/test_memory_dist.py counts them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from cli.main import main
+from planner.memory import predict_memory
+from planner.suggest import build_problem
+from runtime.measure.storages import storage_bytes
+from runtime.testing import run_ranks
+from shardlang import load_spec, parse_spec
+from shardlang.spec import Spec
+
+WORLD = 4
+BUCKET = 64 * 1024  # bytes: several buckets per stage
+_PLAIN = "tensor {name} : {dtype}[{shape}] {{ param = {rep} over world  grad = {rep} | P(dp):avg over world }}\n"
+SHAPES = {f"w{i}": ((64, 128), "f32") for i in range(10)} | {"h": ((256, 64), "bf16"), "bias": ((384,), "f32")}
+TEXT = "mesh world = [dp=4]  bandwidth 25e9  latency 20us\n" + "".join(
+    _PLAIN.format(name=n, dtype=d, shape=", ".join(map(str, s)), rep=",".join("R" for _ in s))
+    for n, (s, d) in SHAPES.items()
+)
+# (strategy of suggest's problem, flat axis): the fixed layouts suggest prices.
+STRATEGIES = {"zero1": ("zero1", None), "zero2": ("zero2", None), "zero2 flat": ("zero2 flat", "dp")}
+
+
+def _proposed(name: str) -> tuple[Spec, str | None]:
+    strategy, flat = STRATEGIES[name]
+    problem = build_problem(parse_spec(TEXT), flat_axis=flat, bucket_bytes=BUCKET)
+    choice = problem.strategy(strategy)
+    assert choice is not None
+    return problem.spec_of(choice), flat
+
+
+def _held(rank: int, world: int, spec: Spec, flat: str | None, bucket: int | None) -> dict[str, Any]:
+    from runtime.optim import ShardedAdamW
+
+    torch.manual_seed(0)
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
+    params = {t.name: torch.nn.Parameter(torch.randn(t.shape, dtype=dtypes[t.dtype])) for t in spec.tensors}
+    optimizer = ShardedAdamW(list(params.items()), spec, bucket_bytes=bucket, flat_axis=flat, lr=1e-3)
+    for step in range(2):
+        generator = torch.Generator().manual_seed(step)  # alike on every rank: ZeRO-1 reads them reduced
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+        optimizer.step()
+    skip = {p.untyped_storage().data_ptr() for p in params.values()}
+    skip |= {p.grad.untyped_storage().data_ptr() for p in params.values() if p.grad is not None}
+    report = attrs.asdict(optimizer.memory_report())
+    return {"report": report, "held": sum(storage_bytes(optimizer, skip).values())}
+
+
+def _run_strategies(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    return {name: _held(rank, world, *_proposed(name), BUCKET) for name in STRATEGIES}
+
+
+@pytest.mark.slow
+def test_suggest_predicts_the_memory_report_of_the_layouts_it_proposes() -> None:
+    results = run_ranks(_run_strategies, WORLD, timeout=240)
+    for name in STRATEGIES:
+        spec, flat = _proposed(name)
+        for rank, got in enumerate(results):
+            report = got[name]["report"]
+            assert report.pop("wrapper") == 0
+            predicted = attrs.asdict(predict_memory(spec, rank=rank, flat_axis=flat, bucket_bytes=BUCKET))
+            assert predicted == report, (name, rank, predicted, report)
+            assert report["buffers"] > 0 and report["scratch"] > 0, (name, rank, report)
+            # What the optimizer's tensors hold (less the loop's parameters and gradients), to
+            # the commit flag's few bytes.
+            counted = sum(predicted.values()) - predicted["params"] - predicted["grads"]
+            assert abs(got[name]["held"] - counted) <= 64, (name, rank, got[name]["held"], counted)
+
+
+def _run_suggested(rank: int, world: int, path: str, bucket: int) -> dict[str, Any]:
+    return _held(rank, world, load_spec(path), None, bucket)
+
+
+@pytest.mark.slow
+def test_shardlang_suggest_on_a_plain_model_predicts_what_the_runtime_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source, chosen = tmp_path / "plain.shard", tmp_path / "chosen.shard"
+    source.write_text(TEXT)
+    assert main(["suggest", str(source), "--memory", "2MiB", "--format", "json", "-o", str(chosen)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["flat_axis"] is None  # a plain problem's layouts: the optimizer runs them without flat_axis
+    predicted = out["runtime_memory"]
+    assert predicted["total"] <= 2 * 2**20
+    results = run_ranks(_run_suggested, WORLD, args=(str(chosen), out["bucket_bytes"]), timeout=240)
+    first = results[0]
+    report = first["report"]
+    report.pop("wrapper")
+    assert {k: v for k, v in predicted.items() if k != "total"} == report, (predicted, report)
+    runtime = first["held"] + report["params"] + report["grads"]
+    assert abs(predicted["total"] - runtime) <= 0.1 * runtime, (predicted, runtime)
+    # No rank holds more than the first rank, whose prediction suggest shows.
+    assert max(sum(r["report"].values()) for r in results) <= predicted["total"]
