@@ -22,38 +22,9 @@ import torch
 
 from runtime.testing import attempt, run_ranks
 from tests.golden_blocks import golden_blocks
+from tests.test_step_agreement_dist import _backward, _params, _spec  # the same ZeRO-2 job
 
 GOLDEN = Path(__file__).parent / "golden" / "step_errors.txt"
-MESH = "mesh[dp=4]"
-SHAPES = {"w": (8, 6), "b": (6,)}
-
-
-def _spec() -> dict:
-    from shardlang import parse_layout
-    from shardlang.spec import Layouts, TensorSpec
-
-    def layouts(n: int) -> Layouts:
-        dims = ",".join(["R"] * n)
-        state = "S(dp),R" if n == 2 else "S(dp)"
-        return Layouts(
-            param=parse_layout(f"{dims} over {MESH}"),
-            grad=parse_layout(f"{dims} | P(dp):avg over {MESH}"),
-            states=(("", parse_layout(f"{state} over {MESH}")),),
-        )
-
-    return {n: TensorSpec(name=n, dtype="f32", shape=s, layouts=layouts(len(s))) for n, s in SHAPES.items()}
-
-
-def _params() -> dict[str, torch.nn.Parameter]:
-    generator = torch.Generator().manual_seed(0)
-    return {n: torch.nn.Parameter(torch.randn(s, generator=generator)) for n, s in SHAPES.items()}
-
-
-def _backward(params: dict[str, torch.nn.Parameter], rank: int, step: int, nan: bool = False) -> None:
-    """Each rank's own batch (data parallel): the gradients are partial, reduced by the step."""
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-    loss = ((x @ params["w"] + params["b"]) ** 2).mean()
-    (loss * float("nan") if nan else loss).backward()
 
 
 def _snapshot(params: dict, optimizer: Any) -> dict[str, Any]:
