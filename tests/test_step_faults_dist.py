@@ -22,28 +22,9 @@ import torch
 
 from runtime.testing import attempt, run_ranks
 from tests.golden_blocks import golden_blocks
-from tests.test_step_agreement_dist import _backward, _params, _spec  # the same ZeRO-2 job
+from tests.test_step_agreement_dist import _backward, _params, _same, _snapshot, _spec, _usable  # the same job
 
 GOLDEN = Path(__file__).parent / "golden" / "step_errors.txt"
-
-
-def _snapshot(params: dict, optimizer: Any) -> dict[str, Any]:
-    tensors = optimizer.state_dict()["tensors"]
-    return {n: p.detach().clone() for n, p in params.items()} | {
-        f"{n}.{k}": s["tensor"] for n, e in tensors.items() for k, s in e["states"].items()
-    }
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _usable() -> bool:
-    import torch.distributed as dist
-
-    x = torch.ones(1)
-    dist.all_reduce(x)
-    return float(x) == 4.0
 
 
 def _skipped_step_and_zero_grad(rank: int) -> dict[str, Any]:
