@@ -13,7 +13,7 @@ on any number of ranks (``--resume out/hf/checkpoint-2``: from that one).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -97,11 +97,17 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[Any] = ()) -> Sh
         "--resume", nargs="?", const=True, default=None, help="go on from the last checkpoint, or from the one given"
     )
     args = parser.parse_args(argv)
+    return train(lambda: sharded_trainer(args.output_dir, args.steps, callbacks), args.resume)
+
+
+def train(make_trainer: Callable[[], Any], resume: str | bool | None) -> Any:
+    """Build the Trainer in the process group (torchrun's, or a test's) and train it; rank 0
+    prints the losses."""
     started = not dist.is_initialized()
     if started:  # under torchrun (a test may have started the group)
         dist.init_process_group("gloo")
-    trainer = sharded_trainer(args.output_dir, args.steps, callbacks)
-    trainer.train(resume_from_checkpoint=args.resume)
+    trainer = make_trainer()
+    trainer.train(resume_from_checkpoint=resume)
     if dist.get_rank() == 0:
         for entry in trainer.state.log_history:
             if "loss" in entry:

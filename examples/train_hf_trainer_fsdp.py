@@ -32,7 +32,7 @@ from transformers import Trainer, TrainingArguments
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples beside this one
 
 from train_accelerate_fsdp2 import take_fsdp_plugin_on_cpu
-from train_hf_trainer import Tokens, tiny_gpt2
+from train_hf_trainer import Tokens, tiny_gpt2, train
 
 import shardlang
 from runtime.optim import ShardedAdamW
@@ -116,18 +116,7 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[Any] = ()) -> An
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--resume", help="a checkpoint-N folder to go on from")
     args = parser.parse_args(argv)
-    started = not dist.is_initialized()
-    if started:  # under torchrun (a test may have started the group)
-        dist.init_process_group("gloo")
-    trainer = sharded_trainer(args.output_dir, args.steps, callbacks)
-    trainer.train(resume_from_checkpoint=args.resume)
-    if dist.get_rank() == 0:
-        for entry in trainer.state.log_history:
-            if "loss" in entry:
-                print(f"step {entry['step']}: loss {entry['loss']:.4f}")
-    if started:
-        dist.destroy_process_group()
-    return trainer
+    return train(lambda: sharded_trainer(args.output_dir, args.steps, callbacks), args.resume)
 
 
 if __name__ == "__main__":
