@@ -104,26 +104,20 @@ def _explain(
         offset, found, expected = e.token.start_pos or 0, f"'{e.token}'", set(e.expected)
     else:  # the end of the text (UnexpectedToken of $END, or UnexpectedEOF)
         offset, found, expected = end, "", set(getattr(e, "expected", ()) or ())
-    foreign = _foreign_notation(text, offset, stack, start, found, expected)
-    if foreign is not None:
-        at, message = foreign
-        return ParseError(message, lines.at_offset(at, filename))
-    unclosed = _unclosed_block(stack, found, lines)
-    if unclosed is not None:
-        at, message = unclosed
-        return ParseError(message, lines.at_offset(end if at is None else at, filename))
-    misplaced = _misplaced_layout(text, offset, stack, start, expected)
-    if misplaced is not None:
-        at, message = misplaced
-        return ParseError(message, lines.at_offset(at, filename))
-    dtype = _dotted_dtype(text, stack, found)
-    if dtype is not None:
-        at, message = dtype
-        return ParseError(message, lines.at_offset(at, filename))
-    bracket = _unclosed_bracket(stack, found, expected, lines)
-    if bracket is not None:
-        at, message = bracket
-        return ParseError(message, lines.at_offset(at, filename))
+    # The first diagnosis that recognizes the mistake names it (where: the offset, or None for
+    # the end of the text); else lark's own "unexpected ..." below.
+    diagnoses = (
+        lambda: _foreign_notation(text, offset, stack, start, found, expected),
+        lambda: _unclosed_block(stack, found, lines),
+        lambda: _misplaced_layout(text, offset, stack, start, expected),
+        lambda: _dotted_dtype(text, stack, found),
+        lambda: _unclosed_bracket(stack, found, expected, lines),
+    )
+    for diagnose in diagnoses:
+        diagnosis = diagnose()
+        if diagnosis is not None:
+            at, message = diagnosis
+            return ParseError(message, lines.at_offset(end if at is None else at, filename))
     if found in ("','", "character ';'") and {"ENTRY_KEY", "RBRACE"} <= expected:  # { param = ..., grad = ... }
         return ParseError(
             f"the entries of a block are separated by spaces or line breaks, not {found.removeprefix('character ')}: "
