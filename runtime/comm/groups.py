@@ -14,8 +14,9 @@ after a cross-mesh reshard) would wait on different rendezvous keys until the ti
 name every group by its ordered members alone (``_member_named_groups``), so members agree
 whatever else each created; members must still request overlapping groups in the same
 order, which holds when every rank runs the same program. The cache is keyed by the ordered
-member ranks, so two meshes that share a group share one process group (and no name is used
-twice), and it is dropped when the default process group changes (destroy and re-init).
+member ranks in their one form (``shardlang.mesh.as_ranks``: runs of ranks, a few numbers
+however large the group), so two meshes that share a group share one process group (and no
+name is used twice), and it is dropped when the default process group changes (destroy and re-init).
 
 ``ranks_group(members)`` is the group of any ordered set of ranks (the union of two meshes,
 whose ranks compare plan fingerprints before a cross-mesh reshard). ``ranks_group(members,
@@ -44,13 +45,13 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 from runtime.errors import DistributedError, ReshardError
-from shardlang.mesh import Mesh, RowMajorRanks
+from shardlang.mesh import GridRanks, Mesh, RankRuns, StridedRanks, as_ranks
 
 # Keyed by (the ordered member ranks, purpose), or by (DeviceMesh, mesh, axis) for a user's groups.
 _groups: dict[tuple, dist.ProcessGroup] = {}
 _groups_world: object = None
 # (id(members), purpose) -> (members, its group): ranks_group's lookup without hashing the members.
-_by_identity: dict[tuple[int, str], tuple[tuple[int, ...], dist.ProcessGroup]] = {}
+_by_identity: dict[tuple[int, str], tuple[Sequence[int], dist.ProcessGroup]] = {}
 _BY_IDENTITY_MAX = 1024  # entries, then emptied (callers that build a new tuple every call)
 
 
@@ -67,29 +68,27 @@ def normalize_axes(mesh: Mesh, axes: int | Sequence[int]) -> tuple[int, ...]:
     return axes
 
 
-def axis_ranks(mesh: Mesh, axes: tuple[int, ...], rank: int) -> tuple[int, ...]:
-    """The global ranks of ``rank``'s group along ``axes``, in mesh coordinate order.
+def axis_ranks(mesh: Mesh, axes: tuple[int, ...], rank: int) -> tuple[int, ...] | RankRuns:
+    """The global ranks of ``rank``'s group along ``axes``, in mesh coordinate order, in their
+    one form (``shardlang.mesh.as_ranks``).
 
-    Computed from the mesh's row-major strides as ranges, not rank by rank through
-    ``Mesh.rank_at``: a group of 8,192 ranks costs about a millisecond (docs/memory.md, "At
-    scale")."""
+    Computed from the mesh's row-major strides, not rank by rank through ``Mesh.rank_at``: on a
+    mesh whose ranks are a run (declared without a ``ranks`` clause, or as a range) the group is
+    runs too, O(axes) to build and to keep however many ranks it holds; on one of listed ranks,
+    a group of 8,192 ranks costs about a millisecond (docs/memory.md, "At scale")."""
     coordinate = mesh.coordinate(rank)
     strides = [math.prod(mesh.shape[a + 1 :]) for a in range(mesh.ndim)]
     base = sum(c * s for a, (c, s) in enumerate(zip(coordinate, strides, strict=True)) if a not in axes)
     ranks = mesh.ranks
-    start = ranks.start if isinstance(ranks, RowMajorRanks) else 0
-    first = start + base
-    # Row-major over ``axes`` in the order given: the first axis outermost.
-    if len(axes) == 1:
-        positions: Sequence[int] = range(first, first + mesh.shape[axes[0]] * strides[axes[0]], strides[axes[0]])
-    else:
-        positions = [first]
-        for a in axes:
-            offsets = range(0, mesh.shape[a] * strides[a], strides[a])
-            positions = [p + offset for p in positions for offset in offsets]
-    if isinstance(ranks, RowMajorRanks):
-        return tuple(positions)
-    return tuple(ranks[p] for p in positions)
+    if isinstance(ranks, StridedRanks):
+        # Row-major over ``axes`` in the order given: the first axis outermost.
+        runs = tuple((mesh.shape[a], strides[a] * ranks.step) for a in axes)
+        return as_ranks(GridRanks(ranks.start + base * ranks.step, runs))
+    positions = [base]
+    for a in axes:
+        offsets = range(0, mesh.shape[a] * strides[a], strides[a])
+        positions = [p + offset for p in positions for offset in offsets]
+    return as_ranks(tuple(ranks[p] for p in positions))
 
 
 def axis_group(
@@ -117,7 +116,7 @@ def axis_group(
 def group_for(
     mesh: Mesh,
     axes: tuple[int, ...],
-    members: tuple[int, ...],
+    members: Sequence[int],
     device_mesh: DeviceMesh | None = None,
     *,
     timeout: datetime.timedelta | None = None,
@@ -135,7 +134,7 @@ def group_for(
 
 
 def ranks_group(
-    members: tuple[int, ...], *, timeout: datetime.timedelta | None = None, purpose: str = ""
+    members: Sequence[int], *, timeout: datetime.timedelta | None = None, purpose: str = ""
 ) -> dist.ProcessGroup:
     """The process group of exactly ``members`` (global ranks; group rank ``i`` is
     ``members[i]``), created by the members alone on first use, then cached. A ``purpose``
@@ -143,12 +142,14 @@ def ranks_group(
     must ask with the same purpose), whose collectives never pair with those of the plain
     group or of another purpose's."""
     cache = _cache()
-    # Steps ask again and again with the same tuple (a bucket's members, the commit flag's
-    # ranks): found by identity, without hashing thousands of ranks on every call.
+    # Steps ask again and again with the same members (a bucket's, the commit flag's): found
+    # by identity, without even reading a listed group's thousands of ranks on every call.
     seen = _by_identity.get((id(members), purpose))
     if seen is not None and seen[0] is members:
         return seen[1]
-    key = (members, purpose)
+    # Keyed by the members' one form (runs, or a tuple where they are not): the same ranks
+    # listed or as runs are one group, and a key of runs holds a few numbers, not the ranks.
+    key = (as_ranks(members), purpose)
     group = cache.get(key)
     if group is None:
         group = cache[key] = _new_group(members, timeout, purpose)
@@ -192,7 +193,7 @@ def _cache() -> dict[tuple, dist.ProcessGroup]:
 _KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
-def _new_group(members: tuple[int, ...], timeout: datetime.timedelta | None, purpose: str) -> dist.ProcessGroup:
+def _new_group(members: Sequence[int], timeout: datetime.timedelta | None, purpose: str) -> dist.ProcessGroup:
     order = {"sort_ranks": False} if _KEEPS_ORDER else {}
     if not _KEEPS_ORDER and list(members) != sorted(members):
         raise DistributedError(
@@ -237,7 +238,7 @@ def check_device_mesh(device_mesh: DeviceMesh, mesh: Mesh) -> None:
         )
 
 
-def _device_mesh_group(device_mesh: DeviceMesh, mesh: Mesh, axis: int, members: tuple[int, ...]) -> dist.ProcessGroup:
+def _device_mesh_group(device_mesh: DeviceMesh, mesh: Mesh, axis: int, members: Sequence[int]) -> dist.ProcessGroup:
     check_device_mesh(device_mesh, mesh)
     group = device_mesh.get_group(axis)
     order = tuple(dist.get_process_group_ranks(group))

@@ -136,17 +136,18 @@ class MatrixIterations:
         digest per mesh, all-gathered once per plan (as the step plan's buckets are checked), so
         that ranks configured apart (``placement``, ``flops_per_second``, ``ns_steps``) fail
         here, naming the ranks, instead of waiting on messages no peer sends."""
+        # Keyed by the meshes' ranks objects (a run of ranks is a few numbers, hashed in O(1)),
+        # not by a tuple of every rank built per matrix.
         records: dict[tuple, list[object]] = {}
         for m in plan.matrices:
             mesh = slots[m.name].state_layout.mesh
-            records.setdefault((mesh.shape, tuple(mesh.ranks)), []).append([m.name, m.owner, m.flops])
+            records.setdefault(mesh.geometry, []).append([m.name, m.owner, m.flops])
         for b in plan.buckets:  # rank-free: the members, not their (per-rank) sizes
             members = [[plan.legs[m.leg].tensor, plan.legs[m.leg].what] for m in b.members]
-            records.setdefault((b.mesh.shape, tuple(b.mesh.ranks)), []).append(
-                [b.stage, b.op, b.axis, b.dtype, members]
-            )
+            records.setdefault(b.mesh.geometry, []).append([b.stage, b.op, b.axis, b.dtype, members])
         device = next(iter(slots.values())).local_param().device
-        for (_, ranks), record in sorted(records.items()):
+        # Ordered by shape, then as the tuples of the ranks (runs order as tuples do), alike on every rank.
+        for (_, ranks), record in sorted(records.items(), key=lambda item: item[0]):
             if len(ranks) < 2 or not dist.is_initialized():
                 continue
             try:

@@ -48,12 +48,14 @@ def agree_on_layouts(slots: Sequence[Slot], timeout: datetime.timedelta) -> None
     not at a collective of mismatched sizes (which gloo answers by aborting the process)."""
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return
-    by_mesh: dict[tuple[int, ...], list[tuple[str, ...]]] = {}
+    # Keyed by the meshes' ranks objects, which are equal (and hash alike) where the ranks
+    # are: a run of ranks hashes in O(1), where a tuple of them per tensor walked them all.
+    by_mesh: dict[Sequence[int], list[tuple[str, ...]]] = {}
     for slot in slots:
         if slot.shard is not None:
-            by_mesh.setdefault(tuple(slot.state_layout.mesh.ranks), []).append(_held(slot))
+            by_mesh.setdefault(slot.state_layout.mesh.ranks, []).append(_held(slot))
     found = []
-    for members in sorted(by_mesh):
+    for members in sorted(by_mesh):  # ordered as the tuples of their ranks, alike on every rank
         if len(members) < 2:
             continue
         held = by_mesh[members]

@@ -26,6 +26,7 @@ from runtime.optim.shards import StateShard
 from shardlang.errors import ShardlangError
 from shardlang.interop import is_dtensor
 from shardlang.layout import Layout
+from shardlang.mesh import StridedRanks, as_ranks, highest_rank
 from shardlang.spec import STATE_DEFAULT, Layouts, Spec, TensorSpec
 
 SpecLike = Spec | Mapping[str, Layouts | TensorSpec] | None
@@ -129,7 +130,7 @@ class Slots(Sequence[Slot]):
         self._spec, self._flat_axis, self._state_dtype, self._cost = spec, flat_axis, state_dtype, cost
         self.rank, self._idle_ranks, self._state_shapes, self._owner = rank, idle_ranks, state_shapes, owner
         self._all: list[Slot] = []
-        self._members_of: dict[tuple[int, ...], tuple[int, ...]] = {}  # per set of slots stepped
+        self._members_of: dict[tuple[int, ...], Sequence[int]] = {}  # per set of slots stepped
 
     def __len__(self) -> int:
         return len(self._all)
@@ -171,12 +172,23 @@ class Slots(Sequence[Slot]):
         held = self.held()
         return held, [expected_grad(s) for s in held]
 
-    def members(self, slots: Sequence[Slot]) -> tuple[int, ...]:
-        """The ranks that must agree on a step of ``slots``: those of their state meshes."""
+    def members(self, slots: Sequence[Slot]) -> Sequence[int]:
+        """The ranks that must agree on a step of ``slots``: those of their state meshes, in
+        increasing order. Where they share one mesh (or meshes of the same ranks) that is the
+        mesh's own ranks object, held once (a run of ranks is a few numbers however many ranks
+        it holds); the union of several is walked once per set of slots, and held in its one
+        form (``shardlang.mesh.as_ranks``)."""
         key = tuple(slot.index for slot in slots)
         members = self._members_of.get(key)
         if members is None:
-            members = self._members_of[key] = tuple(sorted({r for s in slots for r in s.state_layout.mesh.ranks}))
+            # The distinct rank sets, by identity first: a mesh's listed ranks hash rank by rank.
+            by_id = {id(ranks): ranks for ranks in (s.state_layout.mesh.ranks for s in slots)}
+            distinct = list(dict.fromkeys(by_id.values()))
+            if len(distinct) == 1 and isinstance(distinct[0], StridedRanks):  # increasing already
+                members = distinct[0]
+            else:
+                members = as_ranks(sorted(set().union(*distinct)))
+            self._members_of[key] = members
         return members
 
     def _place(self, index: int, name: str, param: torch.Tensor, group: dict[str, Any]) -> Slot:
@@ -202,7 +214,7 @@ class Slots(Sequence[Slot]):
                         f"{state_layout.mesh.describe()}); an optimizer step moves tensors within one mesh"
                     )
             world = dist.get_world_size() if dist.is_initialized() else None
-            if world is not None and max(state_layout.mesh.ranks) >= world:
+            if world is not None and highest_rank(state_layout.mesh.ranks) >= world:
                 # Raised alike on every rank before any collective (whose group could not form).
                 mesh = state_layout.mesh
                 raise OptimizerError(
