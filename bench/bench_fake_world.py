@@ -45,11 +45,11 @@ What the held resident set counts, and why it is the rank's (measured phase by p
 after torch's imports, the fake group, the spec's parse and a warm-up of two steps of a one-block
 model (code that every world size loads once; none of it is the optimizer's per-rank state).
 Above it the run holds the tensors ``memory_report()`` predicts (28.6 MiB at 4,096 ranks), about
-3 MiB of Python objects of the optimizer's own (its step programs, flat views, slots, buckets and
-plans: ``runtime/`` state, roughly 10 KiB per tensor, which ``memory_report()`` leaves out since
-it reports tensors; they grow with the ranks, to 9.2 MiB at 65,536, where 6.6 MiB are the rank
-numbers made for the commit's members, the replica check's mesh keys and the groups' rank lists,
-still alive after the optimizer is dropped), and about 2 MiB that the allocators
+2.7 MiB of Python objects of the optimizer's own (its step programs, flat views, slots, buckets
+and plans: ``runtime/`` state, roughly 10 KiB per tensor, which ``memory_report()`` leaves out
+since it reports tensors; the same at every world size, since groups, the commit's members and
+the meshes' keys hold their ranks as runs, ``shardlang.mesh.RankRuns``, not one by one: held
+as tuples they grew to 9.2 MiB at 65,536 ranks), and about 2 MiB that the allocators
 keep: Python's 1 MiB arenas and glibc's heap, grown by the first steps' planning and partly
 occupied after it (with the optimizer, the parameters and every tensor dropped, 4.9 MiB stays
 resident while only 0.45 MiB of traced Python objects survive). All of it is kept: a warm-up on

@@ -2,7 +2,8 @@
 per-step work does not grow with the rank count, and what a rank of a 4,096-rank world holds
 for a 7B-shaped model is what ``memory_report()`` says: its tensors' storages exactly, and the
 resident set the OS measures within 10% of them plus the optimizer's Python objects
-(docs/memory.md, "At scale"; the 7B case runs in fresh processes as the bench does).
+(docs/memory.md, "At scale"; the 7B case runs in fresh processes as the bench does), and those
+objects are the same at 4,096 and 65,536 ranks.
 
 Each case runs rank 0 of fake worlds of 256 and 4,096 ranks (``bench/bench_fake_world.py``'s
 ``run_world``, in a process forked by ``runtime.testing.run_ranks``) and compares one steady
@@ -25,6 +26,7 @@ from runtime.testing import run_ranks
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 SMALL, LARGE = 256, 4096
+HUGE = 65536  # where the 7B run's Python objects are compared with LARGE's
 # Two blocks with every piece of rank 0 non-empty at both world sizes.
 MODEL = {"vocab": 4096, "hidden": 1024, "ffn": 4096, "layers": 2}
 STEPS = 9  # two that plan, five timed, one traced, one counted
@@ -120,13 +122,21 @@ def test_what_the_optimizer_holds_is_its_memory_report_in_every_world(worlds: di
         assert 0 <= got["counted"] - got["predicted"] <= 24, (world, got["counted"], got["predicted"])
 
 
-def test_one_rank_of_4096_holds_its_7b_shards_as_reported() -> None:
-    # As the bench runs it: a fresh process per measurement (glibc's mmap threshold at 64 KiB,
-    # one thread), a one-block warm-up, then three steps; a second process traces Python's objects.
+@pytest.fixture(scope="module")
+def seven_b() -> dict[str, Any]:
+    """As the bench runs it: a fresh process per measurement (glibc's mmap threshold at 64 KiB,
+    one thread), a one-block warm-up, then three steps; further processes trace Python's
+    objects, at LARGE ranks and at 65,536."""
     fw = _bench()
     args = argparse.Namespace(steps=3, profile=0, bucket_bytes=None, timeout=120.0)
-    got = fw._in_fresh_process(LARGE, args)
-    objects = fw._in_fresh_process(LARGE, args, trace_objects=True)["objects"]
+    return {
+        "run": fw._in_fresh_process(LARGE, args),
+        "objects": {world: fw._in_fresh_process(world, args, trace_objects=True)["objects"] for world in (LARGE, HUGE)},
+    }
+
+
+def test_one_rank_of_4096_holds_its_7b_shards_as_reported(seven_b: dict[str, Any]) -> None:
+    got, objects = seven_b["run"], seven_b["objects"][LARGE]
     # Rank 0's pieces of 6.7B parameters: about a 4,096th of them, norms replicated.
     assert 1.6e6 < got["elements"] < 2.1e6, got["elements"]
     assert abs(got["counted"] - got["predicted"]) <= 0.1 * got["counted"], got["report"]
@@ -140,3 +150,11 @@ def test_one_rank_of_4096_holds_its_7b_shards_as_reported() -> None:
         got["predicted"],
         objects,
     )
+
+
+def test_the_optimizers_objects_do_not_grow_with_the_ranks(seven_b: dict[str, Any]) -> None:
+    # The same 291 tensors, plans and buckets at 4,096 and 65,536 ranks: what the optimizer keeps
+    # alive may not follow the world. A group's or the commit's ranks kept one by one would add
+    # 36 bytes a rank (an int and its slot): 2.3 MiB for the commit's 65,536 alone.
+    small, huge = seven_b["objects"][LARGE], seven_b["objects"][HUGE]
+    assert abs(huge - small) <= 0.02 * small + 64 * 1024, (small, huge)

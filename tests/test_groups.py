@@ -10,7 +10,7 @@ import pytest
 
 from runtime.comm.groups import axis_ranks
 from runtime.testing import run_ranks
-from shardlang.mesh import Mesh
+from shardlang.mesh import Mesh, StridedRanks
 
 
 def _by_coordinates(mesh: Mesh, axes: tuple[int, ...], rank: int) -> tuple[int, ...]:
@@ -61,12 +61,13 @@ def _groups_of(rank: int, world_size: int) -> dict[str, object]:
     first = groups.ranks_group(members)
     again = [groups.ranks_group(members) for _ in range(3)]
     copy = groups.ranks_group(tuple(list(members)))
+    runs = groups.ranks_group(StridedRanks(512, 0, 2))  # the same ranks as a run: the same group
     other = groups.ranks_group(tuple(range(512)))
     apart = groups.ranks_group(members, purpose="agreement")
     apart_again = groups.ranks_group(tuple(list(members)), purpose="agreement")
     names = {dist._get_process_group_name(g) for g in (first, other, apart)}
     return {
-        "same": all(g is first for g in again) and copy is first,
+        "same": all(g is first for g in again) and copy is first and runs is first,
         "other": other is not first,
         "purpose": apart is not first and apart_again is apart and len(names) == 3,
         "made": len(made),
