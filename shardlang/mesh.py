@@ -278,10 +278,17 @@ def as_ranks(values: Sequence[int]) -> tuple[int, ...] | RankRuns:
     nested runs (rank groups along several mesh axes), else a tuple. O(runs) for runs, O(ranks)
     for any other sequence. Equal sequences get equal values with equal hashes, so that groups
     and meshes are keys however their ranks came (listed, from a mesh's strides)."""
+    return _one_form(values, nested=True)
+
+
+def _one_form(values: Sequence[int], *, nested: bool) -> tuple[int, ...] | RankRuns:
+    """:func:`as_ranks`, or without ``nested`` a tuple where that is a :class:`GridRanks`."""
     if isinstance(values, RankRuns):
         if isinstance(values, RowMajorRanks):
             return values
         if len(values.dims) > 1:
+            if not nested:
+                return tuple(values)
             return values if isinstance(values, GridRanks) else GridRanks(values.start, values.dims)
         step = values.dims[0][1] if values.dims else 1
         return RowMajorRanks(len(values), values.start) if step == 1 else StridedRanks(len(values), values.start, step)
@@ -289,10 +296,10 @@ def as_ranks(values: Sequence[int]) -> tuple[int, ...] | RankRuns:
     if len(ranks) < 2:
         return RowMajorRanks(len(ranks), ranks[0] if ranks else 0)
     dims = _runs_of(ranks)
-    if dims is None:
+    if dims is None or (len(dims) > 1 and not nested):
         return ranks
     try:
-        runs = as_ranks(GridRanks(ranks[0], dims))
+        runs = _one_form(GridRanks(ranks[0], dims), nested=nested)
     except LayoutError:  # nested, but with ranks that interleave: not runs this module holds
         return ranks
     return runs if runs == ranks else ranks
@@ -331,8 +338,7 @@ def _mesh_ranks(values: object) -> tuple[int, ...] | StridedRanks:
     """A mesh's ranks as stored: as :func:`as_ranks` gives them, but nested runs as a tuple
     (a mesh's text and its planning read one run or a list; a mesh declares its ranks as a
     range or listed, docs/language.md)."""
-    ranks = as_ranks(values)  # type: ignore[arg-type]
-    return ranks if isinstance(ranks, (StridedRanks, tuple)) else tuple(ranks)
+    return _one_form(values, nested=False)  # type: ignore[arg-type,return-value]
 
 
 def _optional_names(values: object) -> tuple[str, ...] | None:
