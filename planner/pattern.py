@@ -64,7 +64,10 @@ class ExchangePattern:
     def expanded(self) -> tuple[Transfer, ...]:
         """Every transfer, in the planner's order: receivers in target mesh order, then source blocks ascending."""
         table = _table(self)
-        boxes = zip(*(zip(lo.tolist(), hi.tolist(), strict=True) for lo, hi in zip(table.lo, table.hi, strict=True)))
+        boxes = zip(
+            *(zip(lo.tolist(), hi.tolist(), strict=True) for lo, hi in zip(table.lo, table.hi, strict=True)),
+            strict=True,
+        )
         return tuple(
             Transfer(sender, receiver, Box.trusted(box))
             for sender, receiver, box in zip(table.sender.tolist(), table.receiver.tolist(), boxes, strict=True)

@@ -256,8 +256,14 @@ def exchange_table(before: Layout, after: Layout, shape: tuple[int, ...]) -> Exc
     block = np.zeros(len(row), dtype=np.int64)
     for index, radix in zip(source_index, source.radix, strict=True):
         block = block + index * radix
-    lo = [np.maximum(s.lo[i], t.lo[j]) for s, t, i, j in zip(source.cuts, target.cuts, source_index, target_rows, strict=True)]
-    hi = [np.minimum(s.hi[i], t.hi[j]) for s, t, i, j in zip(source.cuts, target.cuts, source_index, target_rows, strict=True)]
+    lo = [
+        np.maximum(s.lo[i], t.lo[j])
+        for s, t, i, j in zip(source.cuts, target.cuts, source_index, target_rows, strict=True)
+    ]
+    hi = [
+        np.minimum(s.hi[i], t.hi[j])
+        for s, t, i, j in zip(source.cuts, target.cuts, source_index, target_rows, strict=True)
+    ]
     receiver_position = positions[row]
     receiver = target.rank_of(receiver_position)
     local = source.block_of(source.position_of(receiver)) == block
