@@ -58,12 +58,19 @@ class ExchangePattern:
     @property
     def message_count(self) -> int:
         """The transfers between two ranks (local copies excluded)."""
-        table = _table(self)
+        table = table_of(self)
         return int((table.sender != table.receiver).sum())
+
+    def most_copied_elements(self) -> int:
+        """The most elements a rank copies locally (``planner.copies.exchange_copy_elements``)."""
+        from planner.pieces import copied_elements
+
+        _, elements = copied_elements(self.source, self.target, self.shape, table_of(self))
+        return int(elements.max()) if len(elements) else 0
 
     def expanded(self) -> tuple[Transfer, ...]:
         """Every transfer, in the planner's order: receivers in target mesh order, then source blocks ascending."""
-        table = _table(self)
+        table = table_of(self)
         boxes = zip(
             *(zip(lo.tolist(), hi.tolist(), strict=True) for lo, hi in zip(table.lo, table.hi, strict=True)),
             strict=True,
@@ -184,7 +191,8 @@ class ExchangePattern:
 
 
 @functools.lru_cache(maxsize=16)
-def _table(pattern: ExchangePattern) -> Any:
+def table_of(pattern: ExchangePattern) -> Any:
+    """The pattern's table (``planner.pieces.exchange_table``), kept for the last few patterns."""
     from planner.pieces import exchange_table
 
     return exchange_table(pattern.source, pattern.target, pattern.shape)

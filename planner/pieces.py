@@ -294,3 +294,61 @@ def is_run(piece_lo: list[Array], piece_hi: list[Array], lo: list[Array], hi: li
         run &= covered | ~whole_after | thin_before[d]
         whole_after &= covered
     return run
+
+
+def copied_elements(before: Layout, after: Layout, shape: tuple[int, ...], table: ExchangeTable) -> tuple[Array, Array]:
+    """Per rank that copies, the elements an exchange's table makes it copy locally
+    (``planner.copies.exchange_copy_elements``, vectorized): every box it keeps, and each message
+    (one box per rank pair: a sender holds one block) on each side where the box is not one run
+    of that side's piece. Ranks ascending, and their elements."""
+    source, target = pieces_of(before, shape), pieces_of(after, shape)
+    numel = table.numel
+    local = table.sender == table.receiver
+    source_lo = [c.lo[i] for c, i in zip(source.cuts, table.source, strict=True)]
+    source_hi = [c.hi[i] for c, i in zip(source.cuts, table.source, strict=True)]
+    target_lo = [c.lo[i] for c, i in zip(target.cuts, table.target, strict=True)]
+    target_hi = [c.hi[i] for c, i in zip(target.cuts, table.target, strict=True)]
+    packed = ~local & ~is_run(source_lo, source_hi, table.lo, table.hi)
+    placed = ~local & ~is_run(target_lo, target_hi, table.lo, table.hi)
+    ranks = np.concatenate([table.receiver[local], table.sender[packed], table.receiver[placed]])
+    counts = np.concatenate([numel[local], numel[packed], numel[placed]])
+    unique, inverse = np.unique(ranks, return_inverse=True)
+    return unique, np.bincount(inverse, weights=counts, minlength=len(unique)).astype(np.int64)
+
+
+def distinct_rows(rows: Array) -> list[tuple[int, ...]]:
+    """The distinct rows of a 2-d integer array, as tuples (by one sort: ``np.unique(axis=0)`` is slower)."""
+    if not len(rows):
+        return []
+    ordered = rows[np.lexsort(rows.T[::-1])]
+    first = np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)]
+    return [tuple(row) for row in ordered[first].tolist()]
+
+
+def near_largest(estimate: Array) -> Array:
+    """The rows whose float ``estimate`` (of an exact integer figure, e.g. a time in the
+    planner's integer units) is within a millionth of the largest: among them is every row
+    whose exact figure is largest, which the caller then computes exactly on these rows alone."""
+    if not len(estimate):
+        return np.empty(0, dtype=np.int64)
+    return np.flatnonzero(estimate >= estimate.max() * (1 - 1e-6))
+
+
+def target_needs(
+    before: Layout, after: Layout, shape: tuple[int, ...], held: bool = True
+) -> tuple[Array, Array, Array]:
+    """Per rank holding a nonempty target piece: how many source blocks overlap its piece, its
+    elements, and how many of them it holds in its source piece (0 unless ``held``: a source
+    that holds no final values holds nothing)."""
+    source, target = pieces_of(before, shape), pieces_of(after, shape)
+    positions, index = target.holders()
+    held_at = source.position_of(target.rank_of(positions)) if held else np.full(len(positions), -1)
+    held_lo, held_hi = source.intervals(np.maximum(held_at, 0))
+    messages = np.ones(len(positions), dtype=np.int64)
+    elements = np.ones(len(positions), dtype=np.int64)
+    kept = (held_at >= 0).astype(np.int64)
+    for s, t, i, lo, hi in zip(source.cuts, target.cuts, index, held_lo, held_hi, strict=True):
+        messages = messages * s.overlapping(t.lo[i], t.hi[i])[1]
+        elements = elements * (t.hi[i] - t.lo[i])
+        kept = kept * np.maximum(np.minimum(hi, t.hi[i]) - np.maximum(lo, t.lo[i]), 0)
+    return messages, elements, kept
