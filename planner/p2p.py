@@ -249,8 +249,10 @@ class PlannedExchange:
         sender, receiver = table.sender[remote], table.receiver[remote]
         nbytes = table.numel[remote] * itemsize
         kind = np.zeros(len(remote), dtype=np.int64)
-        classes = [links.over(())]
-        if links._mesh is not None and len(remote):  # one mesh: a message takes the slowest axis its ranks differ on
+        classes = [links.fastest]  # one mesh and no message: unused; two meshes: every link is alike
+        if links._mesh is None:
+            classes = [links.over(())]
+        elif len(remote):  # one mesh: a message takes the slowest axis its ranks differ on
             target = pieces_of(pattern.target, pattern.shape)
             a, b = target.position_of(sender), table.receiver_position[remote]
             mask = np.zeros(len(remote), dtype=np.int64)
