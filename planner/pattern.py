@@ -10,7 +10,7 @@ intervals each layout's axes cut and their strides in the mesh (``planner.pieces
 block, its holders (its base position plus the offsets of the axes that split no dim, in mesh
 order) taking its messages in turn, in target mesh order. An :class:`ExchangePattern` is that
 description: a few hundred bytes whatever the rank count, where the list at 131,072 ranks holds
-tens of thousands of transfers (docs/design.md, "Point-to-point steps").
+tens of thousands of transfers (docs/reference/planner.md, "Point-to-point plans and other meshes").
 
 - :meth:`ExchangePattern.transfers_of` gives one rank's transfers (what it receives, copies and
   sends), in the list's order, from the blocks and receivers that concern it alone;
