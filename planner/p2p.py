@@ -47,7 +47,7 @@ import attrs
 from planner.copies import exchange_copy_elements
 from planner.cost import COPY, STEP, CostModel
 from planner.errors import PlanError
-from planner.holdings import blocks_of, holder_count
+from planner.holdings import VECTORIZE_FROM, blocks_of, holder_count
 from planner.pattern import ExchangePattern
 from planner.plans import Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, budget_error, checked
@@ -318,16 +318,31 @@ class PlannedExchange:
 
 
 # A step of more transfers than this is pattern-valued where its senders take turns
-# (planner.pattern); smaller steps keep their list, as before patterns.
+# (planner.pattern) and more than VECTORIZE_FROM ranks hold its pieces; smaller steps keep their
+# list, as before patterns.
 PATTERN_FROM = 1024
 # The budget charges numpy work, row by row of its arrays, at this many rows per state.
 ROWS_PER_STATE = 32
 
 
+def _holders(before: Layout, after: Layout, shape: tuple[int, ...]) -> int:
+    return holder_count(before, shape) + holder_count(after, shape)
+
+
+def vectorized(before: Layout, after: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether the step ``before -> after`` is priced in numpy (``planner.pieces``): more than
+    ``planner.holdings.VECTORIZE_FROM`` ranks hold its pieces (:data:`PATTERN_FROM` while it is
+    lower: the tests turn patterns on for every step). Smaller steps walk their blocks."""
+    return _holders(before, after, shape) > min(VECTORIZE_FROM, PATTERN_FROM)
+
+
 def patterned(before: Layout, after: Layout, shape: tuple[int, ...]) -> bool:
-    """Whether the step ``before -> after`` is pattern-valued: more than :data:`PATTERN_FROM`
-    transfers, and the senders the planner chooses are the pattern's turns (one holder per block,
-    or on two meshes, where every link is alike, messages of one size per block)."""
+    """Whether the step ``before -> after`` is pattern-valued: priced in numpy, more than
+    :data:`PATTERN_FROM` transfers, and the senders the planner chooses are the pattern's turns
+    (one holder per block, or on two meshes, where every link is alike, messages of one size per
+    block)."""
+    if not vectorized(before, after, shape):
+        return False
     from planner.pieces import cyclic_senders_hold, exchange_rows, pieces_of
 
     if pieces_of(before, shape).holders_per_block > 1 and before.mesh.same_geometry(after.mesh):
@@ -339,34 +354,54 @@ def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], item
     """A lower bound on ``PlannedExchange(before, after, ...).units`` without choosing senders: the
     largest, over target ranks, of what receiving alone costs on the fastest link (every block
     overlapping its piece but the one it holds, and the bytes it lacks), plus the step's overhead
-    and margin (``Links.step_units``). In numpy over the ranks holding a target piece."""
-    import numpy as np
-
-    from planner.pieces import distinct_rows, near_largest, target_needs
-
-    messages, elements, held = target_needs(before, after, shape)
+    and margin (``Links.step_units``). Over the target blocks, or where :func:`vectorized` in
+    numpy over the ranks holding a target piece."""
     fastest = links.fastest
-    messages, missing = messages - (held > 0), (elements - held) * itemsize
-    near = near_largest(messages * float(fastest.units_per_message) + missing * float(fastest.units_per_byte))
-    pairs = distinct_rows(np.stack([messages[near], missing[near]], axis=1))
-    bound = max((m * fastest.units_per_message + b * fastest.units_per_byte for m, b in pairs), default=0)
+    if vectorized(before, after, shape):
+        import numpy as np
+
+        from planner.pieces import distinct_rows, near_largest, target_needs
+
+        messages, elements, held = target_needs(before, after, shape)
+        messages, missing = messages - (held > 0), (elements - held) * itemsize
+        near = near_largest(messages * float(fastest.units_per_message) + missing * float(fastest.units_per_byte))
+        pairs = distinct_rows(np.stack([messages[near], missing[near]], axis=1))
+        bound = max((m * fastest.units_per_message + b * fastest.units_per_byte for m, b in pairs), default=0)
+        return bound + links.step_units
+    source = blocks_of(before, shape)
+    bound = 0
+    for target, receivers in blocks_of(after, shape).holders.items():
+        messages, elements = source.count_overlapping(target), target.numel
+        least_held = 0 if any(r not in source.of_rank for r in receivers) else elements
+        for receiver in receivers:
+            if least_held:
+                held = source.of_rank[receiver].intersect(target)
+                least_held = min(least_held, held.numel if held else 0)
+        # The receiver that holds least needs the most bytes; it lacks all blocks but (maybe) one.
+        missing = (elements - least_held) * itemsize
+        bound = max(bound, (messages - (least_held > 0)) * fastest.units_per_message + missing * fastest.units_per_byte)
     return bound + links.step_units
 
 
 def message_count(before: Layout, after: Layout, shape: tuple[int, ...]) -> int:
     """How many transfers ``PlannedExchange(before, after, ...)`` makes (local copies included), counted
-    from the cuts without making them: what the planner's budget charges before building them."""
-    from planner.pieces import exchange_rows
+    from the blocks (or where :func:`vectorized` the cuts) without making them."""
+    if vectorized(before, after, shape):
+        from planner.pieces import exchange_rows
 
-    return exchange_rows(before, after, shape)
+        return exchange_rows(before, after, shape)
+    source = blocks_of(before, shape)
+    return sum(source.count_overlapping(t) * len(r) for t, r in blocks_of(after, shape).holders.items())
 
 
 def pricing_states(before: Layout, after: Layout, shape: tuple[int, ...]) -> int:
     """What pricing the step ``before -> after`` charges to the budget (``planner.cheapest``), counted
-    before anything is built: the lower bound's arrays, one state per :data:`ROWS_PER_STATE` ranks
-    holding a piece on either side (``planner.holdings.holder_count``), and a pattern-valued step's
-    table, one per :data:`ROWS_PER_STATE` transfers."""
-    holders = holder_count(before, shape) + holder_count(after, shape)
+    before anything is built: one state per rank holding a piece on either side
+    (``planner.holdings.holder_count``); where :func:`vectorized`, one per :data:`ROWS_PER_STATE`
+    of them, and for a pattern-valued step one per :data:`ROWS_PER_STATE` transfers (its table)."""
+    holders = _holders(before, after, shape)
+    if not vectorized(before, after, shape):
+        return holders
     rows = message_count(before, after, shape) if patterned(before, after, shape) else 0
     return -(-holders // ROWS_PER_STATE) + -(-rows // ROWS_PER_STATE)
 

@@ -19,7 +19,7 @@ import torch
 
 import planner
 from cli.main import main
-from planner import p2p
+from planner import holdings, p2p
 from planner.cost import CostModel
 from planner.p2p import Links, PlannedExchange, patterned
 from planner.pattern import ExchangePattern
@@ -29,6 +29,7 @@ from runtime import shard, simulate, torch_dtype
 from runtime.comm.exchange import compile_exchange
 from shardlang import Layout, Mesh, parse_layout
 from tests.test_p2p_support import hand_transfers
+from tests.test_planner_p2p import lower_bound_by_hand
 from tests.test_runtime_support import full_tensor, reference_piece, source_pieces
 
 L = parse_layout
@@ -119,6 +120,26 @@ def test_a_pattern_valued_step_prices_as_its_list(monkeypatch: pytest.MonkeyPatc
         plan = Plan(before, after, shape, "f32", (both.step(),), cost)
         assert plan.copied_bytes() == plan.expanded().copied_bytes()
     assert seen > 150
+
+
+def test_bounds_in_numpy_equal_the_block_walks_and_the_bound_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(33)
+    for _ in range(300):
+        before, after, shape = random_pair(rng)
+        links = Links(CostModel(), before.mesh, after.mesh)
+        walked = p2p.time_lower_bound(before, after, shape, 4, links)
+        counted = p2p.message_count(before, after, shape)
+        with monkeypatch.context() as m:
+            m.setattr(p2p, "PATTERN_FROM", 0)
+            m.setattr(holdings, "VECTORIZE_FROM", 0)
+            holdings.most_missing_bytes.cache_clear()
+            assert p2p.vectorized(before, after, shape) or not holdings.holder_count(after, shape)
+            assert p2p.time_lower_bound(before, after, shape, 4, links) == walked
+            assert p2p.message_count(before, after, shape) == counted
+            by_numpy = holdings.most_missing_bytes(before, after, shape, 4)
+        holdings.most_missing_bytes.cache_clear()
+        assert by_numpy == holdings.most_missing_bytes(before, after, shape, 4)
+        assert by_numpy == lower_bound_by_hand(before, after, shape, 4)
 
 
 def test_only_steps_whose_senders_take_turns_are_patterns(monkeypatch: pytest.MonkeyPatch) -> None:
