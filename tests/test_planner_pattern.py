@@ -25,10 +25,11 @@ from planner.p2p import Links, PlannedExchange, patterned
 from planner.pattern import ExchangePattern
 from planner.pieces import cyclic_senders_hold, pieces_of
 from planner.plans import Plan
-from runtime import shard, simulate, torch_dtype
+from runtime import recording, reshard, shard, simulate, torch_dtype
 from runtime.comm.exchange import compile_exchange
+from runtime.testing import run_ranks
 from shardlang import Layout, Mesh, parse_layout
-from tests.test_p2p_support import hand_transfers
+from tests.test_p2p_support import hand_transfers, traffic
 from tests.test_planner_p2p import lower_bound_by_hand
 from tests.test_runtime_support import full_tensor, reference_piece, source_pieces
 
@@ -238,3 +239,34 @@ def test_cli_plan_writes_the_pattern_and_expands_it(capsys: pytest.CaptureFixtur
     ]
     assert transfers == expected
     assert main(["plan", "examples/gpt2_small_dp2_tp2.shard", "--expand"]) == 2
+
+
+def _reshard_by_pattern(rank: int, world_size: int, plan: Plan, seed: int) -> tuple | None:
+    src, dst = plan.src, plan.dst
+    if rank not in src.mesh.ranks and rank not in dst.mesh.ranks:
+        return None
+    full = full_tensor(plan.shape, torch_dtype(plan.dtype), seed)
+    local = source_pieces(full, src, seed)[rank] if rank in src.mesh.ranks else None
+    with recording() as log:
+        out = reshard(local, src, dst, global_shape=plan.shape, plan=plan, timeout=60, verify=True)
+    return out, sum(r.bytes_sent for r in log.records if r.op == "point_to_point")
+
+
+def test_a_pattern_valued_plan_runs_on_gloo_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank compiles its own transfers from the pattern (``Step.transfers_of``) and the
+    pieces arrive as torch.chunk cuts them; each rank sends what the expanded list says."""
+    monkeypatch.setattr(p2p, "PATTERN_FROM", 0)
+    plan = planner.plan(L("S0,S1 over mesh[2,2]"), L("R,S0 over mesh[3] ranks 2..4"), (7, 5), "f32")
+    (step,) = [s for s in plan.steps if s.op == "point_to_point"]
+    assert isinstance(step.transfers, ExchangePattern)
+    results = run_ranks(_reshard_by_pattern, 6, (plan, 5), timeout=150)
+    full = full_tensor(plan.shape, torch_dtype(plan.dtype), 5)
+    sent, _ = traffic(step.transfers.expanded(), 4)
+    assert results[5] is None
+    for rank in range(5):
+        out, nbytes = results[rank]
+        if rank in plan.dst.mesh.ranks:
+            assert torch.equal(out, reference_piece(full, plan.dst, rank)), rank
+        else:
+            assert out is None
+        assert nbytes == sent.get(rank, 0), rank
