@@ -243,7 +243,7 @@ def exchange_table(before: Layout, after: Layout, shape: tuple[int, ...]) -> Exc
     per_receiver = np.ones(len(positions), dtype=np.int64)
     ranges = []
     for s, t, index in zip(source.cuts, target.cuts, target_index, strict=True):
-        first, count = s.overlapping(t.lo[index], t.hi[index])
+        first, count = (x[index] for x in s.overlapping(t.lo, t.hi))  # per interval, then per rank
         ranges.append((first, count))
         per_receiver = per_receiver * count
     row, k = _expand(per_receiver)
@@ -348,7 +348,7 @@ def target_needs(
     elements = np.ones(len(positions), dtype=np.int64)
     kept = (held_at >= 0).astype(np.int64)
     for s, t, i, lo, hi in zip(source.cuts, target.cuts, index, held_lo, held_hi, strict=True):
-        messages = messages * s.overlapping(t.lo[i], t.hi[i])[1]
+        messages = messages * s.overlapping(t.lo, t.hi)[1][i]  # per interval, then per rank
         elements = elements * (t.hi[i] - t.lo[i])
         kept = kept * np.maximum(np.minimum(hi, t.hi[i]) - np.maximum(lo, t.lo[i]), 0)
     return messages, elements, kept
