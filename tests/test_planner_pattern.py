@@ -270,3 +270,13 @@ def test_a_pattern_valued_plan_runs_on_gloo_ranks(monkeypatch: pytest.MonkeyPatc
         else:
             assert out is None
         assert nbytes == sent.get(rank, 0), rank
+
+
+def test_render_draws_a_pattern_valued_step_as_its_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cli.picture import picture_dot, plan_picture
+
+    monkeypatch.setattr(p2p, "PATTERN_FROM", 0)
+    plan = planner.plan(L("S0,S1 over mesh[2,2]"), L("R,S0 over mesh[3] ranks 2..4"), (7, 5), "f32")
+    assert isinstance(plan.steps[0].transfers, ExchangePattern)
+    drawn = picture_dot(plan_picture(plan))
+    assert "messages of step 1" in drawn and drawn == picture_dot(plan_picture(plan.expanded()))
