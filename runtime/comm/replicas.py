@@ -15,7 +15,10 @@ one all-reduce of the mismatch count over every rank involved makes all of them 
     verify_replicas([("w", w, layout), ...], rank, what="parameters", cause=PARAMETERS_CAUSE)
 
 Its cost: one pass over the pieces (in chunks, so the scratch is bounded), one all-gather of 24
-bytes per group of replicas and one all-reduce of 8 bytes.
+bytes per group of replicas and one all-reduce of 8 bytes. The fingerprints can also be taken
+first (:func:`fingerprints`) and compared later (:func:`compare`), or carried, one digest per
+group (:func:`group_digest`), by a collective that runs anyway: the optimizers' gradient check
+rides on the commit flag that way (runtime/optim/replica_checks.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ states held in replicated layouts after ``load_state_dict``, the gradients decla
 at the first step (and every N-th with ``verify_replicas=N``). Each replica check is
 ``runtime.comm.replicas.verify_replicas``: one pass over the pieces and a few bytes of
 collectives, raising ``ReplicaMismatchError`` on every rank involved before anything changes
-(docs/design/failures.md, "Replicas")."""
+(docs/design/failures.md, "Replicas"). The gradients' check runs no collective of its own where
+it can: two int64 per class of replicas ride on the step's first commit flag
+(:meth:`ReplicaChecks.flag_values`, :meth:`ReplicaChecks.settle`), the collectives that name
+what differs run only on a mismatch."""
 
 from __future__ import annotations
 
@@ -185,7 +188,9 @@ class ReplicaChecks:
     def gradients(self, slots: Sequence[Slot], grads: Sequence[tuple[torch.Tensor, Layout]], step: int) -> None:
         """At this optimizer's first step, and every ``every``-th after it: the gradients
         declared replicated agree. A gradient a bucket already took (``free_grads`` under
-        overlap) is left out on this rank (``None``)."""
+        overlap) is left out on this rank (``None``). Where the check rides on the commit flag
+        (:meth:`_fold`) the fingerprints are taken now and compared by the step's first flag
+        (:meth:`flag_values`, :meth:`settle`); elsewhere now, with collectives of their own."""
         if not self.enabled:
             return
         due = self._grad_steps == 0 or (self.every and self._grad_steps % self.every == 0)
@@ -289,7 +294,7 @@ class ReplicaChecks:
             classes += math.prod(mesh.shape[a] for a in others)
             if classes > FOLDED_CLASSES:
                 return None
-        return _Fold(classes, place)
+        return _Fold(classes, place) if classes else None  # none: nothing to compare
 
     def _verify(self, pieces: Sequence[tuple[str, torch.Tensor | None, Layout]], what: str, cause: str) -> None:
         verify_replicas(pieces, self.rank, what=what, cause=cause, timeout=self.timeout)
