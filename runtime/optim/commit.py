@@ -235,7 +235,7 @@ class CommitFlag:
         self.replicas = replicas if enabled else None
         if self.replicas is not None:
             self.replicas.on_flag = True
-        self._flag: dict[int, torch.Tensor] = {}  # per size, reduced in place
+        self._flag: torch.Tensor | None = None  # reduced in place
         # Why the last agreement failed, where the ranks told it (they step different things).
         self.why: str | None = None
         # The error of the last agreement refused for the replicas' check (ReplicaMismatchError
@@ -285,9 +285,11 @@ class CommitFlag:
             return ok
         carried = self._carried() if slots is not None else 0
         size = FLAG_ELEMENTS + carried
-        if size not in self._flag:
-            self._flag[size] = torch.empty(size, dtype=torch.int64, device=default_device())
-        flag = self._flag[size]
+        if self._flag is None:
+            self._flag = torch.empty(FLAG_ELEMENTS, dtype=torch.int64, device=default_device())
+        # With the replicas' check, a flag of this step only, not kept: what the optimizer holds
+        # stays its memory report, to the 24 bytes of the kept flag.
+        flag = self._flag if not carried else self._flag.new_empty(size)
         summary = self.identity.of(slots) if ok and self.identity is not None and slots else None
         digest = 0 if summary is None else _digest(summary)
         flag[:FLAG_ELEMENTS].copy_(torch.tensor([READY if ok else FAILED, digest, -digest], dtype=torch.int64))
