@@ -216,9 +216,10 @@ def _plan_cached(request: Request) -> Outcome:
             layout = dst
         else:
             dims, partial = problem.space.decode(state)
-            layout = Layout.trusted(
-                tuple(tuple(kept[a] for a in axes) for axes in dims), mesh, tuple((kept[a], o) for a, o in partial)
-            )
+            if len(kept) < mesh.ndim:
+                dims = tuple(tuple(kept[a] for a in axes) for axes in dims)
+                partial = tuple((kept[a], o) for a, o in partial)
+            layout = Layout.trusted(dims, mesh, partial)
         alpha, bandwidth = figures[priced_as(op, full_axis, nbytes, large_from)]
         seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis] + cost.overhead + cost.copy_seconds(copied)
         steps.append(Step(op, full_axis, dim, to_dim, reduce_op, layout, nbytes, seconds))
@@ -233,6 +234,8 @@ def _kept_axes(src: Layout, dst: Layout) -> tuple[int, ...]:
     """The mesh axes the search sees: all but those of size 1 that both layouts leave
     replicated (module docstring)."""
     shape = dst.mesh.shape
+    if 1 not in shape:
+        return tuple(range(len(shape)))
     mentioned = {a for layout in (src, dst) for axes in layout.dims for a in axes}
     mentioned |= {a for layout in (src, dst) for a, _ in layout.partial}
     return tuple(a for a, n in enumerate(shape) if n > 1 or a in mentioned)
@@ -280,14 +283,15 @@ def _tables_of(cost: CostModel, mesh: Mesh, kept: tuple[int, ...]) -> _Tables:
     kept_figures = {op: (tuple(al[a] for a in kept), tuple(b[a] for a in kept)) for op, (al, b) in figures.items()}
     ((per_round, per_byte),) = integer_op_rates(kept_figures)
     kept_large = {op: (large_key(op), tuple(starts[a] for a in kept)) for op, starts in large_from.items()}
-    twin_key = tuple(
+    keys = [
         (
             n,
             *((per_round[op][a], per_byte[op][a]) for op in sorted(per_round)),
             *((op, starts[a]) for op, (_, starts) in sorted(kept_large.items())),
         )
         for a, n in enumerate(mesh_shape)
-    )
+    ]
+    twin_key = tuple(keys.index(key) for key in keys)  # equal for axes of equal keys, cheap to compare
     rules = pruning(per_round, per_byte)
     rates = kind_rates(mesh_shape, per_round, per_byte)
     return _Tables(figures, large_from, mesh_shape, per_round, per_byte, kept_large, twin_key, rules, rates)
@@ -300,7 +304,7 @@ class _Problem:
     def __init__(
         self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, kept: tuple[int, ...], tables: _Tables
     ) -> None:
-        index = {a: i for i, a in enumerate(kept)}
+        index = None if len(kept) == src.mesh.ndim else {a: i for i, a in enumerate(kept)}
         self.per_round, self.per_byte, self.large_from = tables.per_round, tables.per_byte, tables.large_from
         self.src_dims, src_partial = _renumbered(src, index)
         goal_dims, goal_partial = _renumbered(dst, index)
@@ -327,7 +331,10 @@ class _Problem:
         self.start = self.space.encode(self.src_dims, src_partial)
 
 
-def _renumbered(layout: Layout, index: dict[int, int]) -> Fields:
+def _renumbered(layout: Layout, index: dict[int, int] | None) -> Fields:
+    """The layout's fields with its axes renumbered by ``index`` (``None``: every axis kept)."""
+    if index is None:
+        return layout.dims, layout.partial
     dims = tuple(tuple(index[a] for a in axes) for axes in layout.dims)
     return dims, tuple((index[a], op) for a, op in layout.partial)
 
