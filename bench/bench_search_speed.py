@@ -1,7 +1,7 @@
 """Search speed against a naive exact search: the planner's A* (``planner.search``) and a plain
 uniform-cost search (Dijkstra, no bound, no pruning) on the same pairs, under a calibrated model.
 
-    .venv/bin/python bench/bench_search_speed.py [--pairs 60] [--repeat 3] [--seed 0]
+    .venv/bin/python bench/bench_search_speed.py [--pairs 80] [--repeat 5] [--seed 0]
 
 The naive search, :class:`Naive`, is written here from the cost and copy tables alone
 (``planner.cost``'s and ``planner.copies``' docstrings) and shares no code with ``planner/``: its
@@ -294,8 +294,8 @@ def check_pair(naive: Naive, src: Layout, dst: Layout, shape: tuple[int, ...], d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=60, help="pairs per mesh")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per pair and search (the best counts)")
+    parser.add_argument("--pairs", type=int, default=80, help="pairs per mesh")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per pair and search (the best counts)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--meshes", default=";".join(",".join(map(str, m)) for m in MESHES), help="';'-separated")
     bench_results.add_json_option(parser)
