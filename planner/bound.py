@@ -150,7 +150,7 @@ class LowerBound:
         self.size, self.scale, self.growth, self.reduce_rate, self.move_rate, self.moving_growth, self.reduce_order = (
             rates.byte_rates(itemsize)
         )
-        self._ordered: dict[int, int] = {}
+        self.ordered: dict[int, int] = {}  # reduce mask -> the reductions' part of (A)
         self._floors: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self._moving: dict[tuple[int, int, int], int] = {}
 
@@ -164,14 +164,14 @@ class LowerBound:
         growth = self.growth * max(0, self.target - elements)
         if not reduce_mask:
             return growth
-        ordered = self._ordered.get(reduce_mask)
+        ordered = self.ordered.get(reduce_mask)
         if ordered is None:
             ordered, partial_sizes = 0, 1
             for a in reversed(self.reduce_order):
                 if reduce_mask >> a & 1:
                     partial_sizes *= self.mesh_shape[a]
                     ordered += self.reduce_rate[a] * self.total * partial_sizes
-            ordered = self._ordered[reduce_mask] = ordered // self.scale
+            ordered = self.ordered[reduce_mask] = ordered // self.scale
         return ordered + growth
 
     def bytes_bound(self, elements: int, reduce_mask: int, move_mask: int) -> int:

@@ -368,14 +368,16 @@ def _astar(
     heap = [(terms[0], terms[1], 0, 0, 0, 0, start, elements, terms, False)]
     tie = 0
     term_table = bound.terms
-    quick_bound = bound.quick_bytes_bound
+    # bound.quick_bytes_bound, inlined: the growth to the target, the reductions' part memoized
+    quick_bound, growth, target, ordered = bound.quick_bytes_bound, bound.growth, bound.target, bound.ordered
+    push, pop = heapq.heappush, heapq.heappop
     limit = math.inf if max_local_bytes is None else max_local_bytes // space.itemsize  # in elements
     max_states, counter = budget
     generated = 0
     per_step = per_round[STEP][0]  # the overhead and margin every step pays (planner.cost)
     per_copied = per_byte[COPY][0] if COPY in per_byte else 0  # a byte copied locally, left out of the bound
     while heap:
-        f, f_steps, _, _, g, g_steps, state, elements, terms, full = heapq.heappop(heap)
+        f, f_steps, _, _, g, g_steps, state, elements, terms, full = pop(heap)
         known = best[state]
         if known[0] != g or known[1] != g_steps:
             continue  # a cheaper way here was found after this entry was queued
@@ -384,7 +386,7 @@ def _astar(
             f_full = g + h_rounds + bound.bytes_bound(elements, h_reduce, h_move)
             if f_full > f:
                 tie += 1
-                heapq.heappush(heap, (f_full, f_steps, -g, tie, g, g_steps, state, elements, terms, True))
+                push(heap, (f_full, f_steps, -g, tie, g, g_steps, state, elements, terms, True))
                 continue
         if state == goal:
             path = []
@@ -399,8 +401,13 @@ def _astar(
             op, axis, _, _, _, nxt, nbytes, rounds, before, after, next_elements, copied = move
             if next_elements > limit:
                 continue
-            kind = large_from[op][0] if op in large_from and nbytes >= large_from[op][1][axis] else op
-            n_g = g + rounds * per_round[kind][axis] + nbytes * per_byte[kind][axis] + per_step + copied * per_copied
+            if op in large_from and nbytes >= large_from[op][1][axis]:
+                op = large_from[op][0]  # priced by its large-message regime
+            n_g = g + per_step
+            if rounds:  # local steps and steps on a size-1 axis send nothing
+                n_g += rounds * per_round[op][axis] + nbytes * per_byte[op][axis]
+            if copied:
+                n_g += copied * per_copied
             seen = best.get(nxt)
             if seen is not None and (seen[0] < n_g or (seen[0] == n_g and seen[1] <= n_steps)):
                 continue
@@ -417,7 +424,12 @@ def _astar(
             moving = h_move - old[3] + new[3]
             tie += 1
             entry = (n_rounds, steps, reducing, moving)
-            f = n_g + n_rounds + quick_bound(next_elements, reducing)
-            heapq.heappush(heap, (f, n_steps + steps, -n_g, tie, n_g, n_steps, nxt, next_elements, entry, False))
+            f = n_g + n_rounds
+            if target > next_elements:
+                f += growth * (target - next_elements)
+            if reducing:
+                known_part = ordered.get(reducing)
+                f += quick_bound(target, reducing) if known_part is None else known_part
+            push(heap, (f, n_steps + steps, -n_g, tie, n_g, n_steps, nxt, next_elements, entry, False))
     counter[0] = generated
     return None
