@@ -33,7 +33,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import planner
-from planner import bound, search
+from planner import search
 from planner.spec_plan import plan_spec
 from planner.units import integer_rates
 from shardlang import InteropError, Layout, Mesh, load_spec
@@ -93,7 +93,7 @@ def ours_all_cold(src: Layout, dst: Layout, shape: tuple[int, ...]) -> None:
     """Nothing cached at all: the plan memo and the per-mesh tables (the cost model's integer
     scaling, the bound's rates) are cleared too, as for the first pair a process plans."""
     integer_rates.cache_clear()
-    bound._mesh_rates.cache_clear()
+    search._TABLES.clear()
     ours_cold(src, dst, shape)
 
 
@@ -172,7 +172,7 @@ def main() -> None:
     def whole_spec() -> None:
         search._plan_cached.cache_clear()
         integer_rates.cache_clear()
-        bound._mesh_rates.cache_clear()
+        search._TABLES.clear()
         plan_spec(spec)
 
     first, best = best_of(args.repeat, whole_spec)

@@ -89,10 +89,11 @@ PAGES: tuple[Page, ...] = (
         "history/planner.md",
         "Planner",
         "Plan quality against DTensor's greedy order (`bench/bench_planner_quality.py`), point-to-point "
-        "plans (`bench/bench_p2p_plans.py`), planner speed (`bench/bench_planner_speed.py`), the search "
-        "budget's worst cases (`bench/bench_planner_budget.py`), `suggest` (`bench/bench_suggest.py`) and every "
-        "command on 7B and 70B specs from 64 to 131,072 ranks (`bench/bench_scale.py`).",
-        ("planner_quality", "p2p_plans", "planner_speed", "planner_budget", "suggest", "scale"),
+        "plans (`bench/bench_p2p_plans.py`), planner speed (`bench/bench_planner_speed.py`), the search against "
+        "a naive exact search (`bench/bench_search_speed.py`), the search budget's worst cases "
+        "(`bench/bench_planner_budget.py`), `suggest` (`bench/bench_suggest.py`) and every command on 7B and 70B "
+        "specs from 64 to 131,072 ranks (`bench/bench_scale.py`).",
+        ("planner_quality", "p2p_plans", "planner_speed", "search_speed", "planner_budget", "suggest", "scale"),
         {"planner_speed": plots.planner_speed},
     ),
     Page(
@@ -432,6 +433,7 @@ BLOCKS: dict[Path, dict[str, Callable[[dict[str, dict]], str | None]]] = {
         ),
         "calibration-accuracy": run_tables(CALIBRATION, "calibration", "4 gloo ranks", "R,R | P01"),
         "calibration-sweep": run_tables(CALIBRATION, "calibration_sweep", "all_reduce", "all_gather"),
+        "search-speed": run_tables(CALIBRATION, "search_speed"),
     },
 }
 

@@ -203,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_step_options(p)
     add_optimizer_options(p)
     p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument(
+        "--expand",
+        action="store_true",
+        help="with two layouts: list every transfer of a point-to-point step (a large step whose senders take "
+        "turns is written as its pattern otherwise)",
+    )
 
     p = sub.add_parser(
         "show",
@@ -349,11 +355,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.optimizer is not None:
             raise UsageError("--optimizer applies to a spec file, not to a pair of layouts")
         result = _plan_pair(target, args)
+        if args.expand:
+            result = result.expanded()
         if args.format == "json":
             _emit_json(plan_json(result))
         else:
             print(format_plan(result, style))
         return 0
+    if args.expand:
+        raise UsageError("--expand applies to a pair of layouts (SRC DST --shape), not to a spec file")
     spec_plan = _plan_spec(target, args)
     if args.optimizer == "muon":
         spec_plan = with_matrices(

@@ -309,7 +309,9 @@ def picture_dot(picture: Picture) -> str:
         head = arrow.head
         if arrow.step.op == "point_to_point":  # the arrow passes through the box of its messages
             head = f"messages-{i}"
-            label = _messages_label(f"messages of step {i}", step_messages(arrow.step, picture.dtype))
+            # every message is drawn: a pattern-valued step's list (planner.pattern)
+            messages = step_messages(arrow.step.expanded(), picture.dtype)
+            label = _messages_label(f"messages of step {i}", messages)
             lines.append(f"  {_quote(head)} [id={_quote(head)}, label={label}];")
             lines.append(f"  {_quote(head)} -> {_quote(arrow.head)} [penwidth=1.6];")
         lines.append(

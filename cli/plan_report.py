@@ -203,7 +203,7 @@ def message_lines(plan: Plan, indent: str = "  ", most_pairs: int = 12) -> list[
         if len(messages.pairs) > most_pairs:
             lines.append(
                 f"{indent}  ({len(messages.pairs) - most_pairs} more rank pairs: the largest are listed; "
-                "--format json gives every transfer)"
+                "--format json --expand gives every transfer)"
             )
     return lines
 

@@ -42,35 +42,95 @@ The bytes part is the larger of (A) and (B). The search queues states with (A), 
 cheap, and computes (B) when a state comes first. Both are admissible; the search does not
 rely on consistency (a state reached again more cheaply is expanded again).
 
-Per-collective figures (``planner.cost``): ``R[a]`` and ``B[a]`` are then the least of the
-axis's rates over the collective kinds and their large-message regimes (:func:`cheapest_rates`;
-a step is priced by one regime, whose rates are at least those least ones, whatever its bytes).
-Every step on axis ``a`` costs at least ``rounds * R[a] + bytes * B[a]`` in that model, and the bound above is a lower
-bound of the sum of those over the steps still to take, so it stays admissible. So it does with
-the executor terms (``planner.cost``): the overhead of every step and the bytes a collective
-copies locally add to a step's cost and are never negative, and the bound leaves them out.
+Per-collective figures (``planner.cost``). ``R`` and ``B`` are then per task: what the
+cheapest kind that can do the task costs on the axis, at the least of its regimes' rates
+(:func:`kind_rates`; a step is priced by one regime, whose rates are at least those least
+ones, whatever its bytes). Rounds: the table's rounds are those of the cheapest way to do
+the axis's task, e.g. ``min(2(n-1) R_ar, (n-1)(R_rs + R_ag))`` to reduce an axis to
+replicated (an all_reduce, or a reduce_scatter and, later, the all_gather that alone makes
+a split axis replicated), ``(n-1) R_ag`` to leave a split for replicated, ``(n-1) min(R_ag,
+R_a2a)`` to leave it for another split. Bytes: a reduction is priced at ``min(2 B_ar, B_rs)``
+(an all_reduce sends twice the (n-1)E/n that a reduce_scatter sends at least), a move and
+the growth at ``min(B_ag, B_a2a)`` (the only kinds that grow a piece or move a split axis);
+the facts above hold kind by kind, and in (B) a gather or all_to_all that moves an axis and
+grows E pays both parts from its own bytes at its own rate, so the bound stays admissible.
+
+The executor terms (``planner.cost``): the overhead and the choice margin are paid by every
+step alike (the pseudo-kind ``step``), so each axis's rounds entry also charges them for the
+steps its task needs at least (the table's steps), taking the cheapest way to do the task
+with its steps counted (a reduce_scatter and an all_gather pay two overheads, an all_reduce
+one). The bytes a collective copies locally are never negative, and the bound leaves them
+out. docs/calibration.md, "Exactness and the A* bound", says why each part is a lower bound.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
-from planner.cost import PRICED_OPS, large_key
+from planner.cost import STEP, large_key
 from planner.space import REPLICATED, role_code
 from shardlang.layout import REDUCE_OPS
 
 Terms = tuple[int, int, int, int]
-LARGE_KEYS = frozenset(large_key(op) for op in PRICED_OPS)
+
+
+class KindRates:
+    """The bound's integer rates for one mesh (its kept axes) and cost model, whatever the pair
+    (module docstring): per axis, the units of each task (:func:`_task_units`, from the least
+    units per round of each collective kind over its regimes and the units of a step), and the
+    units per byte of a reduction (``reduce_byte``) and of a move or growth (``move_byte``).
+    Made once per mesh and model (``planner.search`` caches it), so it also keeps the tables it
+    derives per axis role and per element size."""
+
+    def __init__(
+        self, mesh_shape: tuple[int, ...], per_round: dict[str, tuple[int, ...]], per_byte: dict[str, tuple[int, ...]]
+    ) -> None:
+        def least(rate: dict[str, tuple[int, ...]], op: str) -> tuple[int, ...]:
+            regimes = [rate[k] for k in (op, large_key(op)) if k in rate]
+            return tuple(min(values) for values in zip(*regimes, strict=True))
+
+        kinds = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+        rounds = [least(per_round, op) for op in kinds]
+        gather, scatter, reduce, to_all = (least(per_byte, op) for op in kinds)
+        self.mesh_shape = mesh_shape
+        self.per_step = per_round[STEP][0] if STEP in per_round else 0
+        self.tasks = tuple(_task_units(n, *(r[a] for r in rounds), self.per_step) for a, n in enumerate(mesh_shape))
+        self.reduce_byte = tuple(min(2 * r, s) for r, s in zip(reduce, scatter, strict=True))
+        self.move_byte = tuple(min(g, t) for g, t in zip(gather, to_all, strict=True))
+        self._terms: dict[tuple[int, int, int], tuple[Terms, ...]] = {}
+        self._bytes: dict[int, tuple[int, int, int, tuple[int, ...], tuple[int, ...], int, tuple[int, ...]]] = {}
+
+    def axis_terms(self, axis: int, target: int, ndim: int) -> tuple[Terms, ...]:
+        """The terms of ``axis`` by role code, for the target role ``target`` (:func:`_axis_terms`)."""
+        key = (axis, target, ndim)
+        found = self._terms.get(key)
+        if found is None:
+            found = self._terms[key] = _axis_terms(self.tasks[axis], 1 << axis, target, ndim)
+        return found
+
+    def byte_rates(self, itemsize: int) -> tuple[int, int, int, tuple[int, ...], tuple[int, ...], int, tuple[int, ...]]:
+        """:func:`_mesh_rates` for ``itemsize``."""
+        found = self._bytes.get(itemsize)
+        if found is None:
+            found = self._bytes[itemsize] = _mesh_rates(self.mesh_shape, itemsize, self.reduce_byte, self.move_byte)
+        return found
+
+
+def kind_rates(
+    mesh_shape: tuple[int, ...], per_round: dict[str, tuple[int, ...]], per_byte: dict[str, tuple[int, ...]]
+) -> KindRates:
+    """The :class:`KindRates` of a mesh of ``mesh_shape`` from the search's integer rates per
+    kind (``planner.units.integer_op_rates`` of :meth:`CostModel.figures`)."""
+    return KindRates(mesh_shape, per_round, per_byte)
 
 
 class LowerBound:
     """Lower bounds for one search.
 
-    ``terms[axis][role]`` is (rounds units, steps, reduce bit, move bit): the rounds and steps
-    the axis still needs at least in that role, and ``1 << axis`` if it must still reduce
-    (must still move). A state's bound is the sum of its axes' rounds plus the bytes bound of
-    its size and the summed reduce and move bits.
+    ``terms[axis][role]`` is (units, steps, reduce bit, move bit): the rounds' and steps' units
+    and the steps the axis still needs at least in that role, and ``1 << axis`` if it must
+    still reduce (must still move). A state's bound is the sum of its axes' units plus the
+    bytes bound of its size and the summed reduce and move bits.
     """
 
     def __init__(
@@ -78,23 +138,19 @@ class LowerBound:
         mesh_shape: tuple[int, ...],
         itemsize: int,
         ndim: int,
-        units_per_round: tuple[int, ...],
-        units_per_byte: tuple[int, ...],
+        rates: KindRates,
         target_roles: tuple[int, ...],
         target_elements: int,
         total_elements: int,
     ) -> None:
         self.mesh_shape = mesh_shape
-        self.terms = tuple(
-            _axis_terms((n - 1) * r, 1 << a, target, ndim)
-            for a, (n, r, target) in enumerate(zip(mesh_shape, units_per_round, target_roles, strict=True))
-        )
+        self.terms = tuple(rates.axis_terms(a, target, ndim) for a, target in enumerate(target_roles))
         self.total = total_elements
         self.target = target_elements
-        self.size, self.scale, self.growth, self.rate, self.moving_growth, self.reduce_order = _mesh_rates(
-            mesh_shape, itemsize, units_per_byte
+        self.size, self.scale, self.growth, self.reduce_rate, self.move_rate, self.moving_growth, self.reduce_order = (
+            rates.byte_rates(itemsize)
         )
-        self._ordered: dict[int, int] = {}
+        self.ordered: dict[int, int] = {}  # reduce mask -> the reductions' part of (A)
         self._floors: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self._moving: dict[tuple[int, int, int], int] = {}
 
@@ -108,14 +164,14 @@ class LowerBound:
         growth = self.growth * max(0, self.target - elements)
         if not reduce_mask:
             return growth
-        ordered = self._ordered.get(reduce_mask)
+        ordered = self.ordered.get(reduce_mask)
         if ordered is None:
             ordered, partial_sizes = 0, 1
             for a in reversed(self.reduce_order):
                 if reduce_mask >> a & 1:
                     partial_sizes *= self.mesh_shape[a]
-                    ordered += self.rate[a] * self.total * partial_sizes
-            ordered = self._ordered[reduce_mask] = ordered // self.scale
+                    ordered += self.reduce_rate[a] * self.total * partial_sizes
+            ordered = self.ordered[reduce_mask] = ordered // self.scale
         return ordered + growth
 
     def bytes_bound(self, elements: int, reduce_mask: int, move_mask: int) -> int:
@@ -136,66 +192,80 @@ class LowerBound:
         return max(quick, moving)
 
     def _moving_floors(self, reduce_mask: int, mask: int) -> list[tuple[int, int]]:
-        """(rate, least size, scaled) of every axis in ``mask``, reductions first."""
+        """(rate, least size), scaled, of every axis in ``mask``: a reduction's rate and size
+        floor for the axes in ``reduce_mask``, a move's for the others."""
         return [
-            (self.rate[a], self.total * (self.mesh_shape[a] if reduce_mask >> a & 1 else 1))
+            (self.reduce_rate[a], self.total * self.mesh_shape[a])
+            if reduce_mask >> a & 1
+            else (self.move_rate[a], self.total)
             for a in range(len(self.mesh_shape))
             if mask >> a & 1
         ]
 
 
-@functools.lru_cache(maxsize=256)
 def _mesh_rates(
-    mesh_shape: tuple[int, ...], itemsize: int, units_per_byte: tuple[int, ...]
-) -> tuple[int, int, int, tuple[int, ...], int, tuple[int, ...]]:
+    mesh_shape: tuple[int, ...], itemsize: int, reduce_byte: tuple[int, ...], move_byte: tuple[int, ...]
+) -> tuple[int, int, int, tuple[int, ...], tuple[int, ...], int, tuple[int, ...]]:
     """What the bytes bounds need of a mesh and cost model, whatever the pair: (mesh size,
-    scale, growth rate, per-axis rate, moving growth rate, axes in reduction order). Cached:
-    a model plans many pairs on one mesh."""
+    scale, growth rate, per-axis reduction and move rates, moving growth rate, axes in
+    reduction order)."""
     size = math.prod(mesh_shape)
-    growth = itemsize * min((b for n, b in zip(mesh_shape, units_per_byte, strict=True) if n > 1), default=0)
+    growth = itemsize * min((b for n, b in zip(mesh_shape, move_byte, strict=True) if n > 1), default=0)
     # (A) and (B) are computed scaled by q * mesh size, so that the rates (n-1)/n and the
     # floors T * n / N are integers, then divided back, rounding down.
     q = math.lcm(*mesh_shape)
-    rate = tuple((n - 1) * itemsize * b * (q // n) for n, b in zip(mesh_shape, units_per_byte, strict=True))
-    moving_growth = min((r for n, r in zip(mesh_shape, rate, strict=True) if n > 1), default=0)
-    reduce_order = tuple(sorted(range(len(mesh_shape)), key=lambda a: (units_per_byte[a], a)))
-    return size, q * size, growth, rate, moving_growth, reduce_order
 
+    def rates(per_byte: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple((n - 1) * itemsize * b * (q // n) for n, b in zip(mesh_shape, per_byte, strict=True))
 
-def cheapest_rates(
-    per_round: dict[str, tuple[int, ...]], per_byte: dict[str, tuple[int, ...]]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per axis, the least units per round and per byte over the collective kinds and their
-    large-message regimes (module docstring)."""
-    ops = [op for op in per_round if op in PRICED_OPS or op in LARGE_KEYS]
-    return (
-        tuple(min(per_round[op][a] for op in ops) for a in range(len(per_round[ops[0]]))),
-        tuple(min(per_byte[op][a] for op in ops) for a in range(len(per_byte[ops[0]]))),
-    )
+    reduce_rate, move_rate = rates(reduce_byte), rates(move_byte)
+    moving_growth = min((r for n, r in zip(mesh_shape, move_rate, strict=True) if n > 1), default=0)
+    reduce_order = tuple(sorted(range(len(mesh_shape)), key=lambda a: (reduce_byte[a], a)))
+    return size, q * size, growth, reduce_rate, move_rate, moving_growth, reduce_order
 
 
 _FIRST_PARTIAL = role_code("P", "sum")
 _FIRST_SPLIT = role_code("S", 0)
 
 
-def _axis_terms(one_step: int, bit: int, target: int, ndim: int) -> tuple[Terms, ...]:
-    """The terms of one axis, indexed by role code (the table above); ``one_step`` is the
-    units of n-1 rounds on the axis."""
+def _task_units(
+    n: int, gather: int, scatter: int, reduce: int, to_all: int, step: int
+) -> tuple[int, int, int, int, int, int]:
+    """The units of each task on an axis of size ``n`` whose kinds cost ``gather``, ``scatter``,
+    ``reduce`` and ``to_all`` units a round and every step ``step``, each task the cheapest way
+    to do it with every step's overhead and margin counted (module docstring): (reduce into a
+    split, reduce to replicated, leave a split for another, leave a split and come back to it,
+    leave a split for replicated, one local step)."""
+    gather, scatter, reduce, to_all = (n - 1) * gather, (n - 1) * scatter, 2 * (n - 1) * reduce, (n - 1) * to_all
+    return (
+        min(scatter + step, reduce + 2 * step),  # reduce_scatter, or all_reduce then slice
+        min(reduce + step, scatter + gather + 2 * step),  # all_reduce, or reduce_scatter then all_gather
+        min(to_all + step, gather + 2 * step),  # all_to_all, or all_gather then slice
+        2 * step + min(gather, 2 * to_all),  # all_gather then slice, or two all_to_alls
+        gather + step,  # only an all_gather makes a split axis replicated
+        step,
+    )
+
+
+def _axis_terms(units: tuple[int, int, int, int, int, int], bit: int, target: int, ndim: int) -> tuple[Terms, ...]:
+    """The terms of one axis, indexed by role code (the table above); ``units`` are the axis's
+    task units (:func:`_task_units`)."""
+    into_split, reduced, away, back, gathered, step = units
     zero = (0, 0, 0, 0)
     if target >= _FIRST_SPLIT:
-        # Partial: reduce_scatter. Split out of place: leave; leave and come back to the same dim.
-        partial, away, back = (one_step, 1, bit, 0), (one_step, 1, 0, bit), (one_step, 2, 0, bit)
-        row = [(0, 1, 0, 0), *[partial] * len(REDUCE_OPS)]
+        # Replicated: slice. Partial: reduce_scatter. Split out of place: leave; leave and come
+        # back to the same dim.
+        row = [(step, 1, 0, 0), *[(into_split, 1, bit, 0)] * len(REDUCE_OPS)]
         for dim in range(ndim):
-            row += (back if target == _FIRST_SPLIT + 2 * dim + 1 else away, zero)
+            row += ((back, 2, 0, bit) if target == _FIRST_SPLIT + 2 * dim + 1 else (away, 1, 0, bit), zero)
         return tuple(row)
-    # Replicated or partial target. Partial with another op: reduce (2(n-1) rounds' worth),
-    # then for a partial target the partial step. Split: leave (then the partial step).
-    steps = 1 if target == REPLICATED else 2
-    partial, away = (2 * one_step, steps, bit, 0), (one_step, steps, 0, bit)
-    row = [(0, int(target != REPLICATED), 0, 0)]
+    # Replicated or partial target. Partial with another op: reduce, then for a partial target
+    # the partial step. Split: leave by an all_gather (then the partial step).
+    extra = 0 if target == REPLICATED else 1
+    row = [(extra * step, extra, 0, 0)]
+    partial = (reduced + extra * step, 1 + extra, bit, 0)
     row += [zero if code == target else partial for code in range(_FIRST_PARTIAL, _FIRST_SPLIT)]
-    return tuple(row + [away, zero] * ndim)
+    return tuple(row + [(gathered + extra * step, 1 + extra, 0, bit), zero] * ndim)
 
 
 def _least(floors: list[tuple[int, int]], growth: int, now: int, target: int) -> int:

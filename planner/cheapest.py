@@ -33,8 +33,9 @@ state, intermediate layouts included. Results are memoized on all arguments.
 
 Budget: one ``max_states`` (``planner.search``) covers the whole request. Each collective leg
 charges the states its search generated, each candidate one more, and pricing a
-point-to-point step charges one state per rank holding a nonempty piece on either side of it
-(``planner.holdings.holder_count``) and per message (both counted before anything is built).
+point-to-point step charges ``planner.p2p.pricing_states`` (its arrays: the ranks holding a piece
+on either side, a pattern-valued step's transfers) and making its list ``exchange_states`` (one
+per transfer), both counted before anything is built.
 The request ends in a :class:`PlanBudgetError` as soon as the charges pass ``max_states``;
 charges depend only on the request, so every process agrees.
 """
@@ -49,8 +50,7 @@ import attrs
 
 from planner.cost import COPY, STEP, CostModel, collective_rounds, priced_as
 from planner.errors import PlanBudgetError, PlanError
-from planner.holdings import holder_count
-from planner.p2p import Links, PlannedExchange, message_count, time_lower_bound
+from planner.p2p import Links, PlannedExchange, exchange_states, pricing_states, time_lower_bound
 from planner.plans import Plan
 from planner.search import DEFAULT_MAX_STATES, Request, budget_error, checked, collective_outcome
 from planner.units import OpUnits
@@ -244,12 +244,12 @@ def _cheapest_within(budget: _Budget) -> Plan:
             break
         mix: _Mix = candidate  # type: ignore[assignment]
         if stage == 0:
-            holders = holder_count(mix.before.dst, shape) + holder_count(mix.after.src, shape)
-            budget.charge(holders, f"pricing the point-to-point step {mix.before.dst} -> {mix.after.src}")
+            states = pricing_states(mix.before.dst, mix.after.src, shape)
+            budget.charge(states, f"pricing the point-to-point step {mix.before.dst} -> {mix.after.src}")
             units += time_lower_bound(mix.before.dst, mix.after.src, shape, itemsize, links)
         else:
             budget.charge(
-                message_count(mix.before.dst, mix.after.src, shape),
+                exchange_states(mix.before.dst, mix.after.src, shape),
                 f"the messages of the point-to-point step {mix.before.dst} -> {mix.after.src}",
             )
             mix = attrs.evolve(mix, exchange=PlannedExchange(mix.before.dst, mix.after.src, shape, itemsize, links))

@@ -52,15 +52,16 @@ of at least ``from_bytes`` (the table's bytes, per axis): a step is priced by th
 bytes fall in, so the kind's time is a line in the bytes up to the break and another line from
 it, as ``shardlang calibrate`` fits where a backend's time per byte changes with the message
 (docs/calibration.md). The search keeps its exact comparison (the large regime is one more
-pseudo-kind on the integer scale, :func:`large_key`), its lower bound (``planner.bound``: the
-least rates of every regime) and its pruning rules (``planner.space``: a rule holds on an axis
+pseudo-kind on the integer scale, :func:`large_key`), its lower bound (``planner.bound``: each
+kind at the least rates of its regimes) and its pruning rules (``planner.space``: a rule holds on an axis
 only if it holds for every pair of regimes). Point-to-point steps have one regime.
 
 The search compares times exactly: :func:`planner.units.integer_rates` scales the model so that
 every step time is an integer, so equal-time plans compare equal whatever the order of their
 steps, and the fewer-steps rule decides between them. The overhead and the margin are on the
 same scale (the pseudo-kind :data:`STEP` of :meth:`CostModel.figures`): every move of the search
-pays them, so the lower bound (which leaves them out) stays admissible, and the pruning rules of
+pays them, the lower bound charges them only for the steps each axis still needs at least (so it
+stays admissible, ``planner.bound``), and the pruning rules of
 ``planner.space``, which never trade a plan for one with more steps, stay exact. A step's
 ``copied`` bytes are on that scale too (the per-byte figure of the pseudo-kind :data:`COPY`),
 and the bound leaves them out as well (they are never negative); ``planner.space`` says which

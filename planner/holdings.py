@@ -147,6 +147,11 @@ def holder_count(layout: Layout, shape: tuple[int, ...]) -> int:
     return count * math.prod(n for a, n in enumerate(layout.mesh.shape) if a not in splitting)
 
 
+# Past this many ranks holding a piece, walks over them are numpy's (``planner.pieces``), which
+# small plans do not load (the planning commands start without numpy: tests/test_startup.py).
+VECTORIZE_FROM = 1024
+
+
 @functools.lru_cache(maxsize=1024)
 def blocks_of(layout: Layout, shape: tuple[int, ...]) -> Blocks:
     return Blocks(layout, shape)
@@ -156,7 +161,13 @@ def blocks_of(layout: Layout, shape: tuple[int, ...]) -> Blocks:
 def most_missing_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> int:
     """The most bytes of its target piece a target rank does not hold (module docstring), over
     the target ranks that hold a nonempty piece (the others lack nothing); a partial target's
-    piece is the block its rank holds addends of. Walks :class:`Blocks`, not the meshes' ranks."""
+    piece is the block its rank holds addends of. Walks :class:`Blocks`, not the meshes' ranks;
+    past :data:`VECTORIZE_FROM` holders, in numpy (``planner.pieces.target_needs``)."""
+    if holder_count(dst, shape) > VECTORIZE_FROM:
+        from planner.pieces import target_needs  # numpy: loaded only for many holders
+
+        _, elements, kept = target_needs(src, dst, shape, held=holds_values(src))
+        return int((elements - kept).max(initial=0)) * itemsize
     source = blocks_of(src, shape).of_rank if holds_values(src) else {}
     most = 0
     for rank, target in blocks_of(dst, shape).of_rank.items():

@@ -47,7 +47,8 @@ import attrs
 from planner.copies import exchange_copy_elements
 from planner.cost import COPY, STEP, CostModel
 from planner.errors import PlanError
-from planner.holdings import blocks_of, holder_count
+from planner.holdings import VECTORIZE_FROM, blocks_of, holder_count
+from planner.pattern import ExchangePattern
 from planner.plans import Plan, Step, Transfer
 from planner.search import DEFAULT_MAX_STATES, budget_error, checked
 from planner.units import integer_op_rates
@@ -56,7 +57,15 @@ from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
 from shardlang.mesh import Mesh
 
-__all__ = ["Links", "PlannedExchange", "message_count", "point_to_point_plan", "time_lower_bound"]
+__all__ = [
+    "Links",
+    "PlannedExchange",
+    "exchange_states",
+    "message_count",
+    "point_to_point_plan",
+    "pricing_states",
+    "time_lower_bound",
+]
 
 
 @attrs.frozen
@@ -108,11 +117,17 @@ class Links:
         key = (sender, receiver)
         if key not in self._links:
             a, b = self._mesh.coordinate(sender), self._mesh.coordinate(receiver)
-            axes = [rates for rates, i, j in zip(self._axes, a, b, strict=True) if i != j]
-            self._links[key] = Link(
-                max(r[0] for r in axes), max(r[1] for r in axes), max(r[2] for r in axes), min(r[3] for r in axes)
-            )
+            self._links[key] = self.over(tuple(axis for axis, (i, j) in enumerate(zip(a, b, strict=True)) if i != j))
         return self._links[key]
+
+    def over(self, axes: tuple[int, ...]) -> Link:
+        """The link between two ranks of one mesh that differ on ``axes`` (at least one): the slowest of them."""
+        if self._mesh is None:
+            return self._slowest
+        rates = [self._axes[a] for a in axes]
+        return Link(
+            max(r[0] for r in rates), max(r[1] for r in rates), max(r[2] for r in rates), min(r[3] for r in rates)
+        )
 
 
 @attrs.define
@@ -146,9 +161,19 @@ class _Traffic:
 class PlannedExchange:
     """The messages of a point-to-point step from ``before`` to ``after`` (neither partial; on
     the meshes ``links`` was made for), senders chosen; ``units`` is its time in the integer
-    units of ``links``. :meth:`step` makes the step record."""
+    units of ``links``. :meth:`step` makes the step record: its transfers a list, or where
+    :func:`patterned` a :class:`~planner.pattern.ExchangePattern`, priced from its table in
+    numpy (the same transfers, the same figures)."""
 
     def __init__(self, before: Layout, after: Layout, shape: tuple[int, ...], itemsize: int, links: Links) -> None:
+        self.after = after
+        self._overhead = links.overhead
+        if patterned(before, after, shape):
+            self._price_pattern(ExchangePattern(before, after, shape), itemsize, links)
+        else:
+            self._price_list(before, after, shape, itemsize, links)
+
+    def _price_list(self, before: Layout, after: Layout, shape: tuple[int, ...], itemsize: int, links: Links) -> None:
         blocks = blocks_of(before, shape)
         # One slot per (target rank, overlapping block), in target mesh order then block
         # order: [sender (None until chosen), receiver, part]; per block, its messages.
@@ -195,9 +220,10 @@ class PlannedExchange:
             copied = {rank: count * itemsize for rank, count in elements.items()}
         idle = _Traffic()
         ranks = traffic.keys() | copied.keys()
-        self.after = after
-        self._slots = slots
-        self._traffic = traffic
+        self.transfers: tuple[Transfer, ...] | ExchangePattern = tuple(
+            Transfer(sender, receiver, part) for sender, receiver, part in slots
+        )
+        self.bytes = max((max(t.sent, t.received) for t in traffic.values()), default=0)
         self.units = (
             max(
                 (traffic.get(r, idle).time_units() + copied.get(r, 0) * links.copy_units for r in ranks),
@@ -208,10 +234,76 @@ class PlannedExchange:
         self._seconds = max(
             (traffic.get(r, idle).time_seconds() + links.copy_seconds(copied.get(r, 0)) for r in ranks), default=0.0
         )
-        self._overhead = links.overhead
+
+    def _price_pattern(self, pattern: ExchangePattern, itemsize: int, links: Links) -> None:
+        """The figures of :meth:`_price_list` from the pattern's table: per rank and link, the
+        messages and bytes it sends and receives (numpy), then the time of each distinct row of
+        those counts in exact integers."""
+        import numpy as np
+
+        from planner.pattern import table_of
+        from planner.pieces import copied_elements, distinct_rows, near_largest, pieces_of
+
+        table = table_of(pattern)
+        remote = np.flatnonzero(table.sender != table.receiver)
+        sender, receiver = table.sender[remote], table.receiver[remote]
+        nbytes = table.numel[remote] * itemsize
+        kind = np.zeros(len(remote), dtype=np.int64)
+        classes = [links.fastest]  # one mesh and no message: unused; two meshes: every link is alike
+        if links._mesh is None:
+            classes = [links.over(())]
+        elif len(remote):  # one mesh: a message takes the slowest axis its ranks differ on
+            target = pieces_of(pattern.target, pattern.shape)
+            a, b = target.position_of(sender), table.receiver_position[remote]
+            mask = np.zeros(len(remote), dtype=np.int64)
+            for axis, (n, stride) in enumerate(zip(target.sizes, target.strides, strict=True)):
+                mask |= (((a // stride) % n) != ((b // stride) % n)).astype(np.int64) << axis
+            masks, kind = np.unique(mask, return_inverse=True)
+            classes = [links.over(tuple(x for x in range(len(target.sizes)) if m >> x & 1)) for m in masks.tolist()]
+        copy_ranks, copy_elements = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        if links.copy_units:
+            copy_ranks, copy_elements = copied_elements(pattern.source, pattern.target, pattern.shape, table)
+        ranks = np.unique(np.concatenate([sender, receiver, copy_ranks]))
+        sends, receives = np.searchsorted(ranks, sender), np.searchsorted(ranks, receiver)
+        # Per rank: per link class, messages sent and received and bytes sent and received; then bytes copied.
+        counts = np.zeros((len(ranks), 4 * len(classes) + 1), dtype=np.int64)
+        for c in range(len(classes)):
+            chosen = kind == c
+            for i, (at, weights) in enumerate(((sends, None), (receives, None), (sends, nbytes), (receives, nbytes))):
+                # float sums of integer bytes: exact below 2**53 bytes per rank
+                w = None if weights is None else weights[chosen]
+                counts[:, 4 * c + i] = np.bincount(at[chosen], weights=w, minlength=len(ranks))
+        counts[np.searchsorted(ranks, copy_ranks), -1] = copy_elements * itemsize
+        sent, received = counts[:, 2:-1:4].sum(axis=1), counts[:, 3:-1:4].sum(axis=1)
+        self.transfers = pattern
+        self.bytes = int(np.maximum(sent, received).max()) if len(ranks) else 0
+        # The slowest rank, exactly: the rows near the largest time in floats, then each in integers.
+        estimate = np.zeros((len(ranks), 4))
+        for c, link in enumerate(classes):
+            for i in range(4):
+                estimate[:, i] += counts[:, 4 * c + i] * float(link.units_per_message if i < 2 else link.units_per_byte)
+        total = np.maximum(estimate[:, 0], estimate[:, 1]) + np.maximum(estimate[:, 2], estimate[:, 3])
+        total += counts[:, -1] * float(links.copy_units)
+        rows = set(distinct_rows(counts[near_largest(total)]))
+        for c, link in enumerate(classes):  # and the longest in seconds (the same rows unless copies are priced)
+            for i in range(4):
+                estimate[:, i] = counts[:, 4 * c + i] * (link.alpha if i < 2 else 1 / link.bandwidth)
+        total = np.maximum(estimate[:, 0], estimate[:, 1]) + np.maximum(estimate[:, 2], estimate[:, 3])
+        total += np.array([links.copy_seconds(1)]) * counts[:, -1]
+        rows |= set(distinct_rows(counts[near_largest(total)]))
+        units, seconds = 0, 0.0
+        for row in rows:
+            per_class = [row[4 * c : 4 * c + 4] for c in range(len(classes))]
+            u = [sum(x[i] * (link.units_per_message if i < 2 else link.units_per_byte) for x, link in
+                     zip(per_class, classes, strict=True)) for i in range(4)]  # fmt: skip
+            s = [sum(x[i] * link.alpha if i < 2 else x[i] / link.bandwidth for x, link in
+                     zip(per_class, classes, strict=True)) for i in range(4)]  # fmt: skip
+            units = max(units, max(u[0], u[1]) + max(u[2], u[3]) + row[-1] * links.copy_units)
+            seconds = max(seconds, max(s[0], s[1]) + max(s[2], s[3]) + links.copy_seconds(row[-1]))
+        self.units = units + links.step_units
+        self._seconds = seconds
 
     def step(self) -> Step:
-        traffic = self._traffic.values()
         return Step(
             op="point_to_point",
             axis=None,
@@ -219,18 +311,64 @@ class PlannedExchange:
             to_dim=None,
             reduce_op=None,
             layout=self.after,
-            bytes=max((max(t.sent, t.received) for t in traffic), default=0),
+            bytes=self.bytes,
             seconds=self._seconds + self._overhead,
-            transfers=tuple(Transfer(sender, receiver, part) for sender, receiver, part in self._slots),
+            transfers=self.transfers,
         )
+
+
+# A step of more transfers than this is pattern-valued where its senders take turns
+# (planner.pattern) and more than VECTORIZE_FROM ranks hold its pieces; smaller steps keep their
+# list, as before patterns.
+PATTERN_FROM = 1024
+# The budget charges numpy work, row by row of its arrays, at this many rows per state.
+ROWS_PER_STATE = 32
+
+
+def _holders(before: Layout, after: Layout, shape: tuple[int, ...]) -> int:
+    return holder_count(before, shape) + holder_count(after, shape)
+
+
+def vectorized(before: Layout, after: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether the step ``before -> after`` is priced in numpy (``planner.pieces``): more than
+    ``planner.holdings.VECTORIZE_FROM`` ranks hold its pieces (:data:`PATTERN_FROM` while it is
+    lower: the tests turn patterns on for every step). Smaller steps walk their blocks."""
+    return _holders(before, after, shape) > min(VECTORIZE_FROM, PATTERN_FROM)
+
+
+def patterned(before: Layout, after: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether the step ``before -> after`` is pattern-valued: priced in numpy, more than
+    :data:`PATTERN_FROM` transfers, and the senders the planner chooses are the pattern's turns
+    (one holder per block, or on two meshes, where every link is alike, messages of one size per
+    block)."""
+    if not vectorized(before, after, shape):
+        return False
+    from planner.pieces import cyclic_senders_hold, exchange_rows, pieces_of
+
+    if pieces_of(before, shape).holders_per_block > 1 and before.mesh.same_geometry(after.mesh):
+        return False
+    return exchange_rows(before, after, shape) > PATTERN_FROM and cyclic_senders_hold(before, after, shape)
 
 
 def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], itemsize: int, links: Links) -> int:
     """A lower bound on ``PlannedExchange(before, after, ...).units`` without choosing senders: the
-    largest, over target ranks, of what receiving alone costs on the fastest link, plus the
-    step's overhead and margin (``Links.step_units``)."""
-    source = blocks_of(before, shape)
+    largest, over target ranks, of what receiving alone costs on the fastest link (every block
+    overlapping its piece but the one it holds, and the bytes it lacks), plus the step's overhead
+    and margin (``Links.step_units``). Over the target blocks, or where :func:`vectorized` in
+    numpy over the ranks holding a target piece."""
     fastest = links.fastest
+    if vectorized(before, after, shape):
+        import numpy as np
+
+        from planner.pieces import distinct_rows, near_largest, target_needs
+
+        messages, elements, held = target_needs(before, after, shape)
+        messages, missing = messages - (held > 0), (elements - held) * itemsize
+        near = near_largest(messages * float(fastest.units_per_message) + missing * float(fastest.units_per_byte))
+        pairs = distinct_rows(np.stack([messages[near], missing[near]], axis=1))
+        bound = max((m * fastest.units_per_message + b * fastest.units_per_byte for m, b in pairs), default=0)
+        return bound + links.step_units
+    source = blocks_of(before, shape)
     bound = 0
     for target, receivers in blocks_of(after, shape).holders.items():
         messages, elements = source.count_overlapping(target), target.numel
@@ -247,9 +385,31 @@ def time_lower_bound(before: Layout, after: Layout, shape: tuple[int, ...], item
 
 def message_count(before: Layout, after: Layout, shape: tuple[int, ...]) -> int:
     """How many transfers ``PlannedExchange(before, after, ...)`` makes (local copies included), counted
-    from the blocks without making them: what the planner's budget charges before building them."""
+    from the blocks (or where :func:`vectorized` the cuts) without making them."""
+    if vectorized(before, after, shape):
+        from planner.pieces import exchange_rows
+
+        return exchange_rows(before, after, shape)
     source = blocks_of(before, shape)
     return sum(source.count_overlapping(t) * len(r) for t, r in blocks_of(after, shape).holders.items())
+
+
+def pricing_states(before: Layout, after: Layout, shape: tuple[int, ...]) -> int:
+    """What pricing the step ``before -> after`` charges to the budget (``planner.cheapest``), counted
+    before anything is built: one state per rank holding a piece on either side
+    (``planner.holdings.holder_count``); where :func:`vectorized`, one per :data:`ROWS_PER_STATE`
+    of them, and for a pattern-valued step one per :data:`ROWS_PER_STATE` transfers (its table)."""
+    holders = _holders(before, after, shape)
+    if not vectorized(before, after, shape):
+        return holders
+    rows = message_count(before, after, shape) if patterned(before, after, shape) else 0
+    return -(-holders // ROWS_PER_STATE) + -(-rows // ROWS_PER_STATE)
+
+
+def exchange_states(before: Layout, after: Layout, shape: tuple[int, ...]) -> int:
+    """What making the step's list charges besides :func:`pricing_states`: one state per transfer,
+    none for a pattern-valued step (charged by :func:`pricing_states`)."""
+    return 0 if patterned(before, after, shape) else message_count(before, after, shape)
 
 
 def point_to_point_plan(
@@ -266,14 +426,13 @@ def point_to_point_plan(
     bound), each from one holder, senders balanced as the module docstring says.
 
     ``planner.plan`` chooses between this, collectives and mixes; this is the plain step. Its
-    budget (``planner.cheapest``): one state per rank holding a nonempty piece of either layout
-    (``planner.holdings.holder_count``: ranks holding nothing cost nothing), then one per message; a
-    :class:`PlanBudgetError` past ``max_states``.
-    """
+    budget (``planner.cheapest``): :func:`pricing_states` (ranks holding nothing cost nothing), then
+    :func:`exchange_states`; a :class:`PlanBudgetError` past ``max_states``. A large step whose
+    senders take turns is pattern-valued (:func:`patterned`, ``planner.pattern``)."""
     request = checked(src, dst, shape, dtype, cost, None, max_states)
     shape, cost = request.shape, request.cost
-    holders = holder_count(src, shape) + holder_count(dst, shape)
-    if holders > max_states:
+    pricing = pricing_states(src, dst, shape)
+    if pricing > max_states:
         raise budget_error(src, dst, shape, max_states, "listing the blocks of both meshes' ranks")
     for name, layout in (("source", src), ("target", dst)):
         if layout.is_partial:
@@ -281,7 +440,7 @@ def point_to_point_plan(
                 f"cannot plan {src} -> {dst} by one point-to-point step: the {name} is partial "
                 f"(planner.plan(..., point_to_point=True) resolves partials with collectives)"
             )
-    if holders + message_count(src, dst, shape) > max_states:
+    if pricing + exchange_states(src, dst, shape) > max_states:
         raise budget_error(src, dst, shape, max_states, "the messages of the point-to-point step")
     step = PlannedExchange(src, dst, shape, dtype_itemsize(dtype), Links(cost, src.mesh, dst.mesh)).step()
     return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(step,), cost=cost)

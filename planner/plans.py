@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import attrs
 
@@ -17,6 +17,9 @@ from shardlang.errors import ShardlangError
 from shardlang.layout import Layout, ReduceOp
 from shardlang.mesh import Mesh
 from shardlang.parser import parse_layout, parse_mesh
+
+if TYPE_CHECKING:
+    from planner.pattern import ExchangePattern
 
 # The baseline move set (README, "The planner"): one mesh axis per step. The default, and the move
 # set whose optimum the shared conformance data records.
@@ -50,6 +53,10 @@ class Step:
     step; ``seconds`` is the modeled time. ``bytes`` are sent per rank by a collective; for a
     ``point_to_point`` step (``axis`` None, its messages in ``transfers``, possibly between
     two meshes) they are the largest per-rank max(sent, received).
+
+    ``transfers`` is a tuple, or for a large step whose senders take turns an
+    :class:`~planner.pattern.ExchangePattern` that describes them (iterating it lists them all;
+    :meth:`transfers_of` gives one rank's without the others, :meth:`Plan.expanded` the list).
     """
 
     op: Op
@@ -60,12 +67,24 @@ class Step:
     layout: Layout
     bytes: int
     seconds: float
-    transfers: tuple[Transfer, ...] = ()
+    transfers: tuple[Transfer, ...] | ExchangePattern = ()
 
     @property
     def message_count(self) -> int:
         """The messages over the wire of a point-to-point step: its transfers but local copies."""
+        if not isinstance(self.transfers, tuple):
+            return self.transfers.message_count
         return sum(t.src_rank != t.dst_rank for t in self.transfers)
+
+    def transfers_of(self, rank: int) -> tuple[Transfer, ...]:
+        """The transfers global ``rank`` sends, receives or copies, in the order of the step's list."""
+        if not isinstance(self.transfers, tuple):
+            return self.transfers.transfers_of(rank)
+        return tuple(t for t in self.transfers if rank in (t.src_rank, t.dst_rank))
+
+    def expanded(self) -> Step:
+        """This step with its transfers as a list (itself when they are one)."""
+        return self if isinstance(self.transfers, tuple) else attrs.evolve(self, transfers=self.transfers.expanded())
 
     def describe(self) -> str:
         """``all_gather(axis=1, dim=0)``: the op and its arguments, without the cost."""
@@ -92,7 +111,10 @@ class Step:
             "seconds": self.seconds,
         }
         if self.op == "point_to_point":
-            out["transfers"] = [t.to_json() for t in self.transfers]
+            patterned = not isinstance(self.transfers, tuple)
+            out["transfers"] = (
+                {"pattern": self.transfers.to_json()} if patterned else [t.to_json() for t in self.transfers]
+            )
         return out
 
 
@@ -139,6 +161,9 @@ class Plan:
         local steps."""
         copied = []
         for before, step in zip(self.layouts(), self.steps, strict=False):
+            if step.axis is None and not isinstance(step.transfers, tuple):  # pattern-valued: its table
+                copied.append(step.transfers.most_copied_elements() * itemsize(self.dtype))
+                continue
             if step.axis is None:  # point_to_point
                 elements = exchange_copy_elements(
                     ((t.src_rank, t.dst_rank, t.box) for t in step.transfers),
@@ -151,6 +176,10 @@ class Plan:
             old, new = before.local_shape(self.shape), step.layout.local_shape(self.shape)
             copied.append(copy_elements(step.op, n, step.dim, step.to_dim, old, new) * itemsize(self.dtype))
         return tuple(copied)
+
+    def expanded(self) -> Plan:
+        """This plan with every point-to-point step's transfers as a list (``shardlang plan --expand``)."""
+        return attrs.evolve(self, steps=tuple(s.expanded() for s in self.steps))
 
     def to_json(self) -> dict[str, Any]:
         meshes = {lay.mesh.name: lay.mesh.text() for lay in (self.src, self.dst) if lay.mesh.name is not None}
@@ -205,5 +234,13 @@ def _step_from_json(data: Mapping[str, Any], meshes: Mapping[str, Mesh]) -> Step
         layout=parse_layout(data["layout"], meshes),
         bytes=int(data["bytes"]),
         seconds=float(data["seconds"]),
-        transfers=tuple(Transfer(int(t["src"]), int(t["dst"]), t["box"]) for t in data.get("transfers", ())),
+        transfers=_transfers_from_json(data.get("transfers", ()), meshes),
     )
+
+
+def _transfers_from_json(data: Any, meshes: Mapping[str, Mesh]) -> tuple[Transfer, ...] | ExchangePattern:
+    if isinstance(data, Mapping):
+        from planner.pattern import ExchangePattern
+
+        return ExchangePattern.from_json(data["pattern"], meshes)
+    return tuple(Transfer(int(t["src"]), int(t["dst"]), t["box"]) for t in data)

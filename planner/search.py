@@ -28,7 +28,7 @@ import math
 
 import attrs
 
-from planner.bound import LowerBound, Terms, cheapest_rates
+from planner.bound import KindRates, LowerBound, Terms, kind_rates
 from planner.cost import COPY, DEFAULT_COST, LOCAL_OPS, STEP, CostModel, large_key, priced_as
 from planner.errors import PlanBudgetError, PlanError
 from planner.plans import Plan, Step
@@ -37,6 +37,7 @@ from planner.units import integer_op_rates
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout
+from shardlang.mesh import Mesh
 
 # About half a second of search on one core here (some 100,000 states a second); every plan of
 # the benchmarks and conformance data needs under a tenth of it.
@@ -84,9 +85,9 @@ def checked(
         src.check_shape(shape)
         dst.check_shape(shape)
         itemsize = dtype_itemsize(dtype)
-        cost.for_mesh(src.mesh)
-        if dst.mesh.ndim != src.mesh.ndim:  # the fit depends on the number of axes only
-            cost.for_mesh(dst.mesh)
+        _check_fit(cost, src.mesh)
+        if dst.mesh.ndim != src.mesh.ndim:
+            _check_fit(cost, dst.mesh)
     except ShardlangError as e:
         raise PlanError(f"cannot plan {src} -> {dst}: {e.message}") from None
     if isinstance(max_states, bool) or not isinstance(max_states, int) or max_states < 1:
@@ -104,6 +105,21 @@ def checked(
                 f"more than max_local_bytes={max_local_bytes}"
             )
     return request
+
+
+# (cost model, number of mesh axes) that fit: the fit depends on the number of axes only.
+_FITS: set[tuple[CostModel, int]] = set()
+
+
+def _check_fit(cost: CostModel, mesh: Mesh) -> None:
+    """``cost.for_mesh(mesh)``'s check (a ShardlangError where the model's per-axis figures do
+    not fit the mesh), remembered once passed: every request checks it."""
+    key = (cost, mesh.ndim)
+    if key not in _FITS:
+        cost.for_mesh(mesh)
+        if len(_FITS) >= 1024:
+            _FITS.clear()
+        _FITS.add(key)
 
 
 def collective_plan(
@@ -170,10 +186,10 @@ def _plan_cached(request: Request) -> Outcome:
     if src.dims == dst.dims and src.partial == dst.partial:
         return Plan(src=src, dst=dst, shape=shape, dtype=dtype, steps=(), cost=cost), 0
     mesh = dst.mesh
-    figures = cost.figures(mesh)  # check_request made sure it fits
     kept = _kept_axes(src, dst)
-    large_from = cost.large_from(mesh)
-    problem = _Problem(src, dst, shape, dtype_itemsize(dtype), kept, figures, large_from)
+    tables = _tables(cost, mesh, kept)
+    problem = _Problem(src, dst, shape, dtype_itemsize(dtype), kept, tables)
+    figures, large_from = tables.figures, tables.full_large_from
     counter = [0]
     try:
         path = _astar(
@@ -200,9 +216,10 @@ def _plan_cached(request: Request) -> Outcome:
             layout = dst
         else:
             dims, partial = problem.space.decode(state)
-            layout = Layout.trusted(
-                tuple(tuple(kept[a] for a in axes) for axes in dims), mesh, tuple((kept[a], o) for a, o in partial)
-            )
+            if len(kept) < mesh.ndim:
+                dims = tuple(tuple(kept[a] for a in axes) for axes in dims)
+                partial = tuple((kept[a], o) for a, o in partial)
+            layout = Layout.trusted(dims, mesh, partial)
         alpha, bandwidth = figures[priced_as(op, full_axis, nbytes, large_from)]
         seconds = rounds * alpha[full_axis] + nbytes / bandwidth[full_axis] + cost.overhead + cost.copy_seconds(copied)
         steps.append(Step(op, full_axis, dim, to_dim, reduce_op, layout, nbytes, seconds))
@@ -217,9 +234,67 @@ def _kept_axes(src: Layout, dst: Layout) -> tuple[int, ...]:
     """The mesh axes the search sees: all but those of size 1 that both layouts leave
     replicated (module docstring)."""
     shape = dst.mesh.shape
+    if 1 not in shape:
+        return tuple(range(len(shape)))
     mentioned = {a for layout in (src, dst) for axes in layout.dims for a in axes}
     mentioned |= {a for layout in (src, dst) for a, _ in layout.partial}
     return tuple(a for a, n in enumerate(shape) if n > 1 or a in mentioned)
+
+
+@attrs.frozen
+class _Tables:
+    """What a search needs of a mesh (its ``kept`` axes only, renumbered ``0..len(kept)-1``) and
+    a cost model, whatever the pair: the integer rates per kind, the large-message regimes'
+    pseudo-kinds and starts per kept axis, the twin keys and pruning rules of
+    ``planner.space``, and the bound's rates (``planner.bound.kind_rates``)."""
+
+    figures: dict[str, tuple[tuple[float, ...], tuple[float, ...]]]  # the model's, on the whole mesh
+    full_large_from: dict[str, tuple[int, ...]]  # its regimes' starts, on the whole mesh
+    mesh_shape: tuple[int, ...]
+    per_round: dict[str, tuple[int, ...]]
+    per_byte: dict[str, tuple[int, ...]]
+    large_from: dict[str, tuple[str, tuple[int, ...]]]
+    twin_key: tuple[object, ...]
+    rules: tuple[tuple[bool, bool, bool], ...]
+    rates: KindRates
+
+
+# (cost model, mesh shape, kept axes) -> tables; cleared when full (few meshes recur in a process).
+_TABLES: dict[tuple[CostModel, tuple[int, ...], tuple[int, ...]], _Tables] = {}
+
+
+def _tables(cost: CostModel, mesh: Mesh, kept: tuple[int, ...]) -> _Tables:
+    """The :class:`_Tables` of ``mesh``'s ``kept`` axes under ``cost``. Cached by the mesh's
+    shape (the figures depend on its axes, not its ranks): a process plans many pairs on few
+    meshes, and these depend on neither layout."""
+    key = (cost, mesh.shape, kept)
+    found = _TABLES.get(key)
+    if found is None:
+        if len(_TABLES) >= 256:
+            _TABLES.clear()
+        found = _TABLES[key] = _tables_of(cost, mesh, kept)
+    return found
+
+
+def _tables_of(cost: CostModel, mesh: Mesh, kept: tuple[int, ...]) -> _Tables:
+    figures = cost.figures(mesh)  # checked() made sure it fits
+    large_from = cost.large_from(mesh)
+    mesh_shape = tuple(mesh.shape[a] for a in kept)
+    kept_figures = {op: (tuple(al[a] for a in kept), tuple(b[a] for a in kept)) for op, (al, b) in figures.items()}
+    ((per_round, per_byte),) = integer_op_rates(kept_figures)
+    kept_large = {op: (large_key(op), tuple(starts[a] for a in kept)) for op, starts in large_from.items()}
+    keys = [
+        (
+            n,
+            *((per_round[op][a], per_byte[op][a]) for op in sorted(per_round)),
+            *((op, starts[a]) for op, (_, starts) in sorted(kept_large.items())),
+        )
+        for a, n in enumerate(mesh_shape)
+    ]
+    twin_key = tuple(keys.index(key) for key in keys)  # equal for axes of equal keys, cheap to compare
+    rules = pruning(per_round, per_byte)
+    rates = kind_rates(mesh_shape, per_round, per_byte)
+    return _Tables(figures, large_from, mesh_shape, per_round, per_byte, kept_large, twin_key, rules, rates)
 
 
 class _Problem:
@@ -227,56 +302,39 @@ class _Problem:
     rates and the start, with axes renumbered ``0..len(kept)-1``."""
 
     def __init__(
-        self,
-        src: Layout,
-        dst: Layout,
-        shape: tuple[int, ...],
-        itemsize: int,
-        kept: tuple[int, ...],
-        figures: dict[str, tuple[tuple[float, ...], tuple[float, ...]]],
-        large_from: dict[str, tuple[int, ...]],
+        self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, kept: tuple[int, ...], tables: _Tables
     ) -> None:
-        index = {a: i for i, a in enumerate(kept)}
-        mesh_shape = tuple(dst.mesh.shape[a] for a in kept)
-        kept_figures = {op: (tuple(al[a] for a in kept), tuple(b[a] for a in kept)) for op, (al, b) in figures.items()}
-        ((self.per_round, self.per_byte),) = integer_op_rates(kept_figures)
-        # Per kind with a large-message regime: its pseudo-kind and where it starts, per kept axis.
-        self.large_from = {op: (large_key(op), tuple(starts[a] for a in kept)) for op, starts in large_from.items()}
+        index = None if len(kept) == src.mesh.ndim else {a: i for i, a in enumerate(kept)}
+        self.per_round, self.per_byte, self.large_from = tables.per_round, tables.per_byte, tables.large_from
         self.src_dims, src_partial = _renumbered(src, index)
         goal_dims, goal_partial = _renumbered(dst, index)
-        twin_key = tuple(
-            (
-                n,
-                *((self.per_round[op][a], self.per_byte[op][a]) for op in sorted(self.per_round)),
-                *((op, starts[a]) for op, (_, starts) in sorted(self.large_from.items())),
-            )
-            for a, n in enumerate(mesh_shape)
-        )
+        mesh_shape = tables.mesh_shape
         self.space = Space(
             mesh_shape,
             shape,
             itemsize,
             (goal_dims, goal_partial),
-            twin_key,
-            pruning(self.per_round, self.per_byte),
+            tables.twin_key,
+            tables.rules,
             copies=COPY in self.per_byte,
         )
-        least_round, least_byte = cheapest_rates(self.per_round, self.per_byte)
         self.bound = LowerBound(
             mesh_shape,
             itemsize,
             len(shape),
-            least_round,
-            least_byte,
+            tables.rates,
             self.space.target_roles,
             self.space.local_elements(goal_dims),
             math.prod(shape),
         )
-        self.start_terms = self.bound.state_terms(roles_of((self.src_dims, src_partial), len(kept), goal_dims))
+        self.start_terms = self.bound.state_terms(roles_of((self.src_dims, src_partial), len(mesh_shape), goal_dims))
         self.start = self.space.encode(self.src_dims, src_partial)
 
 
-def _renumbered(layout: Layout, index: dict[int, int]) -> Fields:
+def _renumbered(layout: Layout, index: dict[int, int] | None) -> Fields:
+    """The layout's fields with its axes renumbered by ``index`` (``None``: every axis kept)."""
+    if index is None:
+        return layout.dims, layout.partial
     dims = tuple(tuple(index[a] for a in axes) for axes in layout.dims)
     return dims, tuple((index[a], op) for a, op in layout.partial)
 
@@ -310,14 +368,16 @@ def _astar(
     heap = [(terms[0], terms[1], 0, 0, 0, 0, start, elements, terms, False)]
     tie = 0
     term_table = bound.terms
-    quick_bound = bound.quick_bytes_bound
+    # bound.quick_bytes_bound, inlined: the growth to the target, the reductions' part memoized
+    quick_bound, growth, target, ordered = bound.quick_bytes_bound, bound.growth, bound.target, bound.ordered
+    push, pop = heapq.heappush, heapq.heappop
     limit = math.inf if max_local_bytes is None else max_local_bytes // space.itemsize  # in elements
     max_states, counter = budget
     generated = 0
-    per_step = per_round[STEP][0]  # the overhead and margin every step pays (planner.cost), left out of the bound
-    per_copied = per_byte[COPY][0] if COPY in per_byte else 0  # a byte copied locally, also left out
+    per_step = per_round[STEP][0]  # the overhead and margin every step pays (planner.cost)
+    per_copied = per_byte[COPY][0] if COPY in per_byte else 0  # a byte copied locally, left out of the bound
     while heap:
-        f, f_steps, _, _, g, g_steps, state, elements, terms, full = heapq.heappop(heap)
+        f, f_steps, _, _, g, g_steps, state, elements, terms, full = pop(heap)
         known = best[state]
         if known[0] != g or known[1] != g_steps:
             continue  # a cheaper way here was found after this entry was queued
@@ -326,7 +386,7 @@ def _astar(
             f_full = g + h_rounds + bound.bytes_bound(elements, h_reduce, h_move)
             if f_full > f:
                 tie += 1
-                heapq.heappush(heap, (f_full, f_steps, -g, tie, g, g_steps, state, elements, terms, True))
+                push(heap, (f_full, f_steps, -g, tie, g, g_steps, state, elements, terms, True))
                 continue
         if state == goal:
             path = []
@@ -341,8 +401,13 @@ def _astar(
             op, axis, _, _, _, nxt, nbytes, rounds, before, after, next_elements, copied = move
             if next_elements > limit:
                 continue
-            kind = large_from[op][0] if op in large_from and nbytes >= large_from[op][1][axis] else op
-            n_g = g + rounds * per_round[kind][axis] + nbytes * per_byte[kind][axis] + per_step + copied * per_copied
+            if op in large_from and nbytes >= large_from[op][1][axis]:
+                op = large_from[op][0]  # priced by its large-message regime
+            n_g = g + per_step
+            if rounds:  # local steps and steps on a size-1 axis send nothing
+                n_g += rounds * per_round[op][axis] + nbytes * per_byte[op][axis]
+            if copied:
+                n_g += copied * per_copied
             seen = best.get(nxt)
             if seen is not None and (seen[0] < n_g or (seen[0] == n_g and seen[1] <= n_steps)):
                 continue
@@ -359,7 +424,12 @@ def _astar(
             moving = h_move - old[3] + new[3]
             tie += 1
             entry = (n_rounds, steps, reducing, moving)
-            f = n_g + n_rounds + quick_bound(next_elements, reducing)
-            heapq.heappush(heap, (f, n_steps + steps, -n_g, tie, n_g, n_steps, nxt, next_elements, entry, False))
+            f = n_g + n_rounds
+            if target > next_elements:
+                f += growth * (target - next_elements)
+            if reducing:
+                known_part = ordered.get(reducing)
+                f += quick_bound(target, reducing) if known_part is None else known_part
+            push(heap, (f, n_steps + steps, -n_g, tie, n_g, n_steps, nxt, next_elements, entry, False))
     counter[0] = generated
     return None

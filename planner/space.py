@@ -74,6 +74,7 @@ from shardlang.layout import REDUCE_OPS, padded_length, reduce_ops_commute
 Dims = tuple[tuple[int, ...], ...]
 Partial = tuple[tuple[int, str], ...]
 Fields = tuple[Dims, Partial]  # a layout's raw fields
+_Length = tuple[int, int]  # a dim and its new local length
 # op, axis, dim, to_dim, reduce_op, next state, bytes sent per rank, rounds, role before, role
 # after, local elements of the next state, bytes copied locally (``planner.cost``; 0 unless priced)
 PackedMove = tuple[str, int, "int | None", "int | None", "str | None", int, int, int, int, int, int, int]
@@ -110,6 +111,8 @@ class MoveFields(NamedTuple):
 REPLICATED = 0
 _PARTIAL = {op: 1 + i for i, op in enumerate(REDUCE_OPS)}
 _SPLIT = 1 + len(REDUCE_OPS)
+# Per partial state code, a bit of its op's commuting class (ops commute iff they share one).
+_CLASS_BIT = [0] + [1 << next(i for i, o in enumerate(REDUCE_OPS) if reduce_ops_commute(o, op)) for op in REDUCE_OPS]
 
 
 def role_code(role: str, dim_or_op: int | str | None = None, in_place: bool = False) -> int:
@@ -186,6 +189,7 @@ class Space:
         self.mesh_shape = mesh_shape
         # Whether moves count the bytes they copy locally (a model that prices them; else 0).
         self.copies = copies
+        self._copy_memo: dict[tuple[object, ...], int] = {}
         # Per axis: rule 4 after reduce_scatter, rule 4 after all_gather, rule 3 for all_to_all.
         self.rules = rules or ((True, True, True),) * len(mesh_shape)
         self.shape = shape
@@ -244,34 +248,50 @@ class Space:
         mesh_shape, shape, itemsize = self.mesh_shape, self.shape, self.itemsize
         naxes, ndim, bits, mask = len(mesh_shape), len(shape), self.bits, self.mask
         goal_dims = self.goal_dims
-        codes = [state >> (bits * a) & mask for a in range(naxes)]
+        codes = []
         count = [0] * ndim  # axes splitting each dim
         product = [1] * ndim  # product of their sizes
         # in_place[d]: how many of the outermost splits of d are as in the target (the
         # first position that differs from the target's, or the count).
         in_place = [naxes] * ndim
         partial = []
-        for a, code in enumerate(codes):
+        # Reductions apply in ascending axis order; an axis may go first only if its op
+        # commutes with every partial axis before it: ``blocked`` has a bit for each that may not.
+        blocked = 0
+        classes = 0  # bits of the commuting classes of the partial axes seen so far
+        for a in range(naxes):
+            code = state >> (bits * a) & mask
+            codes.append(code)
             if code >= _SPLIT:
                 d, position = divmod(code - _SPLIT, naxes)
                 count[d] += 1
                 product[d] *= mesh_shape[a]
-                target = goal_dims[d]
-                if position < in_place[d] and (position >= len(target) or target[position] != a):
-                    in_place[d] = position
+                if position < in_place[d]:
+                    target = goal_dims[d]
+                    if position >= len(target) or target[position] != a:
+                        in_place[d] = position
             elif code:
                 partial.append((a, REDUCE_OPS[code - 1]))
+                own = _CLASS_BIT[code]
+                if classes & ~own:
+                    blocked |= 1 << a
+                classes |= own
         lengths = [-(-length // p) for length, p in zip(shape, product, strict=True)]
         # arriving[d]: the axis that, appended to d, is at its place in the target (or -1).
         arriving = []
         for d in range(ndim):
             k, target = count[d], goal_dims[d]
-            in_place[d] = min(in_place[d], k)
+            if in_place[d] > k:
+                in_place[d] = k
             arriving.append(target[k] if in_place[d] == k < len(target) else -1)
-
-        last_op, last_axis, last_dim = (None, None, None) if last is None else last[:3]
-        for axis, n in enumerate(mesh_shape):
+        # Copies (0 when free) are memoized per space by the move and the local lengths.
+        copies, memo = self.copies, self._copy_memo
+        sized = tuple(lengths) if copies else ()
+        last_op, last_axis, last_dim = (None, None, None) if last is None else (last[0], last[1], last[2])
+        all_rules = self.rules
+        for axis in range(naxes):
             code = codes[axis]
+            n = mesh_shape[axis]
             shift = bits * axis
             again = axis == last_axis
             if code >= _SPLIT:
@@ -283,12 +303,13 @@ class Space:
                 whole = -(-shape[d] // (product[d] // n))  # d's local length once gathered
                 gathered_elements = elements // length * whole if length else 0
                 gathered = state - (code << shift)
-                nbytes = (n - 1) * elements * itemsize
-                rules = self.rules[axis]
+                rules = all_rules[axis]
                 if not (again and last_op == "reduce_scatter" and rules[0]):  # rule 4
-                    copied = self._copied("all_gather", n, d, None, lengths, ((d, whole),))
-                    yield ("all_gather", axis, d, None, None, gathered, nbytes, n - 1, before, REPLICATED,
-                           gathered_elements, copied)  # fmt: skip
+                    copied = memo.get((0, n, d, sized, whole)) if copies else 0
+                    if copied is None:
+                        copied = memo[0, n, d, sized, whole] = self._copied("all_gather", n, d, None, sized, (d, whole))
+                    yield ("all_gather", axis, d, None, None, gathered, (n - 1) * elements * itemsize, n - 1, before,
+                           REPLICATED, gathered_elements, copied)  # fmt: skip
                 for j in range(ndim):
                     if j == d or (again and j == last_dim):  # rule 4 (last_dim: where a2a took it from)
                         continue
@@ -297,36 +318,40 @@ class Space:
                     if not placed and (n == 1 or (length <= 1 and rules[2])):
                         continue  # rule 3
                     cut = -(-length // n)
-                    nbytes = (n - 1) * (elements // length * cut if length else 0) * itemsize
-                    moved = gathered + ((_SPLIT + j * naxes + count[j]) << shift)
-                    moved_elements = gathered_elements // length * cut if length else 0
-                    copied = self._copied("all_to_all", n, d, j, lengths, ((d, whole), (j, cut)))
-                    yield ("all_to_all", axis, d, j, None, moved, nbytes, n - 1, before, _SPLIT + 2 * j + placed,
-                           moved_elements, copied)  # fmt: skip
+                    if length:
+                        nbytes = (n - 1) * (elements // length * cut) * itemsize
+                        moved_elements = gathered_elements // length * cut
+                    else:
+                        nbytes = moved_elements = 0
+                    copied = memo.get((1, n, d, j, sized, whole, cut)) if copies else 0
+                    if copied is None:
+                        copied = memo[1, n, d, j, sized, whole, cut] = self._copied(
+                            "all_to_all", n, d, j, sized, (d, whole), (j, cut)
+                        )
+                    yield ("all_to_all", axis, d, j, None, gathered + ((_SPLIT + j * naxes + count[j]) << shift),
+                           nbytes, n - 1, before, _SPLIT + 2 * j + placed, moved_elements, copied)  # fmt: skip
             elif code:
-                op = REDUCE_OPS[code - 1]
-                # Reductions apply in ascending axis order; an axis may go first only if its
-                # op commutes with every partial axis before it.
-                if any(b < axis and not reduce_ops_commute(o, op) for b, o in partial):
+                if blocked >> axis & 1:
                     continue
+                op = REDUCE_OPS[code - 1]
                 reduced = state - (code << shift)
-                nbytes = 2 * (n - 1) * -(-elements // n) * itemsize
-                yield ("all_reduce", axis, None, None, op, reduced, nbytes, 2 * (n - 1), code, REPLICATED, elements,
-                       0)  # fmt: skip
+                yield ("all_reduce", axis, None, None, op, reduced, 2 * (n - 1) * -(-elements // n) * itemsize,
+                       2 * (n - 1), code, REPLICATED, elements, 0)  # fmt: skip
                 for j in range(ndim):
                     length = lengths[j]
-                    scattered_elements = elements // length * -(-length // n) if length else 0
-                    nbytes = (n - 1) * scattered_elements * itemsize
-                    scattered = reduced + ((_SPLIT + j * naxes + count[j]) << shift)
-                    after = _SPLIT + 2 * j + (arriving[j] == axis)
-                    copied = self._copied("reduce_scatter", n, j, None, lengths, ((j, -(-length // n)),))
-                    yield ("reduce_scatter", axis, j, None, op, scattered, nbytes, n - 1, code, after,
-                           scattered_elements, copied)  # fmt: skip
+                    cut = -(-length // n)
+                    scattered_elements = elements // length * cut if length else 0
+                    copied = memo.get((2, n, j, sized, cut)) if copies else 0
+                    if copied is None:
+                        copied = memo[2, n, j, sized, cut] = self._copied("reduce_scatter", n, j, None, sized, (j, cut))
+                    yield ("reduce_scatter", axis, j, None, op, reduced + ((_SPLIT + j * naxes + count[j]) << shift),
+                           (n - 1) * scattered_elements * itemsize, n - 1, code,
+                           _SPLIT + 2 * j + (arriving[j] == axis), scattered_elements, copied)  # fmt: skip
             else:
                 twins = self.idle_twins_below[axis]
                 if twins and any(not codes[c] for c in twins):
                     continue  # rule 2
-                if again and last_op == "all_gather" and self.rules[axis][1]:
+                if again and last_op == "all_gather" and all_rules[axis][1]:
                     continue  # rule 4
                 after_slice = last_op == "slice" and axis < last_axis  # type: ignore[operator]
                 for j in range(ndim):
@@ -336,10 +361,9 @@ class Space:
                         continue  # rule 3
                     if after_slice and j != last_dim:
                         continue  # rule 4
-                    sliced = state + ((_SPLIT + j * naxes + count[j]) << shift)
-                    sliced_elements = elements // length * -(-length // n) if length else 0
-                    yield ("slice", axis, j, None, None, sliced, 0, 0, REPLICATED, _SPLIT + 2 * j + placed,
-                           sliced_elements, 0)  # fmt: skip
+                    yield ("slice", axis, j, None, None, state + ((_SPLIT + j * naxes + count[j]) << shift), 0, 0,
+                           REPLICATED, _SPLIT + 2 * j + placed, elements // length * -(-length // n) if length else 0,
+                           0)  # fmt: skip
         # Rule 1: partial steps last, once nothing else is left to do.
         goal_ops = self.goal_ops
         if all(count[d] == in_place[d] == len(goal_dims[d]) for d in range(ndim)) and all(
@@ -352,12 +376,10 @@ class Space:
                     return
 
     def _copied(
-        self, op: str, n: int, dim: int, to_dim: int | None, lengths: list[int], changed: tuple[tuple[int, int], ...]
+        self, op: str, n: int, dim: int, to_dim: int | None, lengths: tuple[int, ...], *changed: _Length
     ) -> int:
         """The bytes a move copies locally (``planner.copies.copy_elements``) from the local
-        ``lengths``, whose dims ``changed`` take new lengths; 0 when copies are free."""
-        if not self.copies:
-            return 0
+        ``lengths``, whose dims ``changed`` take new lengths."""
         after = [*lengths]
         for d, length in changed:
             after[d] = length

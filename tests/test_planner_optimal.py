@@ -20,9 +20,9 @@ from fractions import Fraction
 import pytest
 
 import planner
-from planner.bound import LowerBound
+from planner.bound import LowerBound, kind_rates
 from planner.space import Space, roles_of
-from planner.units import integer_rates
+from planner.units import integer_op_rates
 from shardlang import Layout, Mesh
 
 OPS = ("sum", "avg", "max", "min")
@@ -345,17 +345,16 @@ def test_the_bound_never_overestimates_along_optimal_plans():
         got = planner.plan(src, dst, shape, dtype, cost)
         ref = reference_for(src, dst, shape, dtype, cost)
         remaining = ref.replay(got)
-        per_round, per_byte = integer_rates(*cost.for_mesh(src.mesh))
+        ((per_round, per_byte),) = integer_op_rates(cost.figures(src.mesh))
         # The planner's units and the reference's differ by a constant factor.
-        ratio = Fraction(ref.round_units[0] + ref.byte_units[0], per_round[0] + per_byte[0])
+        ratio = Fraction(ref.round_units[0] + ref.byte_units[0], per_round["all_gather"][0] + per_byte["all_gather"][0])
         goal = (dst.dims, dst.partial)
         space = Space(src.mesh.shape, shape, ITEMSIZE[dtype], goal, (0,) * src.mesh.ndim)
         bound = LowerBound(
             src.mesh.shape,
             ITEMSIZE[dtype],
             ndim,
-            per_round,
-            per_byte,
+            kind_rates(src.mesh.shape, per_round, per_byte),
             space.target_roles,
             space.local_elements(dst.dims),
             math.prod(shape),

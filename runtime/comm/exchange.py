@@ -14,7 +14,10 @@ buffer per peer. Both executors use these methods: the distributed one posts the
 
 ``check_point_to_point`` validates a step once per plan: sources not partial, every transfer
 inside its sender's source piece and its receiver's target piece, and every target piece
-covered exactly once (boxes contained, pairwise disjoint, volumes adding up to the piece).
+covered exactly once (boxes contained, pairwise disjoint, volumes adding up to the piece). A
+pattern-valued step (``planner.pattern``) makes its transfers from the layouts, which cover
+every piece by construction: it is checked to describe the step's own layouts and shape, and
+each rank makes only its own transfers (``Step.transfers_of``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections import defaultdict
 import attrs
 import torch
 
+from planner.pattern import ExchangePattern
 from planner.plans import Plan, Step, Transfer
 from runtime.errors import ReshardError
 from runtime.memory.packing import region
@@ -117,8 +121,8 @@ def compile_exchange(plan: Plan, index: int, rank: int) -> RankExchange | None:
     sends: dict[int, list[Box]] = defaultdict(list)
     receives: dict[int, list[Box]] = defaultdict(list)
     copies = []
-    for t in step.transfers:
-        if t.box.numel == 0 or rank not in (t.src_rank, t.dst_rank):
+    for t in step.transfers_of(rank):  # a pattern-valued step makes this rank's alone (planner.pattern)
+        if t.box.numel == 0:
             continue
         if t.src_rank == t.dst_rank:
             copies.append((t.box.relative_to(source_bounds), t.box.relative_to(target_bounds)))
@@ -150,6 +154,9 @@ def check_point_to_point(plan: Plan, index: int) -> None:
                 f"{where}: the state {when} a point_to_point step must not be partial ('{layout}' is partial over "
                 f"mesh axes {', '.join(axes)}); reduce on the source mesh first, or add partial steps after"
             )
+    if not isinstance(step.transfers, tuple):
+        _check_pattern(plan, step.transfers, source, target, where)
+        return
     received: dict[int, list[Box]] = defaultdict(list)
     for k, t in enumerate(step.transfers):
         _check_transfer(plan, t, source, target, f"{where}: transfer {k} (rank {t.src_rank} -> rank {t.dst_rank}")
@@ -157,6 +164,22 @@ def check_point_to_point(plan: Plan, index: int) -> None:
             received[t.dst_rank].append(t.box)
     for rank in target.mesh.ranks:
         _check_cover(received[rank], target.rank_piece(plan.shape, rank), f"{where}: rank {rank}'s target piece")
+
+
+def _check_pattern(plan: Plan, pattern: ExchangePattern, source: Layout, target: Layout, where: str) -> None:
+    """A pattern makes every target piece's transfers from the layouts (planner.pattern): it is
+    executable when it describes this step, from the state before it to the state after it."""
+    for mine, theirs, what in ((pattern.source, source, "before"), (pattern.target, target, "after")):
+        if mine.dims != theirs.dims or not mine.mesh.same_geometry(theirs.mesh):
+            raise ReshardError(
+                f"{where}: its transfers' pattern takes the state {what} the step to be '{mine}', "
+                f"the plan has '{theirs}'; plan the pair again (the plan was edited or is corrupt)"
+            )
+    if pattern.shape != plan.shape:
+        raise ReshardError(
+            f"{where}: its transfers' pattern is for a tensor of shape {list(pattern.shape)}, the plan's is "
+            f"{list(plan.shape)}; plan the pair again (the plan was edited or is corrupt)"
+        )
 
 
 def _check_transfer(plan: Plan, t: Transfer, source: Layout, target: Layout, what: str) -> None:

@@ -15,7 +15,10 @@ one all-reduce of the mismatch count over every rank involved makes all of them 
     verify_replicas([("w", w, layout), ...], rank, what="parameters", cause=PARAMETERS_CAUSE)
 
 Its cost: one pass over the pieces (in chunks, so the scratch is bounded), one all-gather of 24
-bytes per group of replicas and one all-reduce of 8 bytes.
+bytes per group of replicas and one all-reduce of 8 bytes. The fingerprints can also be taken
+first (:func:`fingerprints`) and compared later (:func:`compare`), or carried, one digest per
+group (:func:`group_digest`), by a collective that runs anyway: the optimizers' gradient check
+rides on the commit flag that way (runtime/optim/replica_checks.py).
 """
 
 from __future__ import annotations
@@ -189,20 +192,46 @@ def verify_replicas(
     names, a fingerprint of all their fingerprints), so that ranks that disagree on the tensors
     (other specs) get this error, not a collective of mismatched sizes; only where the group
     differs, a second all-gather of every tensor's fingerprint names them."""
-    groups: dict[tuple[Mesh, tuple[int, ...]], list[tuple[str, torch.Tensor]]] = {}
-    involved: set[int] = set()
+    compare(fingerprints(pieces, rank), rank, what=what, cause=cause, timeout=timeout)
+
+
+# This rank's fingerprints per group of replicas, keyed by the layouts' mesh and replicated
+# axes: (tensor name, 0-d int64 fingerprint) in the order given.
+Held = dict[tuple[Mesh, tuple[int, ...]], list[tuple[str, torch.Tensor]]]
+
+
+def fingerprints(pieces: Sequence[tuple[str, torch.Tensor | None, Layout]], rank: int) -> Held:
+    """The fingerprints :func:`verify_replicas` compares, taken now (no collective, no host
+    sync), so that they can be compared later, after the pieces changed or were freed: by
+    :func:`compare`, or folded into another collective (:func:`group_digest`)."""
+    held: Held = {}
     for name, piece, layout in pieces:
         axes = layout.replicated_axes()
         if rank not in layout.mesh.ranks or not any(layout.mesh.shape[a] > 1 for a in axes):
             continue
         value = _UNSEEN if piece is None else _fingerprint(piece)
-        groups.setdefault((layout.mesh, axes), []).append((name, value))
-        involved.update(layout.mesh.ranks)
+        held.setdefault((layout.mesh, axes), []).append((name, value))
+    return held
+
+
+def group_digest(entries: list[tuple[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """One 0-d int64 of a group's header (how many tensors, their names, their fingerprints):
+    equal on two ranks that would send equal headers in :func:`compare`; a fingerprint that
+    differs in one tensor always changes it (odd weights, :func:`_combined`). The commit flag
+    carries it instead of the header (runtime/optim/replica_checks.py)."""
+    mine = torch.stack([value for _, value in entries]).to(device)
+    return _combined(mine) + _signed(_mix(_names_digest(entries) ^ len(entries)))
+
+
+def compare(held: Held, rank: int, *, what: str, cause: str, timeout: datetime.timedelta) -> None:
+    """:func:`verify_replicas`' collectives on fingerprints already taken (:func:`fingerprints`):
+    every rank of the groups' meshes calls it, and raises alike."""
+    involved = {r for mesh, _ in held for r in mesh.ranks}
     found: list[str] = []
     counted = 0  # the differing tensors of the groups this rank comes first in: each once
     device = default_device()
     try:
-        for (mesh, axes), entries in groups.items():
+        for (mesh, axes), entries in held.items():
             members = axis_ranks(mesh, axes, rank)
             group = group_for(mesh, axes, members, timeout=timeout)
             mine = torch.stack([value for _, value in entries]).to(device)

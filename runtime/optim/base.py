@@ -212,7 +212,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._identity.hook(slots)
         flag = CommitFlag(
             timeout=self.timeout, enabled=all_ranks_commit, flags=1 if self.transactional else 2,
-            identity=self._identity,
+            identity=self._identity, replicas=self._replicas,
         )  # fmt: skip
         self._transaction = StepTransaction(
             slots, store, compiler, self._overlap, gathers, clipping, driver, flag, self._scratch,

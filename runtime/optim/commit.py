@@ -6,7 +6,9 @@ ranks of the stepped tensors' meshes, so that every rank commits or none does. T
 all-reduce carries a digest of what each rank is stepping (:class:`StepIdentity`: the step
 number, every group's hyperparameters, the ``zero_grad()`` calls since the last step), so that
 a rank with another learning rate, or one that skipped a ``step()``, is named on every rank and
-nothing commits.
+nothing commits; and, where it can, the check of the gradients declared replicated
+(``runtime.optim.replica_checks``: a digest and its negation per class of replicas), so that
+the check costs no collective of its own (docs/design/failures.md, "Replicas").
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from runtime.optim.records import StepTraffic
 from runtime.optim.slots import ranks_text
 
 if TYPE_CHECKING:
+    from runtime.optim.replica_checks import ReplicaChecks
     from runtime.optim.slots import Slot
 
 # How long a rank whose step failed waits to tell the others (see CommitFlag.agree).
 FAILURE_NOTICE = datetime.timedelta(seconds=2)
 # The flag, the digest and its negation: an all-reduce with min gives every rank the lowest
-# flag and the lowest and highest digest.
+# flag and the lowest and highest digest. The step's first flag carries the gradients' replica
+# check after them (ReplicaChecks.flag_elements more).
 FLAG_ELEMENTS = 3
 # The flag's values, the lowest wins: the stage failed; it ran but its gradients hold a NaN or
 # an inf; it ran.
@@ -214,15 +218,29 @@ def _steps(steps: tuple[int, int]) -> str:
 class CommitFlag:
     """The commit point: one bounded all-reduce of a flag over the ranks of the meshes of the
     tensors stepped (``all_ranks_commit``), ``flags`` per step (2 for an update in place: one
-    before its math, one after it)."""
+    before its math, one after it). With ``replicas``, the first flag of a step also compares
+    the gradients declared replicated, where they can ride on it
+    (:meth:`ReplicaChecks.flag_values`)."""
 
     def __init__(
-        self, *, timeout: datetime.timedelta, enabled: bool, flags: int, identity: StepIdentity | None = None
+        self,
+        *,
+        timeout: datetime.timedelta,
+        enabled: bool,
+        flags: int,
+        identity: StepIdentity | None = None,
+        replicas: ReplicaChecks | None = None,
     ) -> None:
         self.timeout, self.enabled, self._flags, self.identity = timeout, enabled, flags, identity
+        self.replicas = replicas if enabled else None
+        if self.replicas is not None:
+            self.replicas.on_flag = True
         self._flag: torch.Tensor | None = None  # reduced in place
         # Why the last agreement failed, where the ranks told it (they step different things).
         self.why: str | None = None
+        # The error of the last agreement refused for the replicas' check (ReplicaMismatchError
+        # on every rank), to raise once the step is abandoned.
+        self.refusal: DistributedError | None = None
 
     @property
     def flags(self) -> int:
@@ -231,11 +249,16 @@ class CommitFlag:
 
     def traffic(self, members: Sequence[int]) -> tuple[int, int]:
         """Bytes and collectives of a step's flags (the cost model's all_reduce row for
-        :data:`FLAG_ELEMENTS` int64: ``2 (n-1)`` times that sent)."""
+        :data:`FLAG_ELEMENTS` int64, and the replicas' on the first: ``2 (n-1)`` times that
+        sent)."""
         n = len(members)
         if not self.enabled or n < 2 or not dist.is_initialized():
             return 0, 0
-        return self._flags * 2 * (n - 1) * 8 * FLAG_ELEMENTS, self._flags
+        return (self._flags * FLAG_ELEMENTS + self._carried()) * 2 * (n - 1) * 8, self._flags
+
+    def _carried(self) -> int:
+        """The int64 the first flag of a step carries for the replicas' check."""
+        return 0 if self.replicas is None else self.replicas.flag_elements()
 
     def agree(
         self,
@@ -251,18 +274,28 @@ class CommitFlag:
         since success needs every rank's flag. With ``slots`` (the step's first flag) every
         rank must also step the same :class:`StepIdentity`, and with ``finite`` hold finite
         gradients, or none commits and :attr:`why` says which ranks differ or which gradients
-        are not finite."""
-        self.why = None
+        are not finite. The first flag (``slots`` given, on a failed rank too) also carries the
+        replicas' check: where the gradients declared replicated differ, none commits and
+        :attr:`refusal` is the ``ReplicaMismatchError`` to raise."""
+        self.why, self.refusal = None, None
         if not self.enabled or len(members) < 2 or not dist.is_initialized():
             if ok and finite is not None and not bool(finite.ok):
                 self.why = f"was refused: {nonfinite_text([(None, finite.names())])}"
                 return False
             return ok
+        carried = self._carried() if slots is not None else 0
+        size = FLAG_ELEMENTS + carried
         if self._flag is None:
             self._flag = torch.empty(FLAG_ELEMENTS, dtype=torch.int64, device=default_device())
-        summary = self.identity.of(slots) if self.identity is not None and slots else None
+        # With the replicas' check, a flag of this step only, not kept: what the optimizer holds
+        # stays its memory report, to the 24 bytes of the kept flag.
+        flag = self._flag if not carried else self._flag.new_empty(size)
+        summary = self.identity.of(slots) if ok and self.identity is not None and slots else None
         digest = 0 if summary is None else _digest(summary)
-        flag = self._flag.copy_(torch.tensor([READY if ok else FAILED, digest, -digest], dtype=torch.int64))
+        flag[:FLAG_ELEMENTS].copy_(torch.tensor([READY if ok else FAILED, digest, -digest], dtype=torch.int64))
+        if carried:
+            assert self.replicas is not None
+            flag[FLAG_ELEMENTS:].copy_(self.replicas.flag_values(flag.device))
         if ok and finite is not None:  # on the gradients' device: read with the flag, no sync of its own
             flag[:1] -= finite.ok.logical_not().to(device=flag.device, dtype=torch.int64)
         wait = self.timeout if ok else min(self.timeout, FAILURE_NOTICE)
@@ -281,8 +314,8 @@ class CommitFlag:
                     op="all_reduce",
                     axis=None,
                     ranks=members,
-                    bytes_sent=2 * (n - 1) * 8 * FLAG_ELEMENTS,
-                    planned_bytes=2 * (n - 1) * 8 * FLAG_ELEMENTS,
+                    bytes_sent=2 * (n - 1) * 8 * size,
+                    planned_bytes=2 * (n - 1) * 8 * size,
                     seconds=time.perf_counter() - started,
                 )
             )
@@ -291,6 +324,13 @@ class CommitFlag:
         if agreed[0] == NONFINITE or agreed[1] != -agreed[2]:  # or the lowest digest is not the highest
             self.why = self._named(members, group, summary, finite)
             return False
+        if carried:
+            assert self.replicas is not None
+            try:  # every rank sees every class: all run the check's own collectives, or none
+                self.replicas.settle(agreed[FLAG_ELEMENTS:])
+            except DistributedError as e:
+                self.refusal = e
+                return False
         if self.identity is not None and summary is not None:
             self.identity.zero_grads = 0
             self.identity.fresh()

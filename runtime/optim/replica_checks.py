@@ -8,25 +8,40 @@ states held in replicated layouts after ``load_state_dict``, the gradients decla
 at the first step (and every N-th with ``verify_replicas=N``). Each replica check is
 ``runtime.comm.replicas.verify_replicas``: one pass over the pieces and a few bytes of
 collectives, raising ``ReplicaMismatchError`` on every rank involved before anything changes
-(docs/design/failures.md, "Replicas")."""
+(docs/design/failures.md, "Replicas"). The gradients' check runs no collective of its own where
+it can: two int64 per class of replicas ride on the step's first commit flag
+(:meth:`ReplicaChecks.flag_values`, :meth:`ReplicaChecks.settle`), the collectives that name
+what differs run only on a mismatch."""
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 from collections.abc import Sequence
 
+import attrs
 import torch
 import torch.distributed as dist
 
 from runtime.comm.collectives import collective, default_device
 from runtime.comm.groups import ranks_group
-from runtime.comm.replicas import GRADIENTS_CAUSE, PARAMETERS_CAUSE, verify_replicas
+from runtime.comm.replicas import (
+    GRADIENTS_CAUSE,
+    PARAMETERS_CAUSE,
+    Held,
+    compare,
+    fingerprints,
+    group_digest,
+    verify_replicas,
+)
 from runtime.errors import DistributedError
 from runtime.memory.dtypes import dtype_name
 from runtime.optim.errors import OptimizerError
 from runtime.optim.slots import Slot, Slots, ranks_text
+from shardlang.interop import is_dtensor
 from shardlang.layout import Layout
+from shardlang.mesh import Mesh
 
 STATES_CAUSE = (
     "the ranks loaded different optimizer states for the same replicated piece: load every rank's "
@@ -37,6 +52,11 @@ STATES_CAUSE = (
 # What a rank holds of a tensor that the step's collectives are sized from, as compared.
 _FIELDS = ("dtype", "shape", "param", "grad", "state", "states kept apart", "flat axis", "math dtype")
 _MASK = (1 << 62) - 1
+# The most classes of replicas (sets of ranks that must hold equal gradients) whose check rides
+# on the commit flag, two int64 each (1 KiB at most); more check with their own collectives.
+FOLDED_CLASSES = 64
+# What a rank puts on the flag for a class it holds nothing of: the MIN all-reduce's neutral.
+_NEUTRAL = (1 << 63) - 1
 
 
 def agree_on_layouts(slots: Sequence[Slot], timeout: datetime.timedelta) -> None:
@@ -126,6 +146,15 @@ def replica_checks_every(value: object) -> int | None:
     raise OptimizerError(f"verify_replicas must be True, False or a number of steps >= 1, got {value!r}")
 
 
+@attrs.frozen
+class _Fold:
+    """Where the gradients' check rides on the commit flag: ``classes`` classes of replicas,
+    this rank's class per group of replicas (``place``: keyed as :data:`Held`)."""
+
+    classes: int
+    place: dict[tuple[Mesh, tuple[int, ...]], int]
+
+
 class ReplicaChecks:
     """The replica checks of one optimizer's ``slots``; ``every``: as
     :func:`replica_checks_every` returns (None: checks nothing)."""
@@ -133,6 +162,11 @@ class ReplicaChecks:
     def __init__(self, slots: Slots, *, rank: int, timeout: datetime.timedelta, every: int | None) -> None:
         self._slots, self.rank, self.timeout, self.every = slots, rank, timeout, every
         self._grad_steps = 0  # steps whose gradients this optimizer checked (or took unchecked)
+        # Set by the commit flag that carries the gradients' check (runtime.optim.commit).
+        self.on_flag = False
+        self._fold_of: tuple[int, _Fold | None] | None = None  # per number of slots (add_param_group)
+        self._pending: tuple[Held, str] | None = None  # the fingerprints of a step due, to compare
+        self._told: tuple[Held, str] | None = None  # those the last flag carried
 
     @property
     def enabled(self) -> bool:
@@ -156,7 +190,9 @@ class ReplicaChecks:
     def gradients(self, slots: Sequence[Slot], grads: Sequence[tuple[torch.Tensor, Layout]], step: int) -> None:
         """At this optimizer's first step, and every ``every``-th after it: the gradients
         declared replicated agree. A gradient a bucket already took (``free_grads`` under
-        overlap) is left out on this rank (``None``)."""
+        overlap) is left out on this rank (``None``). Where the check rides on the commit flag
+        (:meth:`_fold`) the fingerprints are taken now and compared by the step's first flag
+        (:meth:`flag_values`, :meth:`settle`); elsewhere now, with collectives of their own."""
         if not self.enabled:
             return
         due = self._grad_steps == 0 or (self.every and self._grad_steps % self.every == 0)
@@ -165,8 +201,102 @@ class ReplicaChecks:
                 (slot.name, None if slot.taken is not None else grad, layout)
                 for slot, (grad, layout) in zip(slots, grads, strict=True)
             ]
-            self._verify(pieces, f"gradients of step {step}", GRADIENTS_CAUSE)
+            if self._fold() is not None:  # compared by the commit flag (flag_values, settle)
+                self._pending = (fingerprints(pieces, self.rank), f"gradients of step {step}")
+            else:
+                self._verify(pieces, f"gradients of step {step}", GRADIENTS_CAUSE)
         self._grad_steps += 1
+
+    def flag_elements(self) -> int:
+        """The int64 the gradients' check adds to the step's first commit flag: two per class
+        of replicas on every step, checked or not, so that the flag has one size on every rank
+        whatever each one counts (0: checked with collectives of their own)."""
+        fold = self._fold()
+        return 0 if fold is None else 2 * fold.classes
+
+    def flag_values(self, device: torch.device) -> torch.Tensor:
+        """What this rank adds to the step's first flag (:meth:`flag_elements` int64), reduced
+        with MIN: per class ``v`` and ``~v``, ``v`` the digest of the group's fingerprints
+        (``runtime.comm.replicas.group_digest``) where this rank is of the class and its step is
+        checked, the neutral ``INT64_MAX`` twice elsewhere. After the MIN, a class whose members
+        all sent the same ``v`` holds ``v`` and ``~v``; one whose members differ holds
+        ``min(v)`` and ``~max(v)`` (:meth:`settle`)."""
+        fold = self._fold()
+        assert fold is not None
+        values = torch.full((2 * fold.classes,), _NEUTRAL, dtype=torch.int64, device=device)
+        self._told, self._pending = self._pending, None
+        if self._told is None:
+            return values
+        held = self._told[0]
+        missing = [key for key in held if key not in fold.place]
+        if missing:  # the layouts are the declared ones (_fold), on the mesh _fold placed
+            raise OptimizerError(f"the gradients' replica check has no place on the commit flag for {missing}")
+        if held:
+            where = torch.tensor([2 * fold.place[key] for key in held], dtype=torch.int64, device=device)
+            digests = torch.stack([group_digest(entries, device) for entries in held.values()])
+            values[where] = digests
+            values[where + 1] = torch.bitwise_not(digests)
+        return values
+
+    def settle(self, reduced: Sequence[int]) -> None:
+        """After the flag's MIN (``reduced``: what :meth:`flag_values` added, reduced): where a
+        class's members sent different digests (every rank sees every class, so all decide
+        alike), every rank runs the check's own collectives on the fingerprints it sent, which
+        name the tensors, axes and ranks (``runtime.comm.replicas.compare``), raising
+        :class:`ReplicaMismatchError` on every rank; the step is then not counted, as when the
+        check raised before the flag."""
+        told, self._told = self._told, None
+        pairs = zip(reduced[0::2], reduced[1::2], strict=True)
+        if all(low == ~high_not or low == high_not == _NEUTRAL for low, high_not in pairs):
+            return
+        held, what = told if told is not None else ({}, "gradients")
+        try:
+            compare(held, self.rank, what=what, cause=GRADIENTS_CAUSE, timeout=self.timeout)
+        except DistributedError:
+            self._grad_steps -= 1
+            raise
+
+    def _fold(self) -> _Fold | None:
+        """Where the gradients' check rides on the commit flag, or None where it cannot and
+        runs its own collectives (docs/design/failures.md, "Replicas"): no commit flag
+        (``all_ranks_commit=False``); a DTensor parameter, whose gradient's layout is known only
+        at the step (each rank from its own DTensor), so the classes could differ between ranks;
+        gradients or states on several meshes (the flag's ranks are those of the state meshes:
+        a class must lie within them, and each rank must place the same classes); more than
+        :data:`FOLDED_CLASSES` classes. The same on every rank: the layouts are declared and
+        agreed on (:func:`agree_on_layouts`)."""
+        if self._fold_of is None or self._fold_of[0] != len(self._slots):
+            self._fold_of = (len(self._slots), self._placed() if self.on_flag and self.enabled else None)
+        return self._fold_of[1]
+
+    def _placed(self) -> _Fold | None:
+        layouts = [slot.grad_layout for slot in self._slots]
+        if not layouts or any(lay is None for lay in layouts) or any(is_dtensor(s.param) for s in self._slots):
+            return None
+        mesh = layouts[0].mesh  # type: ignore[union-attr]
+        ranks = tuple(mesh.ranks)
+        if self.rank not in ranks or any(
+            lay.mesh != mesh or tuple(s.state_layout.mesh.ranks) != ranks  # type: ignore[union-attr]
+            for s, lay in zip(self._slots, layouts, strict=True)
+        ):
+            return None
+        place: dict[tuple[Mesh, tuple[int, ...]], int] = {}
+        classes = 0
+        coordinate = mesh.coordinate(self.rank)
+        for layout in layouts:
+            axes = layout.replicated_axes()  # type: ignore[union-attr]
+            if (mesh, axes) in place or not any(mesh.shape[a] > 1 for a in axes):
+                continue
+            # This rank's class: its coordinate on the other axes, row-major.
+            others = [a for a in range(mesh.ndim) if a not in axes]
+            index = 0
+            for a in others:
+                index = index * mesh.shape[a] + coordinate[a]
+            place[(mesh, axes)] = classes + index
+            classes += math.prod(mesh.shape[a] for a in others)
+            if classes > FOLDED_CLASSES:
+                return None
+        return _Fold(classes, place) if classes else None  # none: nothing to compare
 
     def _verify(self, pieces: Sequence[tuple[str, torch.Tensor | None, Layout]], what: str, cause: str) -> None:
         verify_replicas(pieces, self.rank, what=what, cause=cause, timeout=self.timeout)

@@ -91,12 +91,14 @@ class StepTransaction:
                 staged = stage()
             except Exception:
                 with profiled(COMMIT, first):
-                    self.flag.agree(members, ok=False)  # the others must not commit either
+                    self.flag.agree(members, ok=False, slots=slots)  # the others must not commit either
                 raise
             with profiled(COMMIT, first):
                 agreed = self.flag.agree(members, ok=True, slots=slots, finite=staged.finite)
             if not agreed:
                 staged.abandon()
+                if self.flag.refusal is not None:  # the gradients declared replicated differ
+                    raise self.flag.refusal
                 why = self.flag.why or f"failed on another rank of {ranks_text(members)}"
                 raise OptimizerStepError(
                     f"step {min(s.step for s in slots) + 1} {why}; "
