@@ -274,9 +274,9 @@ class ReplicaChecks:
         if not layouts or any(lay is None for lay in layouts) or any(is_dtensor(s.param) for s in self._slots):
             return None
         mesh = layouts[0].mesh  # type: ignore[union-attr]
-        ranks = tuple(mesh.ranks)
+        ranks = mesh.ranks  # runs of ranks: `in` and `==` cost nothing per rank (shardlang.mesh)
         if self.rank not in ranks or any(
-            lay.mesh != mesh or tuple(s.state_layout.mesh.ranks) != ranks  # type: ignore[union-attr]
+            lay.mesh != mesh or s.state_layout.mesh.ranks != ranks  # type: ignore[union-attr]
             for s, lay in zip(self._slots, layouts, strict=True)
         ):
             return None
