@@ -237,13 +237,13 @@ def rank_tensor(tensor: TensorSpec, rank: int, optimizer: str, flat_axis: str | 
 
 def contiguous_in(block: Sequence[int], whole: Sequence[int]) -> bool:
     """Whether a block of shape ``block`` cut from a contiguous tensor of shape ``whole`` is one
-    range of it: every dim after the first one it cuts is whole.
+    range of it: past its leading dims of one element, every dim after the first is whole.
 
     >>> contiguous_in((16, 128), (64, 128)), contiguous_in((64, 32), (64, 128)), contiguous_in((1, 32), (64, 128))
     (True, False, True)
     """
-    cut = [d for d, (b, w) in enumerate(zip(block, whole, strict=True)) if b < w]
-    return not cut or all(block[d] == whole[d] for d in range(cut[0] + 1, len(whole)))
+    first = next((d for d, b in enumerate(block) if b != 1), len(block))
+    return all(block[d] == whole[d] for d in range(first + 1, len(whole)))
 
 
 def state_elements(block: tuple[int, ...], elements: int, optimizer: str) -> int:
