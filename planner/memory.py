@@ -13,7 +13,8 @@ bucket cap); the spare states of a step whose math writes new ones (a transactio
 Adafactor and Muon always); and the math's scratch (:func:`scratch_bytes`). Known only to a
 live optimizer, and passed in by it: CAME's and Adafactor's statistics' layouts and the
 buffers of their sums' all-reduces (``kept``), Muon's wave buffers, and what an FSDP2 wrapper
-keeps (``wrapper``).
+keeps (``wrapper``). Muon's Newton-Schulz iterations leave torch's bf16 product caches in host
+memory on a CPU rank (``kernels``, :mod:`planner.matmul_caches`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from planner.buffers import shares_after, step_buffer_bytes
-from planner.legs import without_axis
-from planner.spec_plan import plan_spec
+from planner.legs import DEFAULT_BUCKET_BYTES, without_axis
+from planner.matmul_caches import kernel_bytes
+from planner.matrices import plan_matrices
+from planner.spec_plan import plan_spec, step_tensor
 from shardlang.dtypes import itemsize
 from shardlang.layout import Layout, chunk_bounds
 from shardlang.spec import Spec, TensorSpec
@@ -79,10 +82,18 @@ class MemoryReport:
     # What the model's wrapper keeps besides the parameters' shards: over FSDP2's parameters, the
     # unsharded parameters of its largest fully_shard group (measured held between steps).
     wrapper: int = 0
+    # What torch's bf16 matrix products keep in host memory once Muon iterated its matrices on a
+    # CPU rank (oneDNN's code and primitive caches: planner.matmul_caches).
+    kernels: int = 0
 
     @property
     def total_bytes(self) -> int:
         return sum(attrs.astuple(self))
+
+    @property
+    def tensor_bytes(self) -> int:
+        """What the rank's tensors hold: every kind but torch's product caches (``kernels``)."""
+        return self.total_bytes - self.kernels
 
     def __str__(self) -> str:
         parts = [(k, v) for k, v in attrs.asdict(self).items() if v]
@@ -167,17 +178,22 @@ def rank_memory(
     free_grads: bool = True,
     kept: int = 0,
     wrapper: int = 0,
+    iterated: Sequence[tuple[int, int]] = (),
+    cpu: bool = True,
 ) -> MemoryReport:
     """What a rank holds for ``tensors`` stepped by ``optimizer`` (module doc): ``buffers``, the
     step program's bucket buffers; ``kept``, the working buffers only a live optimizer knows
-    (module doc), counted as scratch."""
+    (module doc), counted as scratch; ``iterated``, the shapes of the matrices whose
+    Newton-Schulz iterations the rank runs (Muon), whose bf16 products' caches a ``cpu`` rank
+    keeps (:func:`planner.matmul_caches.kernel_bytes`)."""
     params = sum(t.param for t in tensors)
     grads = 0 if free_grads else sum(t.grad for t in tensors)
     states = sum(t.states for t in tensors)
     masters = sum(t.master for t in tensors)
     spare = states + masters if transactional or optimizer in MATH_BEFORE_COMMIT else 0
     scratch = scratch_bytes(tensors, optimizer, transactional=transactional, fused=fused) + kept
-    return MemoryReport(params, grads, states, masters, buffers, spare, scratch, wrapper)
+    kernels = kernel_bytes(iterated) if cpu else 0
+    return MemoryReport(params, grads, states, masters, buffers, spare, scratch, wrapper, kernels)
 
 
 def predict_memory(
@@ -192,19 +208,38 @@ def predict_memory(
     transactional: bool = False,
     fused: bool = False,
     free_grads: bool = True,
+    cpu: bool = True,
 ) -> MemoryReport:
     """What ``rank`` (default: the first rank of the first tensor's state mesh, which holds the
     largest pieces) will hold for ``tensors`` (default: the spec's declared ones) stepped by
     ``optimizer`` (``adamw``, ``came``, ``adafactor``, ``muon``) with the optimizers' options:
-    :func:`rank_memory` of the spec's tensors (module doc)."""
+    :func:`rank_memory` of the spec's tensors (module doc); ``cpu``: the ranks run on CPU, where
+    Muon's matrix products keep caches (``kernels``)."""
     chosen = tuple(spec.tensors if tensors is None else tensors)
     if rank is None:
         rank = chosen[0].state().mesh.ranks[0] if chosen else 0
     pieces = [rank_tensor(t, rank, optimizer, flat_axis) for t in chosen]
     plan = plan_spec(spec, tensors=chosen, flat_axis=flat_axis, bucket_bytes=bucket_bytes, overlap=overlap, rank=rank)
     buffers = step_buffer_bytes(plan.step, shared_after=not transactional and shares_after(plan.step))
+    iterated: list[tuple[int, int]] = []
+    if optimizer == "muon":  # the matrices this rank iterates, as ShardedMuon places them
+        matrices = [
+            step_tensor(p.tensor, p.cost, flat_axis)
+            for p in plan.tensors
+            if len(p.tensor.shape) == 2 and rank in p.tensor.state().mesh.ranks
+        ]
+        cap = bucket_bytes if isinstance(bucket_bytes, int) else DEFAULT_BUCKET_BYTES
+        placed = plan_matrices(matrices, rank, bucket_bytes=cap).matrices if matrices else ()
+        iterated = [m.shape for m in placed if m.owner is None or m.owner == rank]
     return rank_memory(
-        pieces, optimizer, buffers=buffers, transactional=transactional, fused=fused, free_grads=free_grads
+        pieces,
+        optimizer,
+        buffers=buffers,
+        transactional=transactional,
+        fused=fused,
+        free_grads=free_grads,
+        iterated=iterated,
+        cpu=cpu,
     )
 
 

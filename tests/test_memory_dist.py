@@ -115,7 +115,7 @@ def test_memory_report_predicts_what_the_optimizer_holds(results: dict, case: st
         # What the optimizer's tensors hold is what its report says it holds (less what the
         # training loop holds: parameters and gradients), to the commit flag's few bytes; and
         # the report before the first step said so already.
-        counted = report.total_bytes - report.params - report.grads
+        counted = report.tensor_bytes - report.params - report.grads
         assert abs(got["held"] - counted) <= 64, (rank, got["held"], counted, str(report))
         if case not in ("transactional", "came_flat"):  # whose scratch the first step makes
             assert got["predicted_before"] == report.total_bytes, (got["predicted_before"], str(report))

@@ -76,12 +76,15 @@ class Accounting:
     def work_bytes(self) -> int:
         return self._store.spare_bytes + self._scratch.nbytes + self._compiler.buffers.nbytes
 
-    def memory_report(self, optimizer: str, *, fused: bool, kept: int) -> MemoryReport:
+    def memory_report(
+        self, optimizer: str, *, fused: bool, kept: int, iterated: Sequence[tuple[int, int]]
+    ) -> MemoryReport:
         """What this rank holds for the parameters it steps (see
         ``ShardedOptimizer.memory_report``): ``planner.memory.rank_memory`` of the live slots'
         sizes, the same accounting ``predict_memory`` feeds a spec's tensors; ``optimizer``:
         its name there, ``fused``: AdamW's fused kernel, ``kept``: working buffers only the live
-        optimizer knows (CAME's statistics' layouts, Muon's wave buffers)."""
+        optimizer knows (CAME's statistics' layouts, Muon's wave buffers), ``iterated``: the
+        shapes of the matrices this rank runs Newton-Schulz iterations on (Muon)."""
         slots = self._slots.held()
         coming, keys = self._slots.coming()
         buffers = self._compiler.buffers.nbytes
@@ -98,6 +101,8 @@ class Accounting:
             free_grads=self._free_grads,
             kept=kept + self._driver.sum_buffer_bytes,
             wrapper=fsdp_unsharded_bytes(slots),
+            iterated=iterated,
+            cpu=all(slot.local_param().device.type == "cpu" for slot in slots),
         )
 
     def _rank_tensor(self, slot: Slot) -> RankTensor:

@@ -253,6 +253,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``planner.memory.scratch_bytes`` sizes: none by default."""
         return 0
 
+    def _iterated_shapes(self) -> list[tuple[int, int]]:
+        """Shapes of the matrices whose Newton-Schulz iterations this rank runs: none by default."""
+        return []
+
     # --- the step ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of named parameters (``{"params": list(module.named_parameters()),
@@ -398,7 +402,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         predicted from their layouts and the step plan of the gradients they have (before the
         first backward, of the gradients their layouts declare)."""
         fused = bool(getattr(self, "fused", False))
-        return self._accounting.memory_report(self.memory_kind, fused=fused, kept=self._kept_bytes())
+        return self._accounting.memory_report(
+            self.memory_kind, fused=fused, kept=self._kept_bytes(), iterated=self._iterated_shapes()
+        )
 
     # The last committed step's traffic, gradients' norm (with max_grad_norm or skip_nonfinite),
     # whether it was skipped for a NaN or inf in them, and the seconds it spent blocked waiting

@@ -139,6 +139,14 @@ class ShardedMuon(ShardedOptimizer):
         """The matrices' bucket buffers (one wave's gathers)."""
         return self._iterations.buffer_bytes
 
+    def _iterated_shapes(self) -> list[tuple[int, int]]:
+        """The matrices this rank iterates: gathered ones, and those it owns."""
+        slots = self._slots.coming()[0]
+        if not any(len(s.shape) == 2 for s in slots):
+            return []
+        plan = self._iterations.plan(slots)[0]
+        return [m.shape for m in plan.matrices if m.owner is None or m.owner == self.rank]
+
     # --- where each matrix is iterated: the step plan's matrix part ---------------------
     def step_plan(self) -> StepPlan:
         """The plan of the next step, for the parameters that have gradients now, with the
