@@ -14,7 +14,8 @@ Adafactor and Muon always); and the math's scratch (:func:`scratch_bytes`). Know
 live optimizer, and passed in by it: CAME's and Adafactor's statistics' layouts and the
 buffers of their sums' all-reduces (``kept``), Muon's wave buffers, and what an FSDP2 wrapper
 keeps (``wrapper``). Muon's Newton-Schulz iterations leave torch's bf16 product caches in host
-memory on a CPU rank (``kernels``, :mod:`planner.matmul_caches`).
+memory on a CPU rank (``kernels``, :mod:`planner.matmul_caches`), and the optimizer's Python
+objects take about :data:`HOST_BYTES_PER_TENSOR` per tensor (``host``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ DENOM_CHUNK = 1 << 20
 # The optimizers whose math writes a second set of states before the commit point
 # (docs/memory.md, "The commit point"); AdamW does only when transactional.
 MATH_BEFORE_COMMIT = frozenset({"came", "adafactor", "muon"})
+# Bytes of Python objects an optimizer keeps per tensor it steps (its slot and state shard, the
+# legs, hops and buckets of its step program, kept views, sums, records): what ``tracemalloc``
+# counts as alive after three steps, per tensor, on 4 gloo ranks under ZeRO-2: the mean of 80
+# small tensors (10.7, 15.8, 14.2, 14.3 KiB) and tests/test_memory_dist.py's 26 larger ones in
+# more buckets (12.4, 20.5, 17.8, 18.5 KiB), so within 15% of either (docs/memory.md,
+# "Predicting it"); bench/bench_fake_world.py's rank of 4,096 measures 10.7 KiB for AdamW.
+HOST_BYTES_PER_TENSOR = {"adamw": 11_776, "came": 18_432, "adafactor": 16_384, "muon": 16_896}
 
 
 def denom_groups(numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -85,6 +93,8 @@ class MemoryReport:
     # What torch's bf16 matrix products keep in host memory once Muon iterated its matrices on a
     # CPU rank (oneDNN's code and primitive caches: planner.matmul_caches).
     kernels: int = 0
+    # Python objects the optimizer keeps for its tensors (HOST_BYTES_PER_TENSOR each).
+    host: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -92,8 +102,9 @@ class MemoryReport:
 
     @property
     def tensor_bytes(self) -> int:
-        """What the rank's tensors hold: every kind but torch's product caches (``kernels``)."""
-        return self.total_bytes - self.kernels
+        """What the rank's tensors hold: every kind but torch's product caches (``kernels``) and
+        the Python objects (``host``)."""
+        return self.total_bytes - self.kernels - self.host
 
     def __str__(self) -> str:
         parts = [(k, v) for k, v in attrs.asdict(self).items() if v]
@@ -185,7 +196,8 @@ def rank_memory(
     step program's bucket buffers; ``kept``, the working buffers only a live optimizer knows
     (module doc), counted as scratch; ``iterated``, the shapes of the matrices whose
     Newton-Schulz iterations the rank runs (Muon), whose bf16 products' caches a ``cpu`` rank
-    keeps (:func:`planner.matmul_caches.kernel_bytes`)."""
+    keeps (:func:`planner.matmul_caches.kernel_bytes`); and the optimizer's Python objects,
+    :data:`HOST_BYTES_PER_TENSOR` per tensor (``host``)."""
     params = sum(t.param for t in tensors)
     grads = 0 if free_grads else sum(t.grad for t in tensors)
     states = sum(t.states for t in tensors)
@@ -193,7 +205,8 @@ def rank_memory(
     spare = states + masters if transactional or optimizer in MATH_BEFORE_COMMIT else 0
     scratch = scratch_bytes(tensors, optimizer, transactional=transactional, fused=fused) + kept
     kernels = kernel_bytes(iterated) if cpu else 0
-    return MemoryReport(params, grads, states, masters, buffers, spare, scratch, wrapper, kernels)
+    host = HOST_BYTES_PER_TENSOR.get(optimizer, HOST_BYTES_PER_TENSOR["adamw"]) * len(tensors)
+    return MemoryReport(params, grads, states, masters, buffers, spare, scratch, wrapper, kernels, host)
 
 
 def predict_memory(
