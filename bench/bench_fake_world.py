@@ -31,7 +31,9 @@ ranks. Per world size:
   minus ``VmRSS`` before the parameters were made (both after ``malloc_trim``);
 * **counted MiB**: what the parameters, their gradients and every tensor the optimizer
   references hold, counted through their storages (``runtime.measure.storages``, as
-  ``tests/test_memory_dist.py`` counts them), beside **predicted MiB**: ``optimizer.memory_report()``'s total;
+  ``tests/test_memory_dist.py`` counts them), beside **predicted MiB**: the tensors of
+  ``optimizer.memory_report()`` (``tensor_bytes``: its total less the ``host`` kind, the Python
+  objects measured below);
 * **objects MiB**: the Python objects the run left alive (``tracemalloc``'s current bytes after
   the steps less those before the parameters were made), counted in a second fresh process of
   the same world, since tracing costs resident memory of its own; **held / (predicted +
@@ -322,7 +324,8 @@ def run_world(
         "held_rss": rss_after - rss_before,
         "objects": objects,
         "counted": counted,
-        "predicted": report.total_bytes,
+        "predicted": report.tensor_bytes,  # the host kind is what "objects" measures
+        "host": report.host,
         "report": str(report),
         "buckets": len(optimizer.step_plan().buckets),
         "profile": stats,

@@ -112,7 +112,7 @@ def run_variant(
         "step_ms": statistics.median(times),
         "peak_bytes": torch.cuda.max_memory_allocated() - base,
         "held_bytes": torch.cuda.memory_allocated() - base,
-        "predicted_bytes": None if report is None else report.total_bytes - report.params - report.grads,
+        "predicted_bytes": None if report is None else report.tensor_bytes - report.params - report.grads,
         "params": {n: p.detach() for n, p in params.items()},
         "host_syncs": syncs,
     }

@@ -1,15 +1,21 @@
-"""What a rank will hold for a spec's tensors, by kind, predicted before any optimizer exists:
-the same kinds and the same accounting as the optimizers' ``memory_report()``
-(``runtime.optim.memory``), so that ``shardlang suggest`` and the runtime agree (docs/memory.md).
+"""What a rank holds for the tensors it steps, by kind: the one accounting of it
+(:func:`rank_memory`), fed either a spec's tensors before any optimizer exists
+(:func:`predict_memory`, for ``shardlang suggest``) or a live optimizer's slots
+(``runtime.optim.accounting``, its ``memory_report()``), so that the two cannot differ
+(docs/memory.md, "Predicting it").
 
 Parameters and gradients are the rank's pieces in the tensor's dtype (gradients as backward
 leaves them, the parameters' shapes; none where the optimizer frees them, ``free_grads``, as it
 does by default); states in f32 (f64 for f64 tensors) over the state layout, or with a flat axis
 the rank's equal chunk of its base block; an f32 master for a lower-precision parameter; the
 step plan's bucket buffers (:func:`planner.buffers.step_buffer_bytes`, with the optimizers'
-bucket cap); the spare states of a transactional step; and AdamW's in-place scratch
-(:func:`denom_groups`). Not predicted: the scratch of CAME, of a transactional step and of
-``fused`` AdamW (none), and what an FSDP2 wrapper keeps (``memory_report()``'s ``wrapper``).
+bucket cap); the spare states of a step whose math writes new ones (a transactional step; CAME,
+Adafactor and Muon always); and the math's scratch (:func:`scratch_bytes`). Known only to a
+live optimizer, and passed in by it: CAME's and Adafactor's statistics' layouts and the
+buffers of their sums' all-reduces (``kept``), Muon's wave buffers, and what an FSDP2 wrapper
+keeps (``wrapper``). Muon's Newton-Schulz iterations leave torch's bf16 product caches in host
+memory on a CPU rank (``kernels``, :mod:`planner.matmul_caches`), and the optimizer's Python
+objects take about :data:`HOST_BYTES_PER_TENSOR` per tensor (``host``).
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from planner.buffers import shares_after, step_buffer_bytes
-from planner.legs import without_axis
-from planner.spec_plan import plan_spec
+from planner.legs import DEFAULT_BUCKET_BYTES, without_axis
+from planner.matmul_caches import kernel_bytes
+from planner.matrices import plan_matrices
+from planner.spec_plan import plan_spec, step_tensor
 from shardlang.dtypes import itemsize
-from shardlang.layout import Layout
+from shardlang.layout import Layout, chunk_bounds
 from shardlang.spec import Spec, TensorSpec
 
 MiB = 2**20
@@ -31,6 +39,16 @@ MiB = 2**20
 # update runs over groups of tensors of at most this many elements (a larger tensor alone), so
 # its scratch is bounded by this, not by the states.
 DENOM_CHUNK = 1 << 20
+# The optimizers whose math writes a second set of states before the commit point
+# (docs/memory.md, "The commit point"); AdamW does only when transactional.
+MATH_BEFORE_COMMIT = frozenset({"came", "adafactor", "muon"})
+# Bytes of Python objects an optimizer keeps per tensor it steps (its slot and state shard, the
+# legs, hops and buckets of its step program, kept views, sums, records): what ``tracemalloc``
+# counts as alive after three steps, per tensor, on 4 gloo ranks under ZeRO-2: the mean of 80
+# small tensors (10.7, 15.8, 14.2, 14.3 KiB) and tests/test_memory_dist.py's 26 larger ones in
+# more buckets (12.4, 20.5, 17.8, 18.5 KiB), so within 15% of either (docs/memory.md,
+# "Predicting it"); bench/bench_fake_world.py's rank of 4,096 measures 10.7 KiB for AdamW.
+HOST_BYTES_PER_TENSOR = {"adamw": 11_776, "came": 18_432, "adafactor": 16_384, "muon": 16_896}
 
 
 def denom_groups(numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -51,25 +69,42 @@ def denom_groups(numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:
 
 
 @attrs.frozen
-class MemoryPrediction:
-    """Bytes a rank will hold, by the kinds of ``memory_report()``.
+class MemoryReport:
+    """Bytes a rank holds for the parameters it steps, by kind.
 
-    >>> print(MemoryPrediction(params=8 * MiB, grads=0, states=4 * MiB, masters=0, buffers=3 * MiB, spare=0,
-    ...                        scratch=MiB))
-    params 8.00 MiB + states 4.00 MiB + buffers 3.00 MiB + scratch 1.00 MiB = 16.00 MiB
+    >>> report = MemoryReport(params=8 * MiB, grads=8 * MiB, states=4 * MiB, masters=0, buffers=3 * MiB, spare=0,
+    ...                       scratch=MiB)
+    >>> report.total_bytes == 24 * MiB
+    True
+    >>> print(report)
+    params 8.00 MiB + grads 8.00 MiB + states 4.00 MiB + buffers 3.00 MiB + scratch 1.00 MiB = 24.00 MiB
     """
 
-    params: int
-    grads: int
-    states: int
-    masters: int
-    buffers: int
-    spare: int
-    scratch: int
+    params: int  # the rank's pieces of the parameters
+    grads: int  # their gradients (as backward leaves them: the parameters' shapes and dtypes)
+    states: int  # optimizer states (exp_avg, ...), fp32 masters excluded
+    masters: int  # fp32 master shards of lower-precision parameters
+    buffers: int  # the step program's bucket buffers (kept and send)
+    spare: int  # the second set of state buffers a step writes before it commits
+    scratch: int  # the math's working buffers
+    # What the model's wrapper keeps besides the parameters' shards: over FSDP2's parameters, the
+    # unsharded parameters of its largest fully_shard group (measured held between steps).
+    wrapper: int = 0
+    # What torch's bf16 matrix products keep in host memory once Muon iterated its matrices on a
+    # CPU rank (oneDNN's code and primitive caches: planner.matmul_caches).
+    kernels: int = 0
+    # Python objects the optimizer keeps for its tensors (HOST_BYTES_PER_TENSOR each).
+    host: int = 0
 
     @property
     def total_bytes(self) -> int:
         return sum(attrs.astuple(self))
+
+    @property
+    def tensor_bytes(self) -> int:
+        """What the rank's tensors hold: every kind but torch's product caches (``kernels``) and
+        the Python objects (``host``)."""
+        return self.total_bytes - self.kernels - self.host
 
     def __str__(self) -> str:
         parts = [(k, v) for k, v in attrs.asdict(self).items() if v]
@@ -78,6 +113,100 @@ class MemoryPrediction:
 
     def to_json(self) -> dict[str, int]:
         return attrs.asdict(self) | {"total": self.total_bytes}
+
+
+# The planner's name of the report (``planner.suggest``, ``cli.suggest``): the same kinds.
+MemoryPrediction = MemoryReport
+
+
+@attrs.frozen
+class RankTensor:
+    """One tensor as :func:`rank_memory` sizes it on one rank: bytes of the rank's piece of the
+    parameter and of its gradient (0: none), of its states (master excluded; 0 where the rank
+    steps none of it) and f32 master, the elements and dtype of its state shard (the math's),
+    whether that shard is shorter than the chunk its bucket pads it to (the last rank's piece
+    of uneven rows) and whether its gradient comes in another dtype than the math's (a bf16
+    parameter's): either makes the math copy its run's gradients; ``strided``: its shard is
+    not one contiguous range of the rank's parameter (columns of it), which ``fused`` AdamW's
+    kernel cannot take."""
+
+    param: int
+    grad: int
+    states: int
+    master: int
+    shard: int
+    dtype: str
+    short: bool = False
+    converted: bool = False
+    strided: bool = False
+    flat_matrix: bool = False  # a flat chunk of a matrix (CAME keeps its statistics' indices)
+
+
+def scratch_bytes(tensors: Sequence[RankTensor], optimizer: str, *, transactional: bool, fused: bool) -> int:
+    """The math's working buffers a step keeps (``runtime.memory.buffers.Scratch``), per dtype
+    of the math:
+
+    - AdamW in place: the square roots of the largest :func:`denom_groups` group; ``fused``:
+      none, unless a shard is converted or strided (then the run updates as in place);
+    - a transactional AdamW step: its run's new parameters and square roots as flat buffers,
+      the gradients' copy (where a shard is short or converted, :class:`RankTensor`), and the
+      new shards of short pieces (which have no place in their gather's buffer);
+    - CAME, Adafactor, Muon: one buffer of new parameter shards (those without a master); CAME
+      also its run's second moment and update, the gradients' copy (as above), the parameters'
+      copy where masters and plain tensors mix, and with flat chunks of matrices a row, column
+      and matrix index (int32) per element.
+    """
+    total = 0
+    for dtype in dict.fromkeys(t.dtype for t in tensors if t.states):
+        mine = [t for t in tensors if t.dtype == dtype and t.states]
+        size = itemsize(dtype)
+        numel = sum(t.shard for t in mine)
+        copied = any(t.short or t.converted for t in mine)
+        if optimizer == "adamw" and fused and not any(t.converted or t.strided for t in mine):
+            continue  # the kernel needs no scratch; else the run falls back to the update in place
+        if optimizer == "adamw" and not transactional:
+            total += max((n for *_, n in denom_groups([t.shard for t in mine if t.shard])), default=0) * size
+        elif optimizer == "adamw":
+            short = sum(t.shard for t in mine if t.short and not t.master)
+            total += (2 * numel + (numel if copied else 0) + short) * size
+        else:
+            total += sum(t.shard for t in mine if not t.master) * size
+            if optimizer == "came":  # parameters copied where masters' views break the range
+                mixed = any(t.master for t in mine) and not all(t.master for t in mine)
+                total += (2 * numel + (numel if copied else 0) + (numel if mixed else 0)) * size
+                # With flat chunks of matrices: a row, column and matrix index (int32) per element.
+                total += 3 * numel * 4 if any(t.flat_matrix for t in mine) else 0
+    return total
+
+
+def rank_memory(
+    tensors: Sequence[RankTensor],
+    optimizer: str,
+    *,
+    buffers: int,
+    transactional: bool = False,
+    fused: bool = False,
+    free_grads: bool = True,
+    kept: int = 0,
+    wrapper: int = 0,
+    iterated: Sequence[tuple[int, int]] = (),
+    cpu: bool = True,
+) -> MemoryReport:
+    """What a rank holds for ``tensors`` stepped by ``optimizer`` (module doc): ``buffers``, the
+    step program's bucket buffers; ``kept``, the working buffers only a live optimizer knows
+    (module doc), counted as scratch; ``iterated``, the shapes of the matrices whose
+    Newton-Schulz iterations the rank runs (Muon), whose bf16 products' caches a ``cpu`` rank
+    keeps (:func:`planner.matmul_caches.kernel_bytes`); and the optimizer's Python objects,
+    :data:`HOST_BYTES_PER_TENSOR` per tensor (``host``)."""
+    params = sum(t.param for t in tensors)
+    grads = 0 if free_grads else sum(t.grad for t in tensors)
+    states = sum(t.states for t in tensors)
+    masters = sum(t.master for t in tensors)
+    spare = states + masters if transactional or optimizer in MATH_BEFORE_COMMIT else 0
+    scratch = scratch_bytes(tensors, optimizer, transactional=transactional, fused=fused) + kept
+    kernels = kernel_bytes(iterated) if cpu else 0
+    host = HOST_BYTES_PER_TENSOR.get(optimizer, HOST_BYTES_PER_TENSOR["adamw"]) * len(tensors)
+    return MemoryReport(params, grads, states, masters, buffers, spare, scratch, wrapper, kernels, host)
 
 
 def predict_memory(
@@ -90,43 +219,98 @@ def predict_memory(
     bucket_bytes: int | str | None = None,
     overlap: bool = False,
     transactional: bool = False,
+    fused: bool = False,
     free_grads: bool = True,
-) -> MemoryPrediction:
+    cpu: bool = True,
+) -> MemoryReport:
     """What ``rank`` (default: the first rank of the first tensor's state mesh, which holds the
     largest pieces) will hold for ``tensors`` (default: the spec's declared ones) stepped by
-    ``optimizer`` with the optimizers' options (module doc)."""
+    ``optimizer`` (``adamw``, ``came``, ``adafactor``, ``muon``) with the optimizers' options:
+    :func:`rank_memory` of the spec's tensors (module doc); ``cpu``: the ranks run on CPU, where
+    Muon's matrix products keep caches (``kernels``)."""
     chosen = tuple(spec.tensors if tensors is None else tensors)
     if rank is None:
         rank = chosen[0].state().mesh.ranks[0] if chosen else 0
-    params = grads = states = masters = 0
-    shards: dict[str, list[int]] = {}  # per state dtype, the rank's state shards' elements
-    flat = None
-    for t in chosen:
-        param = t.param.rank_piece(t.shape, rank).numel if rank in t.param.mesh.ranks else 0
-        params += param * itemsize(t.dtype)
-        grads += 0 if free_grads else param * itemsize(t.dtype)
-        mesh = t.state().mesh
-        if rank not in mesh.ranks:
-            continue
-        flat = None if flat_axis is None else mesh.axis_index(flat_axis)
-        elements = _state_elements(t, rank, flat)
-        dtype = "f64" if t.dtype == "f64" else "f32"
-        master = elements * itemsize(dtype) if t.dtype not in ("f32", "f64") else 0
-        states += (
-            2 * elements * itemsize(dtype)
-            if optimizer == "adamw"
-            else state_bytes(t, t.state(), optimizer, flat) - master
-        )
-        masters += master
-        shards.setdefault(dtype, []).append(elements)
+    pieces = [rank_tensor(t, rank, optimizer, flat_axis) for t in chosen]
     plan = plan_spec(spec, tensors=chosen, flat_axis=flat_axis, bucket_bytes=bucket_bytes, overlap=overlap, rank=rank)
     buffers = step_buffer_bytes(plan.step, shared_after=not transactional and shares_after(plan.step))
-    spare = states + masters if transactional or optimizer != "adamw" else 0
-    scratch = 0
-    if optimizer == "adamw" and not transactional:
-        for dtype, numels in shards.items():
-            scratch += max((n for *_, n in denom_groups([n for n in numels if n])), default=0) * itemsize(dtype)
-    return MemoryPrediction(params, grads, states, masters, buffers, spare, scratch)
+    iterated: list[tuple[int, int]] = []
+    if optimizer == "muon":  # the matrices this rank iterates, as ShardedMuon places them
+        matrices = [
+            step_tensor(p.tensor, p.cost, flat_axis)
+            for p in plan.tensors
+            if len(p.tensor.shape) == 2 and rank in p.tensor.state().mesh.ranks
+        ]
+        cap = bucket_bytes if isinstance(bucket_bytes, int) else DEFAULT_BUCKET_BYTES
+        placed = plan_matrices(matrices, rank, bucket_bytes=cap).matrices if matrices else ()
+        iterated = [m.shape for m in placed if m.owner is None or m.owner == rank]
+    return rank_memory(
+        pieces,
+        optimizer,
+        buffers=buffers,
+        transactional=transactional,
+        fused=fused,
+        free_grads=free_grads,
+        iterated=iterated,
+        cpu=cpu,
+    )
+
+
+def rank_tensor(tensor: TensorSpec, rank: int, optimizer: str, flat_axis: str | int | None = None) -> RankTensor:
+    """``tensor`` on ``rank`` as :func:`rank_memory` sizes it, from its layouts."""
+    size = itemsize(tensor.dtype)
+    param = tensor.param.rank_piece(tensor.shape, rank).numel * size if rank in tensor.param.mesh.ranks else 0
+    state = tensor.state()
+    if rank not in state.mesh.ranks:
+        return RankTensor(param, param, 0, 0, 0, "f32")
+    dtype = "f64" if tensor.dtype == "f64" else "f32"
+    flat = None if flat_axis is None else state.mesh.axis_index(flat_axis)
+    base = state if flat is None else without_axis(state, flat)
+    block = base.rank_piece(tensor.shape, rank).shape
+    padded = base.local_shape(tensor.shape)
+    if flat is None:
+        elements, chunk = math.prod(block), math.prod(padded)
+    else:
+        n = state.mesh.shape[flat]
+        chunk = -(-math.prod(block) // n)
+        lo, hi = chunk_bounds(math.prod(block), n, state.mesh.coordinate(rank)[flat])
+        elements = hi - lo
+    master = elements * itemsize(dtype) if tensor.dtype not in ("f32", "f64") else 0
+    states = state_elements(tuple(block), elements, optimizer) * itemsize(dtype)
+    short, converted = elements < chunk, tensor.dtype != dtype
+    strided = flat is None and not contiguous_in(block, tensor.param.rank_piece(tensor.shape, rank).shape)
+    flat_matrix = flat is not None and len(tensor.shape) >= 2
+    return RankTensor(param, param, states, master, elements, dtype, short, converted, strided, flat_matrix)
+
+
+def contiguous_in(block: Sequence[int], whole: Sequence[int]) -> bool:
+    """Whether a block of shape ``block`` cut from a contiguous tensor of shape ``whole`` is one
+    range of it: past its leading dims of one element, every dim after the first is whole.
+
+    >>> contiguous_in((16, 128), (64, 128)), contiguous_in((64, 32), (64, 128)), contiguous_in((1, 32), (64, 128))
+    (True, False, True)
+    """
+    first = next((d for d, b in enumerate(block) if b != 1), len(block))
+    return all(block[d] == whole[d] for d in range(first + 1, len(whole)))
+
+
+def state_elements(block: tuple[int, ...], elements: int, optimizer: str) -> int:
+    """Elements of a tensor's optimizer states (master excluded) on a rank whose state shard has
+    ``elements`` of the block ``block`` (its piece of the state layout, or the base block its
+    flat chunk is cut from): AdamW two moments; CAME the first moment and, for a matrix, the row
+    and column statistics of its second moment and of its residual (else a second moment);
+    Adafactor a matrix's row and column statistics (else a second moment); Muon a matrix's
+    momentum (else AdamW's two moments) (``runtime.optim``'s ``_state_shapes``)."""
+    rows = math.prod(block[:-1])
+    cols = math.prod(block[:-2] + block[-1:])
+    matrix = len(block) >= 2
+    if optimizer == "came" and matrix:
+        return elements + 2 * (rows + cols)
+    if optimizer == "adafactor":
+        return rows + cols if matrix else elements
+    if optimizer == "muon" and len(block) == 2:
+        return elements
+    return 2 * elements
 
 
 def state_bytes(tensor: TensorSpec, state: Layout, optimizer: str, flat: int | None = None) -> int:
@@ -138,19 +322,5 @@ def state_bytes(tensor: TensorSpec, state: Layout, optimizer: str, flat: int | N
         state = without_axis(state, flat)
     local = state.local_shape(tensor.shape)
     elements = math.prod(local) if flat is None else -(-math.prod(local) // state.mesh.shape[flat])
-    full = elements * itemsize(dtype)
-    master = full if tensor.dtype not in ("f32", "f64") else 0
-    if optimizer == "adamw" or len(local) < 2:
-        return 2 * full + master
-    rows, cols = math.prod(local[:-1]), math.prod(local[:-2] + local[-1:])
-    return full + 2 * (rows + cols) * itemsize(dtype) + master
-
-
-def _state_elements(tensor: TensorSpec, rank: int, flat: int | None) -> int:
-    """Elements of one state of ``tensor`` on ``rank``: its piece of the state layout, or with a
-    flat axis its equal chunk of the base block (the state layout without that axis)."""
-    state = tensor.state()
-    if flat is None:
-        return state.rank_piece(tensor.shape, rank).numel
-    base = without_axis(state, flat)
-    return -(-base.rank_piece(tensor.shape, rank).numel // state.mesh.shape[flat])
+    master = elements * itemsize(dtype) if tensor.dtype not in ("f32", "f64") else 0
+    return state_elements(tuple(local), elements, optimizer) * itemsize(dtype) + master

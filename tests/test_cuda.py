@@ -245,7 +245,7 @@ def _memory_case(world: int) -> dict[str, Any]:
         "held": torch.cuda.memory_allocated() - before,
         "peak": torch.cuda.max_memory_allocated() - before,
         "step_peak": torch.cuda.max_memory_allocated() - start,
-        "predicted": report.total_bytes - report.params - report.grads,
+        "predicted": report.tensor_bytes - report.params - report.grads,  # CUDA tensors only: no host objects
         "report": str(report),
         "model": sum(4 * math.prod(s) for s in MEMORY_SHAPES.values()),
     }

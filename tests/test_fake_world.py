@@ -145,6 +145,8 @@ def test_one_rank_of_4096_holds_its_7b_shards_as_reported(seven_b: dict[str, Any
     # tensors plus the optimizer's Python objects, which the report leaves out (about 3 MiB, the
     # bench's docstring): within 10%.
     assert 0 < objects < 0.25 * got["predicted"], (objects, got["report"])
+    # The report's host kind (planner.memory.HOST_BYTES_PER_TENSOR per tensor) is those objects.
+    assert abs(got["host"] - objects) <= 0.25 * objects, (got["host"], objects)
     assert abs(got["held_rss"] - (got["predicted"] + objects)) <= 0.1 * got["held_rss"], (
         got["held_rss"],
         got["predicted"],

@@ -107,7 +107,7 @@ def _run(rank: int, world_size: int, placement: str | None) -> dict[str, Any]:
     skip = {p.untyped_storage().data_ptr() for p in params.values()}
     skip |= {p.grad.untyped_storage().data_ptr() for p in params.values() if p.grad is not None}
     report = optimizer.memory_report()
-    counted = report.total_bytes - report.params - report.grads
+    counted = report.tensor_bytes - report.params - report.grads  # torch's product caches are no tensor
     matrices = optimizer.step_plan().matrices
     waves = 0 if matrices is None else sum(b.stage == TO for b in matrices.buckets)
     return {

@@ -179,9 +179,10 @@ def test_the_command_text_json_output_and_errors(tmp_path: Path, capsys: pytest.
         "suggested: 19.4 KiB per rank, 120 us modeled; 3 of 3 tensors changed",
         # By hand, on the first rank: pieces of 512 (w, bf16), 480 and 12 floats; the two moments
         # and w's f32 master; no bucket (ZeRO-3 steps in place); the square roots of all three
-        # shards at once (1004 floats). The loop's gathered parameters are not the optimizer's.
+        # shards at once (1004 floats); three tensors' Python objects (11.5 KiB each,
+        # planner.memory.HOST_BYTES_PER_TENSOR). The loop's gathered parameters are not the optimizer's.
         "as the runtime holds it (memory_report()'s kinds): params 2.92 KiB + states 7.84 KiB + masters 2 KiB + "
-        "scratch 3.92 KiB = 16.7 KiB per rank",
+        "scratch 3.92 KiB + host 34.5 KiB = 51.2 KiB per rank",
         "",
         "  strategy        memory/rank  modeled time  fits  time vs suggested",
         "  this spec          35.1 KiB       80.2 us    no  0.667x",

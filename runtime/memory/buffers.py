@@ -38,6 +38,10 @@ class Scratch:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
+    def nbytes_of(self, named: Callable[[str], bool]) -> int:
+        """Bytes of the buffers whose names ``named`` accepts."""
+        return sum(b.numel() * b.element_size() for (name, *_), b in self._buffers.items() if named(name))
+
 
 class KeptViews:
     """Views that every step makes alike from the same tensors (a bucket's places in its send

@@ -5,8 +5,12 @@ keeps (``work_bytes``, ``bucket_buffer_bytes``); docs/memory.md says what each p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 
+import torch
+
+from planner.memory import RankTensor, contiguous_in, rank_memory
 from runtime.memory.buffers import Scratch
 from runtime.optim.clipping import Clipping
 from runtime.optim.commit import CommitFlag
@@ -17,8 +21,11 @@ from runtime.optim.records import StepTraffic
 from runtime.optim.slots import Slot, Slots
 from runtime.optim.states import StateStore
 from runtime.optim.sums import plan_collectives
-from shardlang.dtypes import ITEMSIZE
+from shardlang.dtypes import DTYPES, ITEMSIZE
 from shardlang.interop import is_dtensor
+
+# shardlang's name of every torch dtype it has one for (planner.memory sizes by name).
+DTYPE_NAMES: dict[torch.dtype, str] = {getattr(torch, attr): name for name, (_, attr) in DTYPES.items()}
 
 
 class Accounting:
@@ -36,12 +43,12 @@ class Accounting:
         flag: CommitFlag,
         scratch: Scratch,
         *,
-        spare_states: bool,
+        transactional: bool,
         free_grads: bool,
     ) -> None:
         self._slots, self._store, self._compiler, self._driver = slots, store, compiler, driver
         self._clipping, self._flag, self._scratch = clipping, flag, scratch
-        self._spare_states, self._free_grads = spare_states, free_grads
+        self._transactional, self._free_grads = transactional, free_grads
 
     def planned_traffic(self) -> StepTraffic:
         """What the next step will communicate on this rank (see
@@ -69,10 +76,15 @@ class Accounting:
     def work_bytes(self) -> int:
         return self._store.spare_bytes + self._scratch.nbytes + self._compiler.buffers.nbytes
 
-    def memory_report(self, scratch_bytes: Callable[[Sequence[Slot]], int]) -> MemoryReport:
+    def memory_report(
+        self, optimizer: str, *, fused: bool, kept: int, iterated: Sequence[tuple[int, int]]
+    ) -> MemoryReport:
         """What this rank holds for the parameters it steps (see
-        ``ShardedOptimizer.memory_report``); ``scratch_bytes``: the math's working buffers for
-        a step of the given slots."""
+        ``ShardedOptimizer.memory_report``): ``planner.memory.rank_memory`` of the live slots'
+        sizes, the same accounting ``predict_memory`` feeds a spec's tensors; ``optimizer``:
+        its name there, ``fused``: AdamW's fused kernel, ``kept``: working buffers only the live
+        optimizer knows (CAME's statistics' layouts, Muon's wave buffers), ``iterated``: the
+        shapes of the matrices this rank runs Newton-Schulz iterations on (Muon)."""
         slots = self._slots.held()
         coming, keys = self._slots.coming()
         buffers = self._compiler.buffers.nbytes
@@ -80,18 +92,38 @@ class Accounting:
             program = self._compiler.compiled(coming, keys).program  # type: ignore[arg-type]
             numels = (program.kept_numel, program.send_numel)
             buffers = sum(n * ITEMSIZE[dtype] for kind in numels for dtype, n in kind.items())
-        params = grads = flat = own = masters = 0
-        for slot in slots:
-            local = slot.local_param()
-            params += local.numel() * local.element_size()
-            grads += local.numel() * local.element_size() if slot.param.requires_grad and not self._free_grads else 0
-            slot_flat, slot_own, slot_master = self._store.predicted_bytes(slot)
-            flat, own, masters = flat + slot_flat, own + slot_own, masters + slot_master
-        states = flat + own
-        # The second set of the flat buffers and of the own-layout states (the math writes new ones).
-        spare = flat + masters + own if self._spare_states else 0
-        scratch = scratch_bytes(slots) + self._driver.sum_buffer_bytes
-        return MemoryReport(params, grads, states, masters, buffers, spare, scratch, fsdp_unsharded_bytes(slots))
+        return rank_memory(
+            [self._rank_tensor(slot) for slot in slots],
+            optimizer,
+            buffers=buffers,
+            transactional=self._transactional,
+            fused=fused,
+            free_grads=self._free_grads,
+            kept=kept + self._driver.sum_buffer_bytes,
+            wrapper=fsdp_unsharded_bytes(slots),
+            iterated=iterated,
+            cpu=all(slot.local_param().device.type == "cpu" for slot in slots),
+        )
+
+    def _rank_tensor(self, slot: Slot) -> RankTensor:
+        """The slot as ``planner.memory.rank_memory`` sizes it."""
+        local = slot.local_param()
+        param = local.numel() * local.element_size()
+        grad = param if slot.param.requires_grad else 0
+        if slot.shard is None:
+            return RankTensor(param, grad, 0, 0, 0, "f32")
+        flat, own, master = self._store.predicted_bytes(slot)
+        shard = slot.shard
+        elements = math.prod(shard.local_shape)
+        if shard.flat_range is None:
+            chunk = math.prod(shard.layout.local_shape(shard.shape))
+        else:
+            chunk = -(-math.prod(shard.block_shape) // shard.layout.mesh.shape[shard.flat_axis])
+        short, converted = elements < chunk, local.dtype != slot.dtype
+        strided = shard.flat_range is None and not contiguous_in(shard.block_shape, tuple(local.shape))
+        dtype = DTYPE_NAMES[slot.dtype]
+        flat_matrix = shard.flat_range is not None and shard.factored
+        return RankTensor(param, grad, flat + own, master, elements, dtype, short, converted, strided, flat_matrix)
 
 
 def fsdp_unsharded_bytes(slots: Sequence[Slot]) -> int:

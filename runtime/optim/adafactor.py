@@ -157,6 +157,8 @@ class ShardedAdafactor(ShardedOptimizer):
         defaults = {"lr": lr, "beta2_decay": beta2_decay, "eps": (eps1, eps2), "d": d, "weight_decay": weight_decay}
         super().__init__(named_params, spec, defaults, **options)
 
+    memory_kind = "adafactor"
+
     def _state_shapes(self, slot: Slot) -> dict[str, tuple[int, ...]]:
         assert slot.shard is not None
         return adafactor_state_shapes(slot.shard)

@@ -11,7 +11,6 @@ that a failed step can be dropped.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Unpack
 
@@ -340,16 +339,3 @@ class ShardedAdamW(ShardedOptimizer):
                 self._scratch,
                 **hyper,
             )
-
-    def _scratch_bytes(self, slots: Sequence[Slot]) -> int:
-        """In place: the square roots' scratch, at most :data:`DENOM_CHUNK` elements or the
-        largest tensor's shard, per dtype of the math."""
-        if self.transactional:
-            return super()._scratch_bytes(slots)
-        if self.fused:  # the kernel needs no scratch
-            return 0
-        total = 0
-        for dtype in {slot.dtype for slot in slots}:
-            numels = [math.prod(slot.shard.local_shape) for slot in slots if slot.dtype == dtype and slot.shard]
-            total += max((numel for *_, numel in denom_groups(numels)), default=0) * dtype.itemsize
-        return total

@@ -21,7 +21,7 @@ A subclass gives the math: its states (:meth:`_state_shapes`, :meth:`_state_wher
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypedDict
 
 import torch
@@ -221,7 +221,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         self._accounting = Accounting(
             slots, store, compiler, driver, clipping, flag, self._scratch,
-            spare_states=self.transactional or not self.updates_in_place, free_grads=self.free_grads,
+            transactional=self.transactional, free_grads=self.free_grads,
         )  # fmt: skip
         if self.overlap:
             self._overlap.hook(slots)
@@ -245,10 +245,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Where state ``name`` lies; by default it has the parameter's shape."""
         return state_where(slot, name, self.rank)
 
-    def _scratch_bytes(self, slots: Sequence[Slot]) -> int:
-        """The math's working buffers for a step of ``slots``: by default those it holds now
-        (they grow to their size at the first step)."""
-        return self._scratch.nbytes
+    # Its name to planner.memory's one accounting (the formulas of its states and scratch).
+    memory_kind = "adamw"
+
+    def _kept_bytes(self) -> int:
+        """Working buffers that only the live optimizer knows, beside the math's scratch that
+        ``planner.memory.scratch_bytes`` sizes: none by default."""
+        return 0
+
+    def _iterated_shapes(self) -> list[tuple[int, int]]:
+        """Shapes of the matrices whose Newton-Schulz iterations this rank runs: none by default."""
+        return []
 
     # --- the step ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -394,7 +401,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """What this rank holds for the parameters it steps, by kind (``runtime.optim.memory``),
         predicted from their layouts and the step plan of the gradients they have (before the
         first backward, of the gradients their layouts declare)."""
-        return self._accounting.memory_report(self._scratch_bytes)
+        fused = bool(getattr(self, "fused", False))
+        return self._accounting.memory_report(
+            self.memory_kind, fused=fused, kept=self._kept_bytes(), iterated=self._iterated_shapes()
+        )
 
     # The last committed step's traffic, gradients' norm (with max_grad_norm or skip_nonfinite),
     # whether it was skipped for a NaN or inf in them, and the seconds it spent blocked waiting

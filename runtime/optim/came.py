@@ -533,17 +533,24 @@ class ShardedCAME(ShardedOptimizer):
         where = statistic_where(slot, name, ROW_STATES, COL_STATES)
         return where if where is not None else super()._state_where(slot, name)
 
-    def _scratch_bytes(self, slots: Sequence[Slot]) -> int:
-        """The math's working buffers and the runs' statistics' layouts it keeps (with flat
-        chunks, a row, column and matrix index per element: the largest part); both are made at
-        the first step."""
+    memory_kind = "came"
+
+    def _kept_bytes(self) -> int:
+        """The runs' statistics' layouts it keeps and its runs' buffers of statistics, made at
+        the first step (``planner.memory.scratch_bytes`` sizes the rest: the runs' flat buffers
+        and, with flat chunks, their row, column and matrix index per element)."""
         kept = sum(
             t.numel() * t.element_size()
             for _, _, stats in self._stats.values()
             for t in (stats.row_matrix, stats.heights, stats.roots, stats.spans, *stats.counts, *stats.sides)
-            + (stats.index or ())
         )
-        return super()._scratch_bytes(slots) + kept
+        # The rest of its runs' buffers beside those planner.memory.scratch_bytes sizes (new
+        # parameters, second moment, update, gradients' copy): their statistics' sums.
+        sized = (" grads", " second", " update", " params")
+        statistics = self._scratch.nbytes_of(
+            lambda name: name.startswith("came run ") and not name.endswith(sized) and name.count(" ") > 2
+        )
+        return kept + statistics
 
     def _run_stats(self, work: StepWork, run: Sequence[int]) -> RunStats:
         """The run's :class:`RunStats`, kept while its slots' shards, dtype and device are the same."""

@@ -24,7 +24,7 @@ on the same bits, so the result equals torch's whatever the layout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Unpack
 
 import attrs
@@ -133,9 +133,19 @@ class ShardedMuon(ShardedOptimizer):
         names = MUON_STATES if len(slot.shape) == 2 else ADAMW_STATES
         return dict.fromkeys(names, slot.shard.local_shape)
 
-    def _scratch_bytes(self, slots: Sequence[Slot]) -> int:
-        """The math's working buffers and the matrices' bucket buffers (one wave's gathers)."""
-        return super()._scratch_bytes(slots) + self._iterations.buffer_bytes
+    memory_kind = "muon"
+
+    def _kept_bytes(self) -> int:
+        """The matrices' bucket buffers (one wave's gathers)."""
+        return self._iterations.buffer_bytes
+
+    def _iterated_shapes(self) -> list[tuple[int, int]]:
+        """The matrices this rank iterates: gathered ones, and those it owns."""
+        slots = self._slots.coming()[0]
+        if not any(len(s.shape) == 2 for s in slots):
+            return []
+        plan = self._iterations.plan(slots)[0]
+        return [m.shape for m in plan.matrices if m.owner is None or m.owner == self.rank]
 
     # --- where each matrix is iterated: the step plan's matrix part ---------------------
     def step_plan(self) -> StepPlan:
