@@ -32,12 +32,22 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.buffers import IN_FLIGHT
-from planner.legs import AFTER, DURING_BACKWARD, IN_STEP, Bucket
+from planner.legs import AFTER, DURING_BACKWARD, IN_STEP
 from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError, ReshardError
+from runtime.execution.names import Names, StepNames
 from runtime.execution.program import CollectiveMove
 from runtime.execution.ranges import profiled
-from runtime.execution.run import Exchange, LegWalk, Started, StartMove, record_traffic, start_exchange, start_move
+from runtime.execution.run import (
+    Exchange,
+    LegWalk,
+    Started,
+    StartExchange,
+    StartMove,
+    record_traffic,
+    start_exchange,
+    start_move,
+)
 from runtime.execution.step_program import BucketProgram, LegProgram, StepProgram
 from runtime.measure import stats
 from runtime.memory.buffers import Scratch
@@ -81,11 +91,14 @@ def run_stage(
     timeout: datetime.timedelta,
     buffers: Scratch | None = None,
     start: StartMove | None = None,
+    exchange: StartExchange | None = None,
 ) -> dict[int, torch.Tensor | None]:
     """Every leg of ``stage`` (keys of ``inputs``: indices into the plan's legs) run from its
     input to its piece in the leg's target layout (:class:`StageRun`, given every input at
     once: nothing is sent before every input has been checked)."""
-    run = StageRun(program, stage, device_meshes=device_meshes, timeout=timeout, buffers=buffers, start=start)
+    run = StageRun(
+        program, stage, device_meshes=device_meshes, timeout=timeout, buffers=buffers, start=start, exchange=exchange
+    )
     try:
         run.feed(inputs)
         return run.finish()
@@ -114,8 +127,15 @@ class StageRun:
     starts: a program compiled with ``write_through`` lets the buckets after the update share
     one result region, so the stage holds one bucket's results, not all of them.
 
+    ``names`` names the buckets in errors and records and gives their groups' DeviceMesh:
+    :class:`StepNames` (the legs' tensors) unless given; a reshard gives its call's
+    (``runtime.execution.reshard_program.ReshardNames``).
+
     ``start`` starts a bucket's collective: ``runtime.execution.run.start_move`` (torch.distributed)
-    unless given; the simulator (``runtime.execution.simulate.simulate_step``) gives its emulation.
+    unless given, and ``exchange`` a bucket of point-to-point moves (``start_exchange``); the
+    simulator (``runtime.execution.simulate.simulate_step``) gives its emulations.
+    ``each_within``: every wait is bounded by ``timeout`` on its own, as a reshard's are (and
+    its errors name that timeout), not all of the stage's within one.
 
     Raises :class:`DistributedError` naming the bucket when its collective fails, and
     :class:`ReshardError` for an input of the wrong shape or dtype."""
@@ -133,14 +153,20 @@ class StageRun:
         write_to: Mapping[int, torch.Tensor] | None = None,
         start: StartMove | None = None,
         device: torch.device | None = None,
+        names: Names | None = None,
+        exchange: StartExchange | None = None,
+        each_within: bool = False,
     ) -> None:
+        self._each_within = each_within
         self.program, self.stage, self.timeout, self._start_move = program, stage, timeout, start
+        self._start_exchange_with = exchange or start_exchange
         self._device = device  # where an exchange's pieces land on a rank that sends none
         self._write_to = dict(write_to or {})
         if program.shared_after and stage == AFTER and buffers is not None and not write_to:
             raise ReshardError("a step program compiled to write through is run without write_to")
         deliver = deliver | frozenset(self._write_to)
-        self._device_meshes, self._buffers, self._deliver = device_meshes, buffers, deliver
+        self._names = names if names is not None else StepNames(program, device_meshes)
+        self._buffers, self._deliver = buffers, deliver
         self._stable = stable if buffers is not None else frozenset()
         self._buckets = [b for b in program.buckets if b.bucket.stage == stage]
         self._next = 0  # the next bucket to start
@@ -343,7 +369,7 @@ class StageRun:
         messages = Exchange(posts)  # type: ignore[arg-type]
         started = time.perf_counter()
         try:
-            pending = start_exchange(messages)
+            pending = self._start_exchange_with(messages)
         except DistributedError as e:  # the members keep their pieces, as a collective's do
             raise DistributedError(f"{self.bucket_text(bucket)} failed: {e.message}") from e
         for walk, _ in landing:
@@ -354,7 +380,6 @@ class StageRun:
     def _pack_and_start(self, bucket: BucketProgram) -> None:
         """Pack the bucket's members into its send buffer and start its collective."""
         program, buffers = self.program, self._buffers
-        plan = program.plan
         first_leg, first, _, _ = bucket.members[0]
         n, op, total = first.n, bucket.bucket.op, bucket.total
         sample = self._walks[first_leg].x
@@ -399,9 +424,7 @@ class StageRun:
             # else the input was written where it is sent from (:meth:`places`)
         if targets:
             torch._foreach_copy_(targets, sources)
-        device_mesh = self._device_meshes.get(plan.legs[first_leg].tensor)
-        if device_mesh is not None and tuple(device_mesh.shape) != bucket.bucket.mesh.shape:
-            device_mesh = None  # a flat group's mesh (planner.legs.flat_group): a group of its own
+        device_mesh = self._names.mesh_of(bucket)
         started = time.perf_counter()
         try:
             pending = (self._start_move or start_move)(
@@ -429,7 +452,10 @@ class StageRun:
 
     def _finish(self, bucket: BucketProgram, pending: Started, started: float, deadline: float | None) -> None:
         """Wait for the bucket's collective and hand each member its result."""
-        left = self.timeout.total_seconds() if deadline is None else max(deadline - time.monotonic(), 0.001)
+        if deadline is None or self._each_within:
+            left = self.timeout.total_seconds()
+        else:
+            left = max(deadline - time.monotonic(), 0.001)
         blocked = time.perf_counter()
         try:
             received = pending.wait(datetime.timedelta(seconds=left))
@@ -442,26 +468,9 @@ class StageRun:
             landing, moves = self._landing.pop(bucket.index)
             for walk, out in landing:
                 walk.passed(out)
-            if stats.is_recording():
-                names = ",".join(self.program.plan.legs[leg].tensor for leg, *_ in bucket.members)
-                record_traffic(
-                    moves,
-                    tensor=names,
-                    step=bucket.index,
-                    itemsize=ITEMSIZE[bucket.bucket.dtype],
-                    planned_bytes=bucket.bucket.bytes,
-                    started=started,
-                )
+            self._record(bucket, moves, started)
             return
-        if stats.is_recording():  # the names are joined only then
-            record_traffic(
-                [move for _, move, _, _ in bucket.members],
-                tensor=",".join(self.program.plan.legs[leg].tensor for leg, *_ in bucket.members),
-                step=bucket.index,
-                itemsize=ITEMSIZE[bucket.bucket.dtype],
-                planned_bytes=bucket.bucket.bytes,
-                started=started,
-            )
+        self._record(bucket, [move for _, move, _, _ in bucket.members], started)
         rows = op in ("all_gather", "all_to_all")
         mine = self._memo(
             ("result", bucket.index), (received.data_ptr(), received.shape), _result_parts, bucket, received
@@ -503,10 +512,15 @@ class StageRun:
         return self.program.views.get(key, held, make, *args)
 
     def bucket_text(self, bucket: BucketProgram) -> str:
-        """The bucket as errors and profiler ranges name it:
-        ``bucket 2 of 5 (reduce_scatter over dp of 'w1', 'b1')``."""
-        names = [self.program.plan.legs[leg].tensor for leg, *_ in bucket.members]
-        return f"bucket {bucket.index + 1} of {len(self.program.plan.buckets)} ({_describe(bucket.bucket, names)})"
+        """The bucket as errors and profiler ranges name it (``runtime.execution.names``):
+        ``bucket 2 of 5 (reduce_scatter over dp of 'w1', 'b1')`` in a step."""
+        return self._names.text(bucket)
+
+    def _record(self, bucket: BucketProgram, moves: Sequence[CollectiveMove | RankExchange], started: float) -> None:
+        if stats.is_recording():  # the names are made only then
+            tensor, step = self._names.record(bucket)
+            planned, itemsize = bucket.bucket.bytes, ITEMSIZE[bucket.bucket.dtype]
+            record_traffic(moves, tensor=tensor, step=step, itemsize=itemsize, planned_bytes=planned, started=started)
 
 
 def _advanced_view(walk: LegWalk, until: int | None) -> list[torch.Tensor] | None:
@@ -540,11 +554,6 @@ def _result_parts(bucket: BucketProgram, received: torch.Tensor) -> list[torch.T
         gathered = received.view(first.n, bucket.total)
         return [gathered[:, offset : offset + chunk] for _, _, chunk, offset in bucket.members]
     return [move.finish(received[offset : offset + chunk]) for _, move, chunk, offset in bucket.members]
-
-
-def _describe(bucket: Bucket, names: Sequence[str]) -> str:
-    shown = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return f"{bucket.describe()} of {shown}"
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
