@@ -92,12 +92,20 @@ def run_stage(
     buffers: Scratch | None = None,
     start: StartMove | None = None,
     exchange: StartExchange | None = None,
+    fresh: frozenset[int] = frozenset(),
 ) -> dict[int, torch.Tensor | None]:
     """Every leg of ``stage`` (keys of ``inputs``: indices into the plan's legs) run from its
     input to its piece in the leg's target layout (:class:`StageRun`, given every input at
     once: nothing is sent before every input has been checked)."""
     run = StageRun(
-        program, stage, device_meshes=device_meshes, timeout=timeout, buffers=buffers, start=start, exchange=exchange
+        program,
+        stage,
+        device_meshes=device_meshes,
+        timeout=timeout,
+        buffers=buffers,
+        start=start,
+        exchange=exchange,
+        fresh=fresh,
     )
     try:
         run.feed(inputs)
@@ -135,7 +143,8 @@ class StageRun:
     unless given, and ``exchange`` a bucket of point-to-point moves (``start_exchange``); the
     simulator (``runtime.execution.simulate.simulate_step``) gives its emulations.
     ``each_within``: every wait is bounded by ``timeout`` on its own, as a reshard's are (and
-    its errors name that timeout), not all of the stage's within one.
+    its errors name that timeout), not all of the stage's within one. ``fresh``: buckets whose
+    result is allocated per run, not in the kept buffer (a reshard's last: what it returns).
 
     Raises :class:`DistributedError` naming the bucket when its collective fails, and
     :class:`ReshardError` for an input of the wrong shape or dtype."""
@@ -156,8 +165,9 @@ class StageRun:
         names: Names | None = None,
         exchange: StartExchange | None = None,
         each_within: bool = False,
+        fresh: frozenset[int] = frozenset(),
     ) -> None:
-        self._each_within = each_within
+        self._each_within, self._fresh = each_within, fresh
         self.program, self.stage, self.timeout, self._start_move = program, stage, timeout, start
         self._start_exchange_with = exchange or start_exchange
         self._device = device  # where an exchange's pieces land on a rank that sends none
@@ -395,7 +405,10 @@ class StageRun:
             dtype = bucket.bucket.dtype
             kept = buffers.take("kept", program.kept_numel[dtype], sample.dtype, sample.device)
             start, numel = bucket.result
-            out = kept[start : start + numel]
+            if bucket.index in self._fresh:
+                out = torch.empty(numel, dtype=sample.dtype, device=sample.device)
+            else:
+                out = kept[start : start + numel]
             if op == "all_reduce":  # reduces in place: its send buffer is its result
                 send = out.view(shape)
             elif op == "all_gather":  # sends from its own row of its result (_lay_out)
@@ -407,7 +420,10 @@ class StageRun:
                 workspace = kept[bucket.workspace[0] : bucket.workspace[0] + bucket.workspace[1]]
         # Members that need no padding are written with one copy call for the whole bucket.
         targets, sources, walks = [], [], []
-        parts = self._memo(("send", bucket.index), (send.data_ptr(), send.shape), _send_parts, bucket, send)
+        if bucket.index in self._fresh:  # views of a new result each run: none kept
+            parts = _send_parts(bucket, send)
+        else:
+            parts = self._memo(("send", bucket.index), (send.data_ptr(), send.shape), _send_parts, bucket, send)
         for position, (leg, move, _, _), part in zip(bucket.positions, bucket.members, parts, strict=True):
             walk = self._walks[leg]
             walks.append(walk)
@@ -472,9 +488,11 @@ class StageRun:
             return
         self._record(bucket, [move for _, move, _, _ in bucket.members], started)
         rows = op in ("all_gather", "all_to_all")
-        mine = self._memo(
-            ("result", bucket.index), (received.data_ptr(), received.shape), _result_parts, bucket, received
-        )
+        if bucket.index in self._fresh:
+            mine = _result_parts(bucket, received)
+        else:
+            held = (received.data_ptr(), received.shape)
+            mine = self._memo(("result", bucket.index), held, _result_parts, bucket, received)
         for (leg, move, _, _), final, part in zip(bucket.members, bucket.final, mine, strict=True):
             walk = self._walks[leg]
             if not rows:

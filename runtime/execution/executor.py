@@ -24,8 +24,8 @@ the CPU the runner's buffers (its send buffer, its results and the blocks gloo's
 receives before summing them, laid out by ``runtime.execution.step_program``) are kept between
 calls (per thread, one of each per dtype, up to :data:`KEPT_BYTES` each; larger ones are
 allocated per call): allocated anew, such a buffer's pages fault on first touch every call,
-which costs as much as the copy into it (``runtime.memory.buffers``). The result is then
-copied out of them: a thread keeps its largest plan's results between calls. On a GPU
+which costs as much as the copy into it (``runtime.memory.buffers``). The last step's result,
+what the call returns, is allocated per call (``runtime.execution.reshard_program``). On a GPU
 the caching allocator already reuses memory, and buffers are allocated per call. A
 point-to-point step allocates its output, plus one buffer per peer whose message is not a
 single contiguous box (a message that is one is sent from the piece, or received into the
@@ -64,10 +64,9 @@ from runtime.errors import DistributedError, PlanMismatchError, ReshardError
 from runtime.execution.agreement import digests
 from runtime.execution.buckets import StageRun
 from runtime.execution.names import ReshardNames
-from runtime.execution.reshard_program import compile_reshard
+from runtime.execution.reshard_program import compile_reshard, fresh_bucket
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name, torch_dtype
-from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 from shardlang.interop import is_dtensor
 from shardlang.layout import Layout
@@ -162,6 +161,7 @@ def _execute(
         device=device,
         names=names,
         each_within=True,
+        fresh=program.fresh,
     )
     try:
         run.feed({0: local})  # type: ignore[dict-item]  # None: a rank off the source mesh
@@ -172,9 +172,11 @@ def _execute(
         raise
     if x is None:
         return None  # a rank outside the target mesh
-    # Steps that never communicated return views of ``local``, a collective run on kept buffers
-    # a view of them: copy those out.
-    return x.clone(memory_format=torch.contiguous_format) if program.copy_out(scratch) else x.contiguous()
+    # Steps that never communicated return views of ``local``: copy them out. Otherwise the
+    # result is a view of the last bucket's, allocated for this call (``fresh``).
+    if not program.steps.buckets:
+        return x.clone(memory_format=torch.contiguous_format)
+    return x.contiguous()
 
 
 # Up to this many bytes, the runner's send and kept buffers (results, gloo's reduce_scatter
@@ -253,23 +255,14 @@ class _Program:
     """A plan, its program for one rank (``runtime.execution.reshard_program``), and that
     rank's source piece shape (``None`` outside the source mesh)."""
 
-    __slots__ = ("_last_collective", "kept_bytes", "plan", "source_shape", "steps")
+    __slots__ = ("fresh", "plan", "source_shape", "steps")
 
     def __init__(self, plan: Plan, rank: int) -> None:
         self.plan = plan
         self.steps = compile_reshard(plan, rank)
         in_source = rank in plan.src.mesh.ranks
         self.source_shape = plan.src.rank_piece(plan.shape, rank).shape if in_source else None
-        self.kept_bytes = self.steps.kept_numel.get(plan.dtype, 0) * ITEMSIZE[plan.dtype]
-        buckets = self.steps.buckets
-        self._last_collective = bool(buckets) and buckets[-1].bucket.op != "point_to_point"
-
-    def copy_out(self, scratch: Scratch | None) -> bool:
-        """Whether the run's result is a view of the input (no step communicated) or of the
-        kept buffers (the last step a collective run on ``scratch``, which keeps them)."""
-        if not self.steps.buckets:
-            return True
-        return self._last_collective and scratch is not None and self.kept_bytes <= KEPT_BYTES
+        self.fresh = fresh_bucket(self.steps)  # its result: allocated per call, returned
 
 
 def _program(
