@@ -92,7 +92,7 @@ def run_stage(
     buffers: Scratch | None = None,
     start: StartMove | None = None,
     exchange: StartExchange | None = None,
-    fresh: frozenset[int] = frozenset(),
+    direct: bool = False,
 ) -> dict[int, torch.Tensor | None]:
     """Every leg of ``stage`` (keys of ``inputs``: indices into the plan's legs) run from its
     input to its piece in the leg's target layout (:class:`StageRun`, given every input at
@@ -105,9 +105,11 @@ def run_stage(
         buffers=buffers,
         start=start,
         exchange=exchange,
-        fresh=fresh,
+        direct=direct,
     )
     try:
+        if direct:  # a reshard's one leg, run as the executor runs it
+            return {0: run.run_one(inputs[0])}
         run.feed(inputs)
         return run.finish()
     except ShardlangError:
@@ -143,8 +145,13 @@ class StageRun:
     unless given, and ``exchange`` a bucket of point-to-point moves (``start_exchange``); the
     simulator (``runtime.execution.simulate.simulate_step``) gives its emulations.
     ``each_within``: every wait is bounded by ``timeout`` on its own, as a reshard's are (and
-    its errors name that timeout), not all of the stage's within one. ``fresh``: buckets whose
-    result is allocated per run, not in the kept buffer (a reshard's last: what it returns).
+    its errors name that timeout), not all of the stage's within one. ``direct`` (a reshard's
+    program: one leg, each bucket of one member): each bucket sends as the move does alone
+    (``CollectiveMove.send``: from the piece itself where its blocks are runs of its memory, an
+    all_reduce in place on a piece an earlier bucket made, else packed into ``buffers``' send
+    buffer) and its result is allocated per run, not laid out in the kept buffer; so a reshard
+    copies what the planner's copy table prices (``planner/copies.py``) and holds no buffer the
+    size of its piece beyond the move's own (docs/design.md, "One executor").
 
     Raises :class:`DistributedError` naming the bucket when its collective fails, and
     :class:`ReshardError` for an input of the wrong shape or dtype."""
@@ -165,9 +172,9 @@ class StageRun:
         names: Names | None = None,
         exchange: StartExchange | None = None,
         each_within: bool = False,
-        fresh: frozenset[int] = frozenset(),
+        direct: bool = False,
     ) -> None:
-        self._each_within, self._fresh = each_within, fresh
+        self._each_within, self._direct = each_within, direct
         self.program, self.stage, self.timeout, self._start_move = program, stage, timeout, start
         self._start_exchange_with = exchange or start_exchange
         self._device = device  # where an exchange's pieces land on a rank that sends none
@@ -188,6 +195,8 @@ class StageRun:
         self.waited = 0.0  # seconds spent blocked waiting for collectives
         # Legs whose input a started bucket has packed: the stage reads it no more.
         self.packed: set[int] = set()
+        # ``direct``: legs whose piece a bucket of this run made (an all_reduce may reduce it in place).
+        self._owned: set[int] = set()
 
     @property
     def started(self) -> int:
@@ -226,6 +235,19 @@ class StageRun:
                 return
             self._start(bucket)
             self._next, self._given = self._next + 1, 0
+
+    def run_one(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Run a ``direct`` program's one leg from ``x`` (checked by the caller: a reshard's
+        piece, ``None`` off its source mesh), each bucket waited on before the next starts, as
+        they would be (each holds the leg's piece), and return its piece in the target layout."""
+        program = self.program.legs[0]
+        walk = self._walks[0] = LegWalk(program.schedule, x, program.label)
+        for bucket in self._buckets:
+            self._start(bucket)
+            self._next += 1
+            self._wait_oldest(None)
+        walk.advance()
+        return walk.x
 
     def finish(self) -> dict[int, torch.Tensor]:
         """Start the buckets not yet started (every input must have been given), wait for all,
@@ -357,6 +379,8 @@ class StageRun:
         with profiled(self.stage, lambda: f"start {self.bucket_text(bucket)}"):
             if bucket.bucket.op == "point_to_point":
                 self._start_exchange(bucket)
+            elif self._direct:
+                self._send_and_start(bucket)
             else:
                 self._pack_and_start(bucket)
 
@@ -405,10 +429,7 @@ class StageRun:
             dtype = bucket.bucket.dtype
             kept = buffers.take("kept", program.kept_numel[dtype], sample.dtype, sample.device)
             start, numel = bucket.result
-            if bucket.index in self._fresh:
-                out = torch.empty(numel, dtype=sample.dtype, device=sample.device)
-            else:
-                out = kept[start : start + numel]
+            out = kept[start : start + numel]
             if op == "all_reduce":  # reduces in place: its send buffer is its result
                 send = out.view(shape)
             elif op == "all_gather":  # sends from its own row of its result (_lay_out)
@@ -420,10 +441,7 @@ class StageRun:
                 workspace = kept[bucket.workspace[0] : bucket.workspace[0] + bucket.workspace[1]]
         # Members that need no padding are written with one copy call for the whole bucket.
         targets, sources, walks = [], [], []
-        if bucket.index in self._fresh:  # views of a new result each run: none kept
-            parts = _send_parts(bucket, send)
-        else:
-            parts = self._memo(("send", bucket.index), (send.data_ptr(), send.shape), _send_parts, bucket, send)
+        parts = self._memo(("send", bucket.index), (send.data_ptr(), send.shape), _send_parts, bucket, send)
         for position, (leg, move, _, _), part in zip(bucket.positions, bucket.members, parts, strict=True):
             walk = self._walks[leg]
             walks.append(walk)
@@ -440,13 +458,37 @@ class StageRun:
             # else the input was written where it is sent from (:meth:`places`)
         if targets:
             torch._foreach_copy_(targets, sources)
-        device_mesh = self._names.mesh_of(bucket)
+        self._post(bucket, first, send.view(-1), out, workspace, walks)
+
+    def _send_and_start(self, bucket: BucketProgram) -> None:
+        """Start a ``direct`` bucket's collective (its one member's move) from what
+        ``CollectiveMove.send`` makes of the piece, its result allocated by the collective."""
+        (leg, move, _, _), walk = bucket.members[0], self._walks[bucket.members[0][0]]
+        walk.advance(bucket.positions[0])
+        buffers = self._buffers
+        send = move.send(walk.x, writable=leg in self._owned, scratch=buffers)
+        workspace = None
+        if buffers is not None and move.step.op == "reduce_scatter":  # gloo's blocks land here
+            workspace = buffers.take("blocks", send.numel(), send.dtype, send.device)
+        self._post(bucket, move, send, None, workspace, [walk])
+
+    def _post(
+        self,
+        bucket: BucketProgram,
+        first: CollectiveMove,
+        send: torch.Tensor,
+        out: torch.Tensor | None,
+        workspace: torch.Tensor | None,
+        walks: list[LegWalk],
+    ) -> None:
+        """Start the collective of ``bucket`` (its members' moves step as ``first`` does) from
+        the flat ``send``; its members' pieces are in flight from here."""
         started = time.perf_counter()
         try:
             pending = (self._start_move or start_move)(
                 first,
-                send.view(-1),
-                device_mesh=device_mesh,
+                send,
+                device_mesh=self._names.mesh_of(bucket),
                 timeout=self.timeout,
                 out=out,
                 workspace=workspace,
@@ -469,12 +511,12 @@ class StageRun:
     def _finish(self, bucket: BucketProgram, pending: Started, started: float, deadline: float | None) -> None:
         """Wait for the bucket's collective and hand each member its result."""
         if deadline is None or self._each_within:
-            left = self.timeout.total_seconds()
+            left = self.timeout
         else:
-            left = max(deadline - time.monotonic(), 0.001)
+            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         blocked = time.perf_counter()
         try:
-            received = pending.wait(datetime.timedelta(seconds=left))
+            received = pending.wait(left)
         except DistributedError as e:
             raise DistributedError(f"{self.bucket_text(bucket)} failed: {e.message}") from e
         finally:
@@ -484,15 +526,20 @@ class StageRun:
             landing, moves = self._landing.pop(bucket.index)
             for walk, out in landing:
                 walk.passed(out)
+            if self._direct:  # the pieces landed in new tensors
+                self._owned.update(leg for leg, *_ in bucket.members)
             self._record(bucket, moves, started)
             return
-        self._record(bucket, [move for _, move, _, _ in bucket.members], started)
+        if stats.is_recording():
+            self._record(bucket, [move for _, move, _, _ in bucket.members], started)
+        if self._direct:  # a result of its own (_send_and_start): its views are made anew
+            leg, move, _, _ = bucket.members[0]
+            self._walks[leg].passed(move.finish(received))
+            self._owned.add(leg)
+            return
         rows = op in ("all_gather", "all_to_all")
-        if bucket.index in self._fresh:
-            mine = _result_parts(bucket, received)
-        else:
-            held = (received.data_ptr(), received.shape)
-            mine = self._memo(("result", bucket.index), held, _result_parts, bucket, received)
+        held = (received.data_ptr(), received.shape)
+        mine = self._memo(("result", bucket.index), held, _result_parts, bucket, received)
         for (leg, move, _, _), final, part in zip(bucket.members, bucket.final, mine, strict=True):
             walk = self._walks[leg]
             if not rows:

@@ -19,14 +19,17 @@ ranks only in the target mesh pass ``local=None``, receive, and run the target-m
 Ranks in neither mesh do not call.
 
 Memory: a collective step allocates its result plus at most one padded buffer per side of
-the collective; no step holds the global tensor unless the state it produces is replicated. On
-the CPU the runner's buffers (its send buffer, its results and the blocks gloo's reduce_scatter
-receives before summing them, laid out by ``runtime.execution.step_program``) are kept between
-calls (per thread, one of each per dtype, up to :data:`KEPT_BYTES` each; larger ones are
-allocated per call): allocated anew, such a buffer's pages fault on first touch every call,
-which costs as much as the copy into it (``runtime.memory.buffers``). The last step's result,
-what the call returns, is allocated per call (``runtime.execution.reshard_program``). On a GPU
-the caching allocator already reuses memory, and buffers are allocated per call. A
+the collective; no step holds the global tensor unless the state it produces is replicated.
+Each step sends as its move does (``CollectiveMove.send``, the runner's ``direct``): from the
+piece itself where its blocks are runs of its memory (a leading-dimension gather copies
+nothing before its collective), else packed into a send buffer; the copies are those the
+planner's copy table prices (``planner/copies.py``). On the CPU the send buffer and the blocks
+gloo's reduce_scatter receives before summing them are kept between calls (per thread, one of
+each per dtype, up to :data:`KEPT_BYTES` each; larger ones are allocated per call): allocated
+anew, such a buffer's pages fault on first touch every call, which costs as much as the copy
+into it (``runtime.memory.buffers``). Each step's result is allocated per call, and the
+previous one goes once the next step has read it. On a GPU the caching allocator already
+reuses memory, and buffers are allocated per call. A
 point-to-point step allocates its output, plus one buffer per peer whose message is not a
 single contiguous box (a message that is one is sent from the piece, or received into the
 output, in place).
@@ -64,7 +67,7 @@ from runtime.errors import DistributedError, PlanMismatchError, ReshardError
 from runtime.execution.agreement import digests
 from runtime.execution.buckets import StageRun
 from runtime.execution.names import ReshardNames
-from runtime.execution.reshard_program import compile_reshard, fresh_bucket
+from runtime.execution.reshard_program import compile_reshard
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name, torch_dtype
 from shardlang.errors import ShardlangError
@@ -161,11 +164,10 @@ def _execute(
         device=device,
         names=names,
         each_within=True,
-        fresh=program.fresh,
+        direct=True,
     )
     try:
-        run.feed({0: local})  # type: ignore[dict-item]  # None: a rank off the source mesh
-        x = run.finish()[0]
+        x = run.run_one(local)
     except (DistributedError, ReshardError):
         run.drain()
         _THREAD.scratch = None  # a collective that failed may still use them: new ones next time
@@ -173,14 +175,14 @@ def _execute(
     if x is None:
         return None  # a rank outside the target mesh
     # Steps that never communicated return views of ``local``: copy them out. Otherwise the
-    # result is a view of the last bucket's, allocated for this call (``fresh``).
+    # result is a view of the last bucket's, allocated for this call (``direct``).
     if not program.steps.buckets:
         return x.clone(memory_format=torch.contiguous_format)
     return x.contiguous()
 
 
-# Up to this many bytes, the runner's send and kept buffers (results, gloo's reduce_scatter
-# workspace) are kept between calls on the CPU (module docstring).
+# Up to this many bytes, the runner's send buffer and gloo's reduce_scatter workspace are kept
+# between calls on the CPU (module docstring).
 KEPT_BYTES = 64 * 2**20
 _THREAD = threading.local()  # its ``scratch``: this thread's kept buffers (a Scratch, or None)
 
@@ -255,14 +257,13 @@ class _Program:
     """A plan, its program for one rank (``runtime.execution.reshard_program``), and that
     rank's source piece shape (``None`` outside the source mesh)."""
 
-    __slots__ = ("fresh", "plan", "source_shape", "steps")
+    __slots__ = ("plan", "source_shape", "steps")
 
     def __init__(self, plan: Plan, rank: int) -> None:
         self.plan = plan
         self.steps = compile_reshard(plan, rank)
         in_source = rank in plan.src.mesh.ranks
         self.source_shape = plan.src.rank_piece(plan.shape, rank).shape if in_source else None
-        self.fresh = fresh_bucket(self.steps)  # its result: allocated per call, returned
 
 
 def _program(

@@ -4,14 +4,14 @@ driver of moves: docs/design.md, "One executor").
 
 The leg is the plan itself (one hop, no view); every communicating step the rank takes part in
 (every one of its mesh, and every point-to-point step) is a bucket of its own,
-run in ``step()`` order (one at a time), so a reshard's collectives, their padding and their
-buffers are the ones a step's bucket of that one member has (``runtime.execution.names.ReshardNames``
-names them as the plan's steps).
+run in ``step()`` order (one at a time), so a reshard's collectives and their padding are
+the ones a step's bucket of that one member has (``runtime.execution.names.ReshardNames``
+names them as the plan's steps). Its buffers are the move's own: ``StageRun`` runs the
+program ``direct`` (sent from the piece where it can be, results allocated per call), so it
+copies what the planner's copy table prices (``planner/copies.py``).
 """
 
 from __future__ import annotations
-
-import attrs
 
 from planner.legs import BEFORE, Bucket, Hop, Leg, Member
 from planner.plans import Plan
@@ -46,32 +46,4 @@ def compile_reshard(plan: Plan, rank: int) -> StepProgram:
         if step.op == "point_to_point" or rank in step.layout.mesh.ranks
     )
     step_plan = StepPlan(rank=rank, tensors=(_TENSOR,), legs=(leg,), buckets=buckets, bucket_bytes=1)
-    return _last_result_fresh(compile_step(step_plan, rank))
-
-
-def _last_result_fresh(program: StepProgram) -> StepProgram:
-    """``program`` with its last collective bucket's result left out of the kept buffer: the
-    executor allocates it per call (``StageRun``'s ``fresh``), since it is what the reshard
-    returns (kept, it would be copied out, one more copy and one more result held). The
-    workspaces after it (``_lay_out`` puts those of the buckets run in ``step()`` after the
-    results) move into its place."""
-    last = next((b for b in reversed(program.buckets) if b.bucket.op != "point_to_point"), None)
-    if last is None:
-        return program
-    start, numel = last.result
-    buckets, kept = [], 0
-    for b in program.buckets:
-        if b.workspace is not None and b.workspace[0] == start + numel:
-            b = attrs.evolve(b, workspace=(start, b.workspace[1]))
-        if b is not last and b.bucket.op != "point_to_point":
-            kept = max(kept, sum(b.result), sum(b.workspace or (0, 0)))
-        elif b.workspace is not None:
-            kept = max(kept, sum(b.workspace))
-        buckets.append(b)
-    return attrs.evolve(program, buckets=tuple(buckets), kept_numel={last.bucket.dtype: kept})
-
-
-def fresh_bucket(program: StepProgram) -> frozenset[int]:
-    """The bucket whose result a reshard's run allocates (:func:`_last_result_fresh`)."""
-    last = next((b for b in reversed(program.buckets) if b.bucket.op != "point_to_point"), None)
-    return frozenset() if last is None else frozenset((last.index,))
+    return compile_step(step_plan, rank)

@@ -30,7 +30,7 @@ from planner.plans import Plan
 from runtime.errors import DistributedError, ReshardError
 from runtime.execution.buckets import run_stage
 from runtime.execution.program import CollectiveMove
-from runtime.execution.reshard_program import compile_reshard, fresh_bucket
+from runtime.execution.reshard_program import compile_reshard
 from runtime.execution.run import Exchange
 from runtime.execution.step_program import StepProgram
 from runtime.memory.buffers import Scratch
@@ -51,8 +51,7 @@ def simulate(plan: Plan, pieces_by_rank: Mapping[int, torch.Tensor]) -> dict[int
     ranks = (*plan.src.mesh.ranks, *(r for r in plan.dst.mesh.ranks if r not in plan.src.mesh.ranks))
     programs = {rank: compile_reshard(plan, rank) for rank in ranks}
     inputs = {rank: {0: pieces_by_rank.get(rank)} for rank in ranks}  # None: off the source mesh
-    fresh = {rank: fresh_bucket(program) for rank, program in programs.items()}
-    done = simulate_step(programs, BEFORE, inputs, fresh=fresh)  # type: ignore[arg-type]
+    done = simulate_step(programs, BEFORE, inputs, direct=True)  # type: ignore[arg-type]
     # None: only in the source mesh, the rank sent and holds nothing.
     return {rank: legs[0] for rank, legs in done.items() if legs[0] is not None}
 
@@ -80,7 +79,7 @@ def simulate_step(
     *,
     kept_buffers: bool = True,
     timeout: float = 30.0,
-    fresh: Mapping[int, frozenset[int]] | None = None,
+    direct: bool = False,
 ) -> dict[int, dict[int, torch.Tensor]]:
     """Per rank, its legs' pieces after ``stage`` (``planner.legs.BEFORE`` or ``AFTER``) of its
     step program (``programs``: every rank's, compiled from its own step plan), given per rank
@@ -89,8 +88,8 @@ def simulate_step(
     (``runtime.execution.step_program``), else fresh ones. Raises the error of the rank that
     failed first (its peers stop waiting for it); a collective whose members do not all post
     theirs within ``timeout`` seconds is a :class:`DistributedError`. No result shares memory
-    with an input or a buffer. ``fresh``: per rank, the buckets whose result the run allocates
-    (``runtime.execution.buckets.StageRun``'s; a reshard's program needs its own)."""
+    with an input or a buffer. ``direct``: the programs are a reshard's, run as the executor
+    runs them (``runtime.execution.buckets.StageRun``'s ``direct``)."""
     board = _Board()
     wait = datetime.timedelta(seconds=timeout)
 
@@ -105,7 +104,7 @@ def simulate_step(
                 buffers=Scratch() if kept_buffers else None,
                 start=board.start,
                 exchange=functools.partial(board.exchange, rank),
-                fresh=frozenset() if fresh is None else fresh[rank],
+                direct=direct,
             )
         except BaseException:
             board.fail(rank)  # the peers stop waiting for this rank's collectives
