@@ -37,7 +37,7 @@ from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError, ReshardError
 from runtime.execution.names import Names, StepNames
 from runtime.execution.program import CollectiveMove
-from runtime.execution.ranges import profiled
+from runtime.execution.ranges import profiled, profiling
 from runtime.execution.run import (
     Exchange,
     LegWalk,
@@ -178,14 +178,15 @@ class StageRun:
         self.program, self.stage, self.timeout, self._start_move = program, stage, timeout, start
         self._start_exchange_with = exchange or start_exchange
         self._device = device  # where an exchange's pieces land on a rank that sends none
-        self._write_to = dict(write_to or {})
+        self._write_to = dict(write_to) if write_to else {}
         if program.shared_after and stage == AFTER and buffers is not None and not write_to:
             raise ReshardError("a step program compiled to write through is run without write_to")
-        deliver = deliver | frozenset(self._write_to)
+        if write_to:
+            deliver = deliver | frozenset(write_to)
         self._names = names if names is not None else StepNames(program, device_meshes)
         self._buffers, self._deliver = buffers, deliver
         self._stable = stable if buffers is not None else frozenset()
-        self._buckets = [b for b in program.buckets if b.bucket.stage == stage]
+        self._buckets = program.in_stage(stage)
         self._next = 0  # the next bucket to start
         self._given = 0  # its members up to this one have their inputs (feed)
         self._walks: dict[int, LegWalk] = {}
@@ -242,10 +243,19 @@ class StageRun:
         they would be (each holds the leg's piece), and return its piece in the target layout."""
         program = self.program.legs[0]
         walk = self._walks[0] = LegWalk(program.schedule, x, program.label)
+        traced = profiling()  # else no profiler ranges: a small reshard's time is mostly Python's
         for bucket in self._buckets:
-            self._start(bucket)
+            if traced:
+                self._start(bucket)
+                self._next += 1
+                self._wait_oldest(None)
+                continue
+            if bucket.bucket.op == "point_to_point":
+                self._start_exchange(bucket)
+            else:
+                self._send_and_start(bucket)
             self._next += 1
-            self._wait_oldest(None)
+            self._finish(*self._in_flight.pop(), None)
         walk.advance()
         return walk.x
 
@@ -458,7 +468,10 @@ class StageRun:
             # else the input was written where it is sent from (:meth:`places`)
         if targets:
             torch._foreach_copy_(targets, sources)
-        self._post(bucket, first, send.view(-1), out, workspace, walks)
+        self._post(bucket, first, send.view(-1), out, workspace, None)
+        for walk in walks:
+            walk.x, walk.flying = None, True  # the piece is in the buffer now
+        self.packed.update(leg for leg, *_ in bucket.members)
 
     def _send_and_start(self, bucket: BucketProgram) -> None:
         """Start a ``direct`` bucket's collective (its one member's move) from what
@@ -470,7 +483,8 @@ class StageRun:
         workspace = None
         if buffers is not None and move.step.op == "reduce_scatter":  # gloo's blocks land here
             workspace = buffers.take("blocks", send.numel(), send.dtype, send.device)
-        self._post(bucket, move, send, None, workspace, [walk])
+        self._post(bucket, move, send, None, workspace, walk)
+        self.packed.add(leg)
 
     def _post(
         self,
@@ -479,10 +493,10 @@ class StageRun:
         send: torch.Tensor,
         out: torch.Tensor | None,
         workspace: torch.Tensor | None,
-        walks: list[LegWalk],
+        walk: LegWalk | None,
     ) -> None:
         """Start the collective of ``bucket`` (its members' moves step as ``first`` does) from
-        the flat ``send``; its members' pieces are in flight from here."""
+        the flat ``send``; ``walk``, its one member's (a ``direct`` bucket), is in flight from here."""
         started = time.perf_counter()
         try:
             pending = (self._start_move or start_move)(
@@ -498,9 +512,8 @@ class StageRun:
             # The members keep their pieces: the bucket is started again by the next feed() or
             # finish(), so that the peers' collective is matched (docs/design/failures.md).
             raise type(e)(f"{self.bucket_text(bucket)} failed: {e.message}") from e
-        for walk in walks:
-            walk.x, walk.flying = None, True  # the piece is in the buffer now
-        self.packed.update(leg for leg, *_ in bucket.members)
+        if walk is not None:
+            walk.x, walk.flying = None, True  # sent: the next bucket's result is its piece
         self._in_flight.append((bucket, pending, started))
 
     def _wait_oldest(self, deadline: float | None) -> None:

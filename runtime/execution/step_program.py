@@ -93,6 +93,15 @@ class StepProgram:
     # The buckets after the update launched in step() share one result region: the stage must
     # run with StageRun's ``write_to`` (compile_step's ``write_through``).
     shared_after: bool = False
+    # Per stage, its buckets in order (:meth:`in_stage`: made once, not by every run).
+    _by_stage: dict[str, tuple[BucketProgram, ...]] = attrs.field(factory=dict, init=False, repr=False)
+
+    def in_stage(self, stage: str) -> tuple[BucketProgram, ...]:
+        """The buckets of ``stage``, in the program's order."""
+        found = self._by_stage.get(stage)
+        if found is None:
+            found = self._by_stage[stage] = tuple(b for b in self.buckets if b.bucket.stage == stage)
+        return found
 
 
 def compile_step(plan: StepPlan, rank: int, *, write_through: bool = False) -> StepProgram:
