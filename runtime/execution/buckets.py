@@ -48,38 +48,11 @@ from runtime.execution.run import (
     start_exchange,
     start_move,
 )
-from runtime.execution.step_program import BucketProgram, LegProgram, StepProgram
+from runtime.execution.step_program import BucketProgram, StepProgram
 from runtime.measure import stats
 from runtime.memory.buffers import Scratch
-from runtime.memory.dtypes import dtype_name
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
-
-
-def _viewed_as_its_piece(program: LegProgram, x: torch.Tensor | None) -> bool:
-    """Whether ``x`` becomes the leg's piece by the view its first hop starts with (a joined
-    block, flat, into the matrix it is: ``planner.matrices``)."""
-    view = program.schedule[0][0]
-    shape = program.source_shape
-    return (
-        x is not None
-        and view is not None
-        and shape is not None
-        and x.dtype == program.dtype
-        and x.numel() == math.prod(shape) == math.prod(view)
-    )
-
-
-def _wrong_piece(program: LegProgram, x: torch.Tensor | None, rank: int) -> ReshardError:
-    """The error of an input that is not the piece its leg starts from on this rank."""
-    leg = program.leg
-    source = leg.hops[0].plan
-    held = "no piece" if x is None else f"a piece of {dtype_name(x.dtype)} {list(x.shape)}"
-    if program.source_shape is None:
-        given = f"'{source.src}' gives it none (it is not in {source.src.mesh.describe()})"
-    else:
-        given = f"'{source.src}' gives it {leg.dtype} {list(program.source_shape)} of {list(source.shape)}"
-    return ReshardError(f"{program.label()}: rank {rank} holds {held}, but {given}")
 
 
 def run_stage(
@@ -217,9 +190,9 @@ class StageRun:
             if x is None or x.shape != program.source_shape or x.dtype != program.dtype:
                 if x is None and program.source_shape is None:  # a rank off the leg's source mesh
                     continue
-                if _viewed_as_its_piece(program, x):
+                if program.viewed_as_its_piece(x):
                     continue
-                raise _wrong_piece(program, x, self.program.rank)
+                raise program.wrong_piece(x, self.program.rank)
         for i, x in inputs.items():  # given only once every input is checked
             program = legs[i]
             walks[i] = LegWalk(program.schedule, x, program.label)
@@ -451,7 +424,9 @@ class StageRun:
                 workspace = kept[bucket.workspace[0] : bucket.workspace[0] + bucket.workspace[1]]
         # Members that need no padding are written with one copy call for the whole bucket.
         targets, sources, walks = [], [], []
-        parts = self._memo(("send", bucket.index), (send.data_ptr(), send.shape), _send_parts, bucket, send)
+        parts = self._memo(
+            ("send", bucket.index), (send.data_ptr(), send.shape), BucketProgram.send_parts, bucket, send
+        )
         for position, (leg, move, _, _), part in zip(bucket.positions, bucket.members, parts, strict=True):
             walk = self._walks[leg]
             walks.append(walk)
@@ -552,7 +527,7 @@ class StageRun:
             return
         rows = op in ("all_gather", "all_to_all")
         held = (received.data_ptr(), received.shape)
-        mine = self._memo(("result", bucket.index), held, _result_parts, bucket, received)
+        mine = self._memo(("result", bucket.index), held, BucketProgram.result_parts, bucket, received)
         for (leg, move, _, _), final, part in zip(bucket.members, bucket.final, mine, strict=True):
             walk = self._walks[leg]
             if not rows:
@@ -611,27 +586,6 @@ def _advanced_view(walk: LegWalk, until: int | None) -> list[torch.Tensor] | Non
 
 def _blocks(move: CollectiveMove, x: torch.Tensor) -> list[torch.Tensor | None]:
     return [move.send_blocks(x)]
-
-
-def _send_parts(bucket: BucketProgram, send: torch.Tensor) -> list[torch.Tensor]:
-    """Per member its part of the bucket's send buffer (``[n, total]`` or ``[total]``), shaped
-    as its blocks (``CollectiveMove.blocks_shape``)."""
-    parts = []
-    for _, move, chunk, offset in bucket.members:
-        part = send[:, offset : offset + chunk] if bucket.per_peer else send[offset : offset + chunk]
-        parts.append(part.view(move.blocks_shape))
-    return parts
-
-
-def _result_parts(bucket: BucketProgram, received: torch.Tensor) -> list[torch.Tensor]:
-    """Per member its part of the bucket's result: of an all_gather or all_to_all the
-    ``[n, chunk]`` columns, otherwise the piece after the step (``CollectiveMove.finish``, a
-    view)."""
-    first = bucket.members[0][1]
-    if bucket.bucket.op in ("all_gather", "all_to_all"):
-        gathered = received.view(first.n, bucket.total)
-        return [gathered[:, offset : offset + chunk] for _, _, chunk, offset in bucket.members]
-    return [move.finish(received[offset : offset + chunk]) for _, move, chunk, offset in bucket.members]
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
