@@ -1,6 +1,6 @@
 """runtime.execution.run.Exchange: a bucket of point-to-point moves sends one message per peer
 (the members' blocks one after another) and cuts what arrives back into every member's piece,
-as Muon's matrix moves bucket them; a walk of a reshard's plan posts the members. The messages
+as Muon's matrix moves bucket them; a reshard's one-step plan, compiled per rank, gives the members. The messages
 are copied between ranks here as ``runtime.execution.simulate`` emulates them.
 """
 
@@ -12,7 +12,7 @@ import torch
 from runtime import torch_dtype
 from runtime.comm.exchange import RankExchange
 from runtime.execution.program import compile_plan
-from runtime.execution.run import Exchange, walk
+from runtime.execution.run import Exchange
 from tests.test_p2p_support import CASES, Case, case_plan
 from tests.test_runtime_support import full_tensor, reference_piece
 
@@ -30,9 +30,9 @@ def test_two_members_travel_in_one_message_per_peer_and_land_exactly(case: Case)
         posts = []
         for full in fulls:
             x = reference_piece(full, plan.src, rank) if rank in plan.src.mesh.ranks else None
-            post = next(walk(compile_plan(plan, rank), x, dtype=dtype, device=torch.device("cpu")))
-            assert isinstance(post[0], RankExchange)
-            posts.append(post)
+            (move,) = compile_plan(plan, rank)
+            assert isinstance(move, RankExchange)
+            posts.append((move, x, None if move.after is None else torch.empty(move.after, dtype=dtype)))
         buckets[rank] = Exchange(posts)  # type: ignore[arg-type]
         outs[rank] = [out for _, _, out in posts]
         move = posts[0][0]

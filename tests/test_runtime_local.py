@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import planner
 from runtime import DistributedError, reshard
-from runtime.execution import executor
+from runtime.execution import executor, reshard_program
 from runtime.execution.program import bytes_sent, compile_plan
 from shardlang import parse_layout
 from shardlang.dtypes import ITEMSIZE
@@ -40,16 +40,20 @@ def test_bytes_sent_match_the_cost_model_on_the_busiest_rank(plan: planner.Plan)
 
 
 def test_plans_are_made_once_per_pair(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    real = planner.plan
+    """And compiled once per rank: the step program the bucket runner runs is cached with it."""
+    calls, compiled = [], []
+    real, compile_step = planner.plan, reshard_program.compile_step
     monkeypatch.setattr(planner, "plan", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(reshard_program, "compile_step", lambda *a, **k: compiled.append(a) or compile_step(*a, **k))
     executor._planned_program.cache_clear()
     src, dst = parse_layout("S0,R over mesh[2]"), parse_layout("R,R over mesh[2]")
     first = executor._program(src, dst, (5, 3), "f32", None, False, 1, "t")
     for _ in range(3):
         assert executor._program(src, dst, (5, 3), "f32", None, False, 1, "t") is first
-    assert len(calls) == 1
+    assert len(calls) == 1 and len(compiled) == 1
     assert first.source_shape == (2, 3)
+    # One leg, one bucket: the plan's all_gather, its step 0.
+    assert [(b.bucket.op, b.bucket.members[0].step) for b in first.steps.buckets] == [("all_gather", 0)]
 
 
 def test_reshard_needs_an_initialized_process_group() -> None:

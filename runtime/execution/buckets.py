@@ -32,44 +32,27 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.buffers import IN_FLIGHT
-from planner.legs import AFTER, DURING_BACKWARD, IN_STEP, Bucket
+from planner.legs import AFTER, DURING_BACKWARD, IN_STEP
 from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError, ReshardError
+from runtime.execution.names import Names, StepNames
 from runtime.execution.program import CollectiveMove
-from runtime.execution.ranges import profiled
-from runtime.execution.run import Exchange, LegWalk, Started, StartMove, record_traffic, start_exchange, start_move
-from runtime.execution.step_program import BucketProgram, LegProgram, StepProgram
+from runtime.execution.ranges import profiled, profiling
+from runtime.execution.run import (
+    Exchange,
+    LegWalk,
+    Started,
+    StartExchange,
+    StartMove,
+    record_traffic,
+    start_exchange,
+    start_move,
+)
+from runtime.execution.step_program import BucketProgram, StepProgram
 from runtime.measure import stats
 from runtime.memory.buffers import Scratch
-from runtime.memory.dtypes import dtype_name
 from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
-
-
-def _viewed_as_its_piece(program: LegProgram, x: torch.Tensor | None) -> bool:
-    """Whether ``x`` becomes the leg's piece by the view its first hop starts with (a joined
-    block, flat, into the matrix it is: ``planner.matrices``)."""
-    view = program.schedule[0][0]
-    shape = program.source_shape
-    return (
-        x is not None
-        and view is not None
-        and shape is not None
-        and x.dtype == program.dtype
-        and x.numel() == math.prod(shape) == math.prod(view)
-    )
-
-
-def _wrong_piece(program: LegProgram, x: torch.Tensor | None, rank: int) -> ReshardError:
-    """The error of an input that is not the piece its leg starts from on this rank."""
-    leg = program.leg
-    source = leg.hops[0].plan
-    held = "no piece" if x is None else f"a piece of {dtype_name(x.dtype)} {list(x.shape)}"
-    if program.source_shape is None:
-        given = f"'{source.src}' gives it none (it is not in {source.src.mesh.describe()})"
-    else:
-        given = f"'{source.src}' gives it {leg.dtype} {list(program.source_shape)} of {list(source.shape)}"
-    return ReshardError(f"{program.label()}: rank {rank} holds {held}, but {given}")
 
 
 def run_stage(
@@ -81,12 +64,25 @@ def run_stage(
     timeout: datetime.timedelta,
     buffers: Scratch | None = None,
     start: StartMove | None = None,
+    exchange: StartExchange | None = None,
+    direct: bool = False,
 ) -> dict[int, torch.Tensor | None]:
     """Every leg of ``stage`` (keys of ``inputs``: indices into the plan's legs) run from its
     input to its piece in the leg's target layout (:class:`StageRun`, given every input at
     once: nothing is sent before every input has been checked)."""
-    run = StageRun(program, stage, device_meshes=device_meshes, timeout=timeout, buffers=buffers, start=start)
+    run = StageRun(
+        program,
+        stage,
+        device_meshes=device_meshes,
+        timeout=timeout,
+        buffers=buffers,
+        start=start,
+        exchange=exchange,
+        direct=direct,
+    )
     try:
+        if direct:  # a reshard's one leg, run as the executor runs it
+            return {0: run.run_one(inputs[0])}
         run.feed(inputs)
         return run.finish()
     except ShardlangError:
@@ -114,8 +110,21 @@ class StageRun:
     starts: a program compiled with ``write_through`` lets the buckets after the update share
     one result region, so the stage holds one bucket's results, not all of them.
 
+    ``names`` names the buckets in errors and records and gives their groups' DeviceMesh:
+    :class:`StepNames` (the legs' tensors) unless given; a reshard gives its call's
+    (``runtime.execution.reshard_program.ReshardNames``).
+
     ``start`` starts a bucket's collective: ``runtime.execution.run.start_move`` (torch.distributed)
-    unless given; the simulator (``runtime.execution.simulate.simulate_step``) gives its emulation.
+    unless given, and ``exchange`` a bucket of point-to-point moves (``start_exchange``); the
+    simulator (``runtime.execution.simulate.simulate_step``) gives its emulations.
+    ``each_within``: every wait is bounded by ``timeout`` on its own, as a reshard's are (and
+    its errors name that timeout), not all of the stage's within one. ``direct`` (a reshard's
+    program: one leg, each bucket of one member): each bucket sends as the move does alone
+    (``CollectiveMove.send``: from the piece itself where its blocks are runs of its memory, an
+    all_reduce in place on a piece an earlier bucket made, else packed into ``buffers``' send
+    buffer) and its result is allocated per run, not laid out in the kept buffer; so a reshard
+    copies what the planner's copy table prices (``planner/copies.py``) and holds no buffer the
+    size of its piece beyond the move's own (docs/design.md, "One executor").
 
     Raises :class:`DistributedError` naming the bucket when its collective fails, and
     :class:`ReshardError` for an input of the wrong shape or dtype."""
@@ -133,16 +142,24 @@ class StageRun:
         write_to: Mapping[int, torch.Tensor] | None = None,
         start: StartMove | None = None,
         device: torch.device | None = None,
+        names: Names | None = None,
+        exchange: StartExchange | None = None,
+        each_within: bool = False,
+        direct: bool = False,
     ) -> None:
+        self._each_within, self._direct = each_within, direct
         self.program, self.stage, self.timeout, self._start_move = program, stage, timeout, start
+        self._start_exchange_with = exchange or start_exchange
         self._device = device  # where an exchange's pieces land on a rank that sends none
-        self._write_to = dict(write_to or {})
+        self._write_to = dict(write_to) if write_to else {}
         if program.shared_after and stage == AFTER and buffers is not None and not write_to:
             raise ReshardError("a step program compiled to write through is run without write_to")
-        deliver = deliver | frozenset(self._write_to)
-        self._device_meshes, self._buffers, self._deliver = device_meshes, buffers, deliver
+        if write_to:
+            deliver = deliver | frozenset(write_to)
+        self._names = names if names is not None else StepNames(program, device_meshes)
+        self._buffers, self._deliver = buffers, deliver
         self._stable = stable if buffers is not None else frozenset()
-        self._buckets = [b for b in program.buckets if b.bucket.stage == stage]
+        self._buckets = program.in_stage(stage)
         self._next = 0  # the next bucket to start
         self._given = 0  # its members up to this one have their inputs (feed)
         self._walks: dict[int, LegWalk] = {}
@@ -152,6 +169,8 @@ class StageRun:
         self.waited = 0.0  # seconds spent blocked waiting for collectives
         # Legs whose input a started bucket has packed: the stage reads it no more.
         self.packed: set[int] = set()
+        # ``direct``: legs whose piece a bucket of this run made (an all_reduce may reduce it in place).
+        self._owned: set[int] = set()
 
     @property
     def started(self) -> int:
@@ -171,9 +190,9 @@ class StageRun:
             if x is None or x.shape != program.source_shape or x.dtype != program.dtype:
                 if x is None and program.source_shape is None:  # a rank off the leg's source mesh
                     continue
-                if _viewed_as_its_piece(program, x):
+                if program.viewed_as_its_piece(x):
                     continue
-                raise _wrong_piece(program, x, self.program.rank)
+                raise program.wrong_piece(x, self.program.rank)
         for i, x in inputs.items():  # given only once every input is checked
             program = legs[i]
             walks[i] = LegWalk(program.schedule, x, program.label)
@@ -190,6 +209,28 @@ class StageRun:
                 return
             self._start(bucket)
             self._next, self._given = self._next + 1, 0
+
+    def run_one(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Run a ``direct`` program's one leg from ``x`` (checked by the caller: a reshard's
+        piece, ``None`` off its source mesh), each bucket waited on before the next starts, as
+        they would be (each holds the leg's piece), and return its piece in the target layout."""
+        program = self.program.legs[0]
+        walk = self._walks[0] = LegWalk(program.schedule, x, program.label)
+        traced = profiling()  # else no profiler ranges: a small reshard's time is mostly Python's
+        for bucket in self._buckets:
+            if traced:
+                self._start(bucket)
+                self._next += 1
+                self._wait_oldest(None)
+                continue
+            if bucket.bucket.op == "point_to_point":
+                self._start_exchange(bucket)
+            else:
+                self._send_and_start(bucket)
+            self._next += 1
+            self._finish(*self._in_flight.pop(), None)
+        walk.advance()
+        return walk.x
 
     def finish(self) -> dict[int, torch.Tensor]:
         """Start the buckets not yet started (every input must have been given), wait for all,
@@ -321,6 +362,8 @@ class StageRun:
         with profiled(self.stage, lambda: f"start {self.bucket_text(bucket)}"):
             if bucket.bucket.op == "point_to_point":
                 self._start_exchange(bucket)
+            elif self._direct:
+                self._send_and_start(bucket)
             else:
                 self._pack_and_start(bucket)
 
@@ -343,7 +386,7 @@ class StageRun:
         messages = Exchange(posts)  # type: ignore[arg-type]
         started = time.perf_counter()
         try:
-            pending = start_exchange(messages)
+            pending = self._start_exchange_with(messages)
         except DistributedError as e:  # the members keep their pieces, as a collective's do
             raise DistributedError(f"{self.bucket_text(bucket)} failed: {e.message}") from e
         for walk, _ in landing:
@@ -354,7 +397,6 @@ class StageRun:
     def _pack_and_start(self, bucket: BucketProgram) -> None:
         """Pack the bucket's members into its send buffer and start its collective."""
         program, buffers = self.program, self._buffers
-        plan = program.plan
         first_leg, first, _, _ = bucket.members[0]
         n, op, total = first.n, bucket.bucket.op, bucket.total
         sample = self._walks[first_leg].x
@@ -382,7 +424,9 @@ class StageRun:
                 workspace = kept[bucket.workspace[0] : bucket.workspace[0] + bucket.workspace[1]]
         # Members that need no padding are written with one copy call for the whole bucket.
         targets, sources, walks = [], [], []
-        parts = self._memo(("send", bucket.index), (send.data_ptr(), send.shape), _send_parts, bucket, send)
+        parts = self._memo(
+            ("send", bucket.index), (send.data_ptr(), send.shape), BucketProgram.send_parts, bucket, send
+        )
         for position, (leg, move, _, _), part in zip(bucket.positions, bucket.members, parts, strict=True):
             walk = self._walks[leg]
             walks.append(walk)
@@ -399,15 +443,41 @@ class StageRun:
             # else the input was written where it is sent from (:meth:`places`)
         if targets:
             torch._foreach_copy_(targets, sources)
-        device_mesh = self._device_meshes.get(plan.legs[first_leg].tensor)
-        if device_mesh is not None and tuple(device_mesh.shape) != bucket.bucket.mesh.shape:
-            device_mesh = None  # a flat group's mesh (planner.legs.flat_group): a group of its own
+        self._post(bucket, first, send.view(-1), out, workspace, None)
+        for walk in walks:
+            walk.x, walk.flying = None, True  # the piece is in the buffer now
+        self.packed.update(leg for leg, *_ in bucket.members)
+
+    def _send_and_start(self, bucket: BucketProgram) -> None:
+        """Start a ``direct`` bucket's collective (its one member's move) from what
+        ``CollectiveMove.send`` makes of the piece, its result allocated by the collective."""
+        (leg, move, _, _), walk = bucket.members[0], self._walks[bucket.members[0][0]]
+        walk.advance(bucket.positions[0])
+        buffers = self._buffers
+        send = move.send(walk.x, writable=leg in self._owned, scratch=buffers)
+        workspace = None
+        if buffers is not None and move.step.op == "reduce_scatter":  # gloo's blocks land here
+            workspace = buffers.take("blocks", send.numel(), send.dtype, send.device)
+        self._post(bucket, move, send, None, workspace, walk)
+        self.packed.add(leg)
+
+    def _post(
+        self,
+        bucket: BucketProgram,
+        first: CollectiveMove,
+        send: torch.Tensor,
+        out: torch.Tensor | None,
+        workspace: torch.Tensor | None,
+        walk: LegWalk | None,
+    ) -> None:
+        """Start the collective of ``bucket`` (its members' moves step as ``first`` does) from
+        the flat ``send``; ``walk``, its one member's (a ``direct`` bucket), is in flight from here."""
         started = time.perf_counter()
         try:
             pending = (self._start_move or start_move)(
                 first,
-                send.view(-1),
-                device_mesh=device_mesh,
+                send,
+                device_mesh=self._names.mesh_of(bucket),
                 timeout=self.timeout,
                 out=out,
                 workspace=workspace,
@@ -417,9 +487,8 @@ class StageRun:
             # The members keep their pieces: the bucket is started again by the next feed() or
             # finish(), so that the peers' collective is matched (docs/design/failures.md).
             raise type(e)(f"{self.bucket_text(bucket)} failed: {e.message}") from e
-        for walk in walks:
-            walk.x, walk.flying = None, True  # the piece is in the buffer now
-        self.packed.update(leg for leg, *_ in bucket.members)
+        if walk is not None:
+            walk.x, walk.flying = None, True  # sent: the next bucket's result is its piece
         self._in_flight.append((bucket, pending, started))
 
     def _wait_oldest(self, deadline: float | None) -> None:
@@ -429,10 +498,13 @@ class StageRun:
 
     def _finish(self, bucket: BucketProgram, pending: Started, started: float, deadline: float | None) -> None:
         """Wait for the bucket's collective and hand each member its result."""
-        left = self.timeout.total_seconds() if deadline is None else max(deadline - time.monotonic(), 0.001)
+        if deadline is None or self._each_within:
+            left = self.timeout
+        else:
+            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         blocked = time.perf_counter()
         try:
-            received = pending.wait(datetime.timedelta(seconds=left))
+            received = pending.wait(left)
         except DistributedError as e:
             raise DistributedError(f"{self.bucket_text(bucket)} failed: {e.message}") from e
         finally:
@@ -442,30 +514,20 @@ class StageRun:
             landing, moves = self._landing.pop(bucket.index)
             for walk, out in landing:
                 walk.passed(out)
-            if stats.is_recording():
-                names = ",".join(self.program.plan.legs[leg].tensor for leg, *_ in bucket.members)
-                record_traffic(
-                    moves,
-                    tensor=names,
-                    step=bucket.index,
-                    itemsize=ITEMSIZE[bucket.bucket.dtype],
-                    planned_bytes=bucket.bucket.bytes,
-                    started=started,
-                )
+            if self._direct:  # the pieces landed in new tensors
+                self._owned.update(leg for leg, *_ in bucket.members)
+            self._record(bucket, moves, started)
             return
-        if stats.is_recording():  # the names are joined only then
-            record_traffic(
-                [move for _, move, _, _ in bucket.members],
-                tensor=",".join(self.program.plan.legs[leg].tensor for leg, *_ in bucket.members),
-                step=bucket.index,
-                itemsize=ITEMSIZE[bucket.bucket.dtype],
-                planned_bytes=bucket.bucket.bytes,
-                started=started,
-            )
+        if stats.is_recording():
+            self._record(bucket, [move for _, move, _, _ in bucket.members], started)
+        if self._direct:  # a result of its own (_send_and_start): its views are made anew
+            leg, move, _, _ = bucket.members[0]
+            self._walks[leg].passed(move.finish(received))
+            self._owned.add(leg)
+            return
         rows = op in ("all_gather", "all_to_all")
-        mine = self._memo(
-            ("result", bucket.index), (received.data_ptr(), received.shape), _result_parts, bucket, received
-        )
+        held = (received.data_ptr(), received.shape)
+        mine = self._memo(("result", bucket.index), held, BucketProgram.result_parts, bucket, received)
         for (leg, move, _, _), final, part in zip(bucket.members, bucket.final, mine, strict=True):
             walk = self._walks[leg]
             if not rows:
@@ -503,10 +565,15 @@ class StageRun:
         return self.program.views.get(key, held, make, *args)
 
     def bucket_text(self, bucket: BucketProgram) -> str:
-        """The bucket as errors and profiler ranges name it:
-        ``bucket 2 of 5 (reduce_scatter over dp of 'w1', 'b1')``."""
-        names = [self.program.plan.legs[leg].tensor for leg, *_ in bucket.members]
-        return f"bucket {bucket.index + 1} of {len(self.program.plan.buckets)} ({_describe(bucket.bucket, names)})"
+        """The bucket as errors and profiler ranges name it (``runtime.execution.names``):
+        ``bucket 2 of 5 (reduce_scatter over dp of 'w1', 'b1')`` in a step."""
+        return self._names.text(bucket)
+
+    def _record(self, bucket: BucketProgram, moves: Sequence[CollectiveMove | RankExchange], started: float) -> None:
+        if stats.is_recording():  # the names are made only then
+            tensor, step = self._names.record(bucket)
+            planned, itemsize = bucket.bucket.bytes, ITEMSIZE[bucket.bucket.dtype]
+            record_traffic(moves, tensor=tensor, step=step, itemsize=itemsize, planned_bytes=planned, started=started)
 
 
 def _advanced_view(walk: LegWalk, until: int | None) -> list[torch.Tensor] | None:
@@ -519,32 +586,6 @@ def _advanced_view(walk: LegWalk, until: int | None) -> list[torch.Tensor] | Non
 
 def _blocks(move: CollectiveMove, x: torch.Tensor) -> list[torch.Tensor | None]:
     return [move.send_blocks(x)]
-
-
-def _send_parts(bucket: BucketProgram, send: torch.Tensor) -> list[torch.Tensor]:
-    """Per member its part of the bucket's send buffer (``[n, total]`` or ``[total]``), shaped
-    as its blocks (``CollectiveMove.blocks_shape``)."""
-    parts = []
-    for _, move, chunk, offset in bucket.members:
-        part = send[:, offset : offset + chunk] if bucket.per_peer else send[offset : offset + chunk]
-        parts.append(part.view(move.blocks_shape))
-    return parts
-
-
-def _result_parts(bucket: BucketProgram, received: torch.Tensor) -> list[torch.Tensor]:
-    """Per member its part of the bucket's result: of an all_gather or all_to_all the
-    ``[n, chunk]`` columns, otherwise the piece after the step (``CollectiveMove.finish``, a
-    view)."""
-    first = bucket.members[0][1]
-    if bucket.bucket.op in ("all_gather", "all_to_all"):
-        gathered = received.view(first.n, bucket.total)
-        return [gathered[:, offset : offset + chunk] for _, _, chunk, offset in bucket.members]
-    return [move.finish(received[offset : offset + chunk]) for _, move, chunk, offset in bucket.members]
-
-
-def _describe(bucket: Bucket, names: Sequence[str]) -> str:
-    shown = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return f"{bucket.describe()} of {shown}"
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -2,10 +2,14 @@
 
 Every rank of the layout's mesh calls :func:`reshard` with its own piece; each step runs on
 the process group of its mesh axis (``runtime.comm.groups``), through the collective layer
-(``runtime.comm.collectives``): the rank's compiled moves (``runtime.execution.program``) are walked by
-``runtime.execution.run``, which does the padding, packing and trimming, and this module only
-communicates, as the simulator only emulates. Plans and compiled moves are cached per (src, dst, shape, dtype, rank, and
-whether point-to-point plans are allowed), so a training loop plans once.
+(``runtime.comm.collectives``). The plan is compiled for the rank as a step program of one leg,
+a bucket per communicating step (``runtime.execution.reshard_program``), and run by the bucket
+runner that runs an optimizer step's buckets (``runtime.execution.buckets.StageRun``: the
+padding, packing and trimming; docs/design.md, "One executor"); this module only checks the
+call and gives the runner its names, DeviceMesh and buffers, as the simulator gives it an
+emulation. Plans and programs are cached per (src, dst, shape, dtype, rank, and whether
+point-to-point plans are allowed), so a training loop plans and compiles once. Every wait is
+bounded by the timeout on its own.
 
 A point-to-point step (``runtime.comm.exchange``) sends boxes between global ranks of the default
 group in one ``batch_isend_irecv``; a rank's own boxes are copied, never sent. Across meshes
@@ -15,15 +19,20 @@ ranks only in the target mesh pass ``local=None``, receive, and run the target-m
 Ranks in neither mesh do not call.
 
 Memory: a collective step allocates its result plus at most one padded buffer per side of
-the collective (the send buffer is released before the result is assembled); no step holds
-the global tensor unless the state it produces is replicated. On the CPU the padded send
-buffer, and the blocks gloo's reduce_scatter receives before summing them, are kept between
-calls (per thread, one of each per dtype, up to :data:`KEPT_BYTES` each; larger ones are
-allocated per call): allocated anew, such a buffer's pages fault on first touch every call,
-which costs as much as the copy into it (``runtime.memory.buffers``). On a GPU the caching
-allocator already reuses memory. A point-to-point step
-allocates its output, plus one buffer per peer whose message is not a single contiguous box
-(a message that is one is sent from the piece, or received into the output, in place).
+the collective; no step holds the global tensor unless the state it produces is replicated.
+Each step sends as its move does (``CollectiveMove.send``, the runner's ``direct``): from the
+piece itself where its blocks are runs of its memory (a leading-dimension gather copies
+nothing before its collective), else packed into a send buffer; the copies are those the
+planner's copy table prices (``planner/copies.py``). On the CPU the send buffer and the blocks
+gloo's reduce_scatter receives before summing them are kept between calls (per thread, one of
+each per dtype, up to :data:`KEPT_BYTES` each; larger ones are allocated per call): allocated
+anew, such a buffer's pages fault on first touch every call, which costs as much as the copy
+into it (``runtime.memory.buffers``). Each step's result is allocated per call, and the
+previous one goes once the next step has read it. On a GPU the caching allocator already
+reuses memory, and buffers are allocated per call. A
+point-to-point step allocates its output, plus one buffer per peer whose message is not a
+single contiguous box (a message that is one is sent from the piece, or received into the
+output, in place).
 The caller's tensor is never written: an all_reduce copies it first, later steps reduce
 their own buffers in place.
 The result is contiguous and shares no memory with ``local`` (unless the plan is empty, when
@@ -43,7 +52,6 @@ from __future__ import annotations
 import datetime
 import functools
 import threading
-import time
 from collections.abc import Sequence
 
 import torch
@@ -51,17 +59,17 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import planner
+from planner.legs import BEFORE
 from planner.plans import Plan
 from runtime.comm.collectives import default_device, timeout_of
-from runtime.comm.exchange import RankExchange
 from runtime.comm.groups import axis_group, ranks_group
 from runtime.errors import DistributedError, PlanMismatchError, ReshardError
 from runtime.execution.agreement import digests
-from runtime.execution.program import CollectiveMove, compile_plan
-from runtime.execution.run import Exchange, exchange, record_traffic, start_move, walk
+from runtime.execution.buckets import StageRun
+from runtime.execution.names import ReshardNames
+from runtime.execution.reshard_program import compile_reshard
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import dtype_name, torch_dtype
-from shardlang.dtypes import ITEMSIZE
 from shardlang.errors import ShardlangError
 from shardlang.interop import is_dtensor
 from shardlang.layout import Layout
@@ -139,47 +147,41 @@ def _execute(
     label: str,
     name: str | None,
 ) -> torch.Tensor | None:
-    """Drive this rank's walk of the program (``runtime.execution.run``), each of its
-    communications with torch.distributed."""
+    """Run this rank's program of the plan (``runtime.execution.reshard_program``: one leg, a
+    bucket per communicating step) with the bucket runner, each collective on torch.distributed,
+    and copy its result out of the runner's buffers."""
     plan = program.plan
     if not plan.steps:
         return local
     scratch = _kept_buffers() if device.type == "cpu" else None
-    run = walk(program.moves, local, dtype=torch_dtype(plan.dtype), device=device, scratch=scratch)
-    received = None
-    while True:
-        try:
-            post = run.send(received)
-        except StopIteration as done:
-            return done.value
-        started = time.perf_counter()
-        move = post[0]
-        try:
-            if isinstance(move, RankExchange):
-                exchange(Exchange([post]), wait)  # type: ignore[list-item]
-                received = None
-            else:
-                _, send, workspace = post
-                pending = start_move(
-                    move, send, device_mesh=device_mesh, timeout=wait, workspace=workspace, waited_at_once=True
-                )
-                del send, workspace
-                received = pending.wait(wait)
-        except (DistributedError, ReshardError) as e:
-            _THREAD.scratch = None  # a collective that failed may still use them: new ones next time
-            raise type(e)(f"{label}: {_step_text(move, plan)} failed: {e.message}") from e
-        del post  # the send buffer goes before the walk assembles the result
-        record_traffic(
-            [move],
-            tensor=name,
-            step=move.index,
-            itemsize=ITEMSIZE[plan.dtype],
-            planned_bytes=move.step.bytes,
-            started=started,
-        )
+    names = ReshardNames(plan, label, name, device_mesh)
+    run = StageRun(
+        program.steps,
+        BEFORE,
+        device_meshes={},
+        timeout=wait,
+        buffers=scratch,
+        device=device,
+        names=names,
+        each_within=True,
+        direct=True,
+    )
+    try:
+        x = run.run_one(local)
+    except (DistributedError, ReshardError):
+        run.drain()
+        _THREAD.scratch = None  # a collective that failed may still use them: new ones next time
+        raise
+    if x is None:
+        return None  # a rank outside the target mesh
+    # Steps that never communicated return views of ``local``: copy them out. Otherwise the
+    # result is a view of the last bucket's, allocated for this call (``direct``).
+    if not program.steps.buckets:
+        return x.clone(memory_format=torch.contiguous_format)
+    return x.contiguous()
 
 
-# Up to this many bytes, a padded send buffer and gloo's reduce_scatter workspace are kept
+# Up to this many bytes, the runner's send buffer and gloo's reduce_scatter workspace are kept
 # between calls on the CPU (module docstring).
 KEPT_BYTES = 64 * 2**20
 _THREAD = threading.local()  # its ``scratch``: this thread's kept buffers (a Scratch, or None)
@@ -252,14 +254,14 @@ def _device(device: torch.device | str | None, label: str) -> torch.device:
 
 
 class _Program:
-    """A plan, its moves for one rank, and that rank's source piece shape (``None`` outside
-    the source mesh)."""
+    """A plan, its program for one rank (``runtime.execution.reshard_program``), and that
+    rank's source piece shape (``None`` outside the source mesh)."""
 
-    __slots__ = ("moves", "plan", "source_shape")
+    __slots__ = ("plan", "source_shape", "steps")
 
     def __init__(self, plan: Plan, rank: int) -> None:
         self.plan = plan
-        self.moves: tuple[CollectiveMove | RankExchange | None, ...] = compile_plan(plan, rank)
+        self.steps = compile_reshard(plan, rank)
         in_source = rank in plan.src.mesh.ranks
         self.source_shape = plan.src.rank_piece(plan.shape, rank).shape if in_source else None
 
@@ -304,15 +306,6 @@ def _shape(global_shape: Sequence[int], label: str) -> tuple[int, ...]:
         return tuple(int(s) for s in global_shape)
     except (TypeError, ValueError):
         raise ReshardError(f"{label}: global_shape must be a sequence of ints, not {global_shape!r}") from None
-
-
-def _step_text(move: CollectiveMove | RankExchange, plan: Plan) -> str:
-    step = move.step
-    if isinstance(move, RankExchange):
-        what = f"{step.describe()} -> {step.layout}, with ranks {list(move.peers)}"
-    else:
-        what = f"{step.describe()} -> {step.layout}, on ranks {list(move.members)}"
-    return f"step {move.index + 1} of {len(plan.steps)} ({what})"
 
 
 def _verify(

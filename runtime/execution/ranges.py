@@ -19,12 +19,13 @@ UPDATE = "the update"  # between the stages "before the update" and "after the u
 
 # Looked up once: a step under overlap enters a range per gradient, and without a profiler the
 # lookups and a new null context would be most of its cost.
-_enabled = torch.autograd._profiler_enabled
+# ``profiling()``: whether a profiler runs (a caller may ask once for many ranges).
+profiling = torch.autograd._profiler_enabled
 _NOTHING = contextlib.nullcontext()
 
 
 def profiled(where: str, what: str | Callable[[], str]) -> contextlib.AbstractContextManager[object]:
     """The range ``shardlang {where}: {what}`` while a profiler runs, else nothing."""
-    if not _enabled():
+    if not profiling():
         return _NOTHING
     return torch.profiler.record_function(f"shardlang {where}: {what if isinstance(what, str) else what()}")

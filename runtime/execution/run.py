@@ -3,34 +3,27 @@ shares (docs/design.md, "One executor").
 
 :class:`LegWalk` is the one walker of a leg's moves: it runs the local steps (and a step
 program's views between hops) up to the next communicating step, where its driver takes the
-piece. Two drivers walk legs with it: :func:`walk`, one communication at a time (a reshard, and
-the simulator of reshards), and the bucket runner (``runtime.execution.buckets.StageRun``),
-which runs a bucket of many legs' moves as one collective or one :class:`Exchange` (the
-optimizers' buckets and Muon's matrix moves).
-
-:func:`walk` takes one rank's piece through a plan's moves: a collective step packs the send
-buffer (``CollectiveMove.send``) and yields it, and unpacks what the driver sends back
-(``CollectiveMove.finish``); a point-to-point step yields its piece and the target piece it
-fills, a member of the :class:`Exchange` the driver runs. The driver only communicates:
-:func:`runtime.execution.executor.reshard` with torch.distributed on the calling rank,
-:func:`runtime.execution.simulate.simulate` with every rank's walk in one process and the
-collectives emulated over their send buffers. So the padding, trimming and packing the
-simulator checks are the runtime's own.
+piece. One driver walks legs with it, the bucket runner (``runtime.execution.buckets.StageRun``),
+which runs a bucket of many legs' moves as one collective or one :class:`Exchange`: an
+optimizer step's buckets, Muon's matrix moves, and a reshard (its plan compiled as a program of
+one leg, ``runtime.execution.reshard_program``), on torch.distributed or in the simulator
+(``runtime.execution.simulate``), so the padding, trimming and packing the simulator checks are
+the runtime's own.
 
 An :class:`Exchange` is a bucket of point-to-point moves: one message per peer however many
 members send to it (members in bucket order; both ends read the same plans, so they agree on
 the message's layout). A reshard's exchange has one member; Muon's matrix moves bucket many.
 :func:`start_exchange` posts one with torch.distributed, and :func:`start_move` starts a
-collective move's, alone or as the first of a bucket (``runtime.execution.buckets``): every
-collective and message of a compiled program is posted here, and what each sent is recorded
-by :func:`record_traffic`.
+collective bucket's, whose members all step as its first one does: every collective and
+message of a compiled program is posted here, and what each sent is recorded by
+:func:`record_traffic`.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -42,18 +35,6 @@ from runtime.comm.groups import group_for
 from runtime.errors import ReshardError
 from runtime.execution.program import CollectiveMove, bytes_sent
 from runtime.measure import stats
-from runtime.memory.buffers import Scratch
-
-# What a walk waits on: a collective move with its send buffer and, for gloo's reduce_scatter,
-# the workspace its blocks land in (the driver sends back the flat result), or a point-to-point
-# move with the rank's piece and the target piece it fills, a member of an :class:`Exchange`
-# (the driver sends back ``None`` once it has landed).
-Post = (
-    tuple[CollectiveMove, torch.Tensor, torch.Tensor | None]
-    | tuple[RankExchange, torch.Tensor | None, torch.Tensor | None]
-)
-Walk = Generator[Post, torch.Tensor | None, torch.Tensor | None]
-
 
 # One entry of a leg's schedule (``runtime.execution.step_program.LegProgram``): the view its hop
 # starts with (on the hop's first step), its move (``None``: a hop of no steps, or a step on a
@@ -70,11 +51,11 @@ class LegWalk:
     gather left to its driver. ``flying``: its piece is in a communication in flight (``x`` may
     be ``None`` on a rank that holds none). ``label`` names the leg in errors (called only then).
 
-    Every driver walks its legs with it: :func:`walk` (a reshard, the simulator, Muon's
-    point-to-point moves) from one communication to the next, ``runtime.execution.buckets``
-    up to the entries its buckets stop at. E.g. a ZeRO-2 gradient leg ``R,R | P(dp) -> S(dp),R``
-    has one entry, its reduce_scatter: the walk starts at ``i = 0``, its bucket packs ``x``, and
-    the bucket's result makes ``x`` the reduced piece and ``i = 1``, the end."""
+    Its driver, ``runtime.execution.buckets.StageRun``, walks every leg (an optimizer step's, a
+    reshard's one, Muon's matrices') up to the entries its buckets stop at.
+    E.g. a ZeRO-2 gradient leg ``R,R | P(dp) -> S(dp),R`` has one entry, its reduce_scatter:
+    the walk starts at ``i = 0``, its bucket packs ``x``, and the bucket's result makes ``x``
+    the reduced piece and ``i = 1``, the end."""
 
     __slots__ = ("flying", "i", "label", "schedule", "unpacking", "viewed", "x")
 
@@ -104,18 +85,6 @@ class LegWalk:
             if view is not None and not self.viewed and self.x is not None:
                 self.x, self.viewed = self.x.reshape(view), True
 
-    def next_move(self) -> CollectiveMove | RankExchange | None:
-        """Run the local steps up to the next communicating one and return its move (the walk
-        waits there: :meth:`passed`), or ``None`` at the end of the schedule."""
-        schedule, i = self.schedule, self.i
-        while i < len(schedule) and schedule[i][2]:
-            i += 1
-        if i == len(schedule):
-            self.advance()
-            return None
-        self.advance(i)
-        return schedule[i][1]
-
     def skip_to(self, until: int | None, x: torch.Tensor) -> None:
         """Where :meth:`advance` from the walk's start would leave it, given the piece ``x``
         that it reached (from an earlier step of the same input: a driver's kept views)."""
@@ -136,56 +105,6 @@ class LegWalk:
         to unpack where the piece is kept, and go to the end, past any views after it."""
         self.x, self.unpacking, self.flying = received, move, False
         self.i, self.viewed = len(self.schedule), False
-
-
-def schedule_of(moves: Sequence[CollectiveMove | RankExchange | None]) -> tuple[Entry, ...]:
-    """The schedule of one plan's moves (no views): ``None`` (a step without this rank) and the
-    local steps are local."""
-    return tuple((None, m, m is None or (isinstance(m, CollectiveMove) and m.is_local)) for m in moves)
-
-
-def walk(
-    moves: Sequence[CollectiveMove | RankExchange | None],
-    x: torch.Tensor | None,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    scratch: Scratch | None = None,
-) -> Walk:
-    """The rank's piece after ``moves`` (``None`` off the target mesh), from its piece ``x``
-    (``None`` off the source mesh): contiguous, and sharing no memory with ``x``. Send buffers
-    are packed into ``scratch`` when given (kept by the caller between calls), with gloo's
-    reduce_scatter workspace. ``x`` is never written: an all_reduce copies it first, later
-    steps reduce their own buffers in place."""
-    leg = LegWalk(schedule_of(moves), x, _a_plan)
-    writable = False
-    while (move := leg.next_move()) is not None:
-        if isinstance(move, RankExchange):
-            out = None if move.after is None else torch.empty(move.after, dtype=dtype, device=device)
-            yield move, leg.x, out
-            leg.passed(out)
-            writable = True
-            continue
-        assert leg.x is not None  # a collective step runs on a mesh the rank is in
-        send = move.send(leg.x, writable=writable, scratch=scratch)
-        leg.x = None  # let the previous intermediate go before the collective allocates
-        workspace = None
-        if scratch is not None and move.step.op == "reduce_scatter":
-            workspace = scratch.take("blocks", send.numel(), send.dtype, send.device)
-        received = yield move, send, workspace
-        del send, workspace  # released before the result is assembled
-        assert received is not None
-        leg.passed(move.finish(received))
-        writable = True
-    x = leg.x
-    if x is None:
-        return None  # a rank outside the target mesh
-    # Steps that never communicated return views of ``x``: copy them out.
-    return x.contiguous() if writable else x.clone(memory_format=torch.contiguous_format)
-
-
-def _a_plan() -> str:
-    return "the plan's walk"
 
 
 class Exchange:
@@ -252,8 +171,10 @@ class Started(Protocol):
     def wait(self, timeout: datetime.timedelta) -> torch.Tensor: ...
 
 
-# How a driver starts a collective move: :func:`start_move`'s signature.
+# How a driver starts a collective move: :func:`start_move`'s signature; and a bucket of
+# point-to-point moves: :func:`start_exchange`'s.
 StartMove = Callable[..., Started]
+StartExchange = Callable[["Exchange"], Started]
 
 
 def start_move(
@@ -267,8 +188,8 @@ def start_move(
     waited_at_once: bool = False,
 ) -> PendingCollective:
     """Start the collective of ``move``'s step on its group (``runtime.comm.groups``, of
-    ``device_mesh`` when given) from the flat buffer ``send``: one move's blocks (a walk), or a
-    bucket's, whose members all step as its first one does (``runtime.execution.buckets``).
+    ``device_mesh`` when given) from the flat buffer ``send``
+    of a bucket, whose members all step as its first one does (``runtime.execution.buckets``).
     ``out``, ``workspace`` and ``waited_at_once`` as ``runtime.comm.collectives.start_collective``
     takes them. Raises ``DistributedError`` when the group or the collective fails."""
     step = move.step
@@ -347,12 +268,6 @@ def start_exchange(bucket: Exchange) -> ExchangeInFlight:
     works = post_point_to_point(bucket.sends, [(peer, message) for peer, message, _ in bucket.receives])
     bucket.copy_local()
     return ExchangeInFlight(bucket, works)
-
-
-def exchange(bucket: Exchange, timeout: datetime.timedelta) -> None:
-    """Run ``bucket`` with torch.distributed (:func:`start_exchange`), waited on within
-    ``timeout``. Raises ``DistributedError`` when a message fails."""
-    start_exchange(bucket).wait(timeout)
 
 
 def _landing(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,39 +1,40 @@
 """Execute a plan for every rank at once, in one process, with real tensors.
 
-Every rank walks its compiled moves (``runtime.execution.program``) with the walk that
-``runtime.execution.executor`` drives (``runtime.execution.run``): the same padding, the same
-blocks, the same trimming. Only the communication is emulated, step by step over the ranks
-that wait at it: a collective group by group over its members' send buffers, a point-to-point
-step by copying every packed message into its receiver's buffer. A point-to-point step may
-hand the tensor to another mesh: pieces come in keyed by the source mesh's ranks and go out
-keyed by the target mesh's.
-
 :func:`simulate_step` runs a compiled step program (``runtime.execution.step_program``: an
-optimizer step's buckets) the same way: every rank's stage is run by the bucket runner itself
+optimizer step's buckets) as a step does: every rank's stage is run by the bucket runner itself
 (``runtime.execution.buckets.StageRun``, on kept buffers of its own), one thread per rank, and
 only the starting of each bucket's collective is replaced: a group's ``k``-th collective meets
 once all its members have posted theirs (as a process group matches them), and each member's
-result is written where the runner asked (its ``out``, in place for an all_reduce).
+result is written where the runner asked (its ``out``, in place for an all_reduce). A bucket of
+point-to-point moves posts its messages on the same board; a receiver copies each one from its
+sender's, in the order the pair posted them.
+
+:func:`simulate` runs a reshard's plan the same way, compiled as the executor compiles it
+(``runtime.execution.reshard_program``: a program of one leg, a bucket per communicating step):
+the same padding, blocks and trimming. A point-to-point step may hand the tensor to another
+mesh: pieces come in keyed by the source mesh's ranks and go out keyed by the target mesh's.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from planner.legs import BEFORE
 from planner.plans import Plan
-from runtime.comm.exchange import RankExchange
 from runtime.errors import DistributedError, ReshardError
 from runtime.execution.buckets import run_stage
-from runtime.execution.program import CollectiveMove, compile_plan
-from runtime.execution.run import Exchange, Post, walk
+from runtime.execution.program import CollectiveMove
+from runtime.execution.reshard_program import compile_reshard
+from runtime.execution.run import Exchange
 from runtime.execution.step_program import StepProgram
 from runtime.memory.buffers import Scratch
-from runtime.memory.dtypes import dtype_name, torch_dtype
+from runtime.memory.dtypes import dtype_name
 from runtime.memory.pieces import check_pieces, reduce_stacked
 
 
@@ -48,49 +49,11 @@ def simulate(plan: Plan, pieces_by_rank: Mapping[int, torch.Tensor]) -> dict[int
             f"the plan {plan.src} -> {plan.dst} is for {plan.dtype} but the pieces are {dtype_name(like.dtype)}"
         )
     ranks = (*plan.src.mesh.ranks, *(r for r in plan.dst.mesh.ranks if r not in plan.src.mesh.ranks))
-    dtype = torch_dtype(plan.dtype)
-    walks = {
-        rank: walk(compile_plan(plan, rank), pieces_by_rank.get(rank), dtype=dtype, device=like.device)
-        for rank in ranks
-    }
-    received: dict[int, torch.Tensor | None] = dict.fromkeys(ranks)  # what each rank resumes with
-    waiting: dict[int, Post] = {}
-    out: dict[int, torch.Tensor] = {}
-    while True:
-        for rank, result in received.items():
-            try:
-                waiting[rank] = walks[rank].send(result)
-            except StopIteration as done:
-                if done.value is not None:  # None: only in the source mesh, it sent and holds nothing
-                    out[rank] = done.value
-        if not waiting:
-            return out
-        # Ranks walk the same steps in order, so every rank of the earliest step waited at is
-        # there; the others wait on.
-        index = min(post[0].index for post in waiting.values())
-        here = {rank: post for rank, post in waiting.items() if post[0].index == index}
-        for rank in here:
-            del waiting[rank]
-        received = _emulate(here)
-
-
-def _emulate(here: dict[int, Post]) -> dict[int, torch.Tensor | None]:
-    """What each rank of ``here``, all waiting at one step, receives from its communication."""
-    if isinstance(next(iter(here.values()))[0], RankExchange):
-        exchanges = {rank: Exchange([post]) for rank, post in here.items()}  # type: ignore[list-item]
-        messages = {(rank, peer): message for rank, ex in exchanges.items() for peer, message in ex.sends}
-        for rank, ex in exchanges.items():
-            for peer, buffer, _ in ex.receives:
-                buffer.copy_(messages[peer, rank])
-            ex.copy_local()
-            ex.land()
-        return dict.fromkeys(exchanges)
-    received: dict[int, torch.Tensor | None] = {}
-    for members in dict.fromkeys(post[0].members for post in here.values()):  # type: ignore[union-attr]
-        move = here[members[0]][0]
-        assert isinstance(move, CollectiveMove)
-        received.update(zip(members, _collective(move, [here[r][1] for r in members]), strict=True))  # type: ignore[misc]
-    return received
+    programs = {rank: compile_reshard(plan, rank) for rank in ranks}
+    inputs = {rank: {0: pieces_by_rank.get(rank)} for rank in ranks}  # None: off the source mesh
+    done = simulate_step(programs, BEFORE, inputs, direct=True)  # type: ignore[arg-type]
+    # None: only in the source mesh, the rank sent and holds nothing.
+    return {rank: legs[0] for rank, legs in done.items() if legs[0] is not None}
 
 
 def _collective(move: CollectiveMove, sends: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -116,6 +79,7 @@ def simulate_step(
     *,
     kept_buffers: bool = True,
     timeout: float = 30.0,
+    direct: bool = False,
 ) -> dict[int, dict[int, torch.Tensor]]:
     """Per rank, its legs' pieces after ``stage`` (``planner.legs.BEFORE`` or ``AFTER``) of its
     step program (``programs``: every rank's, compiled from its own step plan), given per rank
@@ -124,7 +88,8 @@ def simulate_step(
     (``runtime.execution.step_program``), else fresh ones. Raises the error of the rank that
     failed first (its peers stop waiting for it); a collective whose members do not all post
     theirs within ``timeout`` seconds is a :class:`DistributedError`. No result shares memory
-    with an input or a buffer."""
+    with an input or a buffer. ``direct``: the programs are a reshard's, run as the executor
+    runs them (``runtime.execution.buckets.StageRun``'s ``direct``)."""
     board = _Board()
     wait = datetime.timedelta(seconds=timeout)
 
@@ -138,11 +103,13 @@ def simulate_step(
                 timeout=wait,
                 buffers=Scratch() if kept_buffers else None,
                 start=board.start,
+                exchange=functools.partial(board.exchange, rank),
+                direct=direct,
             )
         except BaseException:
             board.fail(rank)  # the peers stop waiting for this rank's collectives
             raise
-        return {leg: x.clone(memory_format=torch.contiguous_format) for leg, x in done.items()}
+        return {leg: None if x is None else x.clone(memory_format=torch.contiguous_format) for leg, x in done.items()}
 
     with ThreadPoolExecutor(max_workers=max(len(programs), 1)) as pool:
         futures = {rank: pool.submit(run, rank) for rank in programs}
@@ -188,6 +155,8 @@ class _Board:
         self._meetings: dict[tuple[tuple[int, ...], int], _Meeting] = {}
         self._count: dict[tuple[int, tuple[int, ...]], int] = {}
         self.first: int | None = None  # the rank that failed first
+        # Point-to-point messages posted and not yet received: (sender, receiver, k-th of the pair).
+        self._messages: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def start(
         self, move: CollectiveMove, send: torch.Tensor, *, out: torch.Tensor | None = None, **_: object
@@ -209,6 +178,23 @@ class _Board:
                 meeting.run(members)
                 self._lock.notify_all()
         return _Posted(self, meeting, rank)
+
+    def exchange(self, rank: int, bucket: Exchange) -> _Exchanged:
+        """Post ``rank``'s messages of ``bucket`` (``runtime.execution.run.start_exchange``'s
+        signature, less the rank) and make its local copies."""
+        with self._lock:
+            for peer, message in bucket.sends:
+                k = self._count.get((rank, (rank, peer)), 0)
+                self._count[(rank, (rank, peer))] = k + 1
+                self._messages[(rank, peer, k)] = message
+            self._lock.notify_all()
+            expected = []
+            for peer, buffer, _ in bucket.receives:
+                k = self._count.get((rank, (peer, rank)), 0)
+                self._count[(rank, (peer, rank))] = k + 1
+                expected.append((peer, buffer, k))
+        bucket.copy_local()
+        return _Exchanged(self, rank, bucket, expected)
 
     def fail(self, rank: int) -> None:
         with self._lock:
@@ -242,3 +228,32 @@ class _Posted:
 
     def wait(self, timeout: datetime.timedelta) -> torch.Tensor:
         return self._board.wait(self._meeting, self._rank, timeout)
+
+
+class _Exchanged:
+    """One rank's exchange on the board (``runtime.execution.run.Started``): :meth:`wait` copies
+    every message it expects from its sender's once posted, then places them."""
+
+    __slots__ = ("_board", "_bucket", "_expected", "_rank")
+
+    def __init__(
+        self, board: _Board, rank: int, bucket: Exchange, expected: list[tuple[int, torch.Tensor, int]]
+    ) -> None:
+        self._board, self._rank, self._bucket, self._expected = board, rank, bucket, expected
+
+    def wait(self, timeout: datetime.timedelta) -> torch.Tensor:
+        board = self._board
+        keys = [(peer, self._rank, k) for peer, _, k in self._expected]
+        with board._lock:
+            board._lock.wait_for(
+                lambda: all(key in board._messages for key in keys) or board.first is not None,
+                timeout.total_seconds(),
+            )
+            missing = [key[0] for key in keys if key not in board._messages]
+            if missing:
+                why = f"within {timeout.total_seconds():g} s" if board.first is None else f"rank {board.first} failed"
+                raise DistributedError(f"no simulated message of ranks {missing} came to rank {self._rank} ({why})")
+            for (_, buffer, _), key in zip(self._expected, keys, strict=True):
+                buffer.copy_(board._messages.pop(key))
+        self._bucket.land()
+        return torch.empty(0)

@@ -12,6 +12,7 @@ buffers lie, and what shares space with what, is :func:`planner.buffers.lay_out`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -25,7 +26,7 @@ from runtime.errors import ReshardError
 from runtime.execution.program import CollectiveMove, compile_plan
 from runtime.execution.run import Entry
 from runtime.memory.buffers import KeptViews
-from runtime.memory.dtypes import torch_dtype
+from runtime.memory.dtypes import dtype_name, torch_dtype
 
 
 @attrs.frozen(eq=False)
@@ -46,6 +47,30 @@ class LegProgram:
     def label(self) -> str:
         """The leg in errors (``LegWalk``'s ``label``)."""
         return f"{self.leg.what} of tensor '{self.leg.tensor}'"
+
+    def viewed_as_its_piece(self, x: torch.Tensor | None) -> bool:
+        """Whether ``x`` becomes the leg's piece by the view its first hop starts with (a joined
+        block, flat, into the matrix it is: ``planner.matrices``)."""
+        view = self.schedule[0][0]
+        shape = self.source_shape
+        return (
+            x is not None
+            and view is not None
+            and shape is not None
+            and x.dtype == self.dtype
+            and x.numel() == math.prod(shape) == math.prod(view)
+        )
+
+    def wrong_piece(self, x: torch.Tensor | None, rank: int) -> ReshardError:
+        """The error of an input that is not the piece the leg starts from on ``rank``."""
+        leg = self.leg
+        source = leg.hops[0].plan
+        held = "no piece" if x is None else f"a piece of {dtype_name(x.dtype)} {list(x.shape)}"
+        if self.source_shape is None:
+            given = f"'{source.src}' gives it none (it is not in {source.src.mesh.describe()})"
+        else:
+            given = f"'{source.src}' gives it {leg.dtype} {list(self.source_shape)} of {list(source.shape)}"
+        return ReshardError(f"{self.label()}: rank {rank} holds {held}, but {given}")
 
 
 @attrs.frozen(eq=False)
@@ -73,6 +98,24 @@ class BucketProgram:
         """Elements of the send buffer: a row per peer of ``total``, or one row."""
         return (self.members[0][1].n if self.per_peer else 1) * self.total
 
+    def send_parts(self, send: torch.Tensor) -> list[torch.Tensor]:
+        """Per member its part of the bucket's send buffer (``[n, total]`` or ``[total]``),
+        shaped as its blocks (``CollectiveMove.blocks_shape``)."""
+        parts = []
+        for _, move, chunk, offset in self.members:
+            part = send[:, offset : offset + chunk] if self.per_peer else send[offset : offset + chunk]
+            parts.append(part.view(move.blocks_shape))
+        return parts
+
+    def result_parts(self, received: torch.Tensor) -> list[torch.Tensor]:
+        """Per member its part of the bucket's result: of an all_gather or all_to_all the
+        ``[n, chunk]`` columns, otherwise the piece after the step (``CollectiveMove.finish``,
+        a view)."""
+        if self.bucket.op in ("all_gather", "all_to_all"):
+            gathered = received.view(self.members[0][1].n, self.total)
+            return [gathered[:, offset : offset + chunk] for _, _, chunk, offset in self.members]
+        return [move.finish(received[offset : offset + chunk]) for _, move, chunk, offset in self.members]
+
 
 @attrs.frozen(eq=False)
 class StepProgram:
@@ -93,6 +136,15 @@ class StepProgram:
     # The buckets after the update launched in step() share one result region: the stage must
     # run with StageRun's ``write_to`` (compile_step's ``write_through``).
     shared_after: bool = False
+    # Per stage, its buckets in order (:meth:`in_stage`: made once, not by every run).
+    _by_stage: dict[str, tuple[BucketProgram, ...]] = attrs.field(factory=dict, init=False, repr=False)
+
+    def in_stage(self, stage: str) -> tuple[BucketProgram, ...]:
+        """The buckets of ``stage``, in the program's order."""
+        found = self._by_stage.get(stage)
+        if found is None:
+            found = self._by_stage[stage] = tuple(b for b in self.buckets if b.bucket.stage == stage)
+        return found
 
 
 def compile_step(plan: StepPlan, rank: int, *, write_through: bool = False) -> StepProgram:

@@ -1,0 +1,49 @@
+"""A reshard's plan compiled for one rank as a step program of one leg, so that
+``runtime.execution.buckets.StageRun`` runs it as it runs an optimizer step's buckets (one
+driver of moves: docs/design.md, "One executor").
+
+The leg is the plan itself (one hop, no view); every communicating step the rank takes part in
+(every one of its mesh, and every point-to-point step) is a bucket of its own,
+run in ``step()`` order (one at a time), so a reshard's collectives and their padding are
+the ones a step's bucket of that one member has (``runtime.execution.names.ReshardNames``
+names them as the plan's steps). Its buffers are the move's own: ``StageRun`` runs the
+program ``direct`` (sent from the piece where it can be, results allocated per call), so it
+copies what the planner's copy table prices (``planner/copies.py``).
+"""
+
+from __future__ import annotations
+
+from planner.legs import BEFORE, Bucket, Hop, Leg, Member
+from planner.plans import Plan
+from planner.step import StepPlan
+from runtime.execution.step_program import StepProgram, compile_step
+
+# The leg's tensor name: a reshard's program is shared by every call of its plan, whatever
+# name the call gives (``ReshardNames`` names it per call).
+_TENSOR = "reshard"
+
+
+def compile_reshard(plan: Plan, rank: int) -> StepProgram:
+    """``rank``'s program of ``plan``: one leg, one bucket per communicating step (cached per
+    plan and rank by the executor, so a training loop compiles once)."""
+    leg = Leg(tensor=_TENSOR, what="reshard", stage=BEFORE, dtype=plan.dtype, hops=(Hop(plan),))
+    buckets = tuple(
+        Bucket(
+            stage=BEFORE,
+            op=step.op,
+            mesh=step.layout.mesh,
+            axis=step.axis,
+            reduce_op=step.reduce_op,
+            dtype=plan.dtype,
+            members=(Member(0, 0, k),),
+            bytes=step.bytes,
+            buffer_bytes=step.bytes,
+            seconds=step.seconds,
+        )
+        for _, k in leg.communicating
+        for step in (plan.steps[k],)
+        # A collective on a mesh without this rank is no bucket of its (its walk skips it).
+        if step.op == "point_to_point" or rank in step.layout.mesh.ranks
+    )
+    step_plan = StepPlan(rank=rank, tensors=(_TENSOR,), legs=(leg,), buckets=buckets, bucket_bytes=1)
+    return compile_step(step_plan, rank)
