@@ -22,7 +22,7 @@ from cli.init import named_tensors
 from cli.inputs import UsageError, bucket_cap_arg, bytes_arg, read_spec, shape_arg
 from cli.tables import format_bytes, format_seconds
 from planner.bucket_cap import AUTO
-from planner.knapsack import better, fixed_choices, smallest_memory, suggest_best
+from planner.knapsack import NODE_LIMIT, better, fixed_choices, smallest_memory, suggest_best
 from planner.loops import AUTO as LOOP_AUTO
 from planner.loops import LOOPS
 from planner.memory import MemoryPrediction
@@ -44,7 +44,8 @@ def add_suggest_parser(sub: Any) -> None:
         help="choose every tensor's layouts under a per-rank memory budget",
         description="Choose per tensor its state layout, and where its gradient is a pending mean its param and "
         "grad layouts (ZeRO-1/2/3 forms), minimizing the modeled step time within a per-rank memory budget; "
-        "solved exactly as an integer program (README, 'Choosing layouts').",
+        "solved as an integer program, exactly or with its gap stated where the node limit stops it (README, "
+        "'Choosing layouts').",
     )
     p.add_argument("file", metavar="FILE.shard")
     p.add_argument("--memory", required=True, type=bytes_arg, metavar="BYTES", help="per-rank budget: 24GiB, 8e9")
@@ -69,7 +70,13 @@ def add_suggest_parser(sub: Any) -> None:
         "(backward reduces them), fsdp2 or fsdp2-tp (fully_shard: dim 0 sharded over the data-parallel axes), "
         "any (every ZeRO form); default auto: inferred from the spec's layouts",
     )
-    p.add_argument("--time-limit", type=float, default=10.0, metavar="SECONDS", help="for the solver (default 10)")
+    p.add_argument(
+        "--node-limit",
+        type=int,
+        default=NODE_LIMIT,
+        metavar="N",
+        help=f"branch-and-bound nodes per solve (default {NODE_LIMIT}; the same answer on any machine, its gap said)",
+    )
     p.add_argument(
         "--bucket-bytes",
         type=bucket_cap_arg,
@@ -179,7 +186,7 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
         out.append(f"best fixed strategy that fits: {name}, {ratio:.3f}x the suggested time")
     else:
         out.append("no fixed strategy fits the budget")
-    status = "optimal" if result.optimal else f"stopped at the time limit, optimality gap {result.gap:.2%}"
+    status = "optimal" if result.optimal else f"stopped at the node limit, optimality gap {result.gap:.2%}"
     candidates = sum(len(g.candidates) for p in problems for g in p.groups)
     pricing = sum(p.price_seconds for p in problems)
     kinds = ", ".join("plain" if p.flat_axis is None else f"flat over {p.flat_axis}" for p in problems)
@@ -260,13 +267,13 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
     }
 
 
-def frontier(problems: Sequence[Problem], time_limit: float) -> list[Choice]:
+def frontier(problems: Sequence[Problem], node_limit: int) -> list[Choice]:
     """The fastest choice at budgets from the smallest memory to the fastest choice's memory."""
     low = min(smallest_memory(p, timed=False).memory for p in problems)
-    fastest = suggest_best(problems, 2**62, time_limit).best
+    fastest = suggest_best(problems, 2**62, node_limit).best
     high = max(low, fastest.memory)
     budgets = sorted({round(low + (high - low) * k / (_FRONTIER_POINTS - 1)) for k in range(_FRONTIER_POINTS)})
-    return [suggest_best(problems, b, time_limit).best for b in budgets]
+    return [suggest_best(problems, b, node_limit).best for b in budgets]
 
 
 def frontier_svg(problems: Sequence[Problem], points: list[Choice]) -> str:
@@ -316,8 +323,8 @@ def _write(path: str, text: str) -> None:
 
 
 def cmd_suggest(args: argparse.Namespace) -> int:
-    if args.time_limit <= 0:
-        raise UsageError("--time-limit must be positive")
+    if args.node_limit < 1:
+        raise UsageError("--node-limit must be at least 1")
     spec = read_spec(args.file)
     problems = build_problems(
         spec,
@@ -327,7 +334,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         bucket_bytes=args.bucket_bytes,
         loop=args.loop,
     )
-    result = suggest_best(problems, args.memory, args.time_limit)
+    result = suggest_best(problems, args.memory, args.node_limit)
     if args.format == "json":
         json.dump(suggestion_json(result, problems), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -348,7 +355,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         _write(args.output, format_spec(result.spec(), header=header))
         print(f"wrote {args.output}", file=sys.stderr)
     if args.plot:
-        _write(args.plot, frontier_svg(problems, frontier(problems, args.time_limit)))
+        _write(args.plot, frontier_svg(problems, frontier(problems, args.node_limit)))
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 

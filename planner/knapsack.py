@@ -3,15 +3,20 @@
 Variables, per group ``g`` and candidate ``c``: ``n[g,c]`` (how many of the group's tensors
 take ``c``, an integer), ``u[g,c]`` (binary: any does); per collective kind ``k``: ``b[k]``
 (an integer: its buckets); ``z``, the largest transient buffer. Constraints:
-``sum_c n[g,c] = |g|``; ``n[g,c] <= |g| u[g,c]``; ``u[g,c] <= b[k]`` for every kind of
-``c``; ``cap b[k] >= sum fill[g,c,k] n[g,c]`` (``fill``: the buffer a tensor's step puts in
-the kind's buckets, at most the cap); ``z >= buffer[g,c] u[g,c]``;
+``sum_c n[g,c] = |g|``; ``n[g,c] <= |g| u[g,c]``; per group and kind, ``sum n[g,c] <= |g|
+b[k]`` over the group's candidates of that kind (a kind any tensor uses has a bucket: one row
+per group, not per candidate, and a tighter relaxation than ``u[g,c] <= b[k]``, since the
+shares of a group add up); ``cap b[k] >= sum fill[g,c,k] n[g,c]`` (``fill``: the buffer a
+tensor's step puts in the kind's buckets, at most the cap); ``z >= buffer[g,c] u[g,c]``;
 ``sum memory[g,c] n[g,c] + z <= budget``. Objective: ``sum seconds[g,c] n[g,c] + sum
 latency[k] b[k]``; among choices of that time (within a relative 1e-9), the least memory,
 then the fewest tensors changed from the spec's layouts (two more solves, each bounded by the
 last optimum). Every solution is checked against the budget in whole bytes (the solver works
 in floats), and the program is solved again with the budget lowered by any excess. The
-solution's exact time (the step plan's buckets, ``Problem.evaluate``) is compared with the
+HiGHS stops each solve after :data:`NODE_LIMIT` branch-and-bound nodes (``node_limit``), not
+after wall seconds: the answer is the same on a loaded machine as on an idle one, and a solve
+the limit stops reports its optimality gap (docs/reference/suggest.md).
+The solution's exact time (the step plan's buckets, ``Problem.evaluate``) is compared with the
 spec's own layouts' and every fixed strategy's that fits, and the best by the same order kept:
 where the cap cuts a kind into more buckets than the program counts, it stays no worse than
 any of those.
@@ -37,6 +42,9 @@ _MIB = float(2**20)
 _US = 1e6
 
 
+# Branch-and-bound nodes per solve: at 131,072 ranks on a 5-D mesh the plain problem's last
+# few microseconds of bucket rounding take HiGHS 10^5 nodes to prove (docs/reference/suggest.md).
+NODE_LIMIT = 200
 _TIE = 1e-6  # relative: times this close are a tie (the solver's own tolerance), broken by memory, then changes
 
 
@@ -118,14 +126,17 @@ def _program(problem: Problem) -> _Program:
     for gi, g in enumerate(problem.groups):
         count = len(g.tensors)
         row({i: 1.0 for i, (gj, _) in enumerate(cells) if gj == gi}, count, count)
+    uses: dict[tuple[int, int], list[int]] = {}  # (group, kind) -> the cells of that group using the kind
     for i, (gi, ci) in enumerate(cells):
         g = problem.groups[gi]
         cand = g.candidates[ci]
         row({i: 1.0, n_cells + i: -float(len(g.tensors))}, -np.inf, 0.0)
         for k, _, fill in cand.kinds:
-            row({n_cells + i: 1.0, 2 * n_cells + kind_index[k]: -1.0}, -np.inf, 0.0)
+            uses.setdefault((gi, kind_index[k]), []).append(i)
             fills[kind_index[k]][i] = fills[kind_index[k]].get(i, 0.0) + fill / _MIB
         row({n_cells + i: cand.transient / _MIB, z: -1.0}, -np.inf, 0.0)
+    for (gi, k), users in uses.items():  # a kind that a tensor of the group uses has a bucket
+        row({**dict.fromkeys(users, 1.0), 2 * n_cells + k: -float(len(problem.groups[gi].tensors))}, -np.inf, 0.0)
     most = [1] * n_kinds  # at most this many buckets a kind can need
     for k, fill in enumerate(fills):
         full = sum(v * len(problem.groups[cells[i][0]].tensors) for v in fill.values())  # every tensor in
@@ -161,12 +172,12 @@ def _run(
     program: _Program,
     objective: Any,
     limits: Sequence[tuple[Any, float]],
-    time_limit: float,
+    node_limit: int,
     *,
     relaxed: bool = False,
 ) -> tuple[Any, bool, float]:
     """Minimize ``objective`` within the program and ``limits`` (vector, most): the solution
-    (the best found when the time limit stops the solver), whether it is proven optimal, and
+    (the best found when the node limit stops the solver), whether it is proven optimal, and
     the gap; a :class:`SuggestError` when there is none. ``relaxed``: every variable real
     (the linear relaxation, whose optimum bounds the program's from below)."""
     import numpy as np
@@ -178,7 +189,7 @@ def _run(
         rows = vstack([rows, csr_array(np.array([v for v, _ in limits]))]).tocsr()
         lo = np.concatenate([lo, np.full(len(limits), -np.inf)])
         hi = np.concatenate([hi, np.array([m for _, m in limits])])
-    options: dict[str, Any] = {"mip_rel_gap": 0.0, "time_limit": time_limit, "presolve": True}
+    options: dict[str, Any] = {"mip_rel_gap": 0.0, "node_limit": node_limit, "presolve": True}
     result = milp(
         objective,
         constraints=LinearConstraint(rows, lo, hi),
@@ -202,21 +213,20 @@ def _choice(problem: Problem, program: _Program, x: Any) -> Choice:
     return problem.evaluate(picks)
 
 
-def _solve(problem: Problem, budget: int | None, time_limit: float, ties: bool) -> tuple[Choice, float, bool]:
+def _solve(problem: Problem, budget: int | None, node_limit: int, ties: bool) -> tuple[Choice, float, bool]:
     """The fastest choice (modeled by the program) within ``budget``; with ``ties``, among those
     of its time the least memory, then the fewest changes. Each tie-break is a solve of its own
-    bounded by the last optimum, given as long as the first took (at least half a second,
-    at most ``time_limit``): stopped early it keeps the best it found, which is never slower."""
+    bounded by the last optimum, within the same node limit: stopped early it keeps the best it
+    found, which is never slower."""
     program = _program(problem)
     limits = [] if budget is None else [(program.memory, budget / _MIB)]
-    x, optimal, gap, took = _fastest(program, budget, time_limit)
+    x, optimal, gap = _fastest(program, budget, node_limit)
     if ties:
-        tie_limit = min(time_limit, max(0.5, took))
         fastest = float(program.time @ x)
         limits.append((program.time, fastest * (1 + _TIE) + _TIE))
         for objective in (program.memory, program.changes):
             try:
-                x, _, _ = _run(program, objective, limits, tie_limit)
+                x, _, _ = _run(program, objective, limits, node_limit)
             except SuggestError:  # none found in time: keep the last
                 break
             limits.append((objective, float(objective @ x) + 0.5 / _MIB))  # memory: half a byte (in MiB)
@@ -226,20 +236,18 @@ def _solve(problem: Problem, budget: int | None, time_limit: float, ties: bool) 
 # suggest_best solves each problem for time, then again with its tie-breaks where it is as fast
 # as the fastest: the second time solve is the first's.
 @functools.lru_cache(maxsize=32)
-def _fastest(program: _Program, budget: int | None, time_limit: float) -> tuple[Any, bool, float, float]:
-    """:func:`_run` for the least time within ``budget`` bytes, and the seconds it took."""
+def _fastest(program: _Program, budget: int | None, node_limit: int) -> tuple[Any, bool, float]:
+    """:func:`_run` for the least time within ``budget`` bytes."""
     limits = [] if budget is None else [(program.memory, budget / _MIB)]
-    started = time.perf_counter()
-    x, optimal, gap = _run(program, program.time, limits, time_limit)
-    return x, optimal, gap, time.perf_counter() - started
+    return _run(program, program.time, limits, node_limit)
 
 
-def _time_bound(problem: Problem, budget: int, time_limit: float) -> float:
+def _time_bound(problem: Problem, budget: int) -> float:
     """Seconds no choice of ``problem`` within ``budget`` beats: the linear relaxation's least
     time (the program's time is at most a choice's exact one, module doc); inf where none fits."""
     program = _program(problem)
     try:
-        x, optimal, _ = _run(program, program.time, [(program.memory, budget / _MIB)], time_limit, relaxed=True)
+        x, optimal, _ = _run(program, program.time, [(program.memory, budget / _MIB)], NODE_LIMIT, relaxed=True)
     except SuggestError:
         return math.inf
     return float(program.time @ x) / _US if optimal else 0.0
@@ -289,7 +297,7 @@ def fixed_choices(problem: Problem) -> tuple[tuple[str | None, Choice | None], .
 def suggest(
     problem: Problem,
     budget: int,
-    time_limit: float = 10.0,
+    node_limit: int = NODE_LIMIT,
     *,
     least: Choice | None = None,
     ties: bool = True,
@@ -311,7 +319,7 @@ def suggest(
     best, gap, optimal = least, 0.0, False
     for _ in range(8):
         try:
-            best, gap, optimal = _solve(problem, limit, time_limit, ties)
+            best, gap, optimal = _solve(problem, limit, node_limit, ties)
         except SuggestError:
             best, gap, optimal = least, 0.0, False
         if best.memory <= budget:
@@ -336,7 +344,7 @@ def _too_small(budget: int, least: int, loop: str) -> SuggestError:
     )
 
 
-def suggest_best(problems: Sequence[Problem], budget: int, time_limit: float = 10.0) -> Suggestion:
+def suggest_best(problems: Sequence[Problem], budget: int, node_limit: int = NODE_LIMIT) -> Suggestion:
     """The best of :func:`suggest` over ``problems`` (the plain one and the flat ones of
     ``planner.suggest.build_problems``) by time, then memory; on a tie the first (the plain
     one: flat sharding changes how every tensor's state is kept); when none fits, the error
@@ -350,15 +358,15 @@ def suggest_best(problems: Sequence[Problem], budget: int, time_limit: float = 1
             continue
         # A problem whose least time cannot come within a tie of the fastest found is not
         # solved: its relaxation bounds every choice of it from below, its fixed ones too.
-        if fitting and _time_bound(p, budget, time_limit) > min(r.best.seconds for r in fitting) * (1 + _TIE):
+        if fitting and _time_bound(p, budget) > min(r.best.seconds for r in fitting) * (1 + _TIE):
             continue
-        fitting.append(suggest(p, budget, time_limit, least=m, ties=False, fixed=f))
+        fitting.append(suggest(p, budget, node_limit, least=m, ties=False, fixed=f))
     if not fitting:
         raise _too_small(budget, min(m.memory for m in least), problems[0].loop)
     fastest = min(r.best.seconds for r in fitting)
     # Ties are broken within the problems as fast as the fastest: the others cannot win.
     fitting = [
-        suggest(r.problem, budget, time_limit, least=least[i], fixed=fixed[i])
+        suggest(r.problem, budget, node_limit, least=least[i], fixed=fixed[i])
         if math.isclose(r.best.seconds, fastest, rel_tol=_TIE)
         else r
         for r in fitting

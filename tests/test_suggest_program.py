@@ -1,0 +1,95 @@
+"""The integer program of ``planner.knapsack`` solved to its optimum: against brute force over
+every split of each group's tensors among its candidates, priced here from the candidates
+alone (each tensor's own seconds and memory, per collective kind its latency times its
+buckets, ``max(1 if used, ceil(fill / cap))``, and the largest transient), never from the
+program's rows. And the node limit: deterministic, its gap stated when it stops a solve."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from planner import knapsack
+from planner.knapsack import _choice, _fastest, _program
+from planner.suggest import build_problems
+from shardlang import parse_spec
+
+MIB = 2**20
+# Latency-bound (1 ms a round): buckets decide. Three tensors of one group, 8 MiB buckets.
+THREE = """
+mesh world = [dp=4]  bandwidth 25e9  latency 1ms
+tensor {a,b,c} : f32[1048576] { param = R over world  grad = R | P(dp):avg over world  state = S(dp) over world }
+"""
+# Two groups on two data-parallel axes, a slow one: the counts of two kinds trade off.
+TWO = """
+mesh world = [dp=8, fsdp=2]  bandwidth [1e9, 1e11]  latency [500us, 5us]
+tensor w.{0..2} : bf16[1024, 2048] {
+  param = R,R over world  grad = R,R | P(dp,fsdp):avg over world  state = S(dp,fsdp),R over world
+}
+tensor n.{0..1} : f32[4096] { param = R over world  grad = R | P(dp,fsdp):avg over world }
+"""
+
+
+def _splits(count: int, cells: int):
+    """Every way to give ``count`` tensors to ``cells`` candidates: counts per candidate."""
+    for bars in itertools.combinations(range(count + cells - 1), cells - 1):
+        edges = (-1, *bars, count + cells - 1)
+        yield tuple(edges[i + 1] - edges[i] - 1 for i in range(cells))
+
+
+def _brute(problem, budget: int) -> tuple[float, list]:
+    """The least program time (microseconds, as the program counts it) within ``budget`` bytes
+    of program memory, over every split; and every split's (time, memory)."""
+    cap = problem.solver_cap
+    every = []
+    groups = problem.groups
+    for counts in itertools.product(*[list(_splits(len(g.tensors), len(g.candidates))) for g in groups]):
+        seconds, memory, transient = 0.0, 0, 0
+        fill: dict[int, int] = {}
+        latency: dict[int, float] = {}
+        for g, split in zip(groups, counts, strict=True):
+            for cand, n in zip(g.candidates, split, strict=True):
+                if not n:
+                    continue
+                seconds += n * cand.seconds
+                memory += n * cand.memory
+                transient = max(transient, cand.transient)
+                for k, lat, f in cand.kinds:
+                    fill[k] = fill.get(k, 0) + n * f
+                    latency[k] = lat
+        seconds += sum(lat * max(1, math.ceil(fill[k] / cap)) for k, lat in latency.items())
+        every.append((seconds, memory + transient))
+    fitting = [s for s, m in every if m <= budget]
+    return (min(fitting) if fitting else math.inf), every
+
+
+@pytest.mark.parametrize(("text", "cap"), [(THREE, 8 * MIB), (TWO, None)])
+def test_the_program_optimum_equals_brute_force(text: str, cap: int | None) -> None:
+    problem = build_problems(parse_spec(text), bucket_bytes=cap, loop="any")[0]
+    _, every = _brute(problem, 2**62)
+    memories = sorted({m for _, m in every})
+    assert len(memories) > 4
+    program = _program(problem)
+    # (within a few bytes of the least memory the solver's float tolerance, in MiB, may find
+    # none: suggest() then takes smallest_memory's exact choice, tests/test_suggest.py)
+    budgets = [m for m in memories if m >= memories[0] + 1024]
+    for budget in [*budgets[:: max(1, len(budgets) // 12)], memories[-1]]:
+        expected, _ = _brute(problem, budget)
+        x, optimal, gap = _fastest(program, budget, 10**6)
+        assert optimal and gap == 0
+        got = float(program.time @ x) / 1e6
+        assert math.isclose(got, expected, rel_tol=1e-9), (budget, got, expected)
+        assert _choice(problem, program, x).memory <= budget
+
+
+def test_the_node_limit_stops_a_solve_the_same_way_and_says_its_gap() -> None:
+    problem = build_problems(parse_spec(TWO), loop="any")[0]
+    budget = sorted({m for _, m in _brute(problem, 2**62)[1]})[-1]
+    exact = knapsack.suggest(problem, budget, 10**6)
+    assert exact.optimal and exact.gap == 0
+    stopped = [knapsack.suggest(problem, budget, 1) for _ in range(2)]
+    assert stopped[0].optimal or stopped[0].gap > 0  # stopped short: the gap is stated, the same each time
+    assert (stopped[0].best, stopped[0].gap) == (stopped[1].best, stopped[1].gap)
+    assert stopped[0].best.seconds >= exact.best.seconds * (1 - 1e-9)
