@@ -27,6 +27,7 @@ from pathlib import Path
 import results as bench_results
 import torch
 import torch.distributed as dist
+from bench_search_speed import random_layout  # one home for the random pairs' layouts
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -44,29 +45,14 @@ OPS = ("sum", "sum", "avg", "max", "min")
 REPO = Path(__file__).resolve().parent.parent
 
 
-def random_layout(rng: random.Random, mesh: Mesh, ndim: int, partial: bool) -> Layout:
-    dims: list[list[int]] = [[] for _ in range(ndim)]
-    pending = []
-    axes = list(range(mesh.ndim))
-    rng.shuffle(axes)  # any nesting order
-    for axis in axes:
-        r = rng.random()
-        if partial and r < 0.25:
-            pending.append((axis, rng.choice(OPS)))
-        elif r < 0.45:
-            continue
-        else:
-            dims[rng.randrange(ndim)].append(axis)
-    return Layout(dims=dims, mesh=mesh, partial=pending)
-
-
 def random_pairs(rng: random.Random, mesh: Mesh, count: int) -> list[tuple[Layout, Layout, tuple[int, ...]]]:
     pairs = []
     while len(pairs) < count:
         ndim = rng.randint(1, 3)
         shape = tuple(rng.choice(LENGTHS) for _ in range(ndim))
-        src = random_layout(rng, mesh, ndim, partial=rng.random() < 0.5)
-        dst = random_layout(rng, mesh, ndim, partial=rng.random() < 0.2)
+        # An axis is partial a quarter of the time in a partial layout, split 55% of the time in any.
+        src = random_layout(rng, mesh, ndim, partial=0.25 if rng.random() < 0.5 else 0.0, split=(0.45, 1.0), ops=OPS)
+        dst = random_layout(rng, mesh, ndim, partial=0.25 if rng.random() < 0.2 else 0.0, split=(0.45, 1.0), ops=OPS)
         if src != dst:
             pairs.append((src, dst, shape))
     return pairs

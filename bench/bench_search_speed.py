@@ -36,6 +36,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
 
@@ -254,7 +255,18 @@ def calibrated_model(naxes: int) -> planner.CostModel:
     )
 
 
-def random_layout(rng: random.Random, mesh: Mesh, ndim: int, partial: float, split: float) -> Layout:
+def random_layout(
+    rng: random.Random,
+    mesh: Mesh,
+    ndim: int,
+    partial: float,
+    split: tuple[float, float],
+    ops: Sequence[str] = OPS,
+) -> Layout:
+    """A random layout of an ``ndim``-d tensor over ``mesh``, its axes in any nesting order:
+    each axis draws one uniform ``r``, and is partial (an op of ``ops``) where ``r < partial``,
+    else split over a random dim where ``split[0] <= r < split[1]``, else replicated. (Also
+    bench_planner_speed.py's pairs.)"""
     dims: list[list[int]] = [[] for _ in range(ndim)]
     pending = []
     axes = list(range(mesh.ndim))
@@ -262,8 +274,8 @@ def random_layout(rng: random.Random, mesh: Mesh, ndim: int, partial: float, spl
     for axis in axes:
         r = rng.random()
         if r < partial:
-            pending.append((axis, rng.choice(OPS)))
-        elif r < partial + split:
+            pending.append((axis, rng.choice(ops)))
+        elif split[0] <= r < split[1]:
             dims[rng.randrange(ndim)].append(axis)
     return Layout(dims=dims, mesh=mesh, partial=pending)
 
@@ -274,8 +286,9 @@ def random_pairs(rng: random.Random, mesh: Mesh, count: int) -> list[tuple[Layou
     while len(pairs) < count:
         ndim = rng.randint(1, 3)
         shape = tuple(rng.choice(LENGTHS) for _ in range(ndim))
-        src = random_layout(rng, mesh, ndim, partial=0.6, split=0.25)
-        dst = random_layout(rng, mesh, ndim, partial=0.1 if rng.random() < 0.3 else 0.0, split=0.6)
+        src = random_layout(rng, mesh, ndim, partial=0.6, split=(0.6, 0.85))
+        dst_partial = 0.1 if rng.random() < 0.3 else 0.0
+        dst = random_layout(rng, mesh, ndim, partial=dst_partial, split=(dst_partial, dst_partial + 0.6))
         if src != dst:
             pairs.append((src, dst, shape, rng.choice(tuple(ITEMSIZE))))
     return pairs

@@ -2,7 +2,7 @@
 
 One spawn runs every case; the reference runs here, in the test process, and every rank's
 piece is compared with the reference sliced by hand. The layouts, data and helpers are the
-CAME tests' (``tests.test_optim_dist``): uneven rows, nested axes, flat chunks, a 3-rank mesh.
+CAME tests' (``tests.optim_support``): uneven rows, nested axes, flat chunks, a 3-rank mesh.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime.testing import run_ranks
-from tests.test_optim_dist import (
+from tests.optim_support import (
     CAME_TOLERANCE,
     CONFIGS,
     OWN_STATES,

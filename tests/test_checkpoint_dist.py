@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from runtime.testing import run_ranks
-from tests.test_optim_dist import (
+from tests.optim_support import (
     ADAMW,
     CAME,
     CAME_TOLERANCE,

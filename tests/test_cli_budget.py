@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.test_cli import no_traceback, run
+from tests.cli_support import no_traceback, run
 
 # 4096 ranks: the point-to-point step from S(tp,dp) to S(tp) would send from every dp rank to
 # every other (512 x 511 messages per tp column), far past the 50,000 states of the budget.

@@ -1,6 +1,6 @@
 """The ``shardlang`` command on cross-mesh pairs and point-to-point plans, run as the console
-script runs it (tests/test_cli.py's run): the receive lower bound in text and JSON, the messages, ``--p2p``, explain,
-and pictures that show both meshes and the messages (a 64-rank grid included).
+script runs it (tests/cli_support.py's run): the receive lower bound in text and JSON, the messages,
+``--p2p``, explain, and pictures that show both meshes and the messages (a 64-rank grid included).
 
 Expected numbers come from element sets cut by torch.chunk (the references of
 ``tests/test_planner_p2p.py``), not from the planner.
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from shardlang import parse_layout
-from tests.test_cli import SVG, _svg, _text, no_traceback, run
+from tests.cli_support import SVG, _svg, _text, no_traceback, run
 from tests.test_planner_p2p import flat_piece, lower_bound_by_hand
 
 SWAP = ["S0,S1 over mesh[2,2]", "S1,S0 over mesh[2,2]"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cli.plan_report import padding
 from shardlang import parse_layout
-from tests.test_cli import no_traceback, run
+from tests.cli_support import no_traceback, run
 
 # 6 rows on 4 ranks: torch.chunk pieces of 2 rows (2, 2, 2, 0), 8 rows sent for 6: 1.33x.
 # 10 rows: pieces of 3 (3, 3, 3, 1), 12 for 10: 1.2x, under the threshold.

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_cli import no_traceback, run
+from tests.cli_support import no_traceback, run
 
 # dp >= 3 at both sizes so that a flat dp group is a strided run (``0..48 step 16``) in both.
 SMALL, LARGE = 4, 8192  # x fsdp=2 x tp=8: 64 and 131,072 ranks

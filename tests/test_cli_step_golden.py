@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_support import no_traceback, plain_env, run
 from tests.conftest import REPO
-from tests.test_cli import _plain_env, no_traceback, run
 
 GOLDEN = Path(__file__).parent / "golden" / "cli_step"
 CASES = sorted(GOLDEN.glob("*.buckets.txt"))
@@ -27,7 +27,7 @@ README_COMMAND = "shardlang plan examples/paddle_embedding_2x2.shard --tensor em
 
 
 def _env() -> dict[str, str]:
-    env = _plain_env()
+    env = plain_env()
     env["NO_COLOR"] = "1"
     env["COLUMNS"] = "100"
     return env

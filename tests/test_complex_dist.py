@@ -9,7 +9,7 @@ import torch
 from runtime import ReshardError, reshard, shard, unshard
 from runtime.testing import attempt, run_ranks
 from shardlang import parse_layout
-from tests.test_optim_dist import hand_piece
+from tests.optim_support import hand_piece
 
 MESH = "mesh[2,2]"
 # (source, target, shape): splits, nestings, uneven and empty pieces, sum and avg partials.

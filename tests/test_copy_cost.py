@@ -22,7 +22,7 @@ from runtime.comm.exchange import compile_exchange
 from runtime.execution.program import CollectiveMove, compile_plan
 from runtime.measure.calibrate import SWEEP_BYTES, sample_bytes, step_plans
 from shardlang import Mesh, parse_layout
-from tests.test_calibration_fit import _ReferenceWithOverhead, assert_brute_force_optimal
+from tests.overhead_reference import ReferenceWithOverhead, assert_brute_force_optimal
 from tests.test_planner_optimal import OPS, calibrated_looking, random_case, random_layout, reference_for
 
 
@@ -150,7 +150,7 @@ def test_plans_are_optimal_with_priced_copies(seed):
         src, dst, shape, dtype, _ = random_case(rng, naxes=rng.choice((1, 2, 2, 3)))
         free = attrs.evolve(calibrated_looking(rng, src.mesh.ndim), overhead=rng.choice((0.0, 1e-6, 3e-5)))
         cost = attrs.evolve(free, copy_bandwidth=float(f"{math.exp(rng.uniform(math.log(1e8), math.log(1e10))):.2e}"))
-        ref = _ReferenceWithOverhead(reference_for(src, dst, shape, dtype, cost), cost.overhead)
+        ref = ReferenceWithOverhead(reference_for(src, dst, shape, dtype, cost), cost.overhead)
         got = planner.plan(src, dst, shape, dtype, cost)
         if all(s.op in LOCAL_OPS for s in got.steps):
             continue  # the copy of a plan that sends nothing is priced outside the search (planner.cost)

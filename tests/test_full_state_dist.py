@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from runtime.testing import run_ranks
-from tests.test_optim_dist import ADAMW, CAME, DP4, SHAPES, _dims, _spec, initial_params, step_grads
+from tests.optim_support import ADAMW, CAME, DP4, SHAPES, _dims, _spec, initial_params, step_grads
 
 BEFORE, AFTER = 3, 3  # steps before the move, and after it
 SEED = 21

@@ -28,7 +28,7 @@ from shardlang.interop import (
     to_dtensor_placements,
     to_dtensor_shard_order,
 )
-from tests.test_optim_dist import hand_piece
+from tests.optim_support import hand_piece
 
 MESHES = [(2, 2), (4, 2), (2, 3), (2, 2, 2)]
 LENGTHS = (0, 1, 2, 3, 5, 7, 9, 10)

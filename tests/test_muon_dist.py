@@ -3,7 +3,7 @@
 
 One spawn runs every case; the references run here, in the test process, and every rank's
 piece is compared with the reference sliced by hand. Layouts, data and helpers are the CAME
-tests' (``tests.test_optim_dist``). The Newton-Schulz iteration runs in bf16 on the whole
+tests' (``tests.optim_support``). The Newton-Schulz iteration runs in bf16 on the whole
 matrix; both sides run it on one thread, on the same bits.
 """
 
@@ -21,7 +21,7 @@ import torch
 from planner.owners import Matrix, newton_schulz_flops, owner_load_bound, place_matrices
 from runtime.testing import run_ranks
 from shardlang import parse_layout
-from tests.test_optim_dist import (
+from tests.optim_support import (
     CAME_TOLERANCE,
     CONFIGS,
     OWN_STATES,

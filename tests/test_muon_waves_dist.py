@@ -23,7 +23,7 @@ from runtime.measure.storages import storage_bytes
 from runtime.testing import run_ranks
 from shardlang import parse_layout
 from shardlang.spec import Layouts
-from tests.test_optim_dist import CAME_TOLERANCE
+from tests.optim_support import CAME_TOLERANCE
 
 SHAPES = {f"w{i}": (64, 128) for i in range(24)} | {"uneven": (66, 128), "bias": (384,)}
 BUCKET = 64 * 1024  # bytes: a twelfth of the matrices

@@ -23,7 +23,7 @@ import torch
 
 from runtime.testing import run_ranks
 from tests.late_results import LateResults
-from tests.test_optim_dist import (
+from tests.optim_support import (
     ADAMW,
     CAME,
     CONFIGS,

@@ -3,7 +3,7 @@ its bucket has reduced it, during backward, and ``.grad`` holds a placeholder wi
 that refuses to be read or written (``runtime.optim.freed_grads``), so nothing that reads the
 gradients after backward runs on nothing without a word.
 
-The gradients are the dyadic pieces of ``tests.test_optim_dist`` (their average is exact), so
+The gradients are the dyadic pieces of ``tests.optim_support`` (their average is exact), so
 the parameters must equal ``torch.optim.AdamW`` on the full gradients bit for bit, with or
 without micro-batches accumulated inside ``no_sync()``.
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from runtime.testing import attempt, run_ranks
-from tests.test_optim_dist import (
+from tests.optim_support import (
     ADAMW,
     CONFIGS,
     SHAPES,
@@ -169,7 +169,7 @@ def test_reading_a_freed_gradient_raises_our_error_and_the_next_step_runs(
 def test_a_gradient_edited_in_place_on_one_rank_kept_is_reduced_again_on_every_rank(
     ranks: list[dict[str, Any]],
 ) -> None:
-    from tests.test_optim_dist import reference
+    from tests.optim_support import reference
 
     spec = _spec("mesh[dp=2]", CONFIGS["zero_rows"][1])
     mine = [_pieces(spec, rank, 0) for rank in range(2)]

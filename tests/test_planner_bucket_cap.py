@@ -14,7 +14,7 @@ import pytest
 from planner.bucket_cap import AUTO, BucketCap, far_from, step_bucket_cap
 from planner.spec_plan import plan_spec
 from shardlang import parse_spec
-from tests.test_cli import no_traceback, run
+from tests.cli_support import no_traceback, run
 
 N, ALPHA, BANDWIDTH, TENSORS = 64, 2e-6, 25e9, 64
 ROWS = 1024  # bf16[1024, 1024]: 2 MiB a tensor

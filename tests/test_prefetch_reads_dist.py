@@ -9,7 +9,7 @@ import torch
 
 from runtime.testing import run_ranks
 from tests.late_results import LateResults
-from tests.test_optim_dist import ADAMW, CONFIGS, SHAPES, _optimizer, _reference_run, _spec, initial_params
+from tests.optim_support import ADAMW, CONFIGS, SHAPES, _optimizer, _reference_run, _spec, initial_params
 from tests.test_overlap_dist import BUCKET_BYTES, Pieces
 from tests.test_overlap_grads_dist import _pieces
 

@@ -19,8 +19,8 @@ import shardlang.parser
 import shardlang.spec
 from shardlang import ParseError, ShardlangError, SpecError, load_spec, parse_spec
 from shardlang.spec import expand_braces, pattern_regex
+from tests.cli_support import run
 from tests.conftest import REPO
-from tests.test_cli import run
 
 SPEC = "mesh w = [2]\ntensor a : f32[4] { param = S0 over w }\n"
 

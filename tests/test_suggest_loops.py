@@ -18,7 +18,7 @@ from planner.suggest import build_problems
 from shardlang import parse_spec
 from shardlang.generate import spec_for
 from shardlang.layout import Layout
-from tests.test_cli import no_traceback, run
+from tests.cli_support import no_traceback, run
 
 GOLDEN = Path(__file__).parent / "golden" / "planner_suggest_loops.txt"
 SHAPES = [
