@@ -247,6 +247,10 @@ class ShardedAdamW(ShardedOptimizer):
         assert slot.shard is not None
         return dict.fromkeys(ADAMW_STATES, slot.shard.local_shape)
 
+    def _memory_extras(self) -> dict[str, Any]:
+        """The fused kernel's scratch differs (``planner.memory.scratch_bytes``)."""
+        return {**super()._memory_extras(), "fused": self.fused}
+
     updates_in_place = True
 
     def _updates(self, work: StepWork) -> list[Update]:

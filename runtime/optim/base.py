@@ -248,14 +248,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # Its name to planner.memory's one accounting (the formulas of its states and scratch).
     memory_kind = "adamw"
 
-    def _kept_bytes(self) -> int:
-        """Working buffers that only the live optimizer knows, beside the math's scratch that
-        ``planner.memory.scratch_bytes`` sizes: none by default."""
-        return 0
-
-    def _iterated_shapes(self) -> list[tuple[int, int]]:
-        """Shapes of the matrices whose Newton-Schulz iterations this rank runs: none by default."""
-        return []
+    def _memory_extras(self) -> dict[str, Any]:
+        """What only the live optimizer knows, for ``Accounting.memory_report``: none by default."""
+        return {"fused": False, "kept": 0, "iterated": ()}
 
     # --- the step ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -401,10 +396,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """What this rank holds for the parameters it steps, by kind (``runtime.optim.memory``),
         predicted from their layouts and the step plan of the gradients they have (before the
         first backward, of the gradients their layouts declare)."""
-        fused = bool(getattr(self, "fused", False))
-        return self._accounting.memory_report(
-            self.memory_kind, fused=fused, kept=self._kept_bytes(), iterated=self._iterated_shapes()
-        )
+        return self._accounting.memory_report(self.memory_kind, **self._memory_extras())
 
     # The last committed step's traffic, gradients' norm (with max_grad_norm or skip_nonfinite),
     # whether it was skipped for a NaN or inf in them, and the seconds it spent blocked waiting

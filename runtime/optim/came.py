@@ -535,8 +535,8 @@ class ShardedCAME(ShardedOptimizer):
 
     memory_kind = "came"
 
-    def _kept_bytes(self) -> int:
-        """The runs' statistics' layouts it keeps and its runs' buffers of statistics, made at
+    def _memory_extras(self) -> dict[str, Any]:
+        """Kept: the runs' statistics' layouts it keeps and its runs' buffers of statistics, made at
         the first step (``planner.memory.scratch_bytes`` sizes the rest: the runs' flat buffers
         and, with flat chunks, their row, column and matrix index per element)."""
         kept = sum(
@@ -550,7 +550,7 @@ class ShardedCAME(ShardedOptimizer):
         statistics = self._scratch.nbytes_of(
             lambda name: name.startswith("came run ") and not name.endswith(sized) and name.count(" ") > 2
         )
-        return kept + statistics
+        return {**super()._memory_extras(), "kept": kept + statistics}
 
     def _run_stats(self, work: StepWork, run: Sequence[int]) -> RunStats:
         """The run's :class:`RunStats`, kept while its slots' shards, dtype and device are the same."""

@@ -135,17 +135,15 @@ class ShardedMuon(ShardedOptimizer):
 
     memory_kind = "muon"
 
-    def _kept_bytes(self) -> int:
-        """The matrices' bucket buffers (one wave's gathers)."""
-        return self._iterations.buffer_bytes
-
-    def _iterated_shapes(self) -> list[tuple[int, int]]:
-        """The matrices this rank iterates: gathered ones, and those it owns."""
+    def _memory_extras(self) -> dict[str, Any]:
+        """The matrices' bucket buffers (one wave's gathers) and the matrices this rank
+        iterates: gathered ones, and those it owns."""
         slots = self._slots.coming()[0]
-        if not any(len(s.shape) == 2 for s in slots):
-            return []
-        plan = self._iterations.plan(slots)[0]
-        return [m.shape for m in plan.matrices if m.owner is None or m.owner == self.rank]
+        iterated = []
+        if any(len(s.shape) == 2 for s in slots):
+            plan = self._iterations.plan(slots)[0]
+            iterated = [m.shape for m in plan.matrices if m.owner is None or m.owner == self.rank]
+        return {**super()._memory_extras(), "kept": self._iterations.buffer_bytes, "iterated": iterated}
 
     # --- where each matrix is iterated: the step plan's matrix part ---------------------
     def step_plan(self) -> StepPlan:
