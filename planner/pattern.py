@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 
-from planner.plans import Transfer
+from planner.transfers import Transfer
 from shardlang.box import Box
 from shardlang.layout import Layout, format_layout
 from shardlang.mesh import Mesh

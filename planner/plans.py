@@ -11,7 +11,7 @@ from planner.copies import copy_elements, exchange_copy_elements
 from planner.cost import CostModel
 from planner.errors import PlanError
 from planner.holdings import receive_lower_bound
-from shardlang.box import Box
+from planner.transfers import Transfer
 from shardlang.dtypes import itemsize
 from shardlang.errors import ShardlangError
 from shardlang.layout import Layout, ReduceOp
@@ -28,19 +28,6 @@ Op = Literal[BaselineOp, "point_to_point"]
 BASELINE_OPS: tuple[BaselineOp, ...] = get_args(BaselineOp)
 OPS: tuple[Op, ...] = (*BASELINE_OPS, "point_to_point")
 COMMUNICATING_OPS = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "point_to_point")
-
-
-@attrs.frozen
-class Transfer:
-    """One message of a point-to-point step: global rank ``src_rank`` sends global rank
-    ``dst_rank`` the block ``box`` of the global tensor (``[start, stop)`` per dim)."""
-
-    src_rank: int
-    dst_rank: int
-    box: Box = attrs.field(converter=Box)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"src": self.src_rank, "dst": self.dst_rank, "box": [list(b) for b in self.box]}
 
 
 @attrs.frozen
