@@ -139,7 +139,7 @@ def _program(problem: Problem) -> _Program:
         row({**dict.fromkeys(users, 1.0), 2 * n_cells + k: -float(len(problem.groups[gi].tensors))}, -np.inf, 0.0)
     most = [1] * n_kinds  # at most this many buckets a kind can need
     for k, fill in enumerate(fills):
-        full = sum(v * len(problem.groups[cells[i][0]].tensors) for v in fill.values())  # every tensor in
+        full = sum(v * len(problem.groups[cells[i][0]].tensors) for i, v in fill.items())  # every tensor in
         most[k] = max(1, math.ceil(full / cap - _TIE))
         if most[k] > 1:  # else b[k] is the binary "some candidate uses it"
             row({**{i: -v for i, v in fill.items()}, 2 * n_cells + k: cap}, 0.0, np.inf)
