@@ -22,7 +22,7 @@ from cli.init import named_tensors
 from cli.inputs import UsageError, bucket_cap_arg, bytes_arg, read_spec, shape_arg
 from cli.tables import format_bytes, format_seconds
 from planner.bucket_cap import AUTO
-from planner.knapsack import NODE_LIMIT, better, fixed_choices, smallest_memory, suggest_best
+from planner.knapsack import NODE_LIMIT, better, fixed_choices, problem_kind, smallest_memory, suggest_best
 from planner.loops import AUTO as LOOP_AUTO
 from planner.loops import LOOPS
 from planner.memory import MemoryPrediction
@@ -187,9 +187,11 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
     else:
         out.append("no fixed strategy fits the budget")
     status = "optimal" if result.optimal else f"stopped at the node limit, optimality gap {result.gap:.2%}"
+    if not result.solved:
+        status = "no solution taken from the solver (fallback below)"
     candidates = sum(len(g.candidates) for p in problems for g in p.groups)
     pricing = sum(p.price_seconds for p in problems)
-    kinds = ", ".join("plain" if p.flat_axis is None else f"flat over {p.flat_axis}" for p in problems)
+    kinds = ", ".join(problem_kind(p) for p in problems)
     cap = f"{format_bytes(problem.cap_of(best.picks))} (as `shardlang plan`)"
     if problem.bucket_bytes == AUTO:
         cap = f"{format_bytes(problem.cap_of(best.picks))}, the cost model's cap for the suggested layouts (auto)"
@@ -200,6 +202,7 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
         f"solved: {status} (HiGHS, {result.solve_seconds:.2f} s; pricing {pricing:.2f} s, "
         f"{candidates} candidates in {len(problems)} problem{'s' * (len(problems) != 1)}: {kinds})"
     )
+    out += [f"fallback: {note}" for note in result.fallback]
     return "\n".join(out)
 
 
@@ -260,6 +263,8 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
         "strategies": strategies,
         "optimal": result.optimal,
         "gap": result.gap,
+        "solved": result.solved,
+        "fallback": list(result.fallback),
         "solve_seconds": result.solve_seconds,
         "bucket_bytes": problem.cap_of(result.best.picks),
         "bucket_bytes_auto": problem.bucket_bytes == AUTO,
@@ -267,13 +272,13 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
     }
 
 
-def frontier(problems: Sequence[Problem], node_limit: int) -> list[Choice]:
+def frontier(problems: Sequence[Problem], node_limit: int) -> list[Suggestion]:
     """The fastest choice at budgets from the smallest memory to the fastest choice's memory."""
     low = min(smallest_memory(p, timed=False).memory for p in problems)
     fastest = suggest_best(problems, 2**62, node_limit).best
     high = max(low, fastest.memory)
     budgets = sorted({round(low + (high - low) * k / (_FRONTIER_POINTS - 1)) for k in range(_FRONTIER_POINTS)})
-    return [suggest_best(problems, b, node_limit).best for b in budgets]
+    return [suggest_best(problems, b, node_limit) for b in budgets]
 
 
 def frontier_svg(problems: Sequence[Problem], points: list[Choice]) -> str:
@@ -355,8 +360,12 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         _write(args.output, format_spec(result.spec(), header=header))
         print(f"wrote {args.output}", file=sys.stderr)
     if args.plot:
-        _write(args.plot, frontier_svg(problems, frontier(problems, args.node_limit)))
+        points = frontier(problems, args.node_limit)
+        _write(args.plot, frontier_svg(problems, [p.best for p in points]))
         print(f"wrote {args.plot}", file=sys.stderr)
+        for point in points:  # a point's fallback is said as the suggestion's is (docs/reference/suggest.md)
+            for note in point.fallback:
+                print(f"{args.plot}: at {point.budget} bytes, fallback: {note}", file=sys.stderr)
     return 0
 
 
@@ -370,6 +379,8 @@ def suggest_line(spec: Spec) -> str:
     except SuggestError as e:
         return f"suggest: not for this spec: {e.message}"
     problem, best = result.problem, result.best
+    if not result.solved:  # a fallback is never passed off as what suggest finds (docs/reference/suggest.md)
+        return f"suggest: not solved for this spec: {result.fallback[0]}"
     changed = problem.changed(best)
     within = f"within this spec's own {format_bytes(own.memory)} per rank (AdamW)"
     if (not changed and problem.flat_axis is None) or best.seconds > own.seconds * (1 - _WORTH):

@@ -15,7 +15,9 @@ last optimum). Every solution is checked against the budget in whole bytes (the 
 in floats), and the program is solved again with the budget lowered by any excess. The
 HiGHS stops each solve after :data:`NODE_LIMIT` branch-and-bound nodes (``node_limit``), not
 after wall seconds: the answer is the same on a loaded machine as on an idle one, and a solve
-the limit stops reports its optimality gap (docs/reference/suggest.md).
+the limit stops reports its optimality gap (docs/reference/suggest.md). A solve that yields
+nothing usable falls back to the least-memory choice and says why (``Suggestion.solved``,
+``Suggestion.fallback``), never silently.
 The solution's exact time (the step plan's buckets, ``Problem.evaluate``) is compared with the
 spec's own layouts' and every fixed strategy's that fits, and the best by the same order kept:
 where the cap cuts a kind into more buckets than the program counts, it stays no worse than
@@ -139,7 +141,7 @@ def _program(problem: Problem) -> _Program:
         row({**dict.fromkeys(users, 1.0), 2 * n_cells + k: -float(len(problem.groups[gi].tensors))}, -np.inf, 0.0)
     most = [1] * n_kinds  # at most this many buckets a kind can need
     for k, fill in enumerate(fills):
-        full = sum(v * len(problem.groups[cells[i][0]].tensors) for v in fill.values())  # every tensor in
+        full = sum(v * len(problem.groups[cells[i][0]].tensors) for i, v in fill.items())  # every tensor in
         most[k] = max(1, math.ceil(full / cap - _TIE))
         if most[k] > 1:  # else b[k] is the binary "some candidate uses it"
             row({**{i: -v for i, v in fill.items()}, 2 * n_cells + k: cap}, 0.0, np.inf)
@@ -197,8 +199,9 @@ def _run(
         integrality=np.zeros_like(program.integrality) if relaxed else program.integrality,
         options=options,
     )
-    if result.x is None:
-        raise SuggestError("infeasible")
+    if result.x is None:  # status 2: infeasible; else a limit stopped it first (scipy.optimize.milp)
+        why = "HiGHS found the program infeasible" if result.status == 2 else "HiGHS stopped before it found a solution"
+        raise SuggestError(f"{why} ({result.message.strip()})")
     return result.x, result.status == 0, float(getattr(result, "mip_gap", 0.0) or 0.0)
 
 
@@ -213,24 +216,28 @@ def _choice(problem: Problem, program: _Program, x: Any) -> Choice:
     return problem.evaluate(picks)
 
 
-def _solve(problem: Problem, budget: int | None, node_limit: int, ties: bool) -> tuple[Choice, float, bool]:
+def _solve(
+    problem: Problem, budget: int | None, node_limit: int, ties: bool
+) -> tuple[Choice, float, bool, tuple[str, ...]]:
     """The fastest choice (modeled by the program) within ``budget``; with ``ties``, among those
     of its time the least memory, then the fewest changes. Each tie-break is a solve of its own
     bounded by the last optimum, within the same node limit: stopped early it keeps the best it
-    found, which is never slower."""
+    found, which is never slower, and says so (the last item: notes)."""
     program = _program(problem)
     limits = [] if budget is None else [(program.memory, budget / _MIB)]
     x, optimal, gap = _fastest(program, budget, node_limit)
+    notes: tuple[str, ...] = ()
     if ties:
         fastest = float(program.time @ x)
         limits.append((program.time, fastest * (1 + _TIE) + _TIE))
-        for objective in (program.memory, program.changes):
+        for objective, what in ((program.memory, "less memory"), (program.changes, "fewer changes")):
             try:
                 x, _, _ = _run(program, objective, limits, node_limit)
-            except SuggestError:  # none found in time: keep the last
+            except SuggestError as e:  # none found in time: keep the last
+                notes = (f"ties not broken by {what}: {e.message}",)
                 break
             limits.append((objective, float(objective @ x) + 0.5 / _MIB))  # memory: half a byte (in MiB)
-    return _choice(problem, program, x), gap, optimal
+    return _choice(problem, program, x), gap, optimal, notes
 
 
 # suggest_best solves each problem for time, then again with its tie-breaks where it is as fast
@@ -316,22 +323,25 @@ def suggest(
     if math.isnan(least.seconds):  # the fallback below needs its time
         least = problem.evaluate(least.picks)
     limit = budget
-    best, gap, optimal = least, 0.0, False
+    best, gap, optimal, notes, solved = least, 0.0, False, (), True
+    instead = "the least-memory choice taken, or a fixed strategy that fits and is faster"
     for _ in range(8):
         try:
-            best, gap, optimal = _solve(problem, limit, node_limit, ties)
-        except SuggestError:
-            best, gap, optimal = least, 0.0, False
+            best, gap, optimal, notes = _solve(problem, limit, node_limit, ties)
+        except SuggestError as e:  # never silently (docs/reference/suggest.md)
+            best, gap, optimal, notes, solved = least, 0.0, False, (f"{e.message}; {instead}",), False
         if best.memory <= budget:
             break
         limit -= best.memory - budget  # the solver's float tolerance let it exceed: tighten
     else:
-        best, gap, optimal = least, 0.0, False
+        best, gap, optimal, solved = least, 0.0, False, False
+        notes = (f"every solution HiGHS found exceeded {budget} bytes (its float tolerance); {instead}",)
     fixed = fixed_choices(problem) if fixed is None else tuple(fixed)
     for _, other in fixed:
         if other is not None and other.memory <= budget and better(other, best, problem):
             best = other
-    return Suggestion(problem, budget, best, optimal, gap, time.perf_counter() - started, ((problem, fixed),))
+    took = time.perf_counter() - started
+    return Suggestion(problem, budget, best, optimal, gap, took, ((problem, fixed),), solved, notes)
 
 
 def _too_small(budget: int, least: int, loop: str) -> SuggestError:
@@ -364,6 +374,7 @@ def suggest_best(problems: Sequence[Problem], budget: int, node_limit: int = NOD
     if not fitting:
         raise _too_small(budget, min(m.memory for m in least), problems[0].loop)
     fastest = min(r.best.seconds for r in fitting)
+    first = list(fitting)
     # Ties are broken within the problems as fast as the fastest: the others cannot win.
     fitting = [
         suggest(r.problem, budget, node_limit, least=least[i], fixed=fixed[i])
@@ -377,4 +388,15 @@ def suggest_best(problems: Sequence[Problem], budget: int, node_limit: int = NOD
         if better(other.best, best.best, None):
             best = other
     every = tuple(zip(problems, fixed, strict=True))
-    return attrs.evolve(best, solve_seconds=time.perf_counter() - started, fixed=every)
+    # A problem whose solve fell back may have lost for it: every problem's notes are said.
+    notes = [
+        n if len(problems) == 1 else f"{problem_kind(r.problem)}: {n}" for r in [*first, *fitting] for n in r.fallback
+    ]
+    return attrs.evolve(
+        best, solve_seconds=time.perf_counter() - started, fixed=every, fallback=tuple(dict.fromkeys(notes))
+    )
+
+
+def problem_kind(problem: Problem) -> str:
+    """``plain``, or ``flat over <axis>``: which of ``build_problems``' problems it is."""
+    return "plain" if problem.flat_axis is None else f"flat over {problem.flat_axis}"

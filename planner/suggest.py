@@ -155,6 +155,10 @@ class Suggestion:
     # Per problem looked at, its fixed choices (``planner.knapsack.fixed_choices``), so that a
     # report need not price them again.
     fixed: tuple[tuple[Problem, tuple[tuple[str | None, Choice | None], ...]], ...] = ()
+    # Where a solve's answer was not taken (planner.knapsack.suggest; docs/reference/suggest.md):
+    # whether ``best`` is the solver's, and why not, or why a tie-break stopped, said in output.
+    solved: bool = True
+    fallback: tuple[str, ...] = ()
 
     def spec(self) -> Spec:
         return self.problem.spec_of(self.best)

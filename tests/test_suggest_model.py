@@ -178,7 +178,7 @@ def test_a_suggestion_never_trails_the_spec_or_a_fixed_strategy(monkeypatch: pyt
     problem = build_problems(parse_spec(THREE), bucket_bytes=8 * MIB)[0]
     slow = problem.strategy("zero3")
     assert slow is not None
-    monkeypatch.setattr(knapsack, "_solve", lambda *_args: (slow, 0.0, True))
+    monkeypatch.setattr(knapsack, "_solve", lambda *_args: (slow, 0.0, True, ()))
     result = suggest(problem, 2**40)
     # ZeRO-2 as the spec writes it (DDP is as fast and holds more): unchanged
     assert result.best.picks == problem.original().picks

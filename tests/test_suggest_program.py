@@ -65,18 +65,19 @@ def _brute(problem, budget: int) -> tuple[float, list]:
     return (min(fitting) if fitting else math.inf), every
 
 
-@pytest.mark.parametrize(("text", "cap"), [(THREE, 8 * MIB), (TWO, None)])
+# At a 2 MiB cap a kind of the three-tensor group needs 3 buckets: its bound once counted the
+# tensors of the last group (2), which made the least memory and most budgets infeasible.
+@pytest.mark.parametrize(("text", "cap"), [(THREE, 8 * MIB), (TWO, None), (TWO, 2 * MIB)])
 def test_the_program_optimum_equals_brute_force(text: str, cap: int | None) -> None:
     problem = build_problems(parse_spec(text), bucket_bytes=cap, loop="any")[0]
     _, every = _brute(problem, 2**62)
     memories = sorted({m for _, m in every})
     assert len(memories) > 4
     program = _program(problem)
-    # (within a few bytes of the least memory the solver's float tolerance, in MiB, may find
-    # none: suggest() then takes smallest_memory's exact choice, tests/test_suggest.py)
-    budgets = [m for m in memories if m >= memories[0] + 1024]
-    for budget in [*budgets[:: max(1, len(budgets) // 12)], memories[-1]]:
-        expected, _ = _brute(problem, budget)
+    least = memories[0]  # (+ 2,174,976 and + 6,350,848 bytes: found infeasible at 2 MiB)
+    sample = memories[:: max(1, len(memories) // 12)]
+    for budget in [least, least + 2_174_976, least + 6_350_848, *sample, memories[-1]]:
+        expected = min(s for s, m in every if m <= budget)
         x, optimal, gap = _fastest(program, budget, 10**6)
         assert optimal and gap == 0
         got = float(program.time @ x) / 1e6
@@ -93,3 +94,29 @@ def test_the_node_limit_stops_a_solve_the_same_way_and_says_its_gap() -> None:
     assert stopped[0].optimal or stopped[0].gap > 0  # stopped short: the gap is stated, the same each time
     assert (stopped[0].best, stopped[0].gap) == (stopped[1].best, stopped[1].gap)
     assert stopped[0].best.seconds >= exact.best.seconds * (1 - 1e-9)
+
+
+def test_a_solve_that_finds_nothing_falls_back_and_says_so() -> None:
+    # A node limit of 0 stops HiGHS before any solution (the command asks for at least 1): the
+    # answer is then the least-memory choice or a fixed strategy, and the text and JSON say so.
+    from cli.suggest import format_suggestion, suggestion_json
+
+    problems = build_problems(parse_spec(TWO), bucket_bytes=2 * MIB, loop="any")
+    problem = problems[0]
+    _, every = _brute(problem, 2**62)
+    budget = min(m for _, m in every) + 2_174_976
+    fastest = min(s for s, m in every if m <= budget)
+    result = knapsack.suggest_best(problems, budget, 0)
+    assert not result.solved and not result.optimal
+    assert result.best.memory <= budget
+    assert result.best.seconds > fastest * (1 + 1e-6)  # slower than brute force finds: not to pass silently
+    assert result.fallback and all("HiGHS stopped before it found a solution" in n for n in result.fallback)
+    text = format_suggestion(result, problems)
+    assert "no solution taken from the solver" in text
+    assert f"fallback: {result.fallback[0]}" in text
+    data = suggestion_json(result, problems)
+    assert data["solved"] is False and data["fallback"] == list(result.fallback)
+    solved = knapsack.suggest_best(problems, budget)
+    assert solved.solved and not solved.fallback
+    assert "fallback" not in format_suggestion(solved, problems)
+    assert suggestion_json(solved, problems)["fallback"] == []
