@@ -169,7 +169,7 @@ def main() -> None:
         for src, dst, shape, dtype in same:
             cost = model(src.mesh)
             ours = chosen_plan(src, dst, shape, dtype, cost)
-            collective = planner.collective_plan(src, dst, shape, dtype, cost)
+            collective = planner.plan(src, dst, shape, dtype, cost)
             assert ours.total_seconds <= collective.total_seconds * (1 + 1e-9), (src, dst, shape)
             ours_total += ours.total_seconds
             collective_total += collective.total_seconds

@@ -10,7 +10,7 @@ from planner.errors import PlanBudgetError, PlanError
 from planner.holdings import receive_lower_bound
 from planner.p2p import point_to_point_plan
 from planner.plans import BASELINE_OPS, COMMUNICATING_OPS, OPS, Plan, Step, Transfer
-from planner.search import DEFAULT_MAX_STATES, collective_plan
+from planner.search import DEFAULT_MAX_STATES
 
 __all__ = [
     "BASELINE_OPS",
@@ -28,7 +28,6 @@ __all__ = [
     "Regime",
     "Step",
     "Transfer",
-    "collective_plan",
     "plan",
     "point_to_point_plan",
     "receive_lower_bound",

@@ -122,33 +122,11 @@ def _check_fit(cost: CostModel, mesh: Mesh) -> None:
         _FITS.add(key)
 
 
-def collective_plan(
-    src: Layout,
-    dst: Layout,
-    shape: tuple[int, ...] | list[int],
-    dtype: str = "f32",
-    cost: CostModel | None = None,
-    *,
-    max_local_bytes: int | None = None,
-    max_states: int = DEFAULT_MAX_STATES,
-) -> Plan:
-    """The cheapest plan of collectives (the baseline move set) from ``src`` to ``dst``, two
-    layouts on the same mesh, for a tensor of ``shape`` and ``dtype``.
-
-    With ``max_local_bytes``, the cheapest plan whose every state (source and target
-    included) holds at most that many bytes per rank; a :class:`PlanError` when none does.
-    A search that would generate more than ``max_states`` states raises
-    :class:`PlanBudgetError` (module docstring). Results are memoized on all arguments.
-    """
-    found, _ = collective_outcome(checked(src, dst, shape, dtype, cost, max_local_bytes, max_states))
-    if isinstance(found, PlanError):
-        raise found
-    return found
-
-
 def collective_outcome(request: Request) -> Outcome:
-    """:func:`collective_plan`'s plan or error, not raised, with the states its search
-    generated (what a caller that plans many legs charges to one budget)."""
+    """The cheapest plan of collectives (the baseline move set) between the request's two
+    layouts on one mesh, or the :class:`PlanError` that says why there is none, not raised,
+    with the states its search generated (what a caller that plans many legs charges to one
+    budget). Memoized on the request; ``planner.plan`` is the public entry point."""
     src, dst = request.src, request.dst
     if not src.mesh.same_geometry(dst.mesh):
         raise PlanError(

@@ -167,11 +167,14 @@ def test_planning_again_cold_gives_the_same_plan():
 
 
 # --- errors -------------------------------------------------------------------------------
-def test_collective_plans_refuse_layouts_on_different_meshes():
+def test_collective_searches_refuse_layouts_on_different_meshes():
+    def collective(src: str, dst: str) -> None:
+        search.collective_outcome(search.checked(L(src), L(dst), (8,), "f32", None, None))
+
     with pytest.raises(planner.PlanError, match=r"different meshes \(mesh\[2,2\] and mesh\[4\]\)"):
-        planner.collective_plan(L("S0 over mesh[2,2]"), L("S0 over mesh[4]"), (8,))
+        collective("S0 over mesh[2,2]", "S0 over mesh[4]")
     with pytest.raises(planner.PlanError, match=r"mesh\[2\] ranks \[1,0\]"):
-        planner.collective_plan(L("S0 over mesh[2]"), L("R over mesh[2] ranks [1,0]"), (8,))
+        collective("S0 over mesh[2]", "R over mesh[2] ranks [1,0]")
 
 
 def test_a_layout_of_another_rank_than_the_shape_is_refused():

@@ -36,7 +36,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from planner import Plan, collective_plan, point_to_point_plan
+from planner import Plan, point_to_point_plan
+from planner import plan as plan_pair
 from planner.cost import collective_rounds
 from planner.fit import LOCAL, Sample
 from runtime.comm.collectives import default_device, gather_messages_from
@@ -72,12 +73,12 @@ def step_plans(mesh: Mesh, axis: int, size: int) -> dict[str, Plan]:
     reduced = Layout(dims=((), ()), mesh=mesh, partial=((axis, "sum"),))
     moved = Layout(dims=((), (axis,)), mesh=mesh)
     plans = {
-        "all_gather": collective_plan(split, whole, shape),
-        "reduce_scatter": collective_plan(reduced, split, shape),
-        "all_reduce": collective_plan(reduced, whole, shape),
-        "all_to_all": collective_plan(split, moved, shape),
+        "all_gather": plan_pair(split, whole, shape),
+        "reduce_scatter": plan_pair(reduced, split, shape),
+        "all_reduce": plan_pair(reduced, whole, shape),
+        "all_to_all": plan_pair(split, moved, shape),
         "point_to_point": point_to_point_plan(split, moved, shape),
-        LOCAL: collective_plan(whole, split, (shape[0] * n, _COLUMNS)),
+        LOCAL: plan_pair(whole, split, (shape[0] * n, _COLUMNS)),
     }
     for op, planned in plans.items():
         if [s.op for s in planned.steps] != [op]:  # the default model's choice for these pairs
