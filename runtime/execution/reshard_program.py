@@ -13,7 +13,7 @@ copies what the planner's copy table prices (``planner/copies.py``).
 
 from __future__ import annotations
 
-from planner.legs import BEFORE, Bucket, Hop, Leg, Member
+from planner.legs import BEFORE, Hop, Leg, bucket_stage
 from planner.plans import Plan
 from planner.step import StepPlan
 from runtime.execution.step_program import StepProgram, compile_step
@@ -27,23 +27,9 @@ def compile_reshard(plan: Plan, rank: int) -> StepProgram:
     """``rank``'s program of ``plan``: one leg, one bucket per communicating step (cached per
     plan and rank by the executor, so a training loop compiles once)."""
     leg = Leg(tensor=_TENSOR, what="reshard", stage=BEFORE, dtype=plan.dtype, hops=(Hop(plan),))
-    buckets = tuple(
-        Bucket(
-            stage=BEFORE,
-            op=step.op,
-            mesh=step.layout.mesh,
-            axis=step.axis,
-            reduce_op=step.reduce_op,
-            dtype=plan.dtype,
-            members=(Member(0, 0, k),),
-            bytes=step.bytes,
-            buffer_bytes=step.bytes,
-            seconds=step.seconds,
-        )
-        for _, k in leg.communicating
-        for step in (plan.steps[k],)
-        # A collective on a mesh without this rank is no bucket of its (its walk skips it).
-        if step.op == "point_to_point" or rank in step.layout.mesh.ranks
-    )
+    # The planner's bucket maker, on one leg: every communicating step a bucket of its own.
+    made = bucket_stage((leg,), BEFORE, {_TENSOR: plan.cost}, cap=1, reverse=False)
+    # A collective on a mesh without this rank is no bucket of its (its walk skips it).
+    buckets = tuple(b for b in made if b.op == "point_to_point" or rank in b.mesh.ranks)
     step_plan = StepPlan(rank=rank, tensors=(_TENSOR,), legs=(leg,), buckets=buckets, bucket_bytes=1)
     return compile_step(step_plan, rank)
