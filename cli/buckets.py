@@ -9,7 +9,7 @@ import itertools
 import attrs
 
 from cli.summary import fold_names
-from cli.tables import format_bytes, format_seconds, format_table
+from cli.tables import format_bytes, format_seconds, format_table, total_row
 from cli.terminal import Style
 from planner.bucket_cap import SLACK, BucketCap, far_from, step_bucket_cap
 from planner.legs import DURING_BACKWARD, IN_STEP, Bucket
@@ -134,20 +134,13 @@ def format_buckets(spec_plan: SpecPlan, style: Style, flat_axis: str | int | Non
         ]
         for r in bucket_rows(spec_plan)
     ]
-    rows.append(
-        [
-            "",
-            style("total", "bold"),
-            "",
-            "",
-            "",
-            "",
-            style(format_bytes(step.total_bytes), "bold"),
-            "",
-            style(format_seconds(step.total_seconds), "bold"),
-        ]
-    )
     headers = ["#", "stage", "collective", "mesh", "count", "tensors (buffer order)", "bytes/rank", "buffer", "time"]
+    totals = {
+        "stage": "total",
+        "bytes/rank": format_bytes(step.total_bytes),
+        "time": format_seconds(step.total_seconds),
+    }
+    rows.append(total_row(headers, {h: style(t, "bold") for h, t in totals.items()}))
     table = format_table(headers, rows, "><<<><>>>", "  ")
     return "\n".join([title, table, f"  {summary_line(step)}", f"  {buffer_line(step)}"])
 

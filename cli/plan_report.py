@@ -11,7 +11,7 @@ from typing import Any, TextIO, TypeVar
 from cli.buckets import bucket_cap_warnings, format_buckets
 from cli.messages import describe_messages
 from cli.summary import TensorGroup, group_tensors, largest_first
-from cli.tables import format_bytes, format_seconds, format_table
+from cli.tables import format_bytes, format_seconds, format_table, total_row
 from cli.terminal import Style
 from planner import COMMUNICATING_OPS, CostModel, Plan, Step
 from planner.errors import PlanBudgetError, PlanError
@@ -146,19 +146,9 @@ def steps_table(plan: Plan, style: Style, indent: str = "  ") -> str:
     ]
     if not rows:
         return f"{indent}nothing to do: the layouts are equal"
-    rows.append(
-        [
-            "",
-            style("total", "bold"),
-            "",
-            "",
-            "",
-            "",
-            style(format_bytes(plan.total_bytes), "bold"),
-            style(format_seconds(plan.total_seconds), "bold"),
-        ]
-    )
     headers = ["#", "op", "axis", "dim", "reduce", "layout after the step", "bytes/rank", "time"]
+    totals = {"op": "total", "bytes/rank": format_bytes(plan.total_bytes), "time": format_seconds(plan.total_seconds)}
+    rows.append(total_row(headers, {h: style(t, "bold") for h, t in totals.items()}))
     table = format_table(headers, rows, "><<<<<>>", indent)
     return "\n".join([table, *copy_lines(plan, indent), *message_lines(plan, indent), *margin_lines(plan, indent)])
 
@@ -279,18 +269,13 @@ def format_spec_summary(spec_plan: SpecPlan, style: Style) -> str:
         name = f"{mesh.name} = {mesh.describe()}" if mesh.name else mesh.describe()
         lines.append(f"  mesh {name}; cost model: {describe_cost(cost, mesh)}")
     rows = summary_rows(groups, style)
-    rows.append(
-        [
-            style("total", "bold"),
-            str(n),
-            "",
-            "",
-            "",
-            style(format_bytes(sum(tp.total_bytes for tp in spec_plan.tensors)), "bold"),
-            style(format_seconds(sum(tp.total_seconds for tp in spec_plan.tensors)), "bold"),
-        ]
-    )
     headers = ["tensor", "count", "shape", "dtype", "plans (op(axis), ...)", "bytes/rank", "time"]
+    totals = {
+        "tensor": "total",
+        "bytes/rank": format_bytes(sum(tp.total_bytes for tp in spec_plan.tensors)),
+        "time": format_seconds(sum(tp.total_seconds for tp in spec_plan.tensors)),
+    }
+    rows.append(total_row(headers, {h: style(t, "bold") for h, t in totals.items()} | {"count": str(n)}))
     lines.append(format_table(headers, rows, "<><<<>>", "  "))
     return "\n".join(lines)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -37,6 +37,15 @@ def format_table(
             ]
             out.append((indent + "  ".join(cells)).rstrip())
     return "\n".join(out)
+
+
+def total_row(headers: Sequence[str], cells: Mapping[str, str]) -> list[str]:
+    """A table's total row for :func:`format_table`: each of ``cells`` (header -> text, styled
+    by the caller) under its header, the other cells blank."""
+    unknown = set(cells) - set(headers)
+    if unknown:
+        raise ValueError(f"total row cells {sorted(unknown)} name no column of {list(headers)}")
+    return [cells.get(h, "") for h in headers]
 
 
 def _three_digits(value: float, units: Sequence[tuple[float, str]]) -> str:
