@@ -7,20 +7,29 @@ files, so that neither of those imports the other's user."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import attrs
 
 from planner.errors import PlanError
 
+N = TypeVar("N", int, float)
 
-def per_axis(value: object) -> float | tuple[float, ...]:
+
+def _one_or_per_axis(value: object, number: Callable[[Any], N], what: str) -> N | tuple[N, ...]:
+    """``value`` as one ``number`` for every mesh axis or a tuple of one per axis; a
+    :class:`PlanError` saying ``what`` it is where it is neither."""
     try:
         if isinstance(value, (int, float)):
-            return float(value)
-        return tuple(float(v) for v in value)  # type: ignore[union-attr]
+            return number(value)
+        return tuple(number(v) for v in value)  # type: ignore[union-attr]
     except (TypeError, ValueError):
-        raise PlanError(f"a latency or bandwidth is a number or one number per mesh axis, not {value!r}") from None
+        raise PlanError(f"{what}, not {value!r}") from None
+
+
+def per_axis(value: object) -> float | tuple[float, ...]:
+    return _one_or_per_axis(value, float, "a latency or bandwidth is a number or one number per mesh axis")
 
 
 # The collective kinds a model may price apart; slice and partial steps send nothing.
@@ -37,12 +46,7 @@ def check_figures(alpha: float | tuple[float, ...], bandwidth: float | tuple[flo
 
 
 def _byte_counts(value: object) -> int | tuple[int, ...]:
-    try:
-        if isinstance(value, (int, float)):
-            return int(value)
-        return tuple(int(v) for v in value)  # type: ignore[union-attr]
-    except (TypeError, ValueError):
-        raise PlanError(f"from_bytes is a byte count or one per mesh axis, not {value!r}") from None
+    return _one_or_per_axis(value, int, "from_bytes is a byte count or one per mesh axis")
 
 
 @attrs.frozen
