@@ -21,7 +21,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
-from shardlang.box import Box
+from shardlang.box import Box, row_major_strides
 from shardlang.dtypes import itemsize as dtype_itemsize
 from shardlang.layout import Layout
 
@@ -47,7 +47,7 @@ class Blocks:
 
     def __init__(self, layout: Layout, shape: tuple[int, ...]) -> None:
         mesh = layout.mesh
-        strides = _strides(mesh.shape)
+        strides = row_major_strides(mesh.shape)
         per_dim = [
             _dim_pieces(length, axes, mesh.shape, strides) for length, axes in zip(shape, layout.dims, strict=True)
         ]
@@ -95,15 +95,6 @@ class Blocks:
     def count_overlapping(self, box: Box) -> int:
         """How many blocks share elements with ``box``."""
         return math.prod(len(dim) for dim in self._overlapping_intervals(box))
-
-
-def _strides(sizes: Sequence[int]) -> tuple[int, ...]:
-    """Each mesh axis's step in the row-major position."""
-    out, step = [], 1
-    for n in reversed(sizes):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
 
 
 def _dim_pieces(

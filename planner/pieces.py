@@ -18,18 +18,11 @@ import math
 import attrs
 import numpy as np
 
+from shardlang.box import row_major_strides
 from shardlang.layout import Layout
 from shardlang.mesh import StridedRanks
 
 Array = np.ndarray
-
-
-def _strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(sizes):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
 
 
 def _expand(counts: Array) -> tuple[Array, Array]:
@@ -84,7 +77,7 @@ class Pieces:
     def __init__(self, layout: Layout, shape: tuple[int, ...]) -> None:
         mesh = layout.mesh
         self.layout, self.shape = layout, shape
-        self.sizes, self.strides = mesh.shape, _strides(mesh.shape)
+        self.sizes, self.strides = mesh.shape, row_major_strides(mesh.shape)
         self.cuts = tuple(
             dim_cut(length, axes, self.sizes, self.strides) for length, axes in zip(shape, layout.dims, strict=True)
         )

@@ -18,7 +18,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+
+
+def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Each dim's step, in elements, through ``shape`` stored row-major (torch's contiguous
+    strides: an empty dim steps as one of length 1); ``(12, 4, 1)`` for ``(2, 3, 4)``. Of a
+    mesh's shape: each axis's step in the row-major position of its ranks."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
 
 
 class Box(tuple[tuple[int, int], ...]):
@@ -74,7 +85,7 @@ class Box(tuple[tuple[int, int], ...]):
         rel = sub.relative_to(self)
         if any(lo >= hi for lo, hi in rel):
             return
-        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        strides = row_major_strides(shape)
         whole = len(shape)  # dims from ``whole`` on are covered entirely
         while whole > 0 and rel[whole - 1] == (0, shape[whole - 1]):
             whole -= 1

@@ -8,7 +8,7 @@ import random
 import torch
 
 from shardlang import parse_layout
-from shardlang.box import Box
+from shardlang.box import Box, row_major_strides
 
 
 def _cells(box: Box) -> set[tuple[int, ...]]:
@@ -36,6 +36,14 @@ def test_numel_shape_intersect_contains_relative_against_index_sets() -> None:
             assert a.contains(b) == (_cells(b) <= _cells(a))
         shifted = {tuple(i - lo for i, (lo, _) in zip(cell, b, strict=True)) for cell in _cells(a)}
         assert _cells(a.relative_to(b)) == shifted
+
+
+def test_row_major_strides_are_torchs_contiguous_strides() -> None:
+    rng = random.Random(5)
+    shapes = [(), (3,), (2, 3, 4), (4, 0, 3), (0,), (1, 1, 5)]
+    shapes += [tuple(rng.randint(0, 4) for _ in range(rng.randint(1, 4))) for _ in range(50)]
+    for shape in shapes:
+        assert row_major_strides(shape) == torch.empty(shape).stride(), shape
 
 
 def test_a_box_is_its_tuple_and_its_repr_reads_back() -> None:

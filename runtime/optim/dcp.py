@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from runtime.optim.errors import OptimizerError
 from runtime.optim.full_state import FORMATS
 from runtime.optim.records import HeldTensor, StateWhere
+from shardlang.box import row_major_strides
 from shardlang.errors import InteropError
 from shardlang.interop import to_dtensor_placements
 from shardlang.mesh import Mesh
@@ -69,14 +70,6 @@ def _device_mesh(mesh: Mesh, device_type: str) -> DeviceMesh:
     return DeviceMesh(device_type, ranks, mesh_dim_names=mesh.axis_names, _init_backend=False)
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for n in reversed(shape):
-        out.append(stride)
-        stride *= max(n, 1)
-    return tuple(reversed(out))
-
-
 def _as_dtensor(name: str, state: str, where: StateWhere, local: torch.Tensor) -> DTensor:
     if where.flat_of is not None:
         raise DCPLayoutError(
@@ -98,7 +91,7 @@ def _as_dtensor(name: str, state: str, where: StateWhere, local: torch.Tensor) -
         placements,
         run_check=False,
         shape=torch.Size(where.shape),
-        stride=_contiguous_stride(where.shape),
+        stride=row_major_strides(where.shape),
     )
 
 
