@@ -72,9 +72,10 @@ PAGES: tuple[Page, ...] = (
         "history/training-step.md",
         "Training step and memory",
         "One training step against DDP, ZeroRedundancyOptimizer and FSDP2 (`bench/bench_step.py`), "
+        "the same against an earlier commit in turns (`bench/bench_step_pair.py`), "
         "and the memory each rank holds (`bench/bench_memory.py`: resident set in fresh processes "
         "per variant; what the parts are: [memory](../../memory.md)).",
-        ("step", "memory", "memory_ranks"),
+        ("step", "step_pair", "memory", "memory_ranks"),
         {"step_speed": plots.step_speed, "memory_held": plots.memory_held, "memory_ranks": plots.memory_ranks},
     ),
     Page(
