@@ -272,7 +272,11 @@ class GridRanks(RankRuns):
         return GridRanks, (self._start, self._dims)
 
 
-def as_ranks(values: Sequence[int]) -> tuple[int, ...] | RankRuns:
+# A group of ranks in its one form (:func:`as_ranks`): what rank groups are typed as.
+RankGroup = tuple[int, ...] | RankRuns
+
+
+def as_ranks(values: Sequence[int]) -> RankGroup:
     """Ranks in their one form: a :class:`RowMajorRanks` for consecutive ones, a
     :class:`StridedRanks` for one run of a step of 2 or more, a :class:`GridRanks` for several
     nested runs (rank groups along several mesh axes), else a tuple. O(runs) for runs, O(ranks)
@@ -281,7 +285,7 @@ def as_ranks(values: Sequence[int]) -> tuple[int, ...] | RankRuns:
     return _one_form(values, nested=True)
 
 
-def _one_form(values: Sequence[int], *, nested: bool) -> tuple[int, ...] | RankRuns:
+def _one_form(values: Sequence[int], *, nested: bool) -> RankGroup:
     """:func:`as_ranks`, or without ``nested`` a tuple where that is a :class:`GridRanks`."""
     if isinstance(values, RankRuns):
         if isinstance(values, RowMajorRanks):

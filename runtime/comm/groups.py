@@ -45,7 +45,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 from runtime.errors import DistributedError, ReshardError
-from shardlang.mesh import GridRanks, Mesh, RankRuns, StridedRanks, as_ranks
+from shardlang.mesh import GridRanks, Mesh, RankGroup, StridedRanks, as_ranks
 
 # Keyed by (the ordered member ranks, purpose), or by (DeviceMesh, mesh, axis) for a user's groups.
 _groups: dict[tuple, dist.ProcessGroup] = {}
@@ -68,7 +68,7 @@ def normalize_axes(mesh: Mesh, axes: int | Sequence[int]) -> tuple[int, ...]:
     return axes
 
 
-def axis_ranks(mesh: Mesh, axes: tuple[int, ...], rank: int) -> tuple[int, ...] | RankRuns:
+def axis_ranks(mesh: Mesh, axes: tuple[int, ...], rank: int) -> RankGroup:
     """The global ranks of ``rank``'s group along ``axes``, in mesh coordinate order, in their
     one form (``shardlang.mesh.as_ranks``).
 

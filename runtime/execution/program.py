@@ -34,6 +34,7 @@ from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import torch_dtype
 from runtime.memory.packing import blocks_fit, crop, pack, unpack, unpack_copies
 from shardlang.layout import padded_length
+from shardlang.mesh import RankGroup
 
 
 @attrs.frozen
@@ -48,7 +49,7 @@ class CollectiveMove:
 
     index: int
     step: Step
-    members: tuple[int, ...]
+    members: RankGroup
     position: int
     before: tuple[int, ...]
     after: tuple[int, ...]

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import attrs
 
+from shardlang.mesh import RankGroup
+
 
 @attrs.frozen
 class CommRecord:
@@ -35,7 +37,7 @@ class CommRecord:
     step: int
     op: str
     axis: int | None
-    ranks: tuple[int, ...]
+    ranks: RankGroup
     bytes_sent: int
     planned_bytes: int
     seconds: float
