@@ -274,7 +274,7 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
 
 def frontier(problems: Sequence[Problem], node_limit: int) -> list[Suggestion]:
     """The fastest choice at budgets from the smallest memory to the fastest choice's memory."""
-    low = min(smallest_memory(p, timed=False).memory for p in problems)
+    low = min(smallest_memory(p, node_limit).memory for p in problems)
     fastest = suggest_best(problems, 2**62, node_limit).best
     high = max(low, fastest.memory)
     budgets = sorted({round(low + (high - low) * k / (_FRONTIER_POINTS - 1)) for k in range(_FRONTIER_POINTS)})

@@ -3,8 +3,9 @@ combination of candidates (with and without the optimizers' flat sharding), alwa
 budget, and an impossible budget names the smallest one that fits. Brute force prices each
 combination on its own: the whole spec's step plan (``plan_spec``, buckets unbounded, the flat
 axis as the optimizers take it), the training loop's gathers and reductions planned pair by
-pair, steps of one collective kind sharing one latency, and memory from the layouts' pieces
-and the runtime's own state shapes (flat: its chunks)."""
+pair, steps of one collective kind sharing one latency, and memory as ``shardlang suggest``
+prints it held: ``planner.memory.predict_memory`` of the whole chosen spec (what the optimizers'
+``memory_report()`` counts, tests/test_suggest_memory_dist.py), never the program's sums."""
 
 from __future__ import annotations
 
@@ -20,12 +21,10 @@ from cli.main import main
 from planner import CostModel, plan
 from planner.cost import collective_rounds
 from planner.knapsack import smallest_memory, suggest, suggest_best
+from planner.memory import predict_memory
 from planner.spec_plan import plan_spec
 from planner.suggest import SuggestError, build_problems, state_layouts
-from runtime.optim.came import came_state_shapes
-from runtime.optim.shards import StateShard
-from shardlang import Layout, load_spec, parse_spec
-from shardlang.dtypes import itemsize
+from shardlang import load_spec, parse_spec
 from tests.conftest import REPO
 
 SMALL = """
@@ -50,26 +49,6 @@ tensor n : f32[24] { param = R over world  grad = R | P(dp):avg over world }
 """
 
 
-def _state_bytes(tensor, optimizer: str, flat: str | None) -> int:
-    """The largest rank's optimizer states, from the runtime's shapes (f32 master for bf16);
-    flat: the rank's chunk of the state layout without the flat axis."""
-    state, axis = tensor.state(), None
-    if flat is not None:
-        axis = state.mesh.axis_index(flat)
-        state = Layout(dims=[[a for a in d if a != axis] for d in state.dims], mesh=state.mesh)
-    best = 0
-    for rank in state.mesh.ranks:
-        shard = StateShard.of(tensor.shape, state, rank, axis)
-        if optimizer == "came":
-            shapes = list(came_state_shapes(shard).values())
-        else:
-            shapes = [shard.local_shape, shard.local_shape]
-        if tensor.dtype == "bf16":
-            shapes.append(shard.local_shape)
-        best = max(best, sum(math.prod(s) for s in shapes) * 4)
-    return best
-
-
 def _brute(problem, spec, optimizer: str) -> list[tuple[int, float, tuple]]:
     """(memory, seconds, layouts) of every combination of the problem's candidates."""
     options = [g.candidates for g in problem.groups]
@@ -80,23 +59,21 @@ def _brute(problem, spec, optimizer: str) -> list[tuple[int, float, tuple]]:
         tensors = tuple(attrs.evolve(g.first, layouts=c.layouts) for g, c in zip(problem.groups, combo, strict=True))
         chosen = attrs.evolve(spec, tensors=tensors)
         step = plan_spec(chosen, bucket_bytes=2**62, flat_axis=flat).step
-        seconds, memory = step.total_seconds, 0
-        transient = plan_spec(chosen, bucket_bytes=1, flat_axis=flat).step.max_buffer_bytes
+        seconds = step.total_seconds
+        # What shardlang suggest prints as held, and the budget bounds: planner.memory's
+        # prediction of the optimizer's memory_report() (checked against torch in
+        # tests/test_suggest_memory_dist.py), at the bucket cap the optimizers run with.
+        memory = predict_memory(chosen, optimizer, flat_axis=flat, bucket_bytes=problem.bucket_bytes).total_bytes
         loop: dict[tuple, list] = {}  # the loop's steps by the collective they share
         for before, t in zip(spec.tensors, tensors, strict=True):
             cost = CostModel.from_hints(spec.hints(t.param.mesh))
             compute = before.param  # the specs' parameters use no data-parallel axis
-            size = itemsize(t.dtype)
             if t.param != compute:  # gathered for forward and for backward
                 for s in plan(t.param, compute, t.shape, t.dtype, cost).steps:
                     loop.setdefault(("forward", s.op, s.axis, s.reduce_op, t.dtype), []).append((s, cost))
-                transient = max(transient, math.prod(compute.local_shape(t.shape)) * size)
             if t.grad != before.grad:  # reduced in backward
                 for s in plan(before.grad, t.grad, t.shape, t.dtype, cost).steps:
                     loop.setdefault(("backward", s.op, s.axis, s.reduce_op, t.dtype), []).append((s, cost))
-                transient = max(transient, math.prod(before.grad.local_shape(t.shape)) * size)
-            memory += sum(math.prod(lay.local_shape(t.shape)) * size for lay in (t.param, t.grad))
-            memory += _state_bytes(t, optimizer, flat)
         for (stage, op, axis, _, _), steps in loop.items():
             if op in ("slice", "partial"):
                 continue
@@ -108,7 +85,7 @@ def _brute(problem, spec, optimizer: str) -> list[tuple[int, float, tuple]]:
             seconds += (2 if stage == "forward" else 1) * (
                 sum(s.seconds for s, _ in steps) - (len(steps) - 1) * latency
             )
-        out.append((memory + transient, seconds, tuple(c.layouts for c in combo)))
+        out.append((memory, seconds, tuple(c.layouts for c in combo)))
     return out
 
 
@@ -135,7 +112,7 @@ def test_suggest_equals_brute_force_and_fits(
     everything = [(m, s, lay, p) for p in problems for m, s, lay in _brute(p, spec, optimizer)]
     memories = sorted({m for m, _, _, _ in everything})
     for p in problems:  # the least memory, found without the solver
-        assert smallest_memory(p, timed=False).memory == min(m for m, _, _, q in everything if q is p)
+        assert smallest_memory(p).memory == min(m for m, _, _, q in everything if q is p)
     for budget in [memories[0], memories[len(memories) // 3], memories[len(memories) // 2] + 1, memories[-1]]:
         fitting = [s for m, s, _, _ in everything if m <= budget]
         result = suggest_best(problems, budget)
