@@ -13,8 +13,8 @@ sum; or a reduce-scatter's workspace) and the send buffer (the largest reduce-sc
 all-to-all's), each a bucket's, which the program bounds by its kind's sum of buffers (one
 bucket) or, where a kind needs several buckets, by the cap (or the largest single buffer);
 and AdamW's square roots in place, the shards of a group of at most
-:data:`planner.memory.DENOM_CHUNK` elements: their sum where every shard together fits one
-group, else that chunk (or the largest shard). Fixed: the optimizer's Python objects,
+:data:`planner.memory.DENOM_CHUNK` elements: their sum where the rank's shards together fit
+one group, else that chunk (or the largest shard). Fixed: the optimizer's Python objects,
 :data:`planner.memory.HOST_BYTES_PER_TENSOR` per tensor (:func:`fixed_bytes`). Where the
 program's bounds are exact (every kind one bucket, the shards one group) its count is the
 prediction's; elsewhere it is at least it, and ``planner.knapsack`` checks every answer
@@ -161,8 +161,13 @@ def program_rows(
             for i, v in mine:
                 memory[i] += v / unit
             continue
-        roots = var(math.inf, False, low=chunk / unit)
+        # Their sum where it fits one group; else ``over``, and at most the chunk or one shard.
+        roots, over = var(math.inf, False), var(1, True)
         memory[roots] = 1.0
+        total = {i: -v / unit for i, v in mine}
+        row({roots: 1.0, **total, over: full / unit}, 0.0, math.inf)
+        row({**total, over: (full - chunk) / unit}, -chunk / unit, math.inf)
+        row({roots: 1.0, over: -chunk / unit}, 0.0, math.inf)
         for i, v in mine:
             if v > chunk:
                 row({roots: 1.0, used + i: -v / unit}, 0.0, math.inf)
