@@ -162,7 +162,8 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
         "",
         f"suggested: {format_bytes(best.memory)} per rank, {format_seconds(best.seconds)} modeled{flat}; "
         f"{problem.changed(best)} of {n} tensors changed",
-        f"as the runtime holds it (memory_report()'s kinds): {_kinds(problem.prediction(best.picks))}",
+        f"held as the runtime counts it (memory_report()'s kinds; the budget bounds it): "
+        f"{_kinds(problem.prediction(best.picks))}",
         "",
         "  strategy        memory/rank  modeled time  fits  time vs suggested",
     ]
