@@ -16,11 +16,12 @@ gradient the loop already reduced). A mesh with neither is read as FSDP (``init 
 zero3``): its axes that split every tensor's parameter, gradient and state alike, which tensor
 parallelism does not do to a tensor that also has replicated parts (its norms). Where ``D`` is
 more than the gradient's pending axes, ``G0`` is ``C`` pending a mean over ``D``: a sharded
-parameter is gathered for forward and backward, its gradient reduce-scattered in backward, and
-the gathered parameter counted in the memory. HSDP (a mean pending over the replicate axis,
-every tensor split over the shard axis alike) reads both as data parallel where its tensors
-include a 1-d one (a norm): without one, sharding every declared tensor alike is what tensor
-parallelism of the weights looks like too, and the shard axis is read as part of ``C``.
+parameter is gathered for forward and backward, its gradient reduce-scattered in backward (the
+gathered parameter is the training loop's, not counted in the memory held). HSDP (a mean
+pending over the replicate axis, every tensor split over the shard axis alike) reads both as
+data parallel where its tensors include a 1-d one (a norm): without one, sharding every
+declared tensor alike is what tensor parallelism of the weights looks like too, and the shard
+axis is read as part of ``C``.
 
 Flat sharding over a mesh axis ``a`` (the optimizers' ``flat_axis``, DeepSpeed's flat ZeRO)
 is an option of the whole optimizer, not of a tensor: every tensor's state is then the rank's
