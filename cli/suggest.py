@@ -162,7 +162,8 @@ def format_suggestion(result: Suggestion, problems: Sequence[Problem]) -> str:
         "",
         f"suggested: {format_bytes(best.memory)} per rank, {format_seconds(best.seconds)} modeled{flat}; "
         f"{problem.changed(best)} of {n} tensors changed",
-        f"as the runtime holds it (memory_report()'s kinds): {_kinds(problem.prediction(best.picks))}",
+        f"held as the runtime counts it (memory_report()'s kinds; the budget bounds it): "
+        f"{_kinds(problem.prediction(best.picks))}",
         "",
         "  strategy        memory/rank  modeled time  fits  time vs suggested",
     ]
@@ -274,7 +275,7 @@ def suggestion_json(result: Suggestion, problems: Sequence[Problem]) -> dict[str
 
 def frontier(problems: Sequence[Problem], node_limit: int) -> list[Suggestion]:
     """The fastest choice at budgets from the smallest memory to the fastest choice's memory."""
-    low = min(smallest_memory(p, timed=False).memory for p in problems)
+    low = min(smallest_memory(p, node_limit).memory for p in problems)
     fastest = suggest_best(problems, 2**62, node_limit).best
     high = max(low, fastest.memory)
     budgets = sorted({round(low + (high - low) * k / (_FRONTIER_POINTS - 1)) for k in range(_FRONTIER_POINTS)})

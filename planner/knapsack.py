@@ -2,17 +2,20 @@
 
 Variables, per group ``g`` and candidate ``c``: ``n[g,c]`` (how many of the group's tensors
 take ``c``, an integer), ``u[g,c]`` (binary: any does); per collective kind ``k``: ``b[k]``
-(an integer: its buckets); ``z``, the largest transient buffer. Constraints:
-``sum_c n[g,c] = |g|``; ``n[g,c] <= |g| u[g,c]``; per group and kind, ``sum n[g,c] <= |g|
-b[k]`` over the group's candidates of that kind (a kind any tensor uses has a bucket: one row
-per group, not per candidate, and a tighter relaxation than ``u[g,c] <= b[k]``, since the
-shares of a group add up); ``cap b[k] >= sum fill[g,c,k] n[g,c]`` (``fill``: the buffer a
-tensor's step puts in the kind's buckets, at most the cap); ``z >= buffer[g,c] u[g,c]``;
-``sum memory[g,c] n[g,c] + z <= budget``. Objective: ``sum seconds[g,c] n[g,c] + sum
-latency[k] b[k]``; among choices of that time (within a relative 1e-9), the least memory,
-then the fewest tensors changed from the spec's layouts (two more solves, each bounded by the
-last optimum). Every solution is checked against the budget in whole bytes (the solver works
-in floats), and the program is solved again with the budget lowered by any excess. The
+(an integer: its buckets); and those of the memory the rank holds (``planner.held``: its
+largest buffers). Constraints: ``sum_c n[g,c] = |g|``; ``n[g,c] <= |g| u[g,c]``; per group
+and kind, ``sum n[g,c] <= |g| b[k]`` over the group's candidates of that kind (a kind any
+tensor uses has a bucket: one row per group, not per candidate, and a tighter relaxation than
+``u[g,c] <= b[k]``, since the shares of a group add up); ``cap b[k] >= sum fill[g,c,k]
+n[g,c]`` (``fill``: the buffer a tensor's step puts in the kind's buckets, at most the cap);
+``planner.held``'s rows; and the held memory, its sums over tensors, its largest buffers and
+its fixed part, at most the budget. Objective: ``sum seconds[g,c] n[g,c] + sum latency[k]
+b[k]``; among choices of that time (within a relative 1e-9), the least memory, then the
+fewest tensors changed from the spec's layouts (two more solves, each bounded by the last
+optimum). Every solution's memory is the prediction's (``planner.memory``, what ``shardlang
+suggest`` prints), checked against the budget in whole bytes (the program works in floats,
+and bounds a kind of several buckets by the cap), and the program is solved again with the
+budget lowered by any excess. The
 HiGHS stops each solve after :data:`NODE_LIMIT` branch-and-bound nodes (``node_limit``), not
 after wall seconds: the answer is the same on a loaded machine as on an idle one, and a solve
 the limit stops reports its optimality gap (docs/reference/suggest.md). A solve that yields
@@ -38,6 +41,7 @@ from typing import Any
 
 import attrs
 
+from planner.held import fixed_bytes, program_rows
 from planner.suggest import Candidate, Choice, Group, Problem, SuggestError, Suggestion
 
 _MIB = float(2**20)
@@ -56,6 +60,7 @@ class _Program:
 
     cells: tuple[tuple[int, int], ...]
     size: int
+    fixed: int  # bytes held whatever the choice, left out of ``memory`` (planner.held.fixed_bytes)
     rows: Any  # scipy.sparse matrix
     lo: Any
     hi: Any
@@ -67,10 +72,10 @@ class _Program:
 
 
 def _dominates(a: Candidate, b: Candidate, fills_a: dict[int, int], fills_b: dict[int, int]) -> bool:
-    """Whether ``a`` is nowhere worse than ``b``: memory, transient, own time, and a subset of
-    its kinds each filled no more (so the kinds' latencies are no more either); ``fills_*``:
-    each candidate's fill per kind."""
-    if a.memory > b.memory or a.transient > b.transient or a.seconds > b.seconds:
+    """Whether ``a`` is nowhere worse than ``b``: every term of its memory, own time, and a
+    subset of its kinds each filled no more (so the kinds' latencies are no more either);
+    ``fills_*``: each candidate's fill per kind."""
+    if a.seconds > b.seconds or not a.held.no_worse_than(b.held):
         return False
     return all(k in fills_b and f <= fills_b[k] for k, f in fills_a.items())
 
@@ -107,13 +112,15 @@ def _program(problem: Problem) -> _Program:
     kind_index = {k: i for i, k in enumerate(latency)}
     cells = tuple((gi, ci) for gi, g in enumerate(problem.groups) for ci in _undominated(g))
     n_cells, n_kinds = len(cells), len(latency)
-    size = 2 * n_cells + n_kinds + 1  # n..., u..., b..., z
-    z = size - 1
     data: list[float] = []
     row_of: list[int] = []
     col_of: list[int] = []
     lo: list[float] = []
     hi: list[float] = []
+    # Variables: n..., u..., b..., then the held memory's (planner.held.program_rows).
+    upper = [float(len(problem.groups[gi].tensors)) for gi, _ in cells] + [1.0] * n_cells + [0.0] * n_kinds
+    lower = [0.0] * (2 * n_cells + n_kinds)
+    integer = [1] * (2 * n_cells + n_kinds)
 
     def row(entries: dict[int, float], low: float, high: float) -> None:
         for i, v in entries.items():
@@ -122,6 +129,12 @@ def _program(problem: Problem) -> _Program:
             data.append(v)
         lo.append(low)
         hi.append(high)
+
+    def var(most: float, whole: bool, low: float = 0.0) -> int:
+        upper.append(most)
+        lower.append(low)
+        integer.append(int(whole))
+        return len(upper) - 1
 
     cap = problem.solver_cap / _MIB
     fills: list[dict[int, float]] = [{} for _ in range(n_kinds)]
@@ -136,34 +149,36 @@ def _program(problem: Problem) -> _Program:
         for k, _, fill in cand.kinds:
             uses.setdefault((gi, kind_index[k]), []).append(i)
             fills[kind_index[k]][i] = fills[kind_index[k]].get(i, 0.0) + fill / _MIB
-        row({n_cells + i: cand.transient / _MIB, z: -1.0}, -np.inf, 0.0)
     for (gi, k), users in uses.items():  # a kind that a tensor of the group uses has a bucket
         row({**dict.fromkeys(users, 1.0), 2 * n_cells + k: -float(len(problem.groups[gi].tensors))}, -np.inf, 0.0)
-    most = [1] * n_kinds  # at most this many buckets a kind can need
     for k, fill in enumerate(fills):
         full = sum(v * len(problem.groups[cells[i][0]].tensors) for i, v in fill.items())  # every tensor in
-        most[k] = max(1, math.ceil(full / cap - _TIE))
-        if most[k] > 1:  # else b[k] is the binary "some candidate uses it"
+        upper[2 * n_cells + k] = most = max(1, math.ceil(full / cap - _TIE))  # at most this many buckets
+        if most > 1:  # else b[k] is the binary "some candidate uses it"
             row({**{i: -v for i, v in fill.items()}, 2 * n_cells + k: cap}, 0.0, np.inf)
+    held = [(gi, len(problem.groups[gi].tensors), problem.groups[gi].candidates[ci].held) for gi, ci in cells]
+    buckets = {k: (2 * n_cells + i, int(upper[2 * n_cells + i])) for k, i in kind_index.items()}
+    memory = program_rows(held, buckets, problem.solver_cap, _MIB, row, var)
+    size = len(upper)
     time_vector, memory_vector, changes = np.zeros(size), np.zeros(size), np.zeros(size)
     for i, (gi, ci) in enumerate(cells):
         g = problem.groups[gi]
         time_vector[i] = g.candidates[ci].seconds * _US
-        memory_vector[i] = g.candidates[ci].memory / _MIB
         changes[i] = float(g.candidates[ci].layouts != g.candidates[g.original].layouts)
     for k, value in latency.items():
         time_vector[2 * n_cells + kind_index[k]] = value * _US
-    memory_vector[z] = 1.0
-    upper = np.array([len(problem.groups[gi].tensors) for gi, _ in cells] + [1] * n_cells + most + [np.inf])
+    for column, value in memory.items():
+        memory_vector[column] = value
     matrix = coo_array((data, (row_of, col_of)), shape=(len(lo), size)).tocsr()
     return _Program(
         cells=cells,
         size=size,
+        fixed=fixed_bytes(problem.optimizer, len(problem.tensors)),
         rows=matrix,
         lo=np.array(lo),
         hi=np.array(hi),
-        bounds=Bounds(np.zeros(size), upper),
-        integrality=np.array([1] * (2 * n_cells + n_kinds) + [0]),
+        bounds=Bounds(np.array(lower), np.array(upper)),
+        integrality=np.array(integer),
         time=time_vector,
         memory=memory_vector,
         changes=changes,
@@ -205,6 +220,12 @@ def _run(
     return result.x, result.status == 0, float(getattr(result, "mip_gap", 0.0) or 0.0)
 
 
+def _within(program: _Program, budget: int) -> tuple[Any, float]:
+    """The memory's limit of ``budget`` bytes: the program's sums and largest buffers within
+    what the fixed part leaves (``planner.held``)."""
+    return program.memory, (budget - program.fixed) / _MIB
+
+
 def _choice(problem: Problem, program: _Program, x: Any) -> Choice:
     """The choice of solution ``x``, timed."""
     import numpy as np
@@ -224,7 +245,7 @@ def _solve(
     bounded by the last optimum, within the same node limit: stopped early it keeps the best it
     found, which is never slower, and says so (the last item: notes)."""
     program = _program(problem)
-    limits = [] if budget is None else [(program.memory, budget / _MIB)]
+    limits = [] if budget is None else [_within(program, budget)]
     x, optimal, gap = _fastest(program, budget, node_limit)
     notes: tuple[str, ...] = ()
     if ties:
@@ -245,7 +266,7 @@ def _solve(
 @functools.lru_cache(maxsize=32)
 def _fastest(program: _Program, budget: int | None, node_limit: int) -> tuple[Any, bool, float]:
     """:func:`_run` for the least time within ``budget`` bytes."""
-    limits = [] if budget is None else [(program.memory, budget / _MIB)]
+    limits = [] if budget is None else [_within(program, budget)]
     return _run(program, program.time, limits, node_limit)
 
 
@@ -254,35 +275,29 @@ def _time_bound(problem: Problem, budget: int) -> float:
     time (the program's time is at most a choice's exact one, module doc); inf where none fits."""
     program = _program(problem)
     try:
-        x, optimal, _ = _run(program, program.time, [(program.memory, budget / _MIB)], NODE_LIMIT, relaxed=True)
+        x, optimal, _ = _run(program, program.time, [_within(program, budget)], NODE_LIMIT, relaxed=True)
     except SuggestError:
         return math.inf
     return float(program.time @ x) / _US if optimal else 0.0
 
 
-def smallest_memory(problem: Problem, *, timed: bool = True) -> Choice:
-    """The choice of least memory per rank (not ``timed``: its time left out, NaN). Exact
-    without the solver: memory is a sum per tensor plus the largest transient, so for each
-    transient ``T`` some candidate has, every tensor takes its group's least-memory candidate
-    of transient at most ``T`` (the first of equal ones), and the least total over ``T`` wins
-    (the smallest ``T`` of equal totals)."""
-    best: tuple[int, list[list[int]]] | None = None
-    for limit in sorted({c.transient for g in problem.groups for c in g.candidates}):
-        picks: list[list[int]] = []
-        for g in problem.groups:
-            allowed = [i for i, c in enumerate(g.candidates) if c.transient <= limit]
-            if not allowed:
-                break
-            least = min(allowed, key=lambda i: g.candidates[i].memory)
-            picks.append([least] * len(g.tensors))
-        else:
-            total = problem.memory_of(picks)
-            if best is None or total < best[0]:
-                best = (total, picks)
-    assert best is not None  # the largest transient allows every candidate
-    if timed:
-        return problem.evaluate(best[1])
-    return Choice(picks=tuple(tuple(p) for p in best[1]), memory=best[0], seconds=math.nan)
+def smallest_memory(
+    problem: Problem,
+    node_limit: int = NODE_LIMIT,
+    fixed: Sequence[tuple[str | None, Choice | None]] | None = None,
+) -> Choice:
+    """The choice of least memory per rank the program finds (the least of its count, which is
+    the prediction's where its bounds are exact: ``planner.held``), or the fixed choice of
+    least memory where that holds less (or where the solve finds nothing in ``node_limit``);
+    ``fixed``: :func:`fixed_choices`' answer, when the caller has it."""
+    program = _program(problem)
+    candidates = [other for _, other in (fixed_choices(problem) if fixed is None else fixed) if other is not None]
+    try:
+        x, _, _ = _run(program, program.memory, [], node_limit)
+        candidates.insert(0, _choice(problem, program, x))
+    except SuggestError:
+        pass  # the fixed choices (the spec's own layouts among them) stand
+    return min(candidates, key=lambda c: c.memory)
 
 
 def better(a: Choice, b: Choice, problem: Problem | None) -> bool:
@@ -317,11 +332,10 @@ def suggest(
     ``fixed``: :func:`smallest_memory`'s and :func:`fixed_choices`' answers, when the caller
     has them."""
     started = time.perf_counter()
-    least = smallest_memory(problem, timed=False) if least is None else least
+    fixed = fixed_choices(problem) if fixed is None else tuple(fixed)
+    least = smallest_memory(problem, node_limit, fixed) if least is None else least
     if least.memory > budget:
         raise _too_small(budget, least.memory, problem.loop)
-    if math.isnan(least.seconds):  # the fallback below needs its time
-        least = problem.evaluate(least.picks)
     limit = budget
     best, gap, optimal, notes, solved = least, 0.0, False, (), True
     instead = "the least-memory choice taken, or a fixed strategy that fits and is faster"
@@ -332,11 +346,12 @@ def suggest(
             best, gap, optimal, notes, solved = least, 0.0, False, (f"{e.message}; {instead}",), False
         if best.memory <= budget:
             break
-        limit -= best.memory - budget  # the solver's float tolerance let it exceed: tighten
+        # The program's floats, or its bounds of several buckets by the cap (planner.held),
+        # let the prediction exceed: tighten.
+        limit -= best.memory - budget
     else:
         best, gap, optimal, solved = least, 0.0, False, False
-        notes = (f"every solution HiGHS found exceeded {budget} bytes (its float tolerance); {instead}",)
-    fixed = fixed_choices(problem) if fixed is None else tuple(fixed)
+        notes = (f"every solution HiGHS found held more than {budget} bytes; {instead}",)
     for _, other in fixed:
         if other is not None and other.memory <= budget and better(other, best, problem):
             best = other
@@ -345,12 +360,13 @@ def suggest(
 
 
 def _too_small(budget: int, least: int, loop: str) -> SuggestError:
-    """No choice of the loop's layouts (``planner.loops``) fits ``budget``; ``least`` does."""
+    """No choice of the loop's layouts (``planner.loops``) fits ``budget``; ``least`` does: the
+    least memory held found, the optimizer's Python objects included."""
     within = "" if loop == "any" else f" that the {loop} loop runs"
     other = "" if loop == "any" else " (another loop may hold less: --loop)"
     return SuggestError(
-        f"no choice of layouts{within} fits {budget} bytes per rank; the smallest budget that fits is "
-        f"{least} bytes ({least / 2**30:.3f} GiB){other}"
+        f"no choice of layouts{within} fits {budget} bytes per rank as the runtime holds it; the smallest "
+        f"budget that fits is {least} bytes ({least / 2**30:.3f} GiB){other}"
     )
 
 
@@ -360,8 +376,8 @@ def suggest_best(problems: Sequence[Problem], budget: int, node_limit: int = NOD
     one: flat sharding changes how every tensor's state is kept); when none fits, the error
     names the smallest budget that fits any of them."""
     started = time.perf_counter()
-    least = [smallest_memory(p, timed=False) for p in problems]
     fixed = [fixed_choices(p) for p in problems]
+    least = [smallest_memory(p, node_limit, f) for p, f in zip(problems, fixed, strict=True)]
     fitting: list[Suggestion] = []
     for p, m, f in zip(problems, least, fixed, strict=True):
         if m.memory > budget:

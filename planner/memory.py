@@ -31,7 +31,7 @@ from planner.matmul_caches import kernel_bytes
 from planner.matrices import plan_matrices
 from planner.spec_plan import plan_spec, step_tensor
 from shardlang.dtypes import itemsize
-from shardlang.layout import Layout, chunk_bounds
+from shardlang.layout import chunk_bounds
 from shardlang.spec import Spec, TensorSpec
 
 MiB = 2**20
@@ -311,16 +311,3 @@ def state_elements(block: tuple[int, ...], elements: int, optimizer: str) -> int
     if optimizer == "muon" and len(block) == 2:
         return elements
     return 2 * elements
-
-
-def state_bytes(tensor: TensorSpec, state: Layout, optimizer: str, flat: int | None = None) -> int:
-    """The optimizer states and master of ``tensor`` on the largest rank, states in ``state``
-    (``planner.suggest``'s module doc); with ``flat``, in equal chunks over that axis of the
-    base block (``state`` without it)."""
-    dtype = "f64" if tensor.dtype == "f64" else "f32"
-    if flat is not None:
-        state = without_axis(state, flat)
-    local = state.local_shape(tensor.shape)
-    elements = math.prod(local) if flat is None else -(-math.prod(local) // state.mesh.shape[flat])
-    master = elements * itemsize(dtype) if tensor.dtype not in ("f32", "f64") else 0
-    return state_elements(tuple(local), elements, optimizer) * itemsize(dtype) + master

@@ -16,11 +16,12 @@ gradient the loop already reduced). A mesh with neither is read as FSDP (``init 
 zero3``): its axes that split every tensor's parameter, gradient and state alike, which tensor
 parallelism does not do to a tensor that also has replicated parts (its norms). Where ``D`` is
 more than the gradient's pending axes, ``G0`` is ``C`` pending a mean over ``D``: a sharded
-parameter is gathered for forward and backward, its gradient reduce-scattered in backward, and
-the gathered parameter counted in the memory. HSDP (a mean pending over the replicate axis,
-every tensor split over the shard axis alike) reads both as data parallel where its tensors
-include a 1-d one (a norm): without one, sharding every declared tensor alike is what tensor
-parallelism of the weights looks like too, and the shard axis is read as part of ``C``.
+parameter is gathered for forward and backward, its gradient reduce-scattered in backward (the
+gathered parameter is the training loop's, not counted in the memory held). HSDP (a mean
+pending over the replicate axis, every tensor split over the shard axis alike) reads both as
+data parallel where its tensors include a 1-d one (a norm): without one, sharding every
+declared tensor alike is what tensor parallelism of the weights looks like too, and the shard
+axis is read as part of ``C``.
 
 Flat sharding over a mesh axis ``a`` (the optimizers' ``flat_axis``, DeepSpeed's flat ZeRO)
 is an option of the whole optimizer, not of a tensor: every tensor's state is then the rank's
@@ -46,17 +47,14 @@ kind is used. Where no kind's buffers exceed the cap that is exact; where they d
 bucket count is a lower bound of the step plan's in-order cutting, and the solution is
 compared, exactly, with the spec's own layouts and the fixed strategies.
 
-Memory per rank (padded pieces, the largest rank's): parameter and gradient in the tensor's
-dtype; states in f32 (f64 for f64 tensors): AdamW's two moments, CAME's first moment and
-factored row and column statistics (two each; unfactored second moment for 1-d tensors),
-and an f32 master for a lower-precision parameter (flat: the moments and the master are the
-chunk, ``ceil(block / |a|)``, CAME's statistics those of the whole base block, as the
-optimizers keep them); plus the largest transient buffer of any
-tensor: its largest step collective's buffer, its gathered parameter ``C`` when it is
-sharded, its unreduced gradient ``G0`` when backward reduces it. Beside that count, which the
-budget bounds, a choice's memory as the runtime holds it (:meth:`Problem.prediction`,
-``planner.memory``: the kinds of ``memory_report()``, bucket buffers included) is what
-``shardlang suggest`` reports per rank.
+Memory per rank: what the rank holds as the runtime counts it (``planner.memory``'s
+:func:`~planner.memory.predict_memory`, the kinds of ``memory_report()``: parameter pieces,
+states and masters, spare states, bucket buffers, scratch, and the optimizer's Python objects,
+a constant per tensor), on the first rank of the first tensor's state mesh, which holds the
+largest pieces; gradients are freed by the step, as the optimizers free them by default. The
+budget bounds that count, the one ``shardlang suggest`` prints: the integer program sees it as
+sums over tensors plus a few largest buffers (``planner.held``), and every answer is checked
+against the prediction itself (``planner.knapsack``).
 
 Tensors of equal shape, dtype and layouts form a group with one integer count per candidate,
 so a model of 226 tensors in 8 groups is a program of a few dozen variables.
@@ -75,13 +73,13 @@ from planner.bucket_cap import AUTO, UNCAPPED, BucketCap, Priced, choose_cap
 from planner.cheapest import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
+from planner.held import Copies, HeldTerms, held_terms
 from planner.legs import AFTER, BEFORE, DEFAULT_BUCKET_BYTES, STAGES, Hop, Leg, bucket_stage, without_axis
 from planner.loops import AUTO as AUTO_LOOP
 from planner.loops import LOOPS, infer_loop, runs_in
-from planner.memory import MemoryPrediction, predict_memory, state_bytes
+from planner.memory import MemoryPrediction, predict_memory, rank_tensor
 from planner.spec_plan import cost_for, step_tensor
 from planner.step import plan_step
-from shardlang.dtypes import itemsize
 from shardlang.errors import ShardlangError
 from shardlang.generate import split_dim
 from shardlang.layout import Layout
@@ -102,15 +100,14 @@ class SuggestError(ShardlangError):
 
 @attrs.frozen
 class Candidate:
-    """One (param, grad, state) triple of a group, priced: ``memory`` per rank (without the
-    transient), ``transient`` its largest buffer, ``seconds`` its additive time (bandwidth
-    terms of its step collectives and the whole time of its training-loop collectives), and
-    ``kinds`` the collectives it takes part in (the step's and the loop's), each with its
-    latency and the bucket buffer it fills."""
+    """One (param, grad, state) triple of a group, priced: ``held``, its terms of the memory
+    per rank (``planner.held``), ``seconds`` its additive time (bandwidth terms of its step
+    collectives and the whole time of its training-loop collectives), and ``kinds`` the
+    collectives it takes part in (the step's and the loop's), each with its latency and the
+    bucket buffer it fills."""
 
     layouts: Layouts
-    memory: int
-    transient: int
+    held: HeldTerms
     seconds: float
     loop_seconds: float
     # (kind, latency, bytes of the kind's bucket buffers it fills): kinds are numbered per problem
@@ -136,8 +133,9 @@ class Group:
 
 @attrs.frozen
 class Choice:
-    """A choice of candidate per tensor (``picks[g]``: per tensor of group ``g``, in order) and
-    its modeled memory and time."""
+    """A choice of candidate per tensor (``picks[g]``: per tensor of group ``g``, in order), the
+    memory its rank holds (``planner.memory``: what ``shardlang suggest`` prints and the budget
+    bounds) and its modeled time."""
 
     picks: tuple[tuple[int, ...], ...]
     memory: int
@@ -190,16 +188,17 @@ class Problem:
 
     # --- evaluating a choice ---------------------------------------------------------------
     def evaluate(self, picks: Sequence[Sequence[int]]) -> Choice:
-        """Memory as the integer program counts it; time as the step plan buckets the chosen
-        legs (module doc): what ``shardlang plan`` models for the chosen spec, plus the loop."""
+        """Memory as the runtime holds it (:meth:`prediction`); time as the step plan buckets the
+        chosen legs (module doc): what ``shardlang plan`` models for the chosen spec, plus the loop."""
         price = self.priced(picks)
         seconds = self.model_cap(picks).seconds if self.bucket_bytes == AUTO else price(int(self.bucket_bytes))[0]
-        return Choice(picks=tuple(tuple(p) for p in picks), memory=self.memory_of(picks), seconds=seconds)
+        memory = self.prediction(picks).total_bytes
+        return Choice(picks=tuple(tuple(p) for p in picks), memory=memory, seconds=seconds)
 
     def prediction(self, picks: Sequence[Sequence[int]]) -> MemoryPrediction:
         """What the first rank holds for a choice as the runtime counts it (``planner.memory``:
         the kinds of ``memory_report()``, bucket buffers included, under the bucket cap the
-        optimizers run with), beside the integer program's own count (:meth:`memory_of`)."""
+        optimizers run with): the memory a choice is counted and bounded by."""
         spec = self.spec_of(Choice(picks=tuple(tuple(p) for p in picks), memory=0, seconds=0.0))
         return predict_memory(
             spec, self.optimizer, tensors=spec.tensors, flat_axis=self.flat_axis, bucket_bytes=self.bucket_bytes
@@ -237,16 +236,6 @@ class Problem:
             return seconds, buffer
 
         return price
-
-    def memory_of(self, picks: Sequence[Sequence[int]]) -> int:
-        """The memory per rank of a choice as the integer program counts it (module doc): its
-        tensors' and the largest transient."""
-        memory, transient = 0, 0
-        for group, picked in zip(self.groups, picks, strict=True):
-            for c in picked:
-                memory += group.candidates[c].memory
-                transient = max(transient, group.candidates[c].transient)
-        return memory + transient
 
     def uniform(self, pick: Sequence[int]) -> Choice:
         """Every tensor of group ``g`` takes candidate ``pick[g]``."""
@@ -404,10 +393,6 @@ def _find(layouts: Layouts, among: Sequence[Layouts], flat: int | None) -> int |
     return next((i for i, lay in enumerate(among) if key(lay) == key(layouts)), None)
 
 
-def _local_bytes(layout: Layout, shape: tuple[int, ...], dtype: str) -> int:
-    return math.prod(layout.local_shape(shape)) * itemsize(dtype)
-
-
 def _price(
     tensor: TensorSpec,
     layouts: Layouts,
@@ -416,25 +401,28 @@ def _price(
     flat: int | None,
     kind_ids: dict[tuple, int],
     cap: int,
+    held: tuple[int, Copies],
     inferred: Sequence[int] = (),
 ) -> Candidate:
+    """``held``: the program's rank and the CAME copies of the problem (``planner.held``)."""
+    for name, _ in layouts.states:
+        if name != STATE_DEFAULT:
+            raise SuggestError(f"tensor '{tensor.name}': suggest prices one state layout per tensor, not state.{name}")
     entry = attrs.evolve(tensor, layouts=layouts)
     rank = tensor.state().mesh.ranks[0]  # the plan of the mesh's first rank (flat: its block)
     step = plan_step([step_tensor(entry, cost, flat)], rank, bucket_bytes=1)
     _, compute, g0 = _roles(tensor, inferred)
-    loop_legs, transient = [], step.max_buffer_bytes
+    loop_legs = []
     if layouts.param != compute:
         gather = plan_pair(layouts.param, compute, tensor.shape, tensor.dtype, cost)
         loop_legs.append(Leg(tensor.name, "param -> compute", FORWARD, tensor.dtype, (Hop(gather),)))
-        transient = max(transient, _local_bytes(compute, tensor.shape, tensor.dtype))
     if layouts.grad != g0:
         reduce = plan_pair(g0, layouts.grad, tensor.shape, tensor.dtype, cost)
         loop_legs.append(Leg(tensor.name, "grad -> grad", BACKWARD, tensor.dtype, (Hop(reduce),)))
-        transient = max(transient, _local_bytes(g0, tensor.shape, tensor.dtype))
     # Every communicating step as a bucket of its own: its latency goes to its kind (paid per
     # bucket), the rest is the tensor's own.
     costs = {tensor.name: cost}
-    seconds, loop_seconds, kinds = 0.0, 0.0, []
+    seconds, loop_seconds, kinds, steps = 0.0, 0.0, [], []
     for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1)):
         legs = step.legs if stage in STAGES else tuple(loop_legs)
         for b in bucket_stage(legs, stage, costs, 1, reverse=False):
@@ -447,16 +435,11 @@ def _price(
             latency = collective_rounds(b.op, b.mesh.shape[b.axis]) * alpha + cost.overhead
             kind = (stage, b.op, b.mesh.geometry, b.axis, b.reduce_op or "", b.dtype, cost)
             kinds.append((kind_ids.setdefault(kind, len(kind_ids)), times * latency, min(b.buffer_bytes, cap)))
+            steps.append((kinds[-1][0], b))
             seconds += times * (b.seconds - latency)
-    memory = _local_bytes(layouts.param, tensor.shape, tensor.dtype)
-    memory += _local_bytes(layouts.grad, tensor.shape, tensor.dtype)
-    memory += state_bytes(tensor, layouts.state(), optimizer, flat)
-    for name, _ in layouts.states:
-        if name != STATE_DEFAULT:
-            raise SuggestError(f"tensor '{tensor.name}': suggest prices one state layout per tensor, not state.{name}")
-    return Candidate(
-        layouts, memory, transient, seconds, loop_seconds, tuple(kinds), legs=step.legs, loop=tuple(loop_legs)
-    )
+    piece = rank_tensor(entry, held[0], optimizer, flat)
+    terms = held_terms(piece, optimizer, held[1], steps, step.legs)
+    return Candidate(layouts, terms, seconds, loop_seconds, tuple(kinds), legs=step.legs, loop=tuple(loop_legs))
 
 
 def flat_axes(tensors: Sequence[TensorSpec]) -> tuple[str | int, ...]:
@@ -517,19 +500,31 @@ def build_problem(
     kind_ids: dict[tuple, int] = {}  # collective kind -> its number, in the order first met
     inferred = infer_data_parallel(chosen)
     loop, reason = _loop(chosen, inferred, loop)
-    groups = []
+    triples = []
     for members in grouped.values():
         first = members[0]
-        cost = cost_for(spec, first)
         try:
             flat = None if flat_axis is None else first.state().mesh.axis_index(flat_axis)
         except ShardlangError as e:
             raise SuggestError(f"tensor '{first.name}': flat axis: {e.message}", first.position) from None
-        candidates = []
         dp = inferred[first.param.mesh.geometry]
-        for layouts, strategies in _triples(first, states_only, flat, dp, loop):
+        triples.append((members, flat, dp, _triples(first, states_only, flat, dp, loop)))
+    rank = chosen[0].state().mesh.ranks[0]  # predict_memory's: it holds the largest pieces
+    copies = Copies.of(
+        [
+            rank_tensor(attrs.evolve(members[0], layouts=layouts), rank, optimizer, flat)
+            for members, flat, _, found in triples
+            for layouts, _ in found
+        ]
+    )
+    groups = []
+    for members, flat, dp, found in triples:
+        first = members[0]
+        cost = cost_for(spec, first)
+        candidates = []
+        for layouts, strategies in found:
             try:
-                priced = _price(first, layouts, optimizer, cost, flat, kind_ids, solver_cap(cap), dp)
+                priced = _price(first, layouts, optimizer, cost, flat, kind_ids, solver_cap(cap), (rank, copies), dp)
             except PlanError as e:
                 raise SuggestError(f"tensor '{first.name}': {e.message}", first.position) from None
             candidates.append(attrs.evolve(priced, strategies=strategies))

@@ -380,7 +380,7 @@ def test_the_main_job_on_the_bundled_example(tmp_path: Path) -> None:
     assert "check: ok" in out and "gpt2_small_dp2_tp2.shard" in out
     assert re.search(r"^\s+total\s+\d+\s", out, re.M)
     assert re.search(r"^buckets: \d+ collectives \(\d+ unbucketed.*modeled", out, re.M)
-    assert "suggest: within this spec's own 634 MiB per rank (AdamW), no other layouts are 0.1% faster" in out
+    assert "suggest: within this spec's own 732 MiB per rank (AdamW), no other layouts are 0.1% faster" in out
     picture = tmp_path / "out" / "gpt2_small_dp2_tp2.summary.svg"
     assert f"summary picture: {picture.relative_to(tmp_path)}" in out
     _svg(picture)  # parses

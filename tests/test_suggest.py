@@ -3,8 +3,9 @@ combination of candidates (with and without the optimizers' flat sharding), alwa
 budget, and an impossible budget names the smallest one that fits. Brute force prices each
 combination on its own: the whole spec's step plan (``plan_spec``, buckets unbounded, the flat
 axis as the optimizers take it), the training loop's gathers and reductions planned pair by
-pair, steps of one collective kind sharing one latency, and memory from the layouts' pieces
-and the runtime's own state shapes (flat: its chunks)."""
+pair, steps of one collective kind sharing one latency, and memory as ``shardlang suggest``
+prints it held: ``planner.memory.predict_memory`` of the whole chosen spec (what the optimizers'
+``memory_report()`` counts, tests/test_suggest_memory_dist.py), never the program's sums."""
 
 from __future__ import annotations
 
@@ -20,12 +21,10 @@ from cli.main import main
 from planner import CostModel, plan
 from planner.cost import collective_rounds
 from planner.knapsack import smallest_memory, suggest, suggest_best
+from planner.memory import predict_memory
 from planner.spec_plan import plan_spec
 from planner.suggest import SuggestError, build_problems, state_layouts
-from runtime.optim.came import came_state_shapes
-from runtime.optim.shards import StateShard
-from shardlang import Layout, load_spec, parse_spec
-from shardlang.dtypes import itemsize
+from shardlang import load_spec, parse_spec
 from tests.conftest import REPO
 
 SMALL = """
@@ -50,26 +49,6 @@ tensor n : f32[24] { param = R over world  grad = R | P(dp):avg over world }
 """
 
 
-def _state_bytes(tensor, optimizer: str, flat: str | None) -> int:
-    """The largest rank's optimizer states, from the runtime's shapes (f32 master for bf16);
-    flat: the rank's chunk of the state layout without the flat axis."""
-    state, axis = tensor.state(), None
-    if flat is not None:
-        axis = state.mesh.axis_index(flat)
-        state = Layout(dims=[[a for a in d if a != axis] for d in state.dims], mesh=state.mesh)
-    best = 0
-    for rank in state.mesh.ranks:
-        shard = StateShard.of(tensor.shape, state, rank, axis)
-        if optimizer == "came":
-            shapes = list(came_state_shapes(shard).values())
-        else:
-            shapes = [shard.local_shape, shard.local_shape]
-        if tensor.dtype == "bf16":
-            shapes.append(shard.local_shape)
-        best = max(best, sum(math.prod(s) for s in shapes) * 4)
-    return best
-
-
 def _brute(problem, spec, optimizer: str) -> list[tuple[int, float, tuple]]:
     """(memory, seconds, layouts) of every combination of the problem's candidates."""
     options = [g.candidates for g in problem.groups]
@@ -80,23 +59,21 @@ def _brute(problem, spec, optimizer: str) -> list[tuple[int, float, tuple]]:
         tensors = tuple(attrs.evolve(g.first, layouts=c.layouts) for g, c in zip(problem.groups, combo, strict=True))
         chosen = attrs.evolve(spec, tensors=tensors)
         step = plan_spec(chosen, bucket_bytes=2**62, flat_axis=flat).step
-        seconds, memory = step.total_seconds, 0
-        transient = plan_spec(chosen, bucket_bytes=1, flat_axis=flat).step.max_buffer_bytes
+        seconds = step.total_seconds
+        # What shardlang suggest prints as held, and the budget bounds: planner.memory's
+        # prediction of the optimizer's memory_report() (checked against torch in
+        # tests/test_suggest_memory_dist.py), at the bucket cap the optimizers run with.
+        memory = predict_memory(chosen, optimizer, flat_axis=flat, bucket_bytes=problem.bucket_bytes).total_bytes
         loop: dict[tuple, list] = {}  # the loop's steps by the collective they share
         for before, t in zip(spec.tensors, tensors, strict=True):
             cost = CostModel.from_hints(spec.hints(t.param.mesh))
             compute = before.param  # the specs' parameters use no data-parallel axis
-            size = itemsize(t.dtype)
             if t.param != compute:  # gathered for forward and for backward
                 for s in plan(t.param, compute, t.shape, t.dtype, cost).steps:
                     loop.setdefault(("forward", s.op, s.axis, s.reduce_op, t.dtype), []).append((s, cost))
-                transient = max(transient, math.prod(compute.local_shape(t.shape)) * size)
             if t.grad != before.grad:  # reduced in backward
                 for s in plan(before.grad, t.grad, t.shape, t.dtype, cost).steps:
                     loop.setdefault(("backward", s.op, s.axis, s.reduce_op, t.dtype), []).append((s, cost))
-                transient = max(transient, math.prod(before.grad.local_shape(t.shape)) * size)
-            memory += sum(math.prod(lay.local_shape(t.shape)) * size for lay in (t.param, t.grad))
-            memory += _state_bytes(t, optimizer, flat)
         for (stage, op, axis, _, _), steps in loop.items():
             if op in ("slice", "partial"):
                 continue
@@ -108,7 +85,7 @@ def _brute(problem, spec, optimizer: str) -> list[tuple[int, float, tuple]]:
             seconds += (2 if stage == "forward" else 1) * (
                 sum(s.seconds for s, _ in steps) - (len(steps) - 1) * latency
             )
-        out.append((memory + transient, seconds, tuple(c.layouts for c in combo)))
+        out.append((memory, seconds, tuple(c.layouts for c in combo)))
     return out
 
 
@@ -135,13 +112,16 @@ def test_suggest_equals_brute_force_and_fits(
     everything = [(m, s, lay, p) for p in problems for m, s, lay in _brute(p, spec, optimizer)]
     memories = sorted({m for m, _, _, _ in everything})
     for p in problems:  # the least memory, found without the solver
-        assert smallest_memory(p, timed=False).memory == min(m for m, _, _, q in everything if q is p)
-    for budget in [memories[0], memories[len(memories) // 3], memories[len(memories) // 2] + 1, memories[-1]]:
+        assert smallest_memory(p).memory == min(m for m, _, _, q in everything if q is p)
+    sample = memories[:: max(1, len(memories) // 8)]
+    for budget in [memories[0], *sample, memories[len(memories) // 2] + 1, memories[-1]]:
         fitting = [s for m, s, _, _ in everything if m <= budget]
         result = suggest_best(problems, budget)
         layouts = tuple(t.layouts for t in result.spec().tensors)
         (mine,) = [(m, s) for m, s, lay, p in everything if lay == layouts and p is result.problem]
+        # What the command prints as held is the brute force's, within the budget.
         assert mine[0] <= budget and result.best.memory == mine[0]
+        assert result.problem.prediction(result.best.picks).total_bytes == mine[0]
         assert math.isclose(mine[1], min(fitting), rel_tol=1e-9), (budget, mine, min(fitting))
         assert math.isclose(result.best.seconds, mine[1], rel_tol=1e-9)
     with pytest.raises(SuggestError, match=f"the smallest budget that fits is {memories[0]} bytes"):
@@ -155,18 +135,18 @@ def test_the_command_text_json_output_and_errors(tmp_path: Path, capsys: pytest.
     path.write_text(MIXED)
     out = tmp_path / "chosen.shard"
     plot = str(tmp_path / "f.svg")
-    assert main(["suggest", str(path), "--memory", "20KiB", "--loop", "any", "-o", str(out), "--plot", plot]) == 0
+    assert main(["suggest", str(path), "--memory", "52KiB", "--loop", "any", "-o", str(out), "--plot", plot]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "loop: any (--loop)"  # every ZeRO form, ZeRO-3 among them (tests/test_suggest_loops.py)
     # By hand: w holds 2 KiB of bf16 per rank under S(tp), v 3.75 KiB of f32 under S(tp); DDP
-    # keeps both moments (and w's f32 master) whole, and its largest buffer is v's all-reduce.
+    # keeps both moments (and w's f32 master) whole, and its bucket buffers all its gradients.
     # Times, 20 us a round on dp (2 ranks), bytes over 25 GB/s about 0.2 us: one collective per
     # kind and wire dtype (bf16 for w, f32 for v and n), so DDP and ZeRO-2 pay 2 x 40 us (an
     # all-reduce, 2 rounds) or 2 x (20 + 20) us; ZeRO-1 and ZeRO-3 2 x (40 + 20) us: the loop's
     # all-reduce (ZeRO-1) or gathers for forward and backward and a reduce-scatter (ZeRO-3).
-    # ZeRO-3 on every tensor is the one choice within 20 KiB; ties go to less memory, so not
-    # ZeRO-2 for n (same time, 0.2 KiB more), and between equal candidates (dp on either dim,
-    # no piece padded) to the first, dp on the outer dim.
+    # ZeRO-3 on every tensor is the one choice within 52 KiB held; ties go to less memory, so
+    # not ZeRO-2 for n (same time, its bucket buffers more), and between equal candidates (dp
+    # on either dim, no piece padded) to the first, dp on the outer dim.
     assert lines[3:] == [
         "chosen layouts:",
         "  w  (changed)",
@@ -176,23 +156,23 @@ def test_the_command_text_json_output_and_errors(tmp_path: Path, capsys: pytest.
         "  n  (changed)",
         "      param = S(dp) over world   grad = S(dp) over world   state = S(dp) over world",
         "",
-        "suggested: 19.4 KiB per rank, 120 us modeled; 3 of 3 tensors changed",
+        "suggested: 51.2 KiB per rank, 120 us modeled; 3 of 3 tensors changed",
         # By hand, on the first rank: pieces of 512 (w, bf16), 480 and 12 floats; the two moments
         # and w's f32 master; no bucket (ZeRO-3 steps in place); the square roots of all three
         # shards at once (1004 floats); three tensors' Python objects (11.5 KiB each,
         # planner.memory.HOST_BYTES_PER_TENSOR). The loop's gathered parameters are not the optimizer's.
-        "as the runtime holds it (memory_report()'s kinds): params 2.92 KiB + states 7.84 KiB + masters 2 KiB + "
-        "scratch 3.92 KiB + host 34.5 KiB = 51.2 KiB per rank",
+        "held as the runtime counts it (memory_report()'s kinds; the budget bounds it): params 2.92 KiB + "
+        "states 7.84 KiB + masters 2 KiB + scratch 3.92 KiB + host 34.5 KiB = 51.2 KiB per rank",
         "",
         "  strategy        memory/rank  modeled time  fits  time vs suggested",
-        "  this spec          35.1 KiB       80.2 us    no  0.667x",
-        "  ddp                35.1 KiB       80.2 us    no  0.667x",
-        "  zero1              25.3 KiB        120 us    no  1.000x",
-        "  zero2              25.3 KiB       80.2 us    no  0.667x",
-        "  zero3              19.4 KiB        120 us   yes  1.000x",
+        "  this spec          73.7 KiB       80.2 us    no  0.667x",
+        "  ddp                73.7 KiB       80.2 us    no  0.667x",
+        "  zero1                60 KiB        120 us    no  1.000x",
+        "  zero2              68.7 KiB       80.2 us    no  0.667x",
+        "  zero3              51.2 KiB        120 us   yes  1.000x",
         # flat chunks of unpadded pieces: ZeRO-1 and ZeRO-2's memory and time
-        "  zero1 flat dp      25.3 KiB        120 us    no  1.000x",
-        "  zero2 flat dp      25.3 KiB       80.2 us    no  0.667x",
+        "  zero1 flat dp        60 KiB        120 us    no  1.000x",
+        "  zero2 flat dp      68.7 KiB       80.2 us    no  0.667x",
         "best fixed strategy that fits: zero3, 1.000x the suggested time",
         "modeled time: buckets of at most 32 MiB (as `shardlang plan`), the training loop's too; ties: less memory, "
         "then fewer changes",
@@ -220,7 +200,7 @@ def test_the_main_job_says_what_suggest_would_change(tmp_path: Path, capsys: pyt
     assert main([str(path)]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("suggest:")]
     assert line == (
-        "suggest: within this spec's own 6 MiB per rank (AdamW), `shardlang suggest` would change the layouts of "
+        "suggest: within this spec's own 7.51 MiB per rank (AdamW), `shardlang suggest` would change the layouts of "
         "1 of 1 tensors: 246 us -> 214 us modeled (12.8% less)"
     )
 
@@ -285,26 +265,35 @@ def test_flat_wins_where_pieces_are_padded(tmp_path: Path, capsys: pytest.Captur
         "tensor u : f32[7] { param = R over world  grad = R | P(dp):avg over world }\n"
     )
     out = tmp_path / "flat.shard"
-    assert main(["suggest", str(path), "--memory", "912", "--loop", "any", "-o", str(out)]) == 0
+    budget = ["--memory", "24636", "--loop", "any", "--states-only"]
+    assert main(["suggest", str(path), *budget, "-o", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    # By hand: t's param and grad 240 B each, u's 28 B each. ZeRO-2 splits t's 10 columns
-    # into pieces of 3 (AdamW's two moments: 2 x 18 floats, 144 B) and u's 7 into 2 (16 B), and
-    # its largest buffer is t's gradient padded to 12 columns (288 B): 984 B. Flat chunks are
-    # 60 / 4 = 15 floats (120 B) and 2 floats (16 B), the buffer t's unpadded 240 B: 912 B.
+    # By hand, held on the first rank: t's param 240 B, u's 28 B, and both tensors' Python
+    # objects (2 x 11,776 B, planner.memory.HOST_BYTES_PER_TENSOR). ZeRO-2 splits t's 10 columns
+    # into pieces of 3 (AdamW's two moments: 2 x 18 floats, 144 B) and u's 7 into 2 (16 B), the
+    # square roots of both shards (20 floats, 80 B) and its buckets: the reduce-scatter's result
+    # (80 B), the gathered parameters (4 x 20 floats, 320 B), in the place of the reduce-scatter's
+    # workspace (320 B), and its send buffer (320 B): 24,780 B. Flat chunks are 60 / 4 = 15
+    # floats and 2: moments 120 + 16 B, square roots 68 B, buckets 68 + 272 + 272 B: 24,636 B.
     assert lines[9] == (
-        "suggested: 912 B per rank, 120 us modeled, states flat over dp (the optimizers' flat_axis); "
+        "suggested: 24.1 KiB per rank, 120 us modeled, states flat over dp (the optimizers' flat_axis); "
         "0 of 2 tensors changed"
     )
-    assert lines[16:21] == [
-        "  zero2                 984 B        120 us    no  1.000x",
-        # t and u share each collective (f32 both; 20 us a round, 3 rounds on 4 ranks, 6 for an
-        # all-reduce): ZeRO-3 gathers twice and reduce-scatters, 3 x 60 us; flat ZeRO-1 all-reduces
-        # in backward and gathers after the update, 120 + 60 us
-        "  zero3                 560 B        180 us   yes  1.500x",
-        "  zero1 flat dp         912 B        180 us   yes  1.500x",
-        "  zero2 flat dp         912 B        120 us   yes  1.000x",
+    held = "params 268 B + states 136 B + buffers 612 B + scratch 68 B + host 23 KiB = 24.1 KiB per rank"
+    assert lines[10].endswith(held)
+    assert lines[13:21] == [
+        # DDP: the moments (536 B) and square roots (268 B) whole, the all-reduce's buffer (272 B)
+        "  this spec          24.3 KiB        120 us    no  1.000x",
+        "  ddp                24.3 KiB        120 us    no  1.000x",
+        "  zero1           (not a candidate of every tensor in this loop)",
+        "  zero2              24.2 KiB        120 us    no  1.000x",
+        "  zero3           (not a candidate of every tensor in this loop)",
+        "  zero1 flat dp   (not a candidate of every tensor in this loop)",
+        "  zero2 flat dp      24.1 KiB        120 us   yes  1.000x",
         "best fixed strategy that fits: zero2 flat dp, 1.000x the suggested time",
     ]
+    assert main(["suggest", str(path), *budget[:1], "24635", *budget[2:]]) == 1  # a byte less: none fits
+    assert "the smallest budget that fits is 24636 bytes" in capsys.readouterr().err
     text = out.read_text()
     assert "# Flat sharding: run the optimizers with flat_axis='dp'" in text
     assert load_spec(out).tensors == parse_spec(path.read_text()).tensors  # the same layouts, run flat

@@ -150,8 +150,8 @@ def _run_optimizers(rank: int, world: int) -> dict[str, dict[str, Any]]:
 def test_predict_memory_is_the_memory_report_of_every_optimizer() -> None:
     """``predict_memory`` from the spec equals ``memory_report()`` kind by kind for AdamW (ZeRO-1,
     overlap, transactional, fused, flat), CAME, Adafactor and Muon; where the live optimizer
-    keeps buffers the spec cannot size (CAME's and Adafactor's statistics' sums, Muon's wave
-    buffers) the report's scratch is more by at most those. And the report is what torch holds:
+    keeps buffers the spec does not size (CAME's and Adafactor's statistics' sums; Muon's wave
+    buffers, none here) the report's scratch is more by at most those. And the report is what torch holds:
     the optimizer's tensors counted through their storages (independent of the formula)."""
     results = run_ranks(_run_optimizers, WORLD, timeout=300)
     for case, (strategy, name, options) in OPTIMIZER_CASES.items():
@@ -163,7 +163,9 @@ def test_predict_memory_is_the_memory_report_of_every_optimizer() -> None:
             )
             live = report["scratch"] - predicted["scratch"]
             assert {**predicted, "scratch": 0} == {**report, "scratch": 0}, (case, rank, predicted, report)
-            if name == "adamw":
+            # Muon's matrices here are each iterated by one owner and moved by exchanges, which
+            # keep no wave buffers (gathered waves would: predict_memory does not size them).
+            if name in ("adamw", "muon"):
                 assert live == 0, (case, rank, predicted, report)
             else:  # the sums' buffers and statistics: a few values per row and column
                 assert 0 <= live <= 0.15 * report["scratch"], (case, rank, predicted, report)
