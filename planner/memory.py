@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from itertools import groupby
 
 import attrs
 
@@ -30,6 +31,7 @@ from planner.legs import DEFAULT_BUCKET_BYTES, without_axis
 from planner.matmul_caches import kernel_bytes
 from planner.matrices import plan_matrices
 from planner.spec_plan import plan_spec, step_tensor
+from planner.statistics import FactoredAxes, StatisticsShard, came_statistics_bytes, sum_buffer_bytes
 from shardlang.dtypes import itemsize
 from shardlang.layout import chunk_bounds
 from shardlang.spec import Spec, TensorSpec
@@ -140,6 +142,10 @@ class RankTensor:
     converted: bool = False
     strided: bool = False
     flat_matrix: bool = False  # a flat chunk of a matrix (CAME keeps its statistics' indices)
+    # Where a stepped tensor's statistics' sums lie (planner.statistics; None: the rank steps none
+    # of it), and its run: the math runs over consecutive stepped tensors of one run and dtype.
+    statistics: FactoredAxes | None = None
+    run: int = 0
 
 
 def scratch_bytes(tensors: Sequence[RankTensor], optimizer: str, *, transactional: bool, fused: bool) -> int:
@@ -154,7 +160,8 @@ def scratch_bytes(tensors: Sequence[RankTensor], optimizer: str, *, transactiona
     - CAME, Adafactor, Muon: one buffer of new parameter shards (those without a master); CAME
       also its run's second moment and update, the gradients' copy (as above), the parameters'
       copy where masters and plain tensors mix, and with flat chunks of matrices a row, column
-      and matrix index (int32) per element.
+      and matrix index (int32) per element; Adafactor, with flat chunks of matrices, their row,
+      column and matrix index (int64) per element (``runtime.optim.shards.StateShard``'s).
     """
     total = 0
     for dtype in dict.fromkeys(t.dtype for t in tensors if t.states):
@@ -176,6 +183,20 @@ def scratch_bytes(tensors: Sequence[RankTensor], optimizer: str, *, transactiona
                 total += (2 * numel + (numel if copied else 0) + (numel if mixed else 0)) * size
                 # With flat chunks of matrices: a row, column and matrix index (int32) per element.
                 total += 3 * numel * 4 if any(t.flat_matrix for t in mine) else 0
+            elif optimizer == "adafactor":  # its flat chunks' row, column and matrix index (int64)
+                total += 3 * 8 * sum(t.shard for t in mine if t.flat_matrix)
+    return total
+
+
+def statistics_bytes(tensors: Sequence[RankTensor], optimizer: str, *, clip: bool) -> int:
+    """CAME's statistics of its runs (:func:`planner.statistics.came_statistics_bytes`) and the
+    buffers of the all-reduces of the step's sums (:func:`planner.statistics.sum_buffer_bytes`),
+    of the ``tensors`` the rank steps (those with ``statistics``)."""
+    stepped = [(t.statistics, t.dtype, t.run) for t in tensors if t.statistics is not None]
+    total = sum_buffer_bytes([(shard, dtype) for shard, dtype, _ in stepped], optimizer, clip=clip)
+    if optimizer == "came":
+        runs = [(key[0], [shard for shard, *_ in group]) for key, group in groupby(stepped, key=lambda s: s[1:])]
+        total += came_statistics_bytes(runs)
     return total
 
 
@@ -191,10 +212,13 @@ def rank_memory(
     wrapper: int = 0,
     iterated: Sequence[tuple[int, int]] = (),
     cpu: bool = True,
+    clip: bool = False,
 ) -> MemoryReport:
     """What a rank holds for ``tensors`` stepped by ``optimizer`` (module doc): ``buffers``, the
     step program's bucket buffers; ``kept``, the working buffers only a live optimizer knows
-    (module doc), counted as scratch; ``iterated``, the shapes of the matrices whose
+    (module doc), counted as scratch, as are CAME's and Adafactor's statistics and the buffers of
+    the all-reduces of their sums (:func:`statistics_bytes`; ``clip``: and of the gradient
+    norm's); ``iterated``, the shapes of the matrices whose
     Newton-Schulz iterations the rank runs (Muon), whose bf16 products' caches a ``cpu`` rank
     keeps (:func:`planner.matmul_caches.kernel_bytes`); and the optimizer's Python objects,
     :data:`HOST_BYTES_PER_TENSOR` per tensor (``host``)."""
@@ -204,6 +228,7 @@ def rank_memory(
     masters = sum(t.master for t in tensors)
     spare = states + masters if transactional or optimizer in MATH_BEFORE_COMMIT else 0
     scratch = scratch_bytes(tensors, optimizer, transactional=transactional, fused=fused) + kept
+    scratch += statistics_bytes(tensors, optimizer, clip=clip)
     kernels = kernel_bytes(iterated) if cpu else 0
     host = HOST_BYTES_PER_TENSOR.get(optimizer, HOST_BYTES_PER_TENSOR["adamw"]) * len(tensors)
     return MemoryReport(params, grads, states, masters, buffers, spare, scratch, wrapper, kernels, host)
@@ -222,12 +247,15 @@ def predict_memory(
     fused: bool = False,
     free_grads: bool = True,
     cpu: bool = True,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = False,
 ) -> MemoryReport:
     """What ``rank`` (default: the first rank of the first tensor's state mesh, which holds the
     largest pieces) will hold for ``tensors`` (default: the spec's declared ones) stepped by
     ``optimizer`` (``adamw``, ``came``, ``adafactor``, ``muon``) with the optimizers' options:
     :func:`rank_memory` of the spec's tensors (module doc); ``cpu``: the ranks run on CPU, where
-    Muon's matrix products keep caches (``kernels``)."""
+    Muon's matrix products keep caches (``kernels``); ``max_grad_norm`` or ``skip_nonfinite``:
+    every step takes the gradient norm, whose all-reduces keep buffers."""
     chosen = tuple(spec.tensors if tensors is None else tensors)
     if rank is None:
         rank = chosen[0].state().mesh.ranks[0] if chosen else 0
@@ -253,6 +281,7 @@ def predict_memory(
         free_grads=free_grads,
         iterated=iterated,
         cpu=cpu,
+        clip=max_grad_norm is not None or skip_nonfinite,
     )
 
 
@@ -280,7 +309,8 @@ def rank_tensor(tensor: TensorSpec, rank: int, optimizer: str, flat_axis: str | 
     short, converted = elements < chunk, tensor.dtype != dtype
     strided = flat is None and not contiguous_in(block, tensor.param.rank_piece(tensor.shape, rank).shape)
     flat_matrix = flat is not None and len(tensor.shape) >= 2
-    return RankTensor(param, param, states, master, elements, dtype, short, converted, strided, flat_matrix)
+    statistics = StatisticsShard(base, tuple(block), flat)
+    return RankTensor(param, param, states, master, elements, dtype, short, converted, strided, flat_matrix, statistics)
 
 
 def contiguous_in(block: Sequence[int], whole: Sequence[int]) -> bool:

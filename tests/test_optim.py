@@ -265,11 +265,11 @@ def test_came_statistics_of_the_seed_embedding(state: str, flat_axis: int | None
     step (~15.6M floats). Flat chunks need the row and column sums twice and the squared
     sum, 2 (H + W) + 1 floats; rows split over dp need only the column sums, each with a
     matrix total and a row-normaliser sum, twice, and the squared sum: 2 (128 + 2) + 1."""
-    from runtime.optim.came import came_sum_specs
+    from runtime.optim.sums import phase_sum_specs
 
     layout = parse_layout(f"{state} over mesh[dp=8]")
     shard = StateShard.of((30522, 128), layout, rank=5, flat_axis=flat_axis)
-    phases = came_sum_specs(shard, torch.float32, "wte")
+    phases = phase_sum_specs(shard, "came", torch.float32, "wte")
     collectives = [plan_collectives(specs, 5) for specs in phases]
     assert [len(c) for c in collectives] == [1, 1, 1]
     assert sum(c.numel for phase in collectives for c in phase) == floats

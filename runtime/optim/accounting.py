@@ -83,7 +83,7 @@ class Accounting:
         ``ShardedOptimizer.memory_report``): ``planner.memory.rank_memory`` of the live slots'
         sizes, the same accounting ``predict_memory`` feeds a spec's tensors; ``optimizer``:
         its name there, ``fused``: AdamW's fused kernel, ``kept``: working buffers only the live
-        optimizer knows (CAME's statistics' layouts, Muon's wave buffers), ``iterated``: the
+        optimizer knows (CAME's copies of states that lie in no one range, Muon's wave buffers), ``iterated``: the
         shapes of the matrices this rank runs Newton-Schulz iterations on (Muon)."""
         slots = self._slots.held()
         coming, keys = self._slots.coming()
@@ -92,21 +92,28 @@ class Accounting:
             program = self._compiler.compiled(coming, keys).program  # type: ignore[arg-type]
             numels = (program.kept_numel, program.send_numel)
             buffers = sum(n * ITEMSIZE[dtype] for kind in numels for dtype, n in kind.items())
+        runs, last, run = [], None, -1
+        for slot in slots:  # the runs the math steps the slots in (runtime.optim.phases.StepWork.runs)
+            key = (id(slot.group), slot.step, slot.dtype, slot.local_param().device)
+            if slot.shard is not None and key != last:
+                run, last = run + 1, key
+            runs.append(run)
         return rank_memory(
-            [self._rank_tensor(slot) for slot in slots],
+            [self._rank_tensor(slot, run) for slot, run in zip(slots, runs, strict=True)],
             optimizer,
             buffers=buffers,
             transactional=self._transactional,
             fused=fused,
             free_grads=self._free_grads,
-            kept=kept + self._driver.sum_buffer_bytes,
+            kept=kept,
             wrapper=fsdp_unsharded_bytes(slots),
             iterated=iterated,
             cpu=all(slot.local_param().device.type == "cpu" for slot in slots),
+            clip=self._clipping.norm_taken,
         )
 
-    def _rank_tensor(self, slot: Slot) -> RankTensor:
-        """The slot as ``planner.memory.rank_memory`` sizes it."""
+    def _rank_tensor(self, slot: Slot, run: int) -> RankTensor:
+        """The slot as ``planner.memory.rank_memory`` sizes it, stepped in ``run``."""
         local = slot.local_param()
         param = local.numel() * local.element_size()
         grad = param if slot.param.requires_grad else 0
@@ -123,7 +130,9 @@ class Accounting:
         strided = shard.flat_range is None and not contiguous_in(shard.block_shape, tuple(local.shape))
         dtype = DTYPE_NAMES[slot.dtype]
         flat_matrix = shard.flat_range is not None and shard.factored
-        return RankTensor(param, grad, flat + own, master, elements, dtype, short, converted, strided, flat_matrix)
+        return RankTensor(
+            param, grad, flat + own, master, elements, dtype, short, converted, strided, flat_matrix, shard, run
+        )
 
 
 def fsdp_unsharded_bytes(slots: Sequence[Slot]) -> int:

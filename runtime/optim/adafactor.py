@@ -17,7 +17,7 @@ are (``runtime.optim.came``): the row normaliser ``mean_H r`` needs the rows of 
 when the rows are split, and because the EMA is linear ``sum_H r_new = (1-beta) sum_H r_old +
 beta sum_HW g^2 / W``, whose two sums travel with the row and column sums. A step is two
 phases of sums: the second moments with the parameter's norm, then the update's RMS;
-:func:`adafactor_sum_specs` lists them, :func:`adafactor_update` computes them.
+``planner.statistics.phase_sums`` lists them, :func:`adafactor_update` computes them.
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ import attrs
 import torch
 
 from runtime.optim.base import ShardedOptimizer, StepOptions
-from runtime.optim.came import factored_sum_specs, rows_span_ranks
 from runtime.optim.errors import OptimizerError
 from runtime.optim.phases import StepWork, Update
 from runtime.optim.records import StateWhere
 from runtime.optim.shards import StateShard
 from runtime.optim.slots import Slot, SpecLike
 from runtime.optim.states import statistic_where
-from runtime.optim.sums import SumSpec
+from runtime.optim.sums import SumSpec, phase_sum_specs
 
 PHASES = ("the second-moment sums and the parameter's norm", "the update's RMS")
 
@@ -60,17 +59,6 @@ def adafactor_state_shapes(shard: StateShard) -> dict[str, tuple[int, ...]]:
     return {"row_var": shard.row_stat_shape, "col_var": shard.col_stat_shape}
 
 
-def adafactor_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[tuple[SumSpec, ...], ...]:
-    """The sums of each phase (see :data:`PHASES`), in the order :func:`adafactor_update`
-    yields them."""
-    norm = SumSpec(
-        mesh=shard.layout.mesh, axes=shard.sum_axes, numel=1, dtype=dtype, owner=owner, replicated=shard.replicated
-    )
-    if not shard.factored:
-        return (norm,), (norm,)
-    return (norm, *factored_sum_specs(shard, dtype, owner)), (norm,)
-
-
 def adafactor_update(
     grad: torch.Tensor,
     param: torch.Tensor,
@@ -91,7 +79,7 @@ def adafactor_update(
     if shard.factored:
         row, col = state["row_var"], state["col_var"]
         sums = [param_square, shard.row_sums(square), shard.col_sums(square)]
-        spans = rows_span_ranks(shard)
+        spans = shard.rows_span_ranks
         if spans:
             sums += [shard.matrix_sums(square), row.sum(-1)]
         completed = yield sums
@@ -165,7 +153,7 @@ class ShardedAdafactor(ShardedOptimizer):
 
     def _sum_specs(self, slot: Slot) -> tuple[tuple[SumSpec, ...], ...]:
         assert slot.shard is not None
-        return adafactor_sum_specs(slot.shard, slot.dtype, slot.name)
+        return phase_sum_specs(slot.shard, "adafactor", slot.dtype, slot.name)
 
     def _state_where(self, slot: Slot, name: str) -> StateWhere:
         where = statistic_where(slot, name, ("row_var",), ("col_var",))

@@ -15,7 +15,7 @@ the tensor's element count) before the EMA, so uneven and empty pieces weigh rig
 normaliser ``mean_H r`` needs the rows of other ranks when the rows are split; because the
 EMA is linear, ``sum_H r_new = beta * sum_H r_old + (1-beta) * sum_HW U / W``, whose two sums
 travel with the row and column sums. A step is three phases of sums: second moment, RMS,
-instability; :func:`came_sum_specs` lists them, :class:`CameRun` computes them.
+instability; ``planner.statistics.phase_sums`` lists them, :class:`CameRun` computes them.
 
 The math runs over runs of consecutive tensors at once (as ShardedAdamW's, README
 "Flat state buffers"): whole-range ops on flat buffers where the math is elementwise, one
@@ -42,7 +42,7 @@ from runtime.optim.records import StateWhere
 from runtime.optim.shards import StateShard
 from runtime.optim.slots import Slot, SpecLike
 from runtime.optim.states import statistic_where
-from runtime.optim.sums import SumSpec
+from runtime.optim.sums import SumSpec, phase_sum_specs
 
 PHASES = ("the second-moment sums", "the update's RMS", "the instability sums")
 # The row and column statistics of a factored tensor (runtime.optim.states.statistic_where).
@@ -71,47 +71,6 @@ def came_state_shapes(shard: StateShard) -> dict[str, tuple[int, ...]]:
         "exp_avg_res_row": shard.row_stat_shape,
         "exp_avg_res_col": shard.col_stat_shape,
     }
-
-
-def rows_span_ranks(shard: StateShard) -> bool:
-    """Whether the row normaliser needs rows other ranks hold."""
-    return any(shard.layout.mesh.shape[a] > 1 for a in shard.row_axes)
-
-
-def factored_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[SumSpec, ...]:
-    """The sums a factored second moment (CAME's and Adafactor's) completes over the ranks: of
-    rows, of columns, and where rows span ranks the per-matrix sums of the new and the old row
-    statistics (what the row normaliser divides by)."""
-    mesh = shard.layout.mesh
-
-    def spec(axes: frozenset[int], shape: tuple[int, ...], replicated: frozenset[int]) -> SumSpec:
-        return SumSpec(mesh=mesh, axes=axes, numel=math.prod(shape), dtype=dtype, owner=owner, replicated=replicated)
-
-    moments = [
-        spec(shard.row_sum_axes, shard.row_stat_shape, shard.replicated),
-        spec(shard.col_sum_axes, shard.col_stat_shape, shard.replicated),
-    ]
-    if rows_span_ranks(shard):
-        batch = shard.block_shape[:-2]
-        moments += [
-            spec(shard.matrix_sum_axes, batch, shard.replicated),
-            # The old row statistics are the same on every rank along the row-sum axes.
-            spec(shard.row_axes, batch, shard.replicated | shard.row_sum_axes),
-        ]
-    return tuple(moments)
-
-
-def came_sum_specs(shard: StateShard, dtype: torch.dtype, owner: str) -> tuple[tuple[SumSpec, ...], ...]:
-    """The sums of each phase (see :data:`PHASES`), in the order :class:`CameRun` yields them."""
-    rms = (
-        SumSpec(
-            mesh=shard.layout.mesh, axes=shard.sum_axes, numel=1, dtype=dtype, owner=owner, replicated=shard.replicated
-        ),
-    )
-    if not shard.factored:
-        return (), rms, ()
-    moments = factored_sum_specs(shard, dtype, owner)
-    return moments, rms, moments
 
 
 @attrs.frozen(eq=False)
@@ -168,7 +127,7 @@ class RunStats:
                 counts[1][at[1] : at[1] + math.prod(shard.col_stat_shape)] = shard.shape[-2]
                 sides[0][at[2] : at[2] + count] = shard.shape[-1]
                 sides[1][at[2] : at[2] + count] = shard.shape[-2]
-                spans[at[2] : at[2] + count] = rows_span_ranks(shard)
+                spans[at[2] : at[2] + count] = shard.rows_span_ranks
         index = None
         if any(s.flat_range is not None and s.factored for s in shards):
             numel = sum(math.prod(s.local_shape) for s in shards)
@@ -227,7 +186,7 @@ class CameRun:
         self.s, self.u = self._pieces(self.second, "second"), self._pieces(self.update, "update")
         self.matrices = [j for j, s in enumerate(self.shards) if s.factored]
         self.vectors = [j for j, s in enumerate(self.shards) if not s.factored]
-        self.spans = [s.factored and rows_span_ranks(s) for s in self.shards]
+        self.spans = [s.factored and s.rows_span_ranks for s in self.shards]
         factored = [self.shards[j] for j in self.matrices]
         self.stat_shapes = (
             [s.row_stat_shape for s in factored],
@@ -525,7 +484,7 @@ class ShardedCAME(ShardedOptimizer):
             cached = self._specs[slot.index] = (
                 slot.shard,
                 slot.dtype,
-                came_sum_specs(slot.shard, slot.dtype, slot.name),
+                phase_sum_specs(slot.shard, "came", slot.dtype, slot.name),
             )
         return cached[2]
 
@@ -536,21 +495,14 @@ class ShardedCAME(ShardedOptimizer):
     memory_kind = "came"
 
     def _memory_extras(self) -> dict[str, Any]:
-        """Kept: the runs' statistics' layouts it keeps and its runs' buffers of statistics, made at
-        the first step (``planner.memory.scratch_bytes`` sizes the rest: the runs' flat buffers
-        and, with flat chunks, their row, column and matrix index per element)."""
-        kept = sum(
-            t.numel() * t.element_size()
-            for _, _, stats in self._stats.values()
-            for t in (stats.row_matrix, stats.heights, stats.roots, stats.spans, *stats.counts, *stats.sides)
+        """Kept: its runs' copies of states that lie in no one range of their flat buffer (a
+        state in a layout of its own, or a tensor not stepped among those that are), which the
+        layouts alone do not tell (docs/memory.md, "Statistics"); ``planner.memory`` sizes the
+        rest of its scratch and its runs' statistics."""
+        copies = self._scratch.nbytes_of(
+            lambda name: name.startswith("came run ") and (name.endswith(" exp_avg") or " new " in name)
         )
-        # The rest of its runs' buffers beside those planner.memory.scratch_bytes sizes (new
-        # parameters, second moment, update, gradients' copy): their statistics' sums.
-        sized = (" grads", " second", " update", " params")
-        statistics = self._scratch.nbytes_of(
-            lambda name: name.startswith("came run ") and not name.endswith(sized) and name.count(" ") > 2
-        )
-        return {**super()._memory_extras(), "kept": kept + statistics}
+        return {**super()._memory_extras(), "kept": copies}
 
     def _run_stats(self, work: StepWork, run: Sequence[int]) -> RunStats:
         """The run's :class:`RunStats`, kept while its slots' shards, dtype and device are the same."""

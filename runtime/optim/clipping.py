@@ -29,6 +29,9 @@ from runtime.optim.slots import Slot, grad_versions
 from runtime.optim.sums import SumReducer, SumSpec
 from shardlang.layout import Layout
 
+# The phase of the sums of the gradient norm (runtime.optim.sums.SumReducer keeps its buffers).
+NORM_PHASE = "the gradient norm"
+
 
 @attrs.frozen(eq=False)
 class Reduced:
@@ -66,6 +69,11 @@ class Clipping:
         self._reducer = reducer
         self.max_grad_norm, self.skip_nonfinite = max_grad_norm, skip_nonfinite
         self._kept: Reduced | None = None
+
+    @property
+    def norm_taken(self) -> bool:
+        """Whether a norm has been taken (its all-reduces' buffers are kept since)."""
+        return self._reducer.reduced(NORM_PHASE)
 
     @property
     def every_step(self) -> bool:
@@ -112,7 +120,7 @@ class Clipping:
         with profiled(BEFORE, "gradient norm"):
             squares = [g.to(slot.dtype).square().sum().reshape(1) for slot, g in zip(slots, grads, strict=True)]
             try:
-                completed, collectives = self._reducer.reduce(self.norm_specs(slots), squares, "the gradient norm")
+                completed, collectives = self._reducer.reduce(self.norm_specs(slots), squares, NORM_PHASE)
             except DistributedError as e:
                 raise OptimizerStepError(
                     f"step {step_number} failed reducing the gradient norm: {e.message}; "

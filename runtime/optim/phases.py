@@ -127,11 +127,6 @@ class PhaseDriver:
         self.phases, self._updates, self._sum_specs = tuple(phases), updates, sum_specs
         self._reducer, self._communicates = reducer, communicates
 
-    @property
-    def sum_buffer_bytes(self) -> int:
-        """Bytes of the buffers the phases' (and the norm's) all-reduces keep between steps."""
-        return self._reducer.nbytes
-
     def phase_specs(self, slots: Sequence[Slot]) -> list[list[SumSpec]]:
         """Per phase, the sums a step of ``slots`` completes, in the order they are yielded."""
         specs = [self._sum_specs(slot) for slot in slots]

@@ -21,20 +21,18 @@ import math
 import attrs
 import torch
 
+from planner.statistics import Axes, FactoredAxes
 from shardlang.layout import Layout, chunk_bounds
 
-Axes = frozenset[int]
-
-
-def _dim_axes(layout: Layout, dims: slice) -> Axes:
-    return frozenset(a for axes in layout.dims[dims] for a in axes)
+__all__ = ["Axes", "StateShard"]
 
 
 @attrs.frozen(eq=False)
-class StateShard:
+class StateShard(FactoredAxes):
     """This rank's part of a tensor of ``shape`` under ``layout`` (the state layout, or for
     flat sharding the state layout without ``flat_axis``): the block ``bounds`` and, when flat,
-    the range ``flat_range`` of that block flattened."""
+    the range ``flat_range`` of that block flattened. The axes of its statistics' sums are
+    :class:`~planner.statistics.FactoredAxes`' (torch-free, for the planner's memory too)."""
 
     shape: tuple[int, ...]
     layout: Layout
@@ -95,56 +93,6 @@ class StateShard:
     def numel(self) -> int:
         """Elements of the whole tensor (the count every mean divides by)."""
         return math.prod(self.shape)
-
-    @property
-    def factored(self) -> bool:
-        return len(self.shape) >= 2
-
-    @property
-    def row_stat_shape(self) -> tuple[int, ...]:
-        """``[*batch, h]`` of the block: the rows whose statistics this rank keeps."""
-        return self.block_shape[:-1]
-
-    @property
-    def col_stat_shape(self) -> tuple[int, ...]:
-        return self.block_shape[:-2] + self.block_shape[-1:]
-
-    # --- the mesh axes of each partial sum ---------------------------------------------
-    @property
-    def _flat(self) -> Axes:
-        return frozenset() if self.flat_axis is None else frozenset({self.flat_axis})
-
-    @property
-    def row_axes(self) -> Axes:
-        """Axes splitting the rows (dim -2) of the block."""
-        return _dim_axes(self.layout, slice(-2, -1))
-
-    @property
-    def col_axes(self) -> Axes:
-        return _dim_axes(self.layout, slice(-1, None))
-
-    @property
-    def sum_axes(self) -> Axes:
-        """A sum over all local data is partial over these axes."""
-        return _dim_axes(self.layout, slice(None)) | self._flat
-
-    @property
-    def row_sum_axes(self) -> Axes:
-        return self.col_axes | self._flat
-
-    @property
-    def col_sum_axes(self) -> Axes:
-        return self.row_axes | self._flat
-
-    @property
-    def matrix_sum_axes(self) -> Axes:
-        """A sum over each local matrix (per batch entry) is partial over these axes."""
-        return self.row_axes | self.col_axes | self._flat
-
-    @property
-    def replicated(self) -> Axes:
-        """Axes along which every rank holds the same data."""
-        return frozenset(range(self.layout.mesh.ndim)) - self.sum_axes
 
     # --- the layouts of what the rank holds (for state dicts) ----------------------------
     def data_layout(self) -> tuple[Layout, tuple[int, ...]]:

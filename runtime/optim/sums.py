@@ -19,13 +19,14 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from planner.statistics import group_sums, phase_sums
 from runtime.comm.collectives import collective
 from runtime.comm.groups import axis_ranks, ranks_group
 from runtime.errors import DistributedError
 from runtime.measure.stats import CommRecord, is_recording, record
 from runtime.memory.buffers import KeptViews, Scratch
 from runtime.optim.flat import as_flat, pieces_of
-from runtime.optim.shards import Axes
+from runtime.optim.shards import Axes, StateShard
 from shardlang.mesh import Mesh
 
 
@@ -65,49 +66,33 @@ class Collective:
         return 2 * (n - 1) * -(-self.numel // n) * self.dtype.itemsize
 
 
-def _geometry(mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return mesh.shape, mesh.ranks
-
-
 def plan_collectives(sums: Sequence[SumSpec], rank: int) -> tuple[Collective, ...]:
-    """The all-reduces that complete ``sums`` on ``rank``, in an order every rank shares.
-
-    A sum over no axis of size above 1 needs none. Otherwise it rides the largest group
-    among those the phase needs anyway that contains its axes and adds only axes it is
-    replicated along.
-    """
-
-    def real(axes: Axes, mesh: Mesh) -> Axes:
-        return frozenset(a for a in axes if mesh.shape[a] > 1)
-
-    candidates = sorted(
-        {(_geometry(s.mesh), tuple(sorted(real(s.axes, s.mesh))), s.dtype) for s in sums if real(s.axes, s.mesh)},
-        key=lambda k: (-math.prod(k[0][0][a] for a in k[1]), k[0], k[1], str(k[2])),
-    )
-    chosen: dict[tuple[object, ...], list[tuple[int, bool]]] = {}
-    meshes: dict[tuple[object, ...], Mesh] = {}
-    for i, s in enumerate(sums):
-        axes = real(s.axes, s.mesh)
-        if not axes:
-            continue
-        allowed = axes | real(s.replicated, s.mesh)
-        key = next(
-            k for k in candidates if k[0] == _geometry(s.mesh) and k[2] == s.dtype and axes <= set(k[1]) <= allowed
-        )
-        coordinate = s.mesh.coordinate(rank)
-        masked = any(coordinate[a] != 0 for a in set(key[1]) - axes)
-        chosen.setdefault(key, []).append((i, masked))
-        meshes.setdefault(key, s.mesh)
+    """The all-reduces that complete ``sums`` on ``rank``, in an order every rank shares
+    (``planner.statistics.group_sums``: the planner sizes their buffers by the same choice)."""
     return tuple(
         Collective(
-            mesh=meshes[k],
-            axes=k[1],
-            dtype=k[2],
-            members=tuple(chosen[k]),
-            numel=sum(sums[i].numel for i, _ in chosen[k]),
+            mesh=sums[members[0][0]].mesh,
+            axes=axes,
+            dtype=dtype,  # type: ignore[arg-type]
+            members=tuple(members),
+            numel=sum(sums[i].numel for i, _ in members),
         )
-        for k in candidates
-        if k in chosen
+        for axes, dtype, members in group_sums(sums, rank)
+    )
+
+
+def phase_sum_specs(
+    shard: StateShard, optimizer: str, dtype: torch.dtype, owner: str
+) -> tuple[tuple[SumSpec, ...], ...]:
+    """Per phase, the sums the math of ``optimizer`` (``came``, ``adafactor``) completes for a
+    tensor's ``shard`` (``planner.statistics.phase_sums``), taken by tensor ``owner``."""
+    mesh = shard.layout.mesh
+    return tuple(
+        tuple(
+            SumSpec(mesh=mesh, axes=axes, numel=numel, dtype=dtype, owner=owner, replicated=replicated)
+            for axes, numel, replicated in phase
+        )
+        for phase in phase_sums(shard, optimizer)
     )
 
 
@@ -126,10 +111,10 @@ class SumReducer:
         self._buffers = Scratch()
         self._views = KeptViews()
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the all-reduces' buffers kept between steps."""
-        return self._buffers.nbytes
+    def reduced(self, phase: str) -> bool:
+        """Whether it has completed sums of ``phase``, whose buffers it keeps
+        (``planner.statistics.sum_buffer_bytes`` sizes them)."""
+        return phase in self._plans
 
     def _planned(self, sums: Sequence[SumSpec], phase: str) -> tuple[tuple[Collective, ...], list]:
         key = tuple(sums)
