@@ -10,10 +10,11 @@ does by default); states in f32 (f64 for f64 tensors) over the state layout, or 
 the rank's equal chunk of its base block; an f32 master for a lower-precision parameter; the
 step plan's bucket buffers (:func:`planner.buffers.step_buffer_bytes`, with the optimizers'
 bucket cap); the spare states of a step whose math writes new ones (a transactional step; CAME,
-Adafactor and Muon always); and the math's scratch (:func:`scratch_bytes`). Known only to a
-live optimizer, and passed in by it: CAME's and Adafactor's statistics' layouts and the
-buffers of their sums' all-reduces (``kept``), Muon's wave buffers, and what an FSDP2 wrapper
-keeps (``wrapper``). Muon's Newton-Schulz iterations leave torch's bf16 product caches in host
+Adafactor and Muon always); and the math's scratch (:func:`scratch_bytes`), with CAME's and
+Adafactor's statistics and the buffers of their sums' all-reduces (:func:`statistics_bytes`,
+docs/memory.md, "Statistics"). Known only to a live optimizer, and passed in by it: CAME's
+copies of states that lie in no one range (``kept``), Muon's wave buffers, and what an FSDP2
+wrapper keeps (``wrapper``). Muon's Newton-Schulz iterations leave torch's bf16 product caches in host
 memory on a CPU rank (``kernels``, :mod:`planner.matmul_caches`), and the optimizer's Python
 objects take about :data:`HOST_BYTES_PER_TENSOR` per tensor (``host``).
 """
