@@ -159,11 +159,15 @@ def set_local_grads(
         params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
 
 
+def reference_optimizer(kind: str, params: list[torch.nn.Parameter], hyper: dict) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, foreach=False, **hyper)
+    return came_pytorch.CAME(params, **hyper)
+
+
 def reference(kind: str, params: dict[str, torch.Tensor], hyper: dict) -> tuple[dict, torch.optim.Optimizer]:
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in params.items()}
-    if kind == "adamw":
-        return ref, torch.optim.AdamW(list(ref.values()), foreach=False, **hyper)
-    return ref, came_pytorch.CAME(list(ref.values()), **hyper)
+    return ref, reference_optimizer(kind, list(ref.values()), hyper)
 
 
 # --- what the ranks run ----------------------------------------------------------------
@@ -260,10 +264,12 @@ def mlp_batches(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # --- the references --------------------------------------------------------------------
 def train_reference(
-    ref: dict[str, torch.nn.Parameter], optimizers: list, dtype: torch.dtype, seed: int, steps: int
+    optimizers_of: Callable[[dict[str, torch.nn.Parameter]], list], dtype: torch.dtype, seed: int, steps: int
 ) -> dict[str, torch.Tensor]:
-    """``steps`` steps of the single-process ``optimizers`` of the full tensors ``ref`` on
-    ``seed``'s full gradients: the tensors after them."""
+    """``steps`` steps of the single-process optimizers ``optimizers_of(params)`` makes for
+    ``seed``'s full tensors, on its full gradients: the tensors after them."""
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in initial_params(dtype, seed).items()}
+    optimizers = optimizers_of(ref)
     for step in range(steps):
         for name, (grad, _) in step_grads(dtype, seed, step).items():
             ref[name].grad = grad.clone()
@@ -273,8 +279,7 @@ def train_reference(
 
 
 def _reference_run(kind: str, dtype: torch.dtype, seed: int, steps: int, hyper: dict) -> dict[str, torch.Tensor]:
-    ref, optimizer = reference(kind, initial_params(dtype, seed), hyper)
-    return train_reference(ref, [optimizer], dtype, seed, steps)
+    return train_reference(lambda ref: [reference_optimizer(kind, list(ref.values()), hyper)], dtype, seed, steps)
 
 
 def assert_relatively_close(

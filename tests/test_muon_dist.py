@@ -172,14 +172,16 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 def _reference(dtype: torch.dtype, steps: int, muon: dict = MUON) -> dict[str, torch.Tensor]:
     """torch.optim.Muon on the 2-d tensors, torch.optim.AdamW on the others, on one thread."""
-    ref = {n: torch.nn.Parameter(t.clone()) for n, t in initial_params(dtype, SEED).items()}
-    matrices = [p for p in ref.values() if p.ndim == 2]
-    others = [p for p in ref.values() if p.ndim != 2]
-    optimizers = [torch.optim.Muon(matrices, **muon), torch.optim.AdamW(others, foreach=False, **ADAMW)]
+
+    def muon_and_adamw(ref: dict) -> list:
+        matrices = [p for p in ref.values() if p.ndim == 2]
+        others = [p for p in ref.values() if p.ndim != 2]
+        return [torch.optim.Muon(matrices, **muon), torch.optim.AdamW(others, foreach=False, **ADAMW)]
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return train_reference(ref, optimizers, dtype, SEED, steps)
+        return train_reference(muon_and_adamw, dtype, SEED, steps)
     finally:
         torch.set_num_threads(threads)
 
