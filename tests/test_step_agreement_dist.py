@@ -127,12 +127,8 @@ def _oom_in_a_hook(rank: int) -> dict[str, Any]:
         StageRun._start = start  # type: ignore[method-assign]
     optimizer.zero_grad()
     then = attempt(lambda: (_backward(params, rank, 1), optimizer.step()))
-    return {
-        "failed": failed,
-        "unchanged": unchanged,
-        "then": then,
-        "moved": not torch.equal(before[0]["w"], params["w"]),
-    }
+    moved = not torch.equal(before[0]["w"], params["w"])
+    return {"failed": failed, "unchanged": unchanged, "then": then, "moved": moved}
 
 
 def _nonfinite_under_overlap(rank: int) -> dict[str, Any]:
