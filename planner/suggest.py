@@ -75,12 +75,23 @@ from planner.bucket_cap import AUTO, UNCAPPED, BucketCap, Priced, choose_cap
 from planner.cheapest import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
-from planner.legs import AFTER, BEFORE, DEFAULT_BUCKET_BYTES, STAGES, Hop, Leg, bucket_stage, without_axis
+from planner.legs import (
+    AFTER,
+    BEFORE,
+    DEFAULT_BUCKET_BYTES,
+    STAGES,
+    Hop,
+    Leg,
+    bucket_stage,
+    rounds_price,
+    stage_rounds,
+    without_axis,
+)
 from planner.loops import AUTO as AUTO_LOOP
 from planner.loops import LOOPS, infer_loop, runs_in
 from planner.memory import MemoryPrediction, predict_memory, state_bytes
 from planner.spec_plan import cost_for, step_tensor
-from planner.step import plan_step
+from planner.step import step_legs
 from shardlang.dtypes import itemsize
 from shardlang.errors import ShardlangError
 from shardlang.generate import split_dim
@@ -228,12 +239,19 @@ class Problem:
             legs += chosen[t.name].legs
             loop += chosen[t.name].loop
 
+        # The merge does not depend on the cap (planner.legs.Round): once per stage.
+        stages = [
+            (times, stage_legs, stage_rounds(stage_legs, stage, costs, reverse=False))
+            for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1))
+            for stage_legs in [legs if stage in STAGES else loop]
+        ]
+
         def price(cap: int) -> tuple[float, int]:
             seconds, buffer = 0.0, 0
-            for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1)):
-                buckets = list(bucket_stage(legs if stage in STAGES else loop, stage, costs, cap, reverse=False))
-                seconds += times * sum(b.seconds for b in buckets)
-                buffer = max((buffer, *(b.buffer_bytes for b in buckets)))
+            for times, stage_legs, rounds in stages:
+                stage_seconds, largest = rounds_price(stage_legs, rounds, costs, cap)
+                seconds += times * stage_seconds
+                buffer = max(buffer, largest)
             return seconds, buffer
 
         return price
@@ -420,9 +438,9 @@ def _price(
 ) -> Candidate:
     entry = attrs.evolve(tensor, layouts=layouts)
     rank = tensor.state().mesh.ranks[0]  # the plan of the mesh's first rank (flat: its block)
-    step = plan_step([step_tensor(entry, cost, flat)], rank, bucket_bytes=1)
+    in_step = tuple(step_legs([step_tensor(entry, cost, flat)], rank))
     _, compute, g0 = _roles(tensor, inferred)
-    loop_legs, transient = [], step.max_buffer_bytes
+    loop_legs, transient = [], 0
     if layouts.param != compute:
         gather = plan_pair(layouts.param, compute, tensor.shape, tensor.dtype, cost)
         loop_legs.append(Leg(tensor.name, "param -> compute", FORWARD, tensor.dtype, (Hop(gather),)))
@@ -436,9 +454,11 @@ def _price(
     costs = {tensor.name: cost}
     seconds, loop_seconds, kinds = 0.0, 0.0, []
     for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1)):
-        legs = step.legs if stage in STAGES else tuple(loop_legs)
+        legs = in_step if stage in STAGES else tuple(loop_legs)
         for b in bucket_stage(legs, stage, costs, 1, reverse=False):
-            if stage not in STAGES:
+            if stage in STAGES:  # the step's largest buffer, as plan_step(..., bucket_bytes=1) holds it
+                transient = max(transient, b.buffer_bytes)
+            else:
                 loop_seconds += times * b.seconds
             if b.axis is None:  # point to point: a collective of its own
                 seconds += times * b.seconds
@@ -455,7 +475,7 @@ def _price(
         if name != STATE_DEFAULT:
             raise SuggestError(f"tensor '{tensor.name}': suggest prices one state layout per tensor, not state.{name}")
     return Candidate(
-        layouts, memory, transient, seconds, loop_seconds, tuple(kinds), legs=step.legs, loop=tuple(loop_legs)
+        layouts, memory, transient, seconds, loop_seconds, tuple(kinds), legs=in_step, loop=tuple(loop_legs)
     )
 
 
