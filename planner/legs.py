@@ -357,11 +357,14 @@ def stage_rounds(
     one global order."""
     chains: dict[tuple, list[tuple[int, list[tuple[int, int]]]]] = {}
     for index, leg in enumerate(legs):
-        if leg.stage != stage or not leg.communicating or index in skip:
+        if leg.stage != stage or index in skip:
             continue
-        first_hop, first_step = leg.communicating[0]
+        steps = leg.communicating
+        if not steps:
+            continue
+        first_hop, first_step = steps[0]
         mesh = leg.hops[first_hop].plan.steps[first_step].layout.mesh
-        chains.setdefault(_mesh_key(mesh), []).append((index, list(leg.communicating)))
+        chains.setdefault(_mesh_key(mesh), []).append((index, list(steps)))
     out: list[Round] = []
     for key in sorted(chains):
         out += _merge(legs, chains[key][::-1] if reverse else chains[key], costs)
@@ -405,10 +408,14 @@ def _merge(
     # first meet it (chains in order, each at its next step), which breaks ties the same way
     # everywhere; a round then compares small integers, not kinds of meshes and cost models.
     ids: dict[tuple, int] = {}
-    kinds = [
-        [ids.setdefault(_kind(legs[index], where, costs[legs[index].tensor]), len(ids)) for where in steps]
-        for index, steps in chains
-    ]
+    # By the leg's identity too: a choice of layouts repeats one leg over a group's tensors.
+    of_leg: dict[int, list[int]] = {}
+    kinds = []
+    for index, steps in chains:
+        leg = legs[index]
+        if id(leg) not in of_leg:
+            of_leg[id(leg)] = [ids.setdefault(_kind(leg, where, costs[leg.tensor]), len(ids)) for where in steps]
+        kinds.append(of_leg[id(leg)])
     order: dict[int, int] = {}
     p2p = {i for kind, i in ids.items() if kind[0] == 1}
     while True:
