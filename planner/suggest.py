@@ -587,5 +587,9 @@ def build_problems(
     plain = build_problem(spec, optimizer, **options)
     options["loop"] = plain.loop
     axes = () if plain.loop.startswith("fsdp2") else flat_axes(plain.tensors)
-    flat = [build_problem(spec, optimizer, flat_axis=axis, **options) for axis in axes]
+    # The flat problems take the plain one's loop, and say why it is that loop as it does.
+    flat = [
+        attrs.evolve(build_problem(spec, optimizer, flat_axis=axis, **options), loop_reason=plain.loop_reason)
+        for axis in axes
+    ]
     return (plain, *flat)
