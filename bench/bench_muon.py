@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import results as bench_results
 import torch
 import torch.distributed as dist
+from bench_optim import block_shapes
 
 import runtime
 from planner.owners import newton_schulz_flops
@@ -59,18 +60,8 @@ PLACEMENTS = ("gather", "owner", "auto")
 
 
 def model_shapes(width: int) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {}
-    for i in range(4):
-        for name, shape in (
-            ("attn.c_attn", (3 * width, width)),
-            ("attn.c_proj", (width, width)),
-            ("mlp.c_fc", (4 * width, width)),
-            ("mlp.c_proj", (width, 4 * width)),
-        ):
-            shapes[f"h{i}.{name}.weight"] = shape
-            shapes[f"h{i}.{name}.bias"] = (shape[0],)
-        shapes[f"h{i}.ln.weight"] = (width,)
-    return shapes
+    """The model of the docstring: bench_optim.py's blocks, one norm each, no embeddings."""
+    return block_shapes(width, "h", ("ln",))
 
 
 def grads_for(shapes: dict[str, tuple[int, ...]], step: int) -> dict[str, torch.Tensor]:

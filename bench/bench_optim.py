@@ -50,10 +50,10 @@ HYPER = {"adamw": {"lr": 1e-3, "weight_decay": 0.01}, "came": {"lr": 1e-3, "weig
 STATES = {"replicated": ("R,R", "R", None), "zero rows": ("S(dp),R", "S(dp)", None), "flat": ("R,R", "R", "dp")}
 
 
-def model_shapes(scale: int) -> dict[str, tuple[int, ...]]:
-    """A GPT-like model: embedding, blocks of attention and MLP weights, biases, norms."""
-    width, vocab = 256 * scale, 8003 * scale
-    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (vocab, width), "wpe.weight": (1025, width)}
+def block_shapes(width: int, prefix: str, norms: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """4 GPT-like blocks ``{prefix}{i}``, each its attention and MLP weights and biases, then its
+    norms' weights (bench_muon.py's model is these alone)."""
+    shapes: dict[str, tuple[int, ...]] = {}
     for i in range(4):
         for name, shape in (
             ("attn.c_attn", (3 * width, width)),
@@ -61,10 +61,17 @@ def model_shapes(scale: int) -> dict[str, tuple[int, ...]]:
             ("mlp.c_fc", (4 * width, width)),
             ("mlp.c_proj", (width, 4 * width)),
         ):
-            shapes[f"h.{i}.{name}.weight"] = shape
-            shapes[f"h.{i}.{name}.bias"] = shape[:1]
-        shapes[f"h.{i}.ln_1.weight"] = shapes[f"h.{i}.ln_2.weight"] = (width,)
+            shapes[f"{prefix}{i}.{name}.weight"] = shape
+            shapes[f"{prefix}{i}.{name}.bias"] = shape[:1]
+        shapes |= {f"{prefix}{i}.{norm}.weight": (width,) for norm in norms}
     return shapes
+
+
+def model_shapes(scale: int) -> dict[str, tuple[int, ...]]:
+    """A GPT-like model: embedding, blocks of attention and MLP weights, biases, norms."""
+    width, vocab = 256 * scale, 8003 * scale
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (vocab, width), "wpe.weight": (1025, width)}
+    return shapes | block_shapes(width, "h.", ("ln_1", "ln_2"))
 
 
 def spec_text(states: str) -> str:

@@ -92,13 +92,6 @@ def describe(values: list[float]) -> list[str]:
     ]
 
 
-def markdown(columns: list[str], rows: list[list[object]]) -> str:
-    """A markdown table, pipes in cells escaped (bench/results.py reads it back)."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--same", type=int, default=300)
@@ -142,7 +135,7 @@ def main() -> None:
     )
     print("\nBytes received by the busiest rank over the receive lower bound (non-partial sources, bound > 0)\n")
     print(
-        markdown(
+        quality.markdown(
             ["plan", "pairs", "mean", "worst", "exactly 1.00"],
             [
                 ["the point-to-point step alone", *describe(step_ratio)],
@@ -201,7 +194,7 @@ def main() -> None:
         summary.append(row)
     print("\nSame mesh, modeled time: the collective-only plan and DTensor's planners over the chosen plan\n")
     print(
-        markdown(
+        quality.markdown(
             [
                 "cost model", "collective-only / chosen, total", "geometric mean per pair (pairs)",
                 "chosen cheaper on", "best single case", "DTensor greedy / chosen, total", "greedy costs more on",
@@ -212,7 +205,7 @@ def main() -> None:
     )  # fmt: skip
     print("\nThe geometric mean leaves out the pairs whose chosen plan only copies locally (it costs 0).")
     print(f"\nSame mesh, the {args.show} cheapest cases against the collective-only plan, per cost model\n")
-    print(markdown(["cost model", "chosen / collective", "pair", "shape", "chosen", "collective"], best_cases))
+    print(quality.markdown(["cost model", "chosen / collective", "pair", "shape", "chosen", "collective"], best_cases))
 
     # --- modeled time: cross mesh ------------------------------------------------------------
     gains, total_direct, total_chosen = [], 0.0, 0.0
@@ -227,7 +220,7 @@ def main() -> None:
     better = sum(g > 1 + 1e-9 for g in gains)
     print("\nCross mesh, default cost model: one point-to-point step over the chosen plan\n")
     print(
-        markdown(
+        quality.markdown(
             ["non-partial pairs", "one step / chosen, total", "a mix cheaper on", "best"],
             [[len(gains), f"{total_direct / total_chosen:.3f}", f"{better} ({100 * better / len(gains):.1f}%)",
               f"{max(gains):.2f}"]],
@@ -238,7 +231,7 @@ def main() -> None:
     timings.sort()
     print("\nPlanning time, cold (the plan caches cleared before each plan)\n")
     print(
-        markdown(
+        quality.markdown(
             ["plans", "median ms", "p99 ms", "max ms"],
             [[len(timings), f"{1e3 * statistics.median(timings):.2f}",
               f"{1e3 * timings[int(0.99 * (len(timings) - 1))]:.1f}", f"{1e3 * timings[-1]:.1f}"]],

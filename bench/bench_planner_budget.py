@@ -23,9 +23,12 @@ import argparse
 import contextlib
 import io
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, its tests too
 
 import results as bench_results
 from bench_planner_speed import best_of  # (first run, best run), shared
@@ -35,6 +38,7 @@ from cli.main import main as shardlang
 from planner import cheapest, search
 from planner.holdings import Blocks
 from shardlang import Mesh, ShardlangError, load_spec, parse_layout, parse_spec
+from tests.test_fuzz import HUGE_INPUTS  # the huge literals that test refuses, timed here
 
 MESH11 = "mesh[3,3,4,3,2,3,1,2,1,3,1]"
 MESH20 = "mesh[" + ",".join(["2"] * 20) + "]"
@@ -47,14 +51,6 @@ SPEC11 = (
     f"  state = S(0,1,2) over {MESH11}\n"
     "}\n"
 )
-HUGE_INPUTS = [
-    "tensor a.{0..99999999}.{0..99999} : f32[4] { param = S0 over mesh[2] }",
-    'rule "x.{0..9999999999}" { param = R over mesh[2] }',
-    "tensor a : f32[4] { param = S0 over mesh[100000,100000] }",
-    "tensor a : f32[4] { param = S0 over mesh[2] ranks 0..99999999999 }",
-    "tensor a : f32[" + "9" * 5000 + "] { param = S0 over mesh[2] }",
-    "mesh w = [2] latency 9e99999999999999999999999ms",
-]
 
 
 def cold() -> None:

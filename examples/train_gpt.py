@@ -47,27 +47,32 @@ def encode(text: str) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.attn = nn.ModuleDict({"c_attn": nn.Linear(WIDTH, 3 * WIDTH), "c_proj": nn.Linear(WIDTH, WIDTH)})
-        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(WIDTH, 4 * WIDTH), "c_proj": nn.Linear(4 * WIDTH, WIDTH)})
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.ModuleDict({"c_attn": nn.Linear(width, 3 * width), "c_proj": nn.Linear(width, width)})
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(width, 4 * width), "c_proj": nn.Linear(4 * width, width)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
-        q, k, v = self.attn["c_attn"](self.ln_1(x)).split(WIDTH, dim=-1)
-        q, k, v = (t.view(batch, length, HEADS, WIDTH // HEADS).transpose(1, 2) for t in (q, k, v))
+        batch, length, width = x.shape
+        q, k, v = self.attn["c_attn"](self.ln_1(x)).split(width, dim=-1)
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
         y = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.attn["c_proj"](y.transpose(1, 2).reshape(batch, length, WIDTH))
+        x = x + self.attn["c_proj"](y.transpose(1, 2).reshape(batch, length, width))
         return x + self.mlp["c_proj"](functional.gelu(self.mlp["c_fc"](self.ln_2(x))))
 
 
 class TinyGPT(nn.Module):
-    def __init__(self) -> None:
+    """GPT-2's modules and parameter names (``h.0.attn.c_attn.weight``, ...), at a tiny size."""
+
+    def __init__(
+        self, vocab: int = VOCAB, context: int = CONTEXT, width: int = WIDTH, heads: int = HEADS, layers: int = LAYERS
+    ) -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
-        self.h = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(WIDTH)
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(context, width)
+        self.h = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
         nn.init.normal_(self.wte.weight, std=0.02)
         nn.init.normal_(self.wpe.weight, std=0.01)
 

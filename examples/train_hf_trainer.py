@@ -46,7 +46,8 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def arguments(output_dir: str, steps: int) -> TrainingArguments:
+def arguments(output_dir: str, steps: int, **more: Any) -> TrainingArguments:
+    """The runs' TrainingArguments; ``more``: other fields of them (train_hf_trainer_fsdp.py's)."""
     return TrainingArguments(
         output_dir=output_dir,
         max_steps=steps,
@@ -59,6 +60,7 @@ def arguments(output_dir: str, steps: int) -> TrainingArguments:
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **more,
     )
 
 

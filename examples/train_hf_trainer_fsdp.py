@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples beside 
 
 from train_accelerate_fsdp2 import take_fsdp_plugin_on_cpu
 from train_hf_trainer import Tokens, tiny_gpt2, train
+from train_hf_trainer import arguments as hf_trainer_arguments
 
 import shardlang
 from runtime.optim import ShardedAdamW
@@ -43,10 +44,10 @@ LR = 1e-2
 
 
 def arguments(output_dir: str, steps: int) -> TrainingArguments:
-    return TrainingArguments(
-        output_dir=output_dir,
-        max_steps=steps,
-        per_device_train_batch_size=4,
+    """train_hf_trainer.py's, with FSDP2 and the Trainer's own optimizer (the reference) and schedule."""
+    return hf_trainer_arguments(
+        output_dir,
+        steps,
         learning_rate=LR,
         weight_decay=0.0,
         lr_scheduler_type="linear",
@@ -54,14 +55,6 @@ def arguments(output_dir: str, steps: int) -> TrainingArguments:
         optim="adamw_torch",  # the reference: torch.optim.AdamW
         fsdp=True,
         fsdp_config={"version": 2},
-        save_strategy="steps",
-        save_steps=2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
 
 

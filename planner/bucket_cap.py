@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from planner.cost import CostModel
-from planner.legs import STAGES, Leg, StepTensor, bucket_stage
+from planner.legs import STAGES, Leg, StepTensor, rounds_price, stage_rounds
 from planner.step import StepPlan, plan_step
 
 AUTO = "auto"  # bucket_bytes: the cost model's cap
@@ -68,13 +68,11 @@ def step_price(legs: Sequence[Leg], costs: Mapping[str, CostModel], *, overlap: 
     """A step plan's legs priced under a cap: its buckets' seconds (both stages) and the
     largest bucket buffer, as :func:`planner.step.plan_step` would cut them."""
 
+    # The merge does not depend on the cap (planner.legs.Round): once, both stages in order.
+    rounds = [r for stage in STAGES for r in stage_rounds(legs, stage, costs, reverse=overlap and stage == STAGES[0])]
+
     def price(cap: int) -> tuple[float, int]:
-        seconds, buffer = 0.0, 0
-        for stage in STAGES:
-            for bucket in bucket_stage(legs, stage, costs, cap, reverse=overlap and stage == STAGES[0]):
-                seconds += bucket.seconds
-                buffer = max(buffer, bucket.buffer_bytes)
-        return seconds, buffer
+        return rounds_price(legs, rounds, costs, cap)
 
     return price
 

@@ -304,10 +304,6 @@ def _launch(value: object) -> str:
 
 
 # --- building it -----------------------------------------------------------------------------
-def _mesh_key(mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return mesh.shape, mesh.ranks
-
-
 def bucket_stage(
     legs: Sequence[Leg],
     stage: str,
@@ -319,15 +315,78 @@ def bucket_stage(
 ) -> Iterable[Bucket]:
     """The buckets of one stage (see the module doc), mesh by mesh in one global order; the
     legs in reverse order when ``reverse``; the legs ``skip`` (indices) left out."""
+    for merged in stage_rounds(legs, stage, costs, reverse=reverse, skip=skip):
+        for part in merged.cut(cap):
+            yield _bucket(legs, stage, part, costs)
+
+
+@attrs.frozen
+class Round:
+    """One round of the weighted majority merge (module doc): the steps of one collective kind
+    that run next, in leg order, each as (member, step, its buffer bytes). A bucket cap cuts it
+    into buckets (:meth:`cut`), point-to-point steps (``alone``) one each; the rounds do not
+    depend on the cap, so a step priced under many caps is merged once."""
+
+    alone: bool
+    members: tuple[tuple[Member, Any, int], ...]
+
+    def cut(self, cap: int) -> Iterable[list[tuple[Member, Any, int]]]:
+        """The round's buckets under ``cap``: at most ``cap`` buffer bytes each (a larger
+        step alone), in order."""
+        part: list[tuple[Member, Any, int]] = []
+        held = 0
+        for member in self.members:
+            size = member[2]
+            if part and (held + size > cap or self.alone):
+                yield part
+                part, held = [], 0
+            part.append(member)
+            held += size
+        yield part
+
+
+def stage_rounds(
+    legs: Sequence[Leg],
+    stage: str,
+    costs: Mapping[str, CostModel],
+    *,
+    reverse: bool,
+    skip: Collection[int] = (),
+) -> list[Round]:
+    """The rounds of one stage (:func:`bucket_stage` cuts them into buckets), mesh by mesh in
+    one global order."""
     chains: dict[tuple, list[tuple[int, list[tuple[int, int]]]]] = {}
     for index, leg in enumerate(legs):
-        if leg.stage != stage or not leg.communicating or index in skip:
+        if leg.stage != stage or index in skip:
             continue
-        first_hop, first_step = leg.communicating[0]
+        steps = leg.communicating
+        if not steps:
+            continue
+        first_hop, first_step = steps[0]
         mesh = leg.hops[first_hop].plan.steps[first_step].layout.mesh
-        chains.setdefault(_mesh_key(mesh), []).append((index, list(leg.communicating)))
+        chains.setdefault(_mesh_key(mesh), []).append((index, list(steps)))
+    out: list[Round] = []
     for key in sorted(chains):
-        yield from _merge(legs, stage, chains[key][::-1] if reverse else chains[key], costs, cap)
+        out += _merge(legs, chains[key][::-1] if reverse else chains[key], costs)
+    return out
+
+
+def rounds_price(
+    legs: Sequence[Leg], rounds: Iterable[Round], costs: Mapping[str, CostModel], cap: int
+) -> tuple[float, int]:
+    """The buckets ``cap`` cuts ``rounds`` into, without building them: the sum of their
+    seconds (added in order, as summing :func:`bucket_stage`'s buckets' does) and the largest
+    bucket buffer."""
+    seconds, largest = 0.0, 0
+    for merged in rounds:
+        for part in merged.cut(cap):
+            seconds += _bucket_seconds(legs, part, costs)
+            largest = max(largest, sum(size for _, _, size in part))
+    return seconds, largest
+
+
+def _mesh_key(mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return mesh.shape, mesh.ranks
 
 
 def _kind(leg: Leg, where: tuple[int, int], cost: CostModel) -> tuple:
@@ -340,21 +399,23 @@ def _kind(leg: Leg, where: tuple[int, int], cost: CostModel) -> tuple:
 
 def _merge(
     legs: Sequence[Leg],
-    stage: str,
     chains: list[tuple[int, list[tuple[int, int]]]],
     costs: Mapping[str, CostModel],
-    cap: int,
-) -> Iterable[Bucket]:
+) -> Iterable[Round]:
     """Weighted majority merge of the legs' step sequences on one mesh."""
     position = [0] * len(chains)
     # Each step's kind, hashed once: as the number of its kind in the order the rounds below
     # first meet it (chains in order, each at its next step), which breaks ties the same way
     # everywhere; a round then compares small integers, not kinds of meshes and cost models.
     ids: dict[tuple, int] = {}
-    kinds = [
-        [ids.setdefault(_kind(legs[index], where, costs[legs[index].tensor]), len(ids)) for where in steps]
-        for index, steps in chains
-    ]
+    # By the leg's identity too: a choice of layouts repeats one leg over a group's tensors.
+    of_leg: dict[int, list[int]] = {}
+    kinds = []
+    for index, steps in chains:
+        leg = legs[index]
+        if id(leg) not in of_leg:
+            of_leg[id(leg)] = [ids.setdefault(_kind(leg, where, costs[leg.tensor]), len(ids)) for where in steps]
+        kinds.append(of_leg[id(leg)])
     order: dict[int, int] = {}
     p2p = {i for kind, i in ids.items() if kind[0] == 1}
     while True:
@@ -370,20 +431,14 @@ def _merge(
         if not waiting:
             return
         chosen = max(waiting, key=lambda k: (weight[k], -order[k]))
-        group: list[tuple[Member, Any]] = []
-        held = 0
+        members = []
         for c in waiting[chosen]:
             index, steps = chains[c]
             h, k = steps[position[c]]
             position[c] += 1
             step = legs[index].hops[h].plan.steps[k]
-            size = _buffer_bytes(step)
-            if group and (held + size > cap or chosen in p2p):
-                yield _bucket(legs, stage, group, costs)
-                group, held = [], 0
-            group.append((Member(index, h, k), step))
-            held += size
-        yield _bucket(legs, stage, group, costs)
+            members.append((Member(index, h, k), step, _buffer_bytes(step)))
+        yield Round(chosen in p2p, tuple(members))
 
 
 def _buffer_bytes(step: Any) -> int:
@@ -398,28 +453,33 @@ def _buffer_bytes(step: Any) -> int:
     return step.bytes // (n - 1) * n
 
 
-def _bucket(legs: Sequence[Leg], stage: str, group: list[tuple[Member, Any]], costs: Mapping[str, CostModel]) -> Bucket:
-    first_member, first = group[0]
-    leg = legs[first_member.leg]
-    total = sum(step.bytes for _, step in group)
-    if first.axis is None:  # point_to_point: its own plan's time
-        seconds = first.seconds
-    else:
-        cost = costs[leg.tensor]
-        # The regime of the bucket's bytes: it is one collective of them (planner.cost).
-        alpha, bandwidth = cost.figures_at(first.op, first.layout.mesh, first.axis, total)
-        rounds = collective_rounds(first.op, first.layout.mesh.shape[first.axis])
-        # One collective: one executor overhead per bucket, as a plan pays one per step.
-        seconds = rounds * alpha + total / bandwidth + cost.overhead
+def _bucket(
+    legs: Sequence[Leg], stage: str, group: list[tuple[Member, Any, int]], costs: Mapping[str, CostModel]
+) -> Bucket:
+    first_member, first, _ = group[0]
     return Bucket(
         stage=stage,
         op=first.op,
         mesh=first.layout.mesh,
         axis=first.axis,
         reduce_op=first.reduce_op,
-        dtype=leg.dtype,
-        members=tuple(m for m, _ in group),
-        bytes=total,
-        buffer_bytes=sum(_buffer_bytes(step) for _, step in group),
-        seconds=seconds,
+        dtype=legs[first_member.leg].dtype,
+        members=tuple(m for m, _, _ in group),
+        bytes=sum(step.bytes for _, step, _ in group),
+        buffer_bytes=sum(size for _, _, size in group),
+        seconds=_bucket_seconds(legs, group, costs),
     )
+
+
+def _bucket_seconds(legs: Sequence[Leg], group: list[tuple[Member, Any, int]], costs: Mapping[str, CostModel]) -> float:
+    """The modeled time of one bucket (module doc)."""
+    first_member, first, _ = group[0]
+    if first.axis is None:  # point_to_point: its own plan's time
+        return first.seconds
+    cost = costs[legs[first_member.leg].tensor]
+    total = sum(step.bytes for _, step, _ in group)
+    # The regime of the bucket's bytes: it is one collective of them (planner.cost).
+    alpha, bandwidth = cost.figures_at(first.op, first.layout.mesh, first.axis, total)
+    rounds = collective_rounds(first.op, first.layout.mesh.shape[first.axis])
+    # One collective: one executor overhead per bucket, as a plan pays one per step.
+    return rounds * alpha + total / bandwidth + cost.overhead

@@ -150,12 +150,9 @@ def plan_step(
     cap = DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
     if cap < 1:
         raise PlanError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
-    legs: list[Leg] = []
-    for tensor in tensors:
-        try:
-            legs += _legs(tensor, rank, max_local_bytes, point_to_point, max_states)
-        except PlanError as e:
-            raise type(e)(f"tensor '{tensor.name}': {e.message}", tensor.position or e.position) from None
+    legs = step_legs(
+        tensors, rank, max_local_bytes=max_local_bytes, point_to_point=point_to_point, max_states=max_states
+    )
     costs = {t.name: t.cost for t in tensors}
     launch = {BEFORE: DURING_BACKWARD if overlap else IN_STEP, AFTER: AFTER_STEP if prefetch else IN_STEP}
     buckets = [
@@ -166,6 +163,24 @@ def plan_step(
     return StepPlan(
         rank=rank, tensors=tuple(t.name for t in tensors), legs=tuple(legs), buckets=tuple(buckets), bucket_bytes=cap
     )
+
+
+def step_legs(
+    tensors: Sequence[StepTensor],
+    rank: int,
+    *,
+    max_local_bytes: int | None = None,
+    point_to_point: bool = False,
+    max_states: int = DEFAULT_MAX_STATES,
+) -> list[Leg]:
+    """The legs of :func:`plan_step` (its keywords but the bucketing ones), not bucketed."""
+    legs: list[Leg] = []
+    for tensor in tensors:
+        try:
+            legs += _legs(tensor, rank, max_local_bytes, point_to_point, max_states)
+        except PlanError as e:
+            raise type(e)(f"tensor '{tensor.name}': {e.message}", tensor.position or e.position) from None
+    return legs
 
 
 def _legs(

@@ -74,12 +74,23 @@ from planner.cheapest import plan as plan_pair
 from planner.cost import CostModel, collective_rounds
 from planner.errors import PlanError
 from planner.held import Copies, HeldTerms, held_terms
-from planner.legs import AFTER, BEFORE, DEFAULT_BUCKET_BYTES, STAGES, Hop, Leg, bucket_stage, without_axis
+from planner.legs import (
+    AFTER,
+    BEFORE,
+    DEFAULT_BUCKET_BYTES,
+    STAGES,
+    Hop,
+    Leg,
+    bucket_stage,
+    rounds_price,
+    stage_rounds,
+    without_axis,
+)
 from planner.loops import AUTO as AUTO_LOOP
 from planner.loops import LOOPS, infer_loop, runs_in
 from planner.memory import MemoryPrediction, predict_memory, rank_tensor
 from planner.spec_plan import cost_for, step_tensor
-from planner.step import plan_step
+from planner.step import step_legs
 from shardlang.errors import ShardlangError
 from shardlang.generate import split_dim
 from shardlang.layout import Layout
@@ -227,12 +238,19 @@ class Problem:
             legs += chosen[t.name].legs
             loop += chosen[t.name].loop
 
+        # The merge does not depend on the cap (planner.legs.Round): once per stage.
+        stages = [
+            (times, stage_legs, stage_rounds(stage_legs, stage, costs, reverse=False))
+            for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1))
+            for stage_legs in [legs if stage in STAGES else loop]
+        ]
+
         def price(cap: int) -> tuple[float, int]:
             seconds, buffer = 0.0, 0
-            for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1)):
-                buckets = list(bucket_stage(legs if stage in STAGES else loop, stage, costs, cap, reverse=False))
-                seconds += times * sum(b.seconds for b in buckets)
-                buffer = max((buffer, *(b.buffer_bytes for b in buckets)))
+            for times, stage_legs, rounds in stages:
+                stage_seconds, largest = rounds_price(stage_legs, rounds, costs, cap)
+                seconds += times * stage_seconds
+                buffer = max(buffer, largest)
             return seconds, buffer
 
         return price
@@ -410,7 +428,7 @@ def _price(
             raise SuggestError(f"tensor '{tensor.name}': suggest prices one state layout per tensor, not state.{name}")
     entry = attrs.evolve(tensor, layouts=layouts)
     rank = tensor.state().mesh.ranks[0]  # the plan of the mesh's first rank (flat: its block)
-    step = plan_step([step_tensor(entry, cost, flat)], rank, bucket_bytes=1)
+    in_step = tuple(step_legs([step_tensor(entry, cost, flat)], rank))
     _, compute, g0 = _roles(tensor, inferred)
     loop_legs = []
     if layouts.param != compute:
@@ -424,7 +442,7 @@ def _price(
     costs = {tensor.name: cost}
     seconds, loop_seconds, kinds, steps = 0.0, 0.0, [], []
     for stage, times in ((BEFORE, 1), (AFTER, 1), (FORWARD, 2), (BACKWARD, 1)):
-        legs = step.legs if stage in STAGES else tuple(loop_legs)
+        legs = in_step if stage in STAGES else tuple(loop_legs)
         for b in bucket_stage(legs, stage, costs, 1, reverse=False):
             if stage not in STAGES:
                 loop_seconds += times * b.seconds
@@ -438,8 +456,8 @@ def _price(
             steps.append((kinds[-1][0], b))
             seconds += times * (b.seconds - latency)
     piece = rank_tensor(entry, held[0], optimizer, flat)
-    terms = held_terms(piece, optimizer, held[1], steps, step.legs)
-    return Candidate(layouts, terms, seconds, loop_seconds, tuple(kinds), legs=step.legs, loop=tuple(loop_legs))
+    terms = held_terms(piece, optimizer, held[1], steps, in_step)
+    return Candidate(layouts, terms, seconds, loop_seconds, tuple(kinds), legs=in_step, loop=tuple(loop_legs))
 
 
 def flat_axes(tensors: Sequence[TensorSpec]) -> tuple[str | int, ...]:
@@ -569,5 +587,9 @@ def build_problems(
     plain = build_problem(spec, optimizer, **options)
     options["loop"] = plain.loop
     axes = () if plain.loop.startswith("fsdp2") else flat_axes(plain.tensors)
-    flat = [build_problem(spec, optimizer, flat_axis=axis, **options) for axis in axes]
+    # The flat problems take the plain one's loop, and say why it is that loop as it does.
+    flat = [
+        attrs.evolve(build_problem(spec, optimizer, flat_axis=axis, **options), loop_reason=plain.loop_reason)
+        for axis in axes
+    ]
     return (plain, *flat)

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks in separate processes, bounded in time.
+"""Run a function on N gloo ranks in separate processes, bounded in time: a public helper
+(docs/api/runtime.md), which this project's own multi-process tests and benchmarks use.
 
     results = run_ranks(check_pairs, world_size=4, args=(cases,), timeout=120)
 

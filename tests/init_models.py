@@ -1,5 +1,6 @@
 """Tiny GPT-2-like and LLaMA-like modules built from torch.nn (no downloads), with their
-parameter names as Hugging Face writes them, for ``shardlang init --model`` in the tests."""
+parameter names as Hugging Face writes them, for ``shardlang init --model`` in the tests. The
+GPT-2-like one is examples/train_gpt.py's model, smaller."""
 
 from __future__ import annotations
 
@@ -7,38 +8,13 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from tests.stack_support import example
+
 VOCAB, CONTEXT, WIDTH, LAYERS = 13, 6, 8, 2
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-class GPT2Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.attn = nn.ModuleDict({"c_attn": nn.Linear(WIDTH, 3 * WIDTH), "c_proj": nn.Linear(WIDTH, WIDTH)})
-        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(WIDTH, 4 * WIDTH), "c_proj": nn.Linear(4 * WIDTH, WIDTH)})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.attn["c_attn"](self.ln_1(x)).split(WIDTH, dim=-1)
-        x = x + self.attn["c_proj"](_attend(q, k, v))
-        return x + self.mlp["c_proj"](functional.gelu(self.mlp["c_fc"](self.ln_2(x))))
-
-
-class GPT2Like(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
-        self.h = nn.ModuleList(GPT2Block() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(WIDTH)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[-1]))
-        for block in self.h:
-            x = block(x)
-        return self.ln_f(x) @ self.wte.weight.T  # tied output head
 
 
 class LlamaLayer(nn.Module):
@@ -81,7 +57,7 @@ class LlamaLike(nn.Module):
 
 def gpt2_like() -> nn.Module:
     torch.manual_seed(0)
-    return GPT2Like()
+    return example("train_gpt.py").TinyGPT(VOCAB, CONTEXT, WIDTH, heads=2, layers=LAYERS)
 
 
 def llama_like() -> nn.Module:

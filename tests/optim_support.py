@@ -139,11 +139,35 @@ def local_grad(grad: torch.Tensor, addends: list[torch.Tensor], layout, coordina
     return piece
 
 
+def local_params(
+    spec: dict, coordinate: tuple[int, ...], dtype: torch.dtype, seed: int, values: dict | None = None
+) -> dict[str, torch.nn.Parameter]:
+    """This rank's pieces, cut by hand, of ``values`` (else of ``seed``'s initial parameters)."""
+    mesh = next(iter(spec.values())).param.mesh
+    full = initial_params(dtype, seed) if values is None else values
+    return {
+        n: torch.nn.Parameter(hand_piece(t, spec[n].param.dims, mesh.shape, coordinate).clone())
+        for n, t in full.items()
+    }
+
+
+def set_local_grads(
+    params: dict, spec: dict, coordinate: tuple[int, ...], dtype: torch.dtype, seed: int, step: int
+) -> None:
+    """Every parameter's gradient of ``seed``'s step ``step``, this rank's piece of it."""
+    for name, (grad, addends) in step_grads(dtype, seed, step).items():
+        params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
+
+
+def reference_optimizer(kind: str, params: list[torch.nn.Parameter], hyper: dict) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, foreach=False, **hyper)
+    return came_pytorch.CAME(params, **hyper)
+
+
 def reference(kind: str, params: dict[str, torch.Tensor], hyper: dict) -> tuple[dict, torch.optim.Optimizer]:
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in params.items()}
-    if kind == "adamw":
-        return ref, torch.optim.AdamW(list(ref.values()), foreach=False, **hyper)
-    return ref, came_pytorch.CAME(list(ref.values()), **hyper)
+    return ref, reference_optimizer(kind, list(ref.values()), hyper)
 
 
 # --- what the ranks run ----------------------------------------------------------------
@@ -239,21 +263,48 @@ def mlp_batches(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --- the references --------------------------------------------------------------------
-def _reference_run(kind: str, dtype: torch.dtype, seed: int, steps: int, hyper: dict) -> dict[str, torch.Tensor]:
-    ref, optimizer = reference(kind, initial_params(dtype, seed), hyper)
+def train_reference(
+    optimizers_of: Callable[[dict[str, torch.nn.Parameter]], list], dtype: torch.dtype, seed: int, steps: int
+) -> dict[str, torch.Tensor]:
+    """``steps`` steps of the single-process optimizers ``optimizers_of(params)`` makes for
+    ``seed``'s full tensors, on its full gradients: the tensors after them."""
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in initial_params(dtype, seed).items()}
+    optimizers = optimizers_of(ref)
     for step in range(steps):
         for name, (grad, _) in step_grads(dtype, seed, step).items():
             ref[name].grad = grad.clone()
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
     return {n: p.detach() for n, p in ref.items()}
 
 
-def _assert_close(kind: str, dtype: torch.dtype, got: torch.Tensor, want: torch.Tensor, label: str) -> None:
+def _reference_run(kind: str, dtype: torch.dtype, seed: int, steps: int, hyper: dict) -> dict[str, torch.Tensor]:
+    return train_reference(lambda ref: [reference_optimizer(kind, list(ref.values()), hyper)], dtype, seed, steps)
+
+
+def assert_relatively_close(
+    got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, label: str, against: str
+) -> None:
+    """``got`` within ``CAME_TOLERANCE`` of ``want`` (the optimizer ``against``), relative to its largest entry."""
     assert got.shape == want.shape, f"{label}: shape {list(got.shape)} != {list(want.shape)}"
-    if kind == "adamw":
-        assert torch.equal(got, want), f"{label}: differs from torch.optim.AdamW by {(got - want).abs().max()}"
-        return
     if want.numel() == 0:
         return
     error = ((got - want).abs().max() / want.abs().max()).item()
-    assert error <= CAME_TOLERANCE[dtype], f"{label}: relative error {error:.3g} against came_pytorch"
+    assert error <= CAME_TOLERANCE[dtype], f"{label}: relative error {error:.3g} against {against}"
+
+
+def _assert_close(kind: str, dtype: torch.dtype, got: torch.Tensor, want: torch.Tensor, label: str) -> None:
+    if kind == "adamw":
+        assert got.shape == want.shape, f"{label}: shape {list(got.shape)} != {list(want.shape)}"
+        assert torch.equal(got, want), f"{label}: differs from torch.optim.AdamW by {(got - want).abs().max()}"
+        return
+    assert_relatively_close(got, want, dtype, label, "came_pytorch")
+
+
+def check_pieces(case: dict, spec: dict, want: dict, dtype: torch.dtype, label: str, against: str) -> None:
+    """Every parameter piece of ``case`` (a rank's, at ``case["coordinate"]``) against the
+    reference's full tensors ``want`` cut by hand."""
+    mesh = next(iter(spec.values())).param.mesh
+    for name, got in case["params"].items():
+        expected = hand_piece(want[name], spec[name].param.dims, mesh.shape, case["coordinate"])
+        assert_relatively_close(got, expected, dtype, f"{label} '{name}'", against)

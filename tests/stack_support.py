@@ -1,6 +1,6 @@
 """What the tests of the training stacks share (tests/test_stack_*.py): the examples imported,
-the environment torchrun gives a rank, and what a rank reports back (whole optimizer states,
-parameters)."""
+the environment torchrun gives a rank, what a rank reports back (whole optimizer states,
+parameters), and the Trainer callback that records them."""
 
 from __future__ import annotations
 
@@ -53,3 +53,30 @@ def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def trainer_recorder(saved: dict[int, Any], begun: dict[str, Any]) -> Any:
+    """A Hugging Face ``TrainerCallback`` that records at each save (into ``saved[global step]``)
+    and at the start of training (into ``begun``): the optimizer's whole states (``states``),
+    their step counts (``steps``), the learning rates (``lr``), the model's parameters whole
+    (``parameters``) and the global step; every rank records."""
+    from transformers import TrainerCallback
+
+    def record(state: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        optimizer = kwargs["optimizer"]
+        return {
+            "states": whole_states(optimizer),
+            "steps": [h.step for h in getattr(optimizer, "optimizer", optimizer).held_tensors()],
+            "lr": kwargs["lr_scheduler"].get_last_lr(),
+            "parameters": parameters(kwargs["model"]),
+            "global_step": state.global_step,
+        }
+
+    class Recorder(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            saved[state.global_step] = record(state, kwargs)
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            begun.update(record(state, kwargs))
+
+    return Recorder()

@@ -15,17 +15,18 @@ import pytest
 import torch
 
 from runtime.testing import run_ranks
+from tests.failed_step import check_failed_step, run_failed_step
 from tests.optim_support import (
-    CAME_TOLERANCE,
     CONFIGS,
     OWN_STATES,
     STEPS,
     _spec,
-    hand_piece,
+    check_pieces,
     initial_params,
-    local_grad,
+    local_params,
     run_dtensor,
-    step_grads,
+    set_local_grads,
+    train_reference,
 )
 
 HYPER = {"lr": 1e-2, "weight_decay": 0.1, "d": 1.0}
@@ -35,6 +36,7 @@ LAYOUT_CONFIGS = [c for c in CONFIGS if c not in OWN_STATES]
 DTYPES = (torch.float32, torch.float64)
 DTENSOR_STEPS = 10
 SEED = 21
+AGAINST = "torch.optim.Adafactor"
 
 
 def _optimizer(named: list, spec: Any, hyper: dict = HYPER, **options: Any) -> Any:
@@ -43,19 +45,9 @@ def _optimizer(named: list, spec: Any, hyper: dict = HYPER, **options: Any) -> A
     return ShardedAdafactor(named, spec, **hyper, **options)
 
 
-def _params(spec: dict, coordinate: tuple[int, ...], dtype: torch.dtype, values: dict | None = None) -> dict:
-    mesh = next(iter(spec.values())).param.mesh
-    full = initial_params(dtype, SEED) if values is None else values
-    return {
-        n: torch.nn.Parameter(hand_piece(t, spec[n].param.dims, mesh.shape, coordinate).clone())
-        for n, t in full.items()
-    }
-
-
 def _train(optimizer: Any, params: dict, spec: dict, coordinate: tuple[int, ...], dtype: torch.dtype, steps) -> None:
     for step in steps:
-        for name, (grad, addends) in step_grads(dtype, SEED, step).items():
-            params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
+        set_local_grads(params, spec, coordinate, dtype, SEED, step)
         optimizer.step()
 
 
@@ -68,12 +60,11 @@ def _run_config(rank: int, config: str, dtype: torch.dtype, hyper: dict) -> dict
         _optimizer(list(params.items()), spec, hyper, flat_axis=flat_axis, idle_ranks=True).step()
         return {"idle": True}
     coordinate = the_mesh.coordinate(rank)
-    params = _params(spec, coordinate, dtype)
+    params = local_params(spec, coordinate, dtype, SEED)
     optimizer = _optimizer(list(params.items()), spec, hyper, flat_axis=flat_axis)
     phases = []
     for step in range(STEPS):
-        for name, (grad, addends) in step_grads(dtype, SEED, step).items():
-            params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
+        set_local_grads(params, spec, coordinate, dtype, SEED, step)
         planned = optimizer.planned_traffic()
         optimizer.step()
         phases.append((planned.sum_collectives, optimizer.last_traffic.sum_collectives))
@@ -93,7 +84,7 @@ def _run_resume(rank: int, directory: Path) -> dict[str, Any]:
     rows, cols = _spec(*CONFIGS["zero_rows"][:2]), _spec(*CONFIGS["tp_col"][:2])
     coordinate = (rank,)
     dtype = torch.float32
-    params = _params(rows, coordinate, dtype)
+    params = local_params(rows, coordinate, dtype, SEED)
     first = _optimizer(list(params.items()), rows)
     _train(first, params, rows, coordinate, dtype, range(STEPS // 2))
     buffer = io.BytesIO()
@@ -105,7 +96,7 @@ def _run_resume(rank: int, directory: Path) -> dict[str, Any]:
     resumed.load_state_dict(torch.load(buffer, weights_only=False))
     _train(resumed, copies, rows, coordinate, dtype, range(STEPS // 2, STEPS))
     zeros = {n: torch.zeros_like(t) for n, t in initial_params(dtype, SEED).items()}
-    moved = _params(cols, coordinate, dtype, zeros)
+    moved = local_params(cols, coordinate, dtype, SEED, zeros)
     other = _optimizer(list(moved.items()), cols)
     checkpoint.load(directory, optimizer=other)
     _train(other, moved, cols, coordinate, dtype, range(STEPS // 2, STEPS))
@@ -116,22 +107,6 @@ def _run_resume(rank: int, directory: Path) -> dict[str, Any]:
     }
 
 
-def _run_failed_step(rank: int) -> dict[str, Any]:
-    """A gradient of the wrong shape at step 4: that step raises and changes nothing."""
-    from tests.failed_step import run_with_a_wrong_gradient
-
-    spec = _spec(*CONFIGS["nested_tp_dp"][:2])
-    coordinate = next(iter(spec.values())).param.mesh.coordinate(rank)
-    params = _params(spec, coordinate, torch.float32)
-    optimizer = _optimizer(list(params.items()), spec)
-
-    def set_grads(step: int) -> None:
-        for name, (grad, addends) in step_grads(torch.float32, SEED, step).items():
-            params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
-
-    return run_with_a_wrong_gradient(optimizer, params, set_grads, "t", (2, 6, 5)) | {"coordinate": coordinate}
-
-
 def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for config in LAYOUT_CONFIGS:
@@ -139,7 +114,7 @@ def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
             out[(config, str(dtype))] = _run_config(rank, config, dtype, HYPER)
     out["eps"] = _run_config(rank, "nested_tp_dp", torch.float64, HYPER_EPS)
     out["resume"] = _run_resume(rank, directory)
-    out["failed"] = _run_failed_step(rank)
+    out["failed"] = run_failed_step(rank, _optimizer, SEED, "t", (2, 6, 5))
     out["dtensor"] = run_dtensor(rank, _optimizer, SEED, DTENSOR_STEPS)
     return out
 
@@ -150,29 +125,10 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def _reference(dtype: torch.dtype, steps: int, hyper: dict = HYPER) -> dict[str, torch.Tensor]:
-    ref = {n: torch.nn.Parameter(t.clone()) for n, t in initial_params(dtype, SEED).items()}
-    optimizer = torch.optim.Adafactor(list(ref.values()), foreach=False, **hyper)
-    for step in range(steps):
-        for name, (grad, _) in step_grads(dtype, SEED, step).items():
-            ref[name].grad = grad.clone()
-        optimizer.step()
-    return {n: p.detach() for n, p in ref.items()}
+    def adafactor(ref: dict) -> list:
+        return [torch.optim.Adafactor(list(ref.values()), foreach=False, **hyper)]
 
-
-def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, label: str) -> None:
-    assert got.shape == want.shape, f"{label}: shape {list(got.shape)} != {list(want.shape)}"
-    if want.numel() == 0:
-        return
-    error = ((got - want).abs().max() / want.abs().max()).item()
-    assert error <= CAME_TOLERANCE[dtype], f"{label}: relative error {error:.3g} against torch.optim.Adafactor"
-
-
-def _check_pieces(case: dict, spec: dict, want: dict, dtype: torch.dtype, label: str) -> None:
-    mesh = next(iter(spec.values())).param.mesh
-    for name, got in case["params"].items():
-        layout = spec[name].param
-        expected = hand_piece(want[name], layout.dims, mesh.shape, case["coordinate"])
-        _assert_close(got, expected, dtype, f"{label} '{name}'")
+    return train_reference(adafactor, dtype, SEED, steps)
 
 
 @pytest.mark.parametrize("config", LAYOUT_CONFIGS)
@@ -185,15 +141,16 @@ def test_adafactor_matches_torch_after_20_steps(ranks: list[dict[str, Any]], con
             if case["idle"]:
                 assert rank not in next(iter(spec.values())).param.mesh.ranks
                 continue
-            _check_pieces(case, spec, want, dtype, f"{config} {dtype} rank {rank}")
+            check_pieces(case, spec, want, dtype, f"{config} {dtype} rank {rank}", AGAINST)
             for planned, ran in case["sum_collectives"]:
                 assert planned == ran, f"{config}: {ran} statistics all-reduces ran, {planned} planned"
 
 
 def test_eps_clipping_and_decay_hyperparameters(ranks: list[dict[str, Any]]) -> None:
     want = _reference(torch.float64, STEPS, HYPER_EPS)
+    spec = _spec(*CONFIGS["nested_tp_dp"][:2])
     for rank, result in enumerate(ranks):
-        _check_pieces(result["eps"], _spec(*CONFIGS["nested_tp_dp"][:2]), want, torch.float64, f"eps rank {rank}")
+        check_pieces(result["eps"], spec, want, torch.float64, f"eps rank {rank}", AGAINST)
 
 
 def test_statistics_are_batched_per_phase(ranks: list[dict[str, Any]]) -> None:
@@ -212,26 +169,17 @@ def test_state_dict_and_checkpoint_resume(ranks: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(ranks):
         case = result["resume"]
         assert case["states"] == ["col_var", "row_var"]
-        _check_pieces(
-            {"params": case["state_dict"], "coordinate": (rank,)}, rows, want, torch.float32, f"state dict {rank}"
-        )
-        _check_pieces(
-            {"params": case["checkpoint"], "coordinate": (rank,)}, cols, want, torch.float32, f"checkpoint {rank}"
-        )
+        for resumed, spec in (("state_dict", rows), ("checkpoint", cols)):
+            pieces = {"params": case[resumed], "coordinate": (rank,)}
+            check_pieces(pieces, spec, want, torch.float32, f"{resumed} rank {rank}", AGAINST)
 
 
 def test_a_failed_step_changes_nothing(ranks: list[dict[str, Any]]) -> None:
-    want = _reference(torch.float32, 8)
-    spec = _spec(*CONFIGS["nested_tp_dp"][:2])
-    for rank, result in enumerate(ranks):
-        case = result["failed"]
-        assert case["message"] is not None and "step 4" in case["message"], case["message"]
-        assert case["unchanged"]
-        _check_pieces(case, spec, want, torch.float32, f"after the failed step, rank {rank}")
+    check_failed_step(ranks, "failed", _reference(torch.float32, 8), "t", AGAINST)
 
 
 def test_dtensor_parameters(ranks: list[dict[str, Any]]) -> None:
     want = _reference(torch.float32, DTENSOR_STEPS)
     spec = _spec(*CONFIGS["dp2_tp2"][:2])
     for rank, result in enumerate(ranks):
-        _check_pieces(result["dtensor"], spec, want, torch.float32, f"DTensor rank {rank}")
+        check_pieces(result["dtensor"], spec, want, torch.float32, f"DTensor rank {rank}", AGAINST)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from runtime.testing import attempt, run_ranks
+from tests.failed_step import snapshot, unchanged_since
 from tests.test_step_agreement_dist import _backward, _params, _spec
 
 TIMEOUT = 30
@@ -40,11 +41,11 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
     buckets.start_move = fails_to_start
     try:
-        before = {n: p.detach().clone() for n, p in params.items()}
-        states = optimizer.state_dict()
+        saved = snapshot(optimizer, params)
+        before = saved[0]
         failed = attempt(lambda: (_backward(params, rank, 0), optimizer.step()))
         unchanged = all(torch.equal(before[n], p) for n, p in params.items())
-        states_unchanged = repr(states) == repr(optimizer.state_dict())
+        states_unchanged = unchanged_since(saved, optimizer, params)  # steps and every state's values
     finally:
         buckets.start_move = start
     optimizer.zero_grad()

@@ -321,12 +321,18 @@ def test_a_data_folder_linked_outside_the_checkpoint_is_refused(tmp_path: Path) 
     _both_refuse(directory, f"{data}: the data folder is a link to {outside}, outside the checkpoint")
 
 
-def test_a_rank_file_linked_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
-    directory = tmp_path / "ckpt"
+def _saved_with_its_rank_file_moved(directory: Path, to: Path) -> Path:
+    """A checkpoint of ``_weight()`` saved to ``directory``, its rank file then moved ``to``:
+    where that file was."""
     checkpoint.save(directory, _whole(_weight()))
     rank_file = _rank_file(directory)
-    outside = tmp_path / "stolen.bin"
-    shutil.move(rank_file, outside)
+    shutil.move(rank_file, to)
+    return rank_file
+
+
+def test_a_rank_file_linked_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    directory, outside = tmp_path / "ckpt", tmp_path / "stolen.bin"
+    rank_file = _saved_with_its_rank_file_moved(directory, outside)
     rank_file.symlink_to(outside)
     _both_refuse(directory, f"{rank_file}: the rank file is a link to {outside}, outside the checkpoint")
     (directory / "metadata.json").rename(tmp_path / "metadata.json")
@@ -336,10 +342,8 @@ def test_a_rank_file_linked_outside_the_checkpoint_is_refused(tmp_path: Path) ->
 
 def test_links_inside_the_checkpoint_are_followed(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
-    checkpoint.save(directory, _whole(_weight()))
-    rank_file = _rank_file(directory)
     kept = directory / "kept.bin"
-    shutil.move(rank_file, kept)
+    rank_file = _saved_with_its_rank_file_moved(directory, kept)
     rank_file.symlink_to(os.path.relpath(kept, rank_file.parent))
     target = _whole(torch.zeros(ROWS, COLS))
     checkpoint.load(directory, target)

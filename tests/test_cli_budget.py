@@ -4,6 +4,7 @@ sets the budget of a pair's plan, or of each pair in a spec file's step plan."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from tests.cli_support import no_traceback, run
@@ -18,6 +19,16 @@ tensor w : bf16[4096, 64] {
   state = S(tp,dp),R over world
 }
 """
+
+
+def refused(*args: str) -> subprocess.CompletedProcess[str]:
+    """``shardlang ARGS``, which must exit 1 without a traceback."""
+    result = run(*args)
+    no_traceback(result)
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    return result
+
+
 SAME_MESH = ["S0,S1 over mesh[2,2]", "S1,S0 over mesh[2,2]"]
 CROSS = ["S0,S1 over mesh[2,2]", "S0,R over mesh[4] ranks 4..7"]
 
@@ -44,18 +55,15 @@ def test_max_states_is_the_budget_of_a_pair() -> None:
     assert small.stdout == run("plan", *SAME_MESH, "--shape", "8x8", "--max-states", "10").stdout
     assert "point_to_point" in run("plan", *SAME_MESH, "--shape", "8x8", "--p2p").stdout
     # two meshes: point to point or nothing; the error names the budget given
-    refused = run("plan", *CROSS, "--shape", "8x8", "--max-states", "3")
-    no_traceback(refused)
-    assert refused.returncode == 1 and "max_states=3" in refused.stderr
+    assert "max_states=3" in refused("plan", *CROSS, "--shape", "8x8", "--max-states", "3").stderr
     assert run("plan", *CROSS, "--shape", "8x8", "--max-states", "100000").returncode == 0
 
 
 def test_max_states_is_the_budget_of_each_pair_of_a_spec_file(tmp_path: Path) -> None:
     spec = tmp_path / "big.shard"
     spec.write_text(BIG)
-    refused = run("plan", str(spec), "--max-states", "1")
-    no_traceback(refused)
-    assert refused.returncode == 1 and "tensor 'w':" in refused.stderr and "max_states=1 " in refused.stderr
+    said = refused("plan", str(spec), "--max-states", "1").stderr
+    assert "tensor 'w':" in said and "max_states=1 " in said
     # --p2p falls back to the collective plan only where that fits the budget; here it does not
     assert run("plan", str(spec), "--max-states", "1", "--p2p").returncode == 1
     assert run("plan", str(spec), "--max-states", "100000").stdout == run("plan", str(spec)).stdout
@@ -68,9 +76,8 @@ def test_max_states_refuses_nonsense() -> None:
 
 def test_explain_takes_the_budget_its_error_names() -> None:
     """Every command whose error says to raise max_states takes --max-states: explain too."""
-    refused = run("explain", *CROSS, "--shape", "8x8", "--max-states", "3")
-    no_traceback(refused)
-    assert refused.returncode == 1 and "max_states=3" in refused.stderr and "--max-states" in refused.stderr
+    said = refused("explain", *CROSS, "--shape", "8x8", "--max-states", "3").stderr
+    assert "max_states=3" in said and "--max-states" in said
     assert run("explain", *CROSS, "--shape", "8x8", "--max-states", "100000").returncode == 0
 
 
@@ -78,8 +85,7 @@ def test_check_takes_the_budget_its_error_names(tmp_path: Path) -> None:
     """check plans every tensor's step, so its budget errors say to raise --max-states: it takes it."""
     spec = tmp_path / "big.shard"
     spec.write_text(BIG)
-    refused = run("check", str(spec), "--max-states", "1")
-    no_traceback(refused)
-    assert refused.returncode == 1 and "max_states=1 " in refused.stdout + refused.stderr
-    assert "--max-states" in refused.stdout + refused.stderr
+    result = refused("check", str(spec), "--max-states", "1")
+    said = result.stdout + result.stderr
+    assert "max_states=1 " in said and "--max-states" in said
     assert run("check", str(spec), "--max-states", "100000").returncode == 0

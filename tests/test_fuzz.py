@@ -41,6 +41,15 @@ VALID_LAYOUTS = [
     "S(tp), R | P(dp):avg over world",
 ]
 WORLD = parse_spec(SMALL_SPEC).mesh("world")
+# Valid text whose values would exhaust memory or time if taken literally.
+HUGE_INPUTS = [
+    "tensor a.{0..99999999}.{0..99999} : f32[4] { param = S0 over mesh[2] }",
+    'rule "x.{0..9999999999}" { param = R over mesh[2] }',
+    "tensor a : f32[4] { param = S0 over mesh[100000,100000] }",
+    "tensor a : f32[4] { param = S0 over mesh[2] ranks 0..99999999999 }",
+    "tensor a : f32[" + "9" * 5000 + "] { param = S0 over mesh[2] }",
+    "mesh w = [2] latency 9e99999999999999999999999ms",
+]
 
 # Pieces of the language, so that random sequences get past the first token.
 TOKENS = [
@@ -145,19 +154,10 @@ def test_mutated_layouts(text: str) -> None:
 
 
 def test_huge_inputs_fail_fast() -> None:
-    # Values that are valid text but would exhaust memory or time if taken literally: each is
-    # refused holding under a megabyte at its peak (a list of the first million names alone
-    # would hold tens of megabytes); bench/bench_planner_budget.py times them.
-    cases = [
-        "tensor a.{0..99999999}.{0..99999} : f32[4] { param = S0 over mesh[2] }",
-        'rule "x.{0..9999999999}" { param = R over mesh[2] }',
-        "tensor a : f32[4] { param = S0 over mesh[100000,100000] }",
-        "tensor a : f32[4] { param = S0 over mesh[2] ranks 0..99999999999 }",
-        "tensor a : f32[" + "9" * 5000 + "] { param = S0 over mesh[2] }",
-        "mesh w = [2] latency 9e99999999999999999999999ms",
-    ]
+    # Each of HUGE_INPUTS is refused holding under a megabyte at its peak (a list of the first
+    # million names alone would hold tens of megabytes); bench/bench_planner_budget.py times them.
     parse_spec(SMALL_SPEC)  # the parser built before memory is counted
-    for text in cases:
+    for text in HUGE_INPUTS:
         tracemalloc.start()
         try:
             parse_spec(text)

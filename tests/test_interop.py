@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -33,6 +34,14 @@ from tests.test_language import layouts, meshes
 M22 = Mesh(shape=(2, 2))
 M222 = Mesh(shape=(2, 2, 2))
 DPTP = Mesh(shape=(2, 2), axis_names=("dp", "tp"))
+
+
+def refused(words: str, convert: Callable[..., object], *args: object) -> str:
+    """``convert(*args)`` raises an InteropError whose message holds ``words``: that message."""
+    with pytest.raises(InteropError) as caught:
+        convert(*args)
+    assert words in caught.value.message
+    return caught.value.message
 
 
 # --- DTensor -------------------------------------------------------------------------------
@@ -75,10 +84,7 @@ def test_dtensor_negative_shard_dims_count_from_the_end() -> None:
     ],
 )
 def test_what_dtensor_placements_cannot_express(text: str, words: str) -> None:
-    layout = parse_layout(text)
-    with pytest.raises(InteropError) as caught:
-        to_dtensor_placements(layout)
-    assert words in caught.value.message
+    refused(words, to_dtensor_placements, parse_layout(text))
 
 
 def test_the_mixes_we_refuse_are_the_ones_dtensor_refuses() -> None:
@@ -107,10 +113,8 @@ def test_the_mixes_we_refuse_are_the_ones_dtensor_refuses() -> None:
     ],
 )
 def test_placements_shardlang_cannot_read(placements: tuple, ndim: int, mesh: Mesh, words: str) -> None:
-    with pytest.raises(InteropError) as caught:
-        from_dtensor_placements(placements, ndim, mesh)
-    assert words in caught.value.message
-    assert "DTensor placements" in caught.value.message
+    message = refused(words, from_dtensor_placements, placements, ndim, mesh)
+    assert "DTensor placements" in message
 
 
 def dtensor_expressible(layout: Layout) -> bool:
@@ -280,9 +284,7 @@ def test_paddle_accepts_numpy_integers() -> None:
     ],
 )
 def test_what_paddle_cannot_express(text: str, words: str) -> None:
-    with pytest.raises(InteropError) as caught:
-        to_paddle(parse_layout(text))
-    assert words in caught.value.message
+    refused(words, to_paddle, parse_layout(text))
 
 
 @pytest.mark.parametrize(
@@ -302,9 +304,7 @@ def test_what_paddle_cannot_express(text: str, words: str) -> None:
     ],
 )
 def test_paddle_attrs_shardlang_cannot_read(dims_mapping: list, partial_status: dict | None, words: str) -> None:
-    with pytest.raises(InteropError) as caught:
-        from_paddle(dims_mapping, M22, partial_status)
-    assert words in caught.value.message
+    refused(words, from_paddle, dims_mapping, M22, partial_status)
 
 
 # --- ColossalAI -----------------------------------------------------------------------------
@@ -334,9 +334,7 @@ def test_colossalai_both_ways(text: str, sequence: list[str]) -> None:
     ],
 )
 def test_what_colossalai_cannot_express(text: str, words: str) -> None:
-    with pytest.raises(InteropError) as caught:
-        to_colossalai(parse_layout(text))
-    assert words in caught.value.message
+    refused(words, to_colossalai, parse_layout(text))
 
 
 @pytest.mark.parametrize(
@@ -353,9 +351,7 @@ def test_what_colossalai_cannot_express(text: str, words: str) -> None:
     ],
 )
 def test_sequences_shardlang_cannot_read(sequence: object, words: str) -> None:
-    with pytest.raises(InteropError) as caught:
-        from_colossalai(sequence, M22)  # type: ignore[arg-type]
-    assert words in caught.value.message
+    refused(words, from_colossalai, sequence, M22)
 
 
 # --- every conversion, on generated layouts ---------------------------------------------------

@@ -21,17 +21,18 @@ import torch
 from planner.owners import Matrix, newton_schulz_flops, owner_load_bound, place_matrices
 from runtime.testing import run_ranks
 from shardlang import parse_layout
+from tests.failed_step import check_failed_step, run_failed_step
 from tests.optim_support import (
-    CAME_TOLERANCE,
     CONFIGS,
     OWN_STATES,
     STEPS,
     _spec,
-    hand_piece,
+    check_pieces,
     initial_params,
-    local_grad,
+    local_params,
     run_dtensor,
-    step_grads,
+    set_local_grads,
+    train_reference,
 )
 
 MUON = {"lr": 2e-2, "weight_decay": 0.1, "momentum": 0.9}
@@ -52,6 +53,7 @@ def _dtypes(config: str) -> tuple[torch.dtype, ...]:
 
 DTENSOR_STEPS = 10
 SEED = 23
+AGAINST = "torch.optim.Muon and AdamW"
 
 
 def _optimizer(named: list, spec: Any, placement: str, muon: dict = MUON, **options: Any) -> Any:
@@ -59,20 +61,6 @@ def _optimizer(named: list, spec: Any, placement: str, muon: dict = MUON, **opti
 
     adamw = {f"adamw_{k}": v for k, v in ADAMW.items()}
     return ShardedMuon(named, spec, placement=placement, **muon, **adamw, **options)
-
-
-def _params(spec: dict, coordinate: tuple[int, ...], dtype: torch.dtype, values: dict | None = None) -> dict:
-    mesh = next(iter(spec.values())).param.mesh
-    full = initial_params(dtype, SEED) if values is None else values
-    return {
-        n: torch.nn.Parameter(hand_piece(t, spec[n].param.dims, mesh.shape, coordinate).clone())
-        for n, t in full.items()
-    }
-
-
-def _set_grads(params: dict, spec: dict, coordinate: tuple[int, ...], dtype: torch.dtype, step: int) -> None:
-    for name, (grad, addends) in step_grads(dtype, SEED, step).items():
-        params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
 
 
 def _run_config(rank: int, config: str, dtype: torch.dtype, placement: str, muon: dict = MUON) -> dict[str, Any]:
@@ -86,11 +74,11 @@ def _run_config(rank: int, config: str, dtype: torch.dtype, placement: str, muon
         _optimizer(list(params.items()), spec, placement, muon, flat_axis=flat_axis, idle_ranks=True).step()
         return {"idle": True}
     coordinate = the_mesh.coordinate(rank)
-    params = _params(spec, coordinate, dtype)
+    params = local_params(spec, coordinate, dtype, SEED)
     optimizer = _optimizer(list(params.items()), spec, placement, muon, flat_axis=flat_axis)
     traffic = []
     for step in range(STEPS):
-        _set_grads(params, spec, coordinate, dtype, step)
+        set_local_grads(params, spec, coordinate, dtype, SEED, step)
         planned = optimizer.planned_traffic()
         with runtime.recording() as log:
             optimizer.step()
@@ -112,10 +100,10 @@ def _run_resume(rank: int, directory: Path) -> dict[str, Any]:
 
     rows, cols = _spec(*CONFIGS["zero_rows"][:2]), _spec(*CONFIGS["tp_col"][:2])
     coordinate, dtype = (rank,), torch.float32
-    params = _params(rows, coordinate, dtype)
+    params = local_params(rows, coordinate, dtype, SEED)
     first = _optimizer(list(params.items()), rows, "owner")
     for step in range(STEPS // 2):
-        _set_grads(params, rows, coordinate, dtype, step)
+        set_local_grads(params, rows, coordinate, dtype, SEED, step)
         first.step()
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)
@@ -125,13 +113,13 @@ def _run_resume(rank: int, directory: Path) -> dict[str, Any]:
     resumed = _optimizer(list(copies.items()), rows, "owner")
     resumed.load_state_dict(torch.load(buffer, weights_only=False))
     zeros = {n: torch.zeros_like(t) for n, t in initial_params(dtype, SEED).items()}
-    moved = _params(cols, coordinate, dtype, zeros)
+    moved = local_params(cols, coordinate, dtype, SEED, zeros)
     other = _optimizer(list(moved.items()), cols, "gather")
     checkpoint.load(directory, optimizer=other)
     for step in range(STEPS // 2, STEPS):
-        _set_grads(copies, rows, coordinate, dtype, step)
+        set_local_grads(copies, rows, coordinate, dtype, SEED, step)
         resumed.step()
-        _set_grads(moved, cols, coordinate, dtype, step)
+        set_local_grads(moved, cols, coordinate, dtype, SEED, step)
         other.step()
     states = first.state_dict()["tensors"]
     return {
@@ -141,30 +129,15 @@ def _run_resume(rank: int, directory: Path) -> dict[str, Any]:
     }
 
 
-def _run_failed_step(rank: int) -> dict[str, Any]:
-    """A gradient of the wrong shape at step 4: that step raises everywhere and changes nothing."""
-    from tests.failed_step import run_with_a_wrong_gradient
-
-    spec = _spec(*CONFIGS["nested_tp_dp"][:2])
-    coordinate = next(iter(spec.values())).param.mesh.coordinate(rank)
-    params = _params(spec, coordinate, torch.float32)
-    optimizer = _optimizer(list(params.items()), spec, "owner")
-
-    def set_grads(step: int) -> None:
-        _set_grads(params, spec, coordinate, torch.float32, step)
-
-    return run_with_a_wrong_gradient(optimizer, params, set_grads, "w", (3, 24)) | {"coordinate": coordinate}
-
-
 def _run_disagreeing_placements(rank: int) -> dict[str, Any]:
     """Rank 0 gathers every matrix, the others give each an owner: the step fails on every
     rank, naming the ranks, and changes nothing (instead of waiting on messages never sent)."""
     from runtime.errors import PlanMismatchError
 
     spec = _spec(*CONFIGS["zero_rows"][:2])
-    params = _params(spec, (rank,), torch.float32)
+    params = local_params(spec, (rank,), torch.float32, SEED)
     optimizer = _optimizer(list(params.items()), spec, "gather" if rank == 0 else "owner", timeout=60)
-    _set_grads(params, spec, (rank,), torch.float32, 0)
+    set_local_grads(params, spec, (rank,), torch.float32, SEED, 0)
     before = {n: p.detach().clone() for n, p in params.items()}
     message = None
     try:
@@ -174,7 +147,7 @@ def _run_disagreeing_placements(rank: int) -> dict[str, Any]:
     return {"message": message, "unchanged": all(torch.equal(before[n], p) for n, p in params.items())}
 
 
-def _dtensor_optimizer(named: list, spec: Any) -> Any:
+def _owner_optimizer(named: list, spec: Any) -> Any:
     return _optimizer(named, spec, "owner")
 
 
@@ -186,9 +159,9 @@ def all_cases(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
                 out[(config, str(dtype), placement)] = _run_config(rank, config, dtype, placement)
     out["other"] = _run_config(rank, "dp2_tp2", torch.float64, "auto", MUON | OTHER)
     out["resume"] = _run_resume(rank, directory)
-    out["failed"] = _run_failed_step(rank)
+    out["failed"] = run_failed_step(rank, _owner_optimizer, SEED, "w", (3, 24))
     out["disagree"] = _run_disagreeing_placements(rank)
-    out["dtensor"] = run_dtensor(rank, _dtensor_optimizer, SEED, DTENSOR_STEPS)
+    out["dtensor"] = run_dtensor(rank, _owner_optimizer, SEED, DTENSOR_STEPS)
     return out
 
 
@@ -199,33 +172,18 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 def _reference(dtype: torch.dtype, steps: int, muon: dict = MUON) -> dict[str, torch.Tensor]:
     """torch.optim.Muon on the 2-d tensors, torch.optim.AdamW on the others, on one thread."""
-    ref = {n: torch.nn.Parameter(t.clone()) for n, t in initial_params(dtype, SEED).items()}
-    matrices = [p for p in ref.values() if p.ndim == 2]
-    others = [p for p in ref.values() if p.ndim != 2]
-    optimizers = [torch.optim.Muon(matrices, **muon), torch.optim.AdamW(others, foreach=False, **ADAMW)]
+
+    def muon_and_adamw(ref: dict) -> list:
+        matrices = [p for p in ref.values() if p.ndim == 2]
+        others = [p for p in ref.values() if p.ndim != 2]
+        return [torch.optim.Muon(matrices, **muon), torch.optim.AdamW(others, foreach=False, **ADAMW)]
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for step in range(steps):
-            for name, (grad, _) in step_grads(dtype, SEED, step).items():
-                ref[name].grad = grad.clone()
-            for optimizer in optimizers:
-                optimizer.step()
+        return train_reference(muon_and_adamw, dtype, SEED, steps)
     finally:
         torch.set_num_threads(threads)
-    return {n: p.detach() for n, p in ref.items()}
-
-
-def _check_pieces(case: dict, spec: dict, want: dict, dtype: torch.dtype, label: str) -> None:
-    mesh = next(iter(spec.values())).param.mesh
-    for name, got in case["params"].items():
-        layout = spec[name].param
-        expected = hand_piece(want[name], layout.dims, mesh.shape, case["coordinate"])
-        assert got.shape == expected.shape, f"{label} '{name}': shape {list(got.shape)} != {list(expected.shape)}"
-        if expected.numel() == 0:
-            continue
-        error = ((got - expected).abs().max() / expected.abs().max()).item()
-        assert error <= CAME_TOLERANCE[dtype], f"{label} '{name}': relative error {error:.3g} against torch"
 
 
 @pytest.mark.parametrize("config", LAYOUT_CONFIGS)
@@ -242,7 +200,7 @@ def test_muon_matches_torch_after_20_steps_with_gathers_and_with_owners(
                 if case["idle"]:
                     assert rank not in mesh.ranks
                     continue
-                _check_pieces(case, spec, want, dtype, f"{config} {dtype} {placement} rank {rank}")
+                check_pieces(case, spec, want, dtype, f"{config} {dtype} {placement} rank {rank}", AGAINST)
                 owners = set(case["owners"].values())
                 if placement == "gather" or mesh.size == 1:
                     assert owners == {None}, f"{config}: {case['owners']}"
@@ -272,7 +230,7 @@ def test_other_hyperparameters_and_auto_placement(ranks: list[dict[str, Any]]) -
     want = _reference(torch.float64, STEPS, muon)
     spec = _spec(*CONFIGS["dp2_tp2"][:2])
     for rank, result in enumerate(ranks):
-        _check_pieces(result["other"], spec, want, torch.float64, f"other rank {rank}")
+        check_pieces(result["other"], spec, want, torch.float64, f"other rank {rank}", AGAINST)
 
 
 def test_state_dict_and_checkpoint_resume(ranks: list[dict[str, Any]]) -> None:
@@ -281,8 +239,9 @@ def test_state_dict_and_checkpoint_resume(ranks: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(ranks):
         case = result["resume"]
         assert case["states"] == {"w": ["momentum_buffer"], "b": ["exp_avg", "exp_avg_sq"]}
-        _check_pieces({"params": case["state_dict"], "coordinate": (rank,)}, rows, want, torch.float32, "state dict")
-        _check_pieces({"params": case["checkpoint"], "coordinate": (rank,)}, cols, want, torch.float32, "checkpoint")
+        for resumed, spec in (("state_dict", rows), ("checkpoint", cols)):
+            pieces = {"params": case[resumed], "coordinate": (rank,)}
+            check_pieces(pieces, spec, want, torch.float32, f"{resumed} rank {rank}", AGAINST)
 
 
 def test_ranks_that_place_the_matrices_apart_fail_the_step_and_change_nothing(ranks: list[dict[str, Any]]) -> None:
@@ -294,13 +253,7 @@ def test_ranks_that_place_the_matrices_apart_fail_the_step_and_change_nothing(ra
 
 
 def test_a_failed_step_changes_nothing(ranks: list[dict[str, Any]]) -> None:
-    want = _reference(torch.float32, 8)
-    spec = _spec(*CONFIGS["nested_tp_dp"][:2])
-    for rank, result in enumerate(ranks):
-        case = result["failed"]
-        assert case["message"] is not None and "step 4" in case["message"], case["message"]
-        assert case["unchanged"]
-        _check_pieces(case, spec, want, torch.float32, f"after the failed step, rank {rank}")
+    check_failed_step(ranks, "failed", _reference(torch.float32, 8), "w", AGAINST)
 
 
 # --- the owner choice, without ranks ---------------------------------------------------
@@ -351,4 +304,4 @@ def test_dtensor_parameters(ranks: list[dict[str, Any]]) -> None:
     want = _reference(torch.float32, DTENSOR_STEPS)
     spec = _spec(*CONFIGS["dp2_tp2"][:2])
     for rank, result in enumerate(ranks):
-        _check_pieces(result["dtensor"], spec, want, torch.float32, f"DTensor rank {rank}")
+        check_pieces(result["dtensor"], spec, want, torch.float32, f"DTensor rank {rank}", AGAINST)

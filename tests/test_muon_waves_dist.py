@@ -11,7 +11,6 @@ step of the same spec gives what the step around the math makes.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from runtime.measure.storages import storage_bytes
 from runtime.testing import run_ranks
 from shardlang import parse_layout
 from shardlang.spec import Layouts
+from tests.live_storages import LiveStorages
 from tests.optim_support import CAME_TOLERANCE
 
 SHAPES = {f"w{i}": (64, 128) for i in range(24)} | {"uneven": (66, 128), "bias": (384,)}
@@ -34,28 +34,15 @@ ADAMW = {"lr": 1e-2, "weight_decay": 0.05, "betas": (0.9, 0.99)}
 
 
 class _Alive(TorchDispatchMode):
-    """The most bytes of storages made by ops under the mode and alive at once."""
+    """The most bytes of storages made by ops under the mode and alive at once (``live.peak``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.tensors: dict[int, tuple[int, list[weakref.ref]]] = {}  # storage address: bytes, its tensors
-        self.peak = 0
+        self.live = LiveStorages()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                nbytes, refs = self.tensors.setdefault(storage.data_ptr(), (storage.nbytes(), []))
-                refs.append(weakref.ref(t))
-        live = 0
-        for address, (nbytes, refs) in list(self.tensors.items()):
-            refs[:] = [r for r in refs if r() is not None]
-            if refs:
-                live += nbytes
-            else:
-                del self.tensors[address]
-        self.peak = max(self.peak, live)
+        self.live.note(out)
         return out
 
 
@@ -112,7 +99,7 @@ def _run(rank: int, world_size: int, placement: str | None) -> dict[str, Any]:
     waves = 0 if matrices is None else sum(b.stage == TO for b in matrices.buckets)
     return {
         "params": {n: p.detach().clone() for n, p in params.items()},
-        "peak": alive.peak,
+        "peak": alive.live.peak,
         "waves": waves,
         "held": sum(storage_bytes(optimizer, skip).values()),
         "counted": counted,

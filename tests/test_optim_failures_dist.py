@@ -2,7 +2,8 @@
 fails changes no parameter or state on any rank and names the tensor, ranks that disagree on
 the buckets or fail after their last collective refuse the step everywhere, a spec over fewer
 ranks is refused where it would idle, and a nonfinite gradient skips the step on every rank.
-The cases' data and references are tests/optim_support.py's.
+The cases' data and references are tests/optim_support.py's, the step given a gradient of the
+wrong shape tests/failed_step.py's (the other optimizers' tests run it too).
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import pytest
 import torch
 
 from runtime.testing import run_ranks
+from tests.failed_step import check_failed_step, run_failed_step, snapshot, unchanged_since
 from tests.optim_support import (
     ADAMW,
     CAME,
     DP4,
     MLP_SPEC,
     SHAPES,
-    _assert_close,
     _optimizer,
+    _reference_run,
     _spec,
     _zero_rows,
     failed_step,
@@ -30,39 +32,8 @@ from tests.optim_support import (
     local_grad,
     mlp,
     mlp_batches,
-    reference,
     step_grads,
 )
-
-
-def _run_failed_step(rank: int, seed: int) -> dict[str, Any]:
-    """A gradient of the wrong shape fails one step: that step changes nothing, and the run
-    then goes on as if it had not been attempted."""
-    from runtime.optim import OptimizerStepError
-
-    spec = _spec(DP4, _zero_rows)
-    coordinate = (rank,)
-    params = {n: torch.nn.Parameter(t) for n, t in initial_params(torch.float32, seed).items()}
-    optimizer = _optimizer("came", list(params.items()), spec)
-    message = None
-    for step in range(10):
-        for name, (grad, addends) in step_grads(torch.float32, seed, step).items():
-            params[name].grad = local_grad(grad, addends, spec[name].grad, coordinate)
-        if step == 3:
-            good = params["t"].grad.clone()
-            params["t"].grad.data = torch.zeros(4, 6, 4)  # as a faulty gradient hook might leave it
-            saved_params = {n: p.detach().clone() for n, p in params.items()}
-            saved_states = optimizer.state_dict()
-            try:
-                optimizer.step()
-            except OptimizerStepError as e:
-                message = str(e)
-            unchanged = all(torch.equal(saved_params[n], params[n]) for n in SHAPES) and _same_states(
-                saved_states, optimizer.state_dict()
-            )
-            params["t"].grad = good
-        optimizer.step()
-    return {"message": message, "unchanged": unchanged, "params": {n: p.detach().clone() for n, p in params.items()}}
 
 
 def _run_mismatched_buckets(rank: int, seed: int) -> dict[str, Any]:
@@ -115,19 +86,6 @@ def _run_smaller_mesh(rank: int) -> tuple[str, str, float]:
     return attempt(lambda: _optimizer("adamw", list(params.items()), spec))
 
 
-def _same_states(a: dict, b: dict) -> bool:
-    if a["tensors"].keys() != b["tensors"].keys():
-        return False
-    for name, entry in a["tensors"].items():
-        other = b["tensors"][name]
-        if entry["step"] != other["step"]:
-            return False
-        for state, record in entry["states"].items():
-            if not torch.equal(record["tensor"], other["states"][state]["tensor"]):
-                return False
-    return True
-
-
 def _run_nonfinite(rank: int, seed: int) -> dict[str, Any]:
     """A NaN in one rank's gradient at step 3: every rank skips that step, and only that one."""
     from shardlang import parse_spec
@@ -151,10 +109,14 @@ def _run_nonfinite(rank: int, seed: int) -> dict[str, Any]:
     return {"skipped": skipped, "unchanged": unchanged, "steps": steps}
 
 
+def _came(named: list, spec: Any) -> Any:
+    return _optimizer("came", named, spec)
+
+
 def all_cases(rank: int, world_size: int) -> dict[str, Any]:
     """Every case of this module on this rank."""
     return {
-        "failed_step": _run_failed_step(rank, seed=11),
+        "failed_step": run_failed_step(rank, _came, 11, "t", (4, 6, 4), config="zero_rows", steps=10),
         "mismatched_buckets": _run_mismatched_buckets(rank, seed=13),
         "nonfinite": _run_nonfinite(rank, seed=15),
         "smaller_mesh": _run_smaller_mesh(rank),
@@ -169,18 +131,8 @@ def ranks() -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_a_failed_step_changes_nothing_and_names_the_tensor(ranks: list[dict[str, Any]]) -> None:
-    ref, optimizer = reference("came", initial_params(torch.float32, 11), CAME)
-    for step in range(10):
-        for name, (grad, _) in step_grads(torch.float32, 11, step).items():
-            ref[name].grad = grad.clone()
-        optimizer.step()
-    want = {n: p.detach() for n, p in ref.items()}
-    for rank, result in enumerate(ranks):
-        case = result["failed_step"]
-        assert case["message"] is not None and "'t'" in case["message"], case["message"]
-        assert case["unchanged"]
-        for name, got in case["params"].items():
-            _assert_close("came", torch.float32, got, want[name], f"after the failed step, rank {rank} '{name}'")
+    want = _reference_run("came", torch.float32, 11, 10, CAME)
+    check_failed_step(ranks, "failed_step", want, "t", "came_pytorch", config="zero_rows")
 
 
 @pytest.mark.slow
@@ -237,13 +189,12 @@ def _peer_dies(rank: int, world_size: int) -> dict[str, Any]:
         if step == 1 and rank == 1:
             os._exit(0)
         if step == 1:
-            saved = ({n: p.detach().clone() for n, p in params.items()}, optimizer.state_dict())
+            saved = snapshot(optimizer, params)
             started = time.perf_counter()
             try:
                 optimizer.step()
             except OptimizerStepError as e:
-                unchanged = all(torch.equal(saved[0][n], params[n]) for n in SHAPES)
-                unchanged = unchanged and _same_states(saved[1], optimizer.state_dict())
+                unchanged = unchanged_since(saved, optimizer, params)
                 return {"message": str(e), "seconds": time.perf_counter() - started, "unchanged": unchanged}
             return {"message": None}
         optimizer.step()

@@ -4,7 +4,8 @@ step around them: the gradient hooks under overlap (named after the gradient and
 the overlap agreement, the gradient norm, the math and its phases' sums, the commit flags and,
 with prefetch_params, the gathers' writes in forward (2 gloo ranks; the names are the table's
 of docs/stacks/profiler.md); a step without a profiler builds none. The expected ranges are
-built from the model's tensors and the step plan's buckets, not from the ranges."""
+built from the model's tensors and the step plan's buckets, not from the ranges. The spec is
+examples/profile_step.py's."""
 
 from __future__ import annotations
 
@@ -17,20 +18,8 @@ import torch
 
 from runtime.testing import run_ranks
 from tests.conftest import REPO
+from tests.stack_support import example
 
-SPEC = """
-mesh world = [dp=2]
-rule "*.weight" {
-  param = R,R over world
-  grad  = R,R | P(dp):avg over world
-  state = S(dp),R over world
-}
-rule "*.bias" {
-  param = R over world
-  grad  = R | P(dp):avg over world
-  state = S(dp) over world
-}
-"""
 WIDTH, LAYERS = 16, 3
 
 
@@ -42,7 +31,8 @@ def _run(rank: int, world_size: int, kind: str, options: dict[str, Any]) -> dict
     model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
     make = {"ShardedAdamW": ShardedAdamW, "ShardedAdafactor": ShardedAdafactor}[kind]
     prefetch = options.pop("prefetch_params", False)
-    optimizer = make(model.named_parameters(), shardlang.parse_spec(SPEC), lr=1e-3, **options)
+    spec = shardlang.parse_spec(example("profile_step.py").SPEC)  # ZeRO-2 over [dp=2]
+    optimizer = make(model.named_parameters(), spec, lr=1e-3, **options)
     if prefetch:  # each layer's forward writes its parameters, gathered since the last step
         optimizer.prefetch_params(*model)
     generator = torch.Generator().manual_seed(rank)

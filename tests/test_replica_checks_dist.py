@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from runtime.testing import attempt, run_ranks
+from tests.failed_step import snapshot, unchanged_since
 from tests.golden_blocks import golden_blocks
 
 GOLDEN = Path(__file__).parent / "golden" / "replica_errors.txt"
@@ -54,20 +55,6 @@ def _grads(params: dict[str, torch.nn.Parameter], rank: int, step: int, reduced:
         p.grad = torch.randn(p.shape, generator=generator)
 
 
-def _snapshot(params: dict, optimizer: Any) -> tuple[dict, dict]:
-    return {n: p.detach().clone() for n, p in params.items()}, optimizer.state_dict()["tensors"]
-
-
-def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
-    params = all(torch.equal(a[0][n], b[0][n]) for n in SHAPES)
-    states = a[1].keys() == b[1].keys() and all(
-        a[1][n]["step"] == b[1][n]["step"]
-        and all(torch.equal(s["tensor"], b[1][n]["states"][k]["tensor"]) for k, s in a[1][n]["states"].items())
-        for n in a[1]
-    )
-    return params and states
-
-
 def _run(rank: int, world_size: int) -> dict[str, Any]:
     from runtime.optim import ShardedAdamW
 
@@ -88,9 +75,9 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
     params = _params(rank)
     optimizer = ShardedAdamW(list(params.items()), _spec("R"), lr=0.1, timeout=30)
     _grads(params, rank, 0, reduced=False)
-    before = _snapshot(params, optimizer)
+    before = snapshot(optimizer, params)
     out["gradients"] = attempt(optimizer.step)
-    out["gradients, unchanged"] = _same(before, _snapshot(params, optimizer))
+    out["gradients, unchanged"] = unchanged_since(before, optimizer, params)
     _grads(params, rank, 0, reduced=True)
     out["gradients, then reduced"] = attempt(optimizer.step)
     out["gradients, moved"] = not torch.equal(before[0]["w"], params["w"])
@@ -117,9 +104,9 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         saved["tensors"]["b"]["states"]["exp_avg"]["tensor"][2] += 1.0
     _grads(params, rank, 1, reduced=True)
     optimizer.step()
-    before = _snapshot(params, optimizer)
+    before = snapshot(optimizer, params)
     out["states"] = attempt(lambda: optimizer.load_state_dict(saved))
-    out["states, unchanged"] = _same(before, _snapshot(params, optimizer))
+    out["states, unchanged"] = unchanged_since(before, optimizer, params)
     return out
 
 

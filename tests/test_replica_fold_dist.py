@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from runtime.testing import attempt, run_ranks
+from tests.failed_step import snapshot, unchanged_since
 
 SHAPES = {"w": (8, 6), "b": (6,)}
 # name: (mesh, per tensor (param and grad, state), how many classes of replicas the gradients
@@ -98,20 +99,6 @@ def _grads(case: str, params: dict[str, torch.nn.Parameter], rank: int, step: in
         params["w"].grad[1, 2] += 1e-3
 
 
-def _snapshot(params: dict, optimizer: Any) -> tuple[dict, dict]:
-    return {n: p.detach().clone() for n, p in params.items()}, optimizer.state_dict()["tensors"]
-
-
-def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
-    params = all(torch.equal(a[0][n], b[0][n]) for n in SHAPES)
-    states = all(
-        a[1][n]["step"] == b[1][n]["step"]
-        and all(torch.equal(s["tensor"], b[1][n]["states"][k]["tensor"]) for k, s in a[1][n]["states"].items())
-        for n in a[1]
-    )
-    return params and states
-
-
 def _run(rank: int, world_size: int, case: str) -> dict[str, Any]:
     from runtime.optim import ShardedAdamW
 
@@ -131,26 +118,26 @@ def _run(rank: int, world_size: int, case: str) -> dict[str, Any]:
             optimizer.step()
             out[name] = list(calls)
 
+    def perturbed(key: str, params: dict, optimizer: Any, step: int) -> None:
+        """A step whose gradient differs on the last rank: what it raised (``key``), the
+        collectives it called, and whether it changed nothing."""
+        _grads(case, params, rank, step, off_on=world_size - 1)
+        before = snapshot(optimizer, params)
+        del calls[:]
+        out[key] = attempt(optimizer.step)
+        out[f"{key} calls"] = list(calls)
+        out[f"{key}, unchanged"] = unchanged_since(before, optimizer, params)
+
     # One rank's gradient perturbed: refused on every rank, nothing committed, then retried.
     params, optimizer = built["every"]
-    _grads(case, params, rank, 3, off_on=world_size - 1)
-    before = _snapshot(params, optimizer)
-    del calls[:]
-    out["mismatch"] = attempt(optimizer.step)
-    out["mismatch calls"] = list(calls)
-    out["mismatch, unchanged"] = _same(before, _snapshot(params, optimizer))
+    perturbed("mismatch", params, optimizer, 3)
     _grads(case, params, rank, 3)
     out["then equal"] = attempt(optimizer.step)
 
     # No commit flag: the check's own collectives, the same error.
     params = _params(case, rank)
-    optimizer = ShardedAdamW(list(params.items()), spec, lr=0.1, timeout=30, all_ranks_commit=False)
-    _grads(case, params, rank, 0, off_on=world_size - 1)
-    before = _snapshot(params, optimizer)
-    del calls[:]
-    out["no flag"] = attempt(optimizer.step)
-    out["no flag calls"] = list(calls)
-    out["no flag, unchanged"] = _same(before, _snapshot(params, optimizer))
+    without_flag = ShardedAdamW(list(params.items()), spec, lr=0.1, timeout=30, all_ranks_commit=False)
+    perturbed("no flag", params, without_flag, 0)
     return out
 
 

@@ -99,6 +99,13 @@ def ranks() -> list[dict[str, Any]]:
     return run_ranks(_run, 4, timeout=120)
 
 
+def _mismatch(rank: int, got: dict[Any, Any], case: tuple[str, str]) -> str:
+    """What ``case`` raised on ``rank``, which must be a ReplicaMismatchError: its message."""
+    kind, message, _ = got[case]
+    assert kind == "ReplicaMismatchError", (rank, kind, message)
+    return message
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("what", ["parameters", "gradients"])
 def test_equal_replicas_pass_and_split_pieces_are_left_alone(ranks: list, what: str) -> None:
@@ -111,8 +118,7 @@ def test_equal_replicas_pass_and_split_pieces_are_left_alone(ranks: list, what: 
 def test_one_element_off_raises_on_every_rank_naming_tensor_axis_and_ranks(ranks: list) -> None:
     # rank 3 is (dp=1, tp=1): its dp replica is rank 1; ranks 0 and 2 hold the other tp half.
     for rank, got in enumerate(ranks):
-        kind, message, _ = got[("one element", "parameters")]
-        assert kind == "ReplicaMismatchError", (rank, kind, message)
+        message = _mismatch(rank, got, ("one element", "parameters"))
         assert "seed every rank alike" in message, message
         if rank in (1, 3):
             assert "'w' along dp (ranks [1] vs ranks [3] hold different values)" in message, message
@@ -127,6 +133,5 @@ def test_one_element_off_raises_on_every_rank_naming_tensor_axis_and_ranks(ranks
 def test_the_same_elements_in_another_order_differ(ranks: list) -> None:
     # rank 1 swapped two elements of v, which all four ranks replicate (dp and tp).
     for rank, got in enumerate(ranks):
-        kind, message, _ = got[("swapped", "parameters")]
-        assert kind == "ReplicaMismatchError", (rank, kind, message)
+        message = _mismatch(rank, got, ("swapped", "parameters"))
         assert "'v' along dp,tp (ranks [0, 2, 3] vs ranks [1] hold different values)" in message, message

@@ -14,7 +14,6 @@ itself, so at its peak a reshard holds its result and nothing else.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ import planner
 from runtime import reshard
 from runtime.testing import run_ranks
 from shardlang import parse_layout
+from tests.live_storages import LiveStorages
 
 WORLD = 4
 _COPIES = {"aten.copy_.default", "aten.zero_.default", "aten.fill_.Scalar", "aten._foreach_copy_.default"}
@@ -35,14 +35,13 @@ _MADE = {"aten.clone.default", "aten.cat.default", "aten.stack.default", "aten._
 class _Watch(TorchDispatchMode):
     """The elements ops write into buffers (``written``), except while ``paused`` (inside a
     collective), and the most bytes of storages made under the mode and alive at once
-    (``peak``: each storage once while a tensor of it lives; views of the tensors in ``held``,
+    (``live.peak``: each storage once while a tensor of it lives; views of the tensors in ``held``,
     made before, are none)."""
 
     def __init__(self, held: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
-        self.written, self.peak, self.paused = 0, 0, False
-        self._held = {t.untyped_storage().data_ptr() for t in held}
-        self._alive: dict[int, tuple[int, list[weakref.ref]]] = {}  # storage address: bytes, its tensors
+        self.written, self.paused = 0, False
+        self.live = LiveStorages(held)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func)
@@ -52,18 +51,7 @@ class _Watch(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self.paused and name in _MADE:
             self.written += out.numel()
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._held:
-                storage = t.untyped_storage()
-                self._alive.setdefault(storage.data_ptr(), (storage.nbytes(), []))[1].append(weakref.ref(t))
-        live = 0
-        for address, (nbytes, refs) in list(self._alive.items()):
-            refs[:] = [r for r in refs if r() is not None]
-            if refs:
-                live += nbytes
-            else:
-                del self._alive[address]
-        self.peak = max(self.peak, live)
+        self.live.note(out)
         return out
 
 
@@ -102,7 +90,7 @@ def _watched(rank: int, world: int, cases: list[tuple[str, str, tuple[int, ...]]
         watch[:] = [_Watch((piece,))]
         with watch[0]:
             out = reshard(piece, src, dst, global_shape=shape)
-        found.append((watch[0].written, watch[0].peak, out.untyped_storage().nbytes()))
+        found.append((watch[0].written, watch[0].live.peak, out.untyped_storage().nbytes()))
         watch.clear()
         del out
     return found

@@ -19,27 +19,18 @@ import pytest
 import torch
 
 from runtime.testing import run_ranks
-from tests.stack_support import as_torchrun, example, parameters, whole_states
+from tests.stack_support import as_torchrun, example, parameters, trainer_recorder
 
 pytest.importorskip("transformers", reason="the Hugging Face stack is an optional extra: pip install -e '.[hf]'")
 pytest.importorskip("accelerate", reason="the Hugging Face stack is an optional extra: pip install -e '.[hf]'")
 
 
 def _train_on_four(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    from transformers import TrainerCallback
-
     as_torchrun(rank, world_size)
     module = example("train_hf_trainer.py")
-    saved: dict[str, Any] = {}
-
-    class AtSave(TrainerCallback):
-        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            saved[state.global_step] = {
-                "states": whole_states(kwargs["optimizer"]),
-                "lr": kwargs["lr_scheduler"].get_last_lr(),
-            }
-
-    trainer = module.main(["--output-dir", f"{folder}/sharded", "--steps", "3"], callbacks=[AtSave()])
+    saved: dict[int, Any] = {}
+    argv = ["--output-dir", f"{folder}/sharded", "--steps", "3"]
+    trainer = module.main(argv, callbacks=[trainer_recorder(saved, {})])
     reference = module.torch_trainer(f"{folder}/torch", 3)
     reference.train()
     names = [n for n, _ in trainer.model.named_parameters()]
@@ -58,20 +49,11 @@ def _train_on_four(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
 
 def _resume_on_two(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    from transformers import TrainerCallback
-
     as_torchrun(rank, world_size)
     module = example("train_hf_trainer.py")
     resumed: dict[str, Any] = {}
-
-    class AtBegin(TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            resumed["states"] = whole_states(kwargs["optimizer"])
-            resumed["lr"] = kwargs["lr_scheduler"].get_last_lr()
-            resumed["global_step"] = state.global_step
-
     argv = ["--output-dir", f"{folder}/sharded", "--steps", "3", "--resume", f"{folder}/sharded/checkpoint-2"]
-    trainer = module.main(argv, callbacks=[AtBegin()])
+    trainer = module.main(argv, callbacks=[trainer_recorder({}, resumed)])
     params = parameters(trainer.model)
     return resumed | {"finished": trainer.state.global_step, "finite": all(p.isfinite().all() for p in params.values())}
 

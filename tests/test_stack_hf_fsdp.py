@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from runtime.testing import run_ranks
-from tests.stack_support import as_torchrun, example, parameters, whole_states
+from tests.stack_support import as_torchrun, example, parameters, trainer_recorder, whole_states
 
 pytest.importorskip("transformers", reason="the Hugging Face stack is an optional extra: pip install -e '.[hf]'")
 pytest.importorskip("accelerate", reason="the Hugging Face stack is an optional extra: pip install -e '.[hf]'")
@@ -32,25 +32,15 @@ EXAMPLE = "train_hf_trainer_fsdp.py"
 
 
 def _train(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    from transformers import TrainerCallback
-
     from runtime.optim import OptimizerError
     from runtime.testing import attempt
 
     as_torchrun(rank, world_size)
     module = example(EXAMPLE)
     saved: dict[int, Any] = {}
-
-    class AtSave(TrainerCallback):
-        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            saved[state.global_step] = {
-                "states": whole_states(kwargs["optimizer"]),
-                "lr": kwargs["lr_scheduler"].get_last_lr(),
-                "parameters": parameters(kwargs["model"]),
-            }
-
     initial = parameters(module.tiny_gpt2())
-    trainer = module.main(["--output-dir", f"{folder}/sharded", "--steps", "3"], callbacks=[AtSave()])
+    argv = ["--output-dir", f"{folder}/sharded", "--steps", "3"]
+    trainer = module.main(argv, callbacks=[trainer_recorder(saved, {})])
     reference = module.torch_trainer(f"{folder}/torch", 3)
     reference.train()
     # FSDP1: the process's accelerate state (shared) holds the runs' FSDP2 plugin; make it version 1.
@@ -77,22 +67,11 @@ def _train(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
 
 def _resume_on_two(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    from transformers import TrainerCallback
-
     as_torchrun(rank, world_size)
     module = example(EXAMPLE)
     resumed: dict[str, Any] = {}
-
-    class AtBegin(TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            resumed["states"] = whole_states(kwargs["optimizer"])
-            resumed["steps"] = [h.step for h in kwargs["optimizer"].optimizer.held_tensors()]
-            resumed["lr"] = kwargs["lr_scheduler"].get_last_lr()
-            resumed["parameters"] = parameters(kwargs["model"])
-            resumed["global_step"] = state.global_step
-
     argv = ["--output-dir", f"{folder}/sharded", "--steps", "3", "--resume", f"{folder}/sharded/checkpoint-2"]
-    trainer = module.main(argv, callbacks=[AtBegin()])
+    trainer = module.main(argv, callbacks=[trainer_recorder({}, resumed)])
     after = [h.step for h in trainer.optimizer.optimizer.held_tensors()]
     finite = all(p.isfinite().all() for p in parameters(trainer.model).values())
     return resumed | {"finished": trainer.state.global_step, "after": after, "finite": finite}

@@ -22,16 +22,24 @@ def L(text: str):
     return parse_layout(text)
 
 
-def zero2(name: str, shape: tuple[int, ...], mesh: str = DP4) -> StepTensor:
-    replicated = ",".join("R" for _ in shape)
-    rows = ",".join(["S(dp)"] + ["R"] * (len(shape) - 1))
+def step_tensor(
+    name: str, shape: tuple[int, ...], mesh: str, param: str, grad: str, state: str, **options: object
+) -> StepTensor:
+    """A tensor whose param, grad and state layouts are ``param``, ``grad`` and ``state`` over ``mesh``."""
     return StepTensor(
         name=name,
         shape=shape,
-        param=L(f"{replicated} over {mesh}"),
-        grad=L(f"{replicated} | P(dp):avg over {mesh}"),
-        state=L(f"{rows} over {mesh}"),
+        param=L(f"{param} over {mesh}"),
+        grad=L(f"{grad} over {mesh}"),
+        state=L(f"{state} over {mesh}"),
+        **options,
     )
+
+
+def zero2(name: str, shape: tuple[int, ...], mesh: str = DP4) -> StepTensor:
+    replicated = ",".join("R" for _ in shape)
+    rows = ",".join(["S(dp)"] + ["R"] * (len(shape) - 1))
+    return step_tensor(name, shape, mesh, replicated, f"{replicated} | P(dp):avg", rows)
 
 
 def padded_rows_bytes(shape: tuple[int, ...], n: int = 4, itemsize: int = 4) -> int:
@@ -97,13 +105,7 @@ def test_other_dtypes_axes_and_ops_never_share_a_bucket() -> None:
     a = zero2("a", (8, 4), mesh)
     bf16 = attrs.evolve(zero2("b", (8, 4), mesh), grad_dtype="bf16", param_dtype="bf16")
     summed = attrs.evolve(zero2("c", (8, 4), mesh), grad=L(f"R,R | P(dp) over {mesh}"))
-    tp = StepTensor(
-        name="d",
-        shape=(8, 4),
-        param=L(f"R,R over {mesh}"),
-        grad=L(f"R,R | P(tp):avg over {mesh}"),
-        state=L(f"R,S(tp) over {mesh}"),
-    )
+    tp = step_tensor("d", (8, 4), mesh, "R,R", "R,R | P(tp):avg", "R,S(tp)")
     step = plan_step([a, bf16, summed, tp], 0)
     before = [(b.describe(), [step.legs[m.leg].tensor for m in b.members]) for b in step.stage_buckets(BEFORE)]
     assert sorted(before) == [
@@ -123,14 +125,7 @@ def test_other_dtypes_axes_and_ops_never_share_a_bucket() -> None:
 def test_flat_sharding_takes_two_hops_sized_by_the_ranks_base_block() -> None:
     # Base block of 'w' under R,S(tp) on [dp=2, tp=2]: 37 x 12 for every rank; flat over dp: 444 each half.
     mesh = "mesh[dp=2, tp=2]"
-    w = StepTensor(
-        name="w",
-        shape=(37, 25),
-        param=L(f"R,S(tp) over {mesh}"),
-        grad=L(f"R,S(tp) | P(dp):avg over {mesh}"),
-        state=L(f"R,S(tp) over {mesh}"),
-        flat_axis=0,
-    )
+    w = step_tensor("w", (37, 25), mesh, "R,S(tp)", "R,S(tp) | P(dp):avg", "R,S(tp)", flat_axis=0)
     for rank, columns in ((0, 13), (1, 12)):
         step = plan_step([w], rank)
         grad = step.legs_of("w")[0]
@@ -151,15 +146,7 @@ def test_flat_hops_stay_in_the_ranks_flat_group_where_other_axes_are_faster() ->
     # dp among the ranks holding this block, and one all_gather back.
     mesh = "mesh[dp=2, tp=4]"
     cost = planner.CostModel(alpha=(20e-6, 3e-6), bandwidth=(25e9, 300e9))
-    w = StepTensor(
-        name="w",
-        shape=(4096, 1024),
-        param=L(f"S(tp),R over {mesh}"),
-        grad=L(f"S(tp),R | P(dp):avg over {mesh}"),
-        state=L(f"S(tp),R over {mesh}"),
-        flat_axis=0,
-        cost=cost,
-    )
+    w = step_tensor("w", (4096, 1024), mesh, "S(tp),R", "S(tp),R | P(dp):avg", "S(tp),R", flat_axis=0, cost=cost)
     for rank in range(8):
         step = plan_step([w], rank)
         grad, back = step.legs_of("w")[0], step.legs_of("w")[-1]
@@ -193,13 +180,7 @@ def test_a_leg_waits_for_its_earlier_steps_and_kinds_with_more_left_go_first() -
     """On [2,2], 'a' reduces over tp and then scatters over dp, 'b' only scatters over dp: the
     schedule runs a's first step alone, then both scatters in one bucket."""
     mesh = "mesh[dp=2, tp=2]"
-    a = StepTensor(
-        name="a",
-        shape=(8, 8),
-        param=L(f"S(dp),R over {mesh}"),
-        grad=L(f"R,R | P(dp),P(tp) over {mesh}"),
-        state=L(f"S(dp),R over {mesh}"),
-    )
+    a = step_tensor("a", (8, 8), mesh, "S(dp),R", "R,R | P(dp),P(tp)", "S(dp),R")
     b = attrs.evolve(a, name="b", grad=L(f"R,R | P(dp) over {mesh}"))
     step = plan_step([b, a], 0)
     a_ops = [s.op for h in step.legs_of("a")[0].hops for s in h.plan.steps]
@@ -266,20 +247,10 @@ def _matrices_zero2() -> list[StepTensor]:
     """The 2-d tensors of tests/golden/cli_step/zero2.shard, under the default cost model
     (5 us a round, 100 GB/s)."""
     mesh = "mesh[dp=2, tp=2]"
-
-    def tensor(name: str, shape: tuple[int, int], state: str) -> StepTensor:
-        return StepTensor(
-            name=name,
-            shape=shape,
-            param=L(f"R,R over {mesh}"),
-            grad=L(f"R,R over {mesh}"),
-            state=L(f"{state} over {mesh}"),
-        )
-
     return [
-        tensor("qkv", (64, 32), "S(tp,dp),R"),
-        tensor("proj", (32, 64), "S(dp),S(tp)"),
-        tensor("head", (40, 16), "S(tp,dp),R"),
+        step_tensor("qkv", (64, 32), mesh, "R,R", "R,R", "S(tp,dp),R"),
+        step_tensor("proj", (32, 64), mesh, "R,R", "R,R", "S(dp),S(tp)"),
+        step_tensor("head", (40, 16), mesh, "R,R", "R,R", "S(tp,dp),R"),
     ]
 
 

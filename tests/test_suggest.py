@@ -189,13 +189,19 @@ def test_the_command_text_json_output_and_errors(tmp_path: Path, capsys: pytest.
     assert "the smallest budget that fits is" in capsys.readouterr().err
 
 
+def _uneven(tmp_path: Path, *tensors: str) -> Path:
+    """``uneven.shard``: the ``tensors`` (a line each) on [dp=4] at 25 GB/s and 20 us."""
+    path = tmp_path / "uneven.shard"
+    path.write_text("mesh world = [dp=4]  bandwidth 25e9  latency 20us\n" + "".join(f"{t}\n" for t in tensors))
+    return path
+
+
 def test_the_main_job_says_what_suggest_would_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # States split over dim 0 (6 rows on 4 ranks: pieces padded to 2 rows) cost more than over dim 1.
-    path = tmp_path / "uneven.shard"
-    path.write_text(
-        "mesh world = [dp=4]  bandwidth 25e9  latency 20us\n"
+    path = _uneven(
+        tmp_path,
         "tensor t : f32[6, 65536] { param = R,R over world  grad = R,R | P(dp):avg over world "
-        "state = S(dp),R over world }\n"
+        "state = S(dp),R over world }",
     )
     assert main([str(path)]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("suggest:")]
@@ -258,11 +264,10 @@ def test_flat_over_dp_is_offered_where_other_axes_split_the_blocks() -> None:
 
 
 def test_flat_wins_where_pieces_are_padded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "uneven.shard"
-    path.write_text(
-        "mesh world = [dp=4]  bandwidth 25e9  latency 20us\n"
-        "tensor t : f32[6, 10] { param = R,R over world  grad = R,R | P(dp):avg over world }\n"
-        "tensor u : f32[7] { param = R over world  grad = R | P(dp):avg over world }\n"
+    path = _uneven(
+        tmp_path,
+        "tensor t : f32[6, 10] { param = R,R over world  grad = R,R | P(dp):avg over world }",
+        "tensor u : f32[7] { param = R over world  grad = R | P(dp):avg over world }",
     )
     out = tmp_path / "flat.shard"
     budget = ["--memory", "24636", "--loop", "any", "--states-only"]

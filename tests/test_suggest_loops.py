@@ -58,6 +58,9 @@ def test_the_loop_is_inferred_and_every_candidate_runs_in_it(strategy: str, loop
     spec = parse_spec(_spec(strategy))
     (problem, *flat) = build_problems(spec, loop="auto")
     assert problem.loop == loop
+    # The flat problems run the inferred loop and say so (not "given": --loop was not).
+    assert problem.loop_reason != "given"
+    assert all((p.loop, p.loop_reason) == (problem.loop, problem.loop_reason) for p in flat)
     for p in (problem, *flat):
         for group in p.groups:
             for i, c in enumerate(group.candidates):
