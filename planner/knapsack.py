@@ -234,6 +234,14 @@ def _choice(problem: Problem, program: _Program, x: Any) -> Choice:
     picks: list[list[int]] = [[] for _ in problem.groups]
     for (gi, ci), n in zip(program.cells, counts, strict=True):
         picks[gi] += [ci] * int(n)
+    return _evaluated(problem, tuple(map(tuple, picks)))
+
+
+# A solve often ends where an earlier one did (a tie-break that keeps the time solve's choice,
+# suggest_best's second pass): its exact time and memory (a step plan and a memory prediction,
+# the larger part of a solve at scale) are taken once.
+@functools.lru_cache(maxsize=32)
+def _evaluated(problem: Problem, picks: tuple[tuple[int, ...], ...]) -> Choice:
     return problem.evaluate(picks)
 
 
@@ -339,33 +347,46 @@ def suggest(
     smallest budget that fits when none does. The result is never behind, in that order, the
     spec's own layouts or a fixed strategy that fits (each evaluated exactly). ``least`` and
     ``fixed``: :func:`smallest_memory`'s and :func:`fixed_choices`' answers, when the caller
-    has them."""
+    has them; the least memory is found only where no fixed choice fits or a solve falls
+    back to it."""
     started = time.perf_counter()
     fixed = fixed_choices(problem) if fixed is None else tuple(fixed)
-    least = smallest_memory(problem, node_limit, fixed) if least is None else least
-    if least.memory > budget:
-        raise _too_small(budget, least.memory, problem.loop)
+
+    def smallest() -> Choice:  # a solve of its own: taken only where needed
+        nonlocal least
+        if least is None:
+            least = smallest_memory(problem, node_limit, fixed)
+        return least
+
+    # A fixed choice that fits says the least memory fits (it is at most any fixed one's).
+    if not _fits(fixed, budget) and smallest().memory > budget:
+        raise _too_small(budget, smallest().memory, problem.loop)
     limit = budget
-    best, gap, optimal, notes, solved = least, 0.0, False, (), True
+    gap, optimal, notes, solved = 0.0, False, (), True
     instead = "the least-memory choice taken, or a fixed strategy that fits and is faster"
     for _ in range(8):
         try:
             best, gap, optimal, notes = _solve(problem, limit, node_limit, ties)
         except SuggestError as e:  # never silently (docs/reference/suggest.md)
-            best, gap, optimal, notes, solved = least, 0.0, False, (f"{e.message}; {instead}",), False
+            best, gap, optimal, notes, solved = smallest(), 0.0, False, (f"{e.message}; {instead}",), False
         if best.memory <= budget:
             break
         # The program's floats, or its bounds of several buckets by the cap (planner.held),
         # let the prediction exceed: tighten.
         limit -= best.memory - budget
     else:
-        best, gap, optimal, solved = least, 0.0, False, False
+        best, gap, optimal, solved = smallest(), 0.0, False, False
         notes = (f"every solution HiGHS found held more than {budget} bytes; {instead}",)
     for _, other in fixed:
         if other is not None and other.memory <= budget and better(other, best, problem):
             best = other
     took = time.perf_counter() - started
     return Suggestion(problem, budget, best, optimal, gap, took, ((problem, fixed),), solved, notes)
+
+
+def _fits(fixed: Sequence[tuple[str | None, Choice | None]], budget: int) -> bool:
+    """Whether some fixed choice (:func:`fixed_choices`) fits ``budget`` bytes."""
+    return any(c is not None and c.memory <= budget for _, c in fixed)
 
 
 def _too_small(budget: int, least: int, loop: str) -> SuggestError:
@@ -386,18 +407,21 @@ def suggest_best(problems: Sequence[Problem], budget: int, node_limit: int = NOD
     names the smallest budget that fits any of them."""
     started = time.perf_counter()
     fixed = [fixed_choices(p) for p in problems]
-    least = [smallest_memory(p, node_limit, f) for p, f in zip(problems, fixed, strict=True)]
+    # The least memory, where no fixed choice fits (else it fits too: suggest finds it if needed).
+    least = [
+        None if _fits(f, budget) else smallest_memory(p, node_limit, f) for p, f in zip(problems, fixed, strict=True)
+    ]
     fitting: list[Suggestion] = []
     for p, m, f in zip(problems, least, fixed, strict=True):
-        if m.memory > budget:
+        if m is not None and m.memory > budget:
             continue
         # A problem whose least time cannot come within a tie of the fastest found is not
         # solved: its relaxation bounds every choice of it from below, its fixed ones too.
         if fitting and _time_bound(p, budget) > min(r.best.seconds for r in fitting) * (1 + _TIE):
             continue
         fitting.append(suggest(p, budget, node_limit, least=m, ties=False, fixed=f))
-    if not fitting:
-        raise _too_small(budget, min(m.memory for m in least), problems[0].loop)
+    if not fitting:  # then no fixed choice fits: every problem's least memory was found
+        raise _too_small(budget, min(m.memory for m in least if m is not None), problems[0].loop)
     fastest = min(r.best.seconds for r in fitting)
     first = list(fitting)
     # Ties are broken within the problems as fast as the fastest: the others cannot win.
