@@ -10,7 +10,7 @@ tensor uses has a bucket: one row per group, not per candidate, and a tighter re
 n[g,c]`` (``fill``: the buffer a tensor's step puts in the kind's buckets, at most the cap);
 ``planner.held``'s rows; and the held memory, its sums over tensors, its largest buffers and
 its fixed part, at most the budget. Objective: ``sum seconds[g,c] n[g,c] + sum latency[k]
-b[k]``; among choices of that time (within a relative 1e-9), the least memory, then the
+b[k]``; among choices of that time (within a relative 1e-6), the least memory, then the
 fewest tensors changed from the spec's layouts (two more solves, each bounded by the last
 optimum). Every solution's memory is the prediction's (``planner.memory``, what ``shardlang
 suggest`` prints), checked against the budget in whole bytes (the program works in floats,
@@ -264,8 +264,8 @@ def _solve(
     tie is the fastest's, its step plan's need not be (the program counts a kind's buckets as a
     lower bound where the cap cuts it, module doc): a tie the step plan times slower than the
     fastest choice gives way to it. A tie-break's time row leaves few choices feasible, and
-    HiGHS's sub-programs rounding its relaxation find none of them: they are left out (70B on
-    a 4-D mesh of 131,072 ranks: 8 of its 13 s of CPU)."""
+    HiGHS's sub-programs rounding its relaxation find none of them: they are left out
+    (docs/reference/suggest.md)."""
     program = _program(problem)
     limits = [] if budget is None else [_within(program, budget)]
     x, optimal, gap = _fastest(program, budget, node_limit)
