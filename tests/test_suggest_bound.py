@@ -1,6 +1,7 @@
 """``suggest_best`` leaves unsolved a problem whose linear relaxation cannot come within a tie
 of the fastest choice found: the relaxation bounds every choice of it from below, so the
-answer is the one of solving every problem."""
+answer is the one of solving every problem. And it solves for a problem's least memory only
+where no fixed choice fits (one that fits bounds it)."""
 
 from __future__ import annotations
 
