@@ -214,8 +214,8 @@ def _run(
     options: dict[str, Any] = {"mip_rel_gap": 0.0, "node_limit": node_limit, "presolve": True}
     if not sub_mips:  # HiGHS options of its own, which scipy passes on verbatim, with a warning
         options |= {"mip_heuristic_run_rens": False, "mip_heuristic_run_rins": False}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Unrecognized options detected", RuntimeWarning)
+    with warnings.catch_warnings():  # (and a HiGHS too old to know them runs as it would without)
+        warnings.filterwarnings("ignore", "Unrecognized options detected")
         result = milp(
             objective,
             constraints=LinearConstraint(rows, lo, hi),
