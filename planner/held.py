@@ -65,15 +65,21 @@ class HeldTerms:
     roots: tuple[str, int]
     buckets: tuple[BucketTerm, ...]
     unshared: bool
+    # The buckets by kind, stage, collective and dtype: the dominance test compares every pair
+    # of a group's candidates (planner.knapsack), tens of thousands at scale.
+    _keyed: dict[tuple[int, str, str, str], BucketTerm] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_keyed", {(b.kind, b.stage, b.op, b.dtype): b for b in self.buckets})
 
     def no_worse_than(self, other: HeldTerms) -> bool:
         """Whether every term is at most ``other``'s, in the same kinds (for dominance)."""
-        mine = {(b.kind, b.stage, b.op, b.dtype): b for b in self.buckets}
-        theirs = {(b.kind, b.stage, b.op, b.dtype): b for b in other.buckets}
         if self.linear > other.linear or self.roots[1] > other.roots[1] or self.unshared > other.unshared:
             return False
+        theirs = other._keyed
         return all(
-            k in theirs and b.result <= theirs[k].result and b.buffer <= theirs[k].buffer for k, b in mine.items()
+            k in theirs and b.result <= theirs[k].result and b.buffer <= theirs[k].buffer
+            for k, b in self._keyed.items()
         )
 
 

@@ -10,7 +10,7 @@ tensor uses has a bucket: one row per group, not per candidate, and a tighter re
 n[g,c]`` (``fill``: the buffer a tensor's step puts in the kind's buckets, at most the cap);
 ``planner.held``'s rows; and the held memory, its sums over tensors, its largest buffers and
 its fixed part, at most the budget. Objective: ``sum seconds[g,c] n[g,c] + sum latency[k]
-b[k]``; among choices of that time (within a relative 1e-9), the least memory, then the
+b[k]``; among choices of that time (within a relative 1e-6), the least memory, then the
 fewest tensors changed from the spec's layouts (two more solves, each bounded by the last
 optimum). Every solution's memory is the prediction's (``planner.memory``, what ``shardlang
 suggest`` prints), checked against the budget in whole bytes (the program works in floats,
@@ -192,11 +192,16 @@ def _run(
     node_limit: int,
     *,
     relaxed: bool = False,
+    sub_mips: bool = True,
 ) -> tuple[Any, bool, float]:
     """Minimize ``objective`` within the program and ``limits`` (vector, most): the solution
     (the best found when the node limit stops the solver), whether it is proven optimal, and
     the gap; a :class:`SuggestError` when there is none. ``relaxed``: every variable real
-    (the linear relaxation, whose optimum bounds the program's from below)."""
+    (the linear relaxation, whose optimum bounds the program's from below); ``sub_mips``:
+    whether HiGHS may search for solutions in the sub-programs that fix the variables its
+    relaxation or best solution round alike (RENS, RINS)."""
+    import warnings
+
     import numpy as np
     from scipy.optimize import LinearConstraint, milp
     from scipy.sparse import csr_array, vstack
@@ -207,13 +212,17 @@ def _run(
         lo = np.concatenate([lo, np.full(len(limits), -np.inf)])
         hi = np.concatenate([hi, np.array([m for _, m in limits])])
     options: dict[str, Any] = {"mip_rel_gap": 0.0, "node_limit": node_limit, "presolve": True}
-    result = milp(
-        objective,
-        constraints=LinearConstraint(rows, lo, hi),
-        bounds=program.bounds,
-        integrality=np.zeros_like(program.integrality) if relaxed else program.integrality,
-        options=options,
-    )
+    if not sub_mips:  # HiGHS options of its own, which scipy passes on verbatim, with a warning
+        options |= {"mip_heuristic_run_rens": False, "mip_heuristic_run_rins": False}
+    with warnings.catch_warnings():  # (and a HiGHS too old to know them runs as it would without)
+        warnings.filterwarnings("ignore", "Unrecognized options detected")
+        result = milp(
+            objective,
+            constraints=LinearConstraint(rows, lo, hi),
+            bounds=program.bounds,
+            integrality=np.zeros_like(program.integrality) if relaxed else program.integrality,
+            options=options,
+        )
     if result.x is None:  # status 2: infeasible; else a limit stopped it first (scipy.optimize.milp)
         why = "HiGHS found the program infeasible" if result.status == 2 else "HiGHS stopped before it found a solution"
         raise SuggestError(f"{why} ({result.message.strip()})")
@@ -234,6 +243,14 @@ def _choice(problem: Problem, program: _Program, x: Any) -> Choice:
     picks: list[list[int]] = [[] for _ in problem.groups]
     for (gi, ci), n in zip(program.cells, counts, strict=True):
         picks[gi] += [ci] * int(n)
+    return _evaluated(problem, tuple(map(tuple, picks)))
+
+
+# A solve often ends where an earlier one did (a tie-break that keeps the time solve's choice,
+# suggest_best's second pass): its exact time and memory (a step plan and a memory prediction,
+# the larger part of a solve at scale) are taken once.
+@functools.lru_cache(maxsize=32)
+def _evaluated(problem: Problem, picks: tuple[tuple[int, ...], ...]) -> Choice:
     return problem.evaluate(picks)
 
 
@@ -246,7 +263,9 @@ def _solve(
     found, which is never slower, and says so (the last item: notes). The program's time of a
     tie is the fastest's, its step plan's need not be (the program counts a kind's buckets as a
     lower bound where the cap cuts it, module doc): a tie the step plan times slower than the
-    fastest choice gives way to it."""
+    fastest choice gives way to it. A tie-break's time row leaves few choices feasible, and
+    HiGHS's sub-programs rounding its relaxation find none of them: they are left out
+    (docs/reference/suggest.md)."""
     program = _program(problem)
     limits = [] if budget is None else [_within(program, budget)]
     x, optimal, gap = _fastest(program, budget, node_limit)
@@ -256,8 +275,8 @@ def _solve(
         fastest = float(program.time @ x)
         limits.append((program.time, fastest * (1 + _TIE) + _TIE))
         for objective, what in ((program.memory, "less memory"), (program.changes, "fewer changes")):
-            try:
-                x, _, _ = _run(program, objective, limits, node_limit)
+            try:  # an objective at 0 is at its least (every tensor in its own layouts)
+                x = _run(program, objective, limits, node_limit, sub_mips=False)[0] if objective @ x > 0 else x
             except SuggestError as e:  # none found in time: keep the last
                 notes = (f"ties not broken by {what}: {e.message}",)
                 break
@@ -339,33 +358,46 @@ def suggest(
     smallest budget that fits when none does. The result is never behind, in that order, the
     spec's own layouts or a fixed strategy that fits (each evaluated exactly). ``least`` and
     ``fixed``: :func:`smallest_memory`'s and :func:`fixed_choices`' answers, when the caller
-    has them."""
+    has them; the least memory is found only where no fixed choice fits or a solve falls
+    back to it."""
     started = time.perf_counter()
     fixed = fixed_choices(problem) if fixed is None else tuple(fixed)
-    least = smallest_memory(problem, node_limit, fixed) if least is None else least
-    if least.memory > budget:
-        raise _too_small(budget, least.memory, problem.loop)
+
+    def smallest() -> Choice:  # a solve of its own: taken only where needed
+        nonlocal least
+        if least is None:
+            least = smallest_memory(problem, node_limit, fixed)
+        return least
+
+    # A fixed choice that fits says the least memory fits (it is at most any fixed one's).
+    if not _fits(fixed, budget) and smallest().memory > budget:
+        raise _too_small(budget, smallest().memory, problem.loop)
     limit = budget
-    best, gap, optimal, notes, solved = least, 0.0, False, (), True
+    gap, optimal, notes, solved = 0.0, False, (), True
     instead = "the least-memory choice taken, or a fixed strategy that fits and is faster"
     for _ in range(8):
         try:
             best, gap, optimal, notes = _solve(problem, limit, node_limit, ties)
         except SuggestError as e:  # never silently (docs/reference/suggest.md)
-            best, gap, optimal, notes, solved = least, 0.0, False, (f"{e.message}; {instead}",), False
+            best, gap, optimal, notes, solved = smallest(), 0.0, False, (f"{e.message}; {instead}",), False
         if best.memory <= budget:
             break
         # The program's floats, or its bounds of several buckets by the cap (planner.held),
         # let the prediction exceed: tighten.
         limit -= best.memory - budget
     else:
-        best, gap, optimal, solved = least, 0.0, False, False
+        best, gap, optimal, solved = smallest(), 0.0, False, False
         notes = (f"every solution HiGHS found held more than {budget} bytes; {instead}",)
     for _, other in fixed:
         if other is not None and other.memory <= budget and better(other, best, problem):
             best = other
     took = time.perf_counter() - started
     return Suggestion(problem, budget, best, optimal, gap, took, ((problem, fixed),), solved, notes)
+
+
+def _fits(fixed: Sequence[tuple[str | None, Choice | None]], budget: int) -> bool:
+    """Whether some fixed choice (:func:`fixed_choices`) fits ``budget`` bytes."""
+    return any(c is not None and c.memory <= budget for _, c in fixed)
 
 
 def _too_small(budget: int, least: int, loop: str) -> SuggestError:
@@ -386,18 +418,21 @@ def suggest_best(problems: Sequence[Problem], budget: int, node_limit: int = NOD
     names the smallest budget that fits any of them."""
     started = time.perf_counter()
     fixed = [fixed_choices(p) for p in problems]
-    least = [smallest_memory(p, node_limit, f) for p, f in zip(problems, fixed, strict=True)]
+    # The least memory, where no fixed choice fits (else it fits too: suggest finds it if needed).
+    least = [
+        None if _fits(f, budget) else smallest_memory(p, node_limit, f) for p, f in zip(problems, fixed, strict=True)
+    ]
     fitting: list[Suggestion] = []
     for p, m, f in zip(problems, least, fixed, strict=True):
-        if m.memory > budget:
+        if m is not None and m.memory > budget:
             continue
         # A problem whose least time cannot come within a tie of the fastest found is not
         # solved: its relaxation bounds every choice of it from below, its fixed ones too.
         if fitting and _time_bound(p, budget) > min(r.best.seconds for r in fitting) * (1 + _TIE):
             continue
         fitting.append(suggest(p, budget, node_limit, least=m, ties=False, fixed=f))
-    if not fitting:
-        raise _too_small(budget, min(m.memory for m in least), problems[0].loop)
+    if not fitting:  # then no fixed choice fits: every problem's least memory was found
+        raise _too_small(budget, min(m.memory for m in least if m is not None), problems[0].loop)
     fastest = min(r.best.seconds for r in fitting)
     first = list(fitting)
     # Ties are broken within the problems as fast as the fastest: the others cannot win.

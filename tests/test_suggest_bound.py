@@ -1,6 +1,7 @@
 """``suggest_best`` leaves unsolved a problem whose linear relaxation cannot come within a tie
 of the fastest choice found: the relaxation bounds every choice of it from below, so the
-answer is the one of solving every problem."""
+answer is the one of solving every problem. And it solves for a problem's least memory only
+where no fixed choice fits (one that fits bounds it)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,27 @@ def test_the_bound_holds_and_the_answer_is_that_of_every_problem_solved(
     got = suggest_best(problems, budget).best
     assert "fsdp" not in solved and None in solved
     assert (got.seconds, got.memory) == pytest.approx((best.best.seconds, best.best.memory), rel=1e-9)
+
+
+def test_the_least_memory_is_solved_for_only_where_no_fixed_choice_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed choice that fits bounds the least memory: the least-memory solve is left out, and
+    the answer is the one given the least memory found beforehand."""
+    flat = build_problems(parse_spec(SPEC))[1]  # over dp: its least memory mixes the layouts
+    fixed = knapsack.fixed_choices(flat)
+    least = knapsack.smallest_memory(flat, fixed=fixed)
+    smallest = min(c.memory for _, c in fixed if c is not None)
+    assert least.memory < smallest  # a budget between them fits the least only
+    real = knapsack.smallest_memory
+    calls: list[int] = []
+    monkeypatch.setattr(knapsack, "smallest_memory", lambda p, *a, **k: calls.append(1) or real(p, *a, **k))
+    for budget, solved in ((smallest, False), ((least.memory + smallest) // 2, True), (least.memory - 1, True)):
+        calls.clear()
+        try:
+            got = suggest(flat, budget, fixed=fixed).best
+        except SuggestError as e:  # below the least: the error names it, as with the least given
+            assert budget < least.memory and f"is {least.memory} bytes" in e.message
+            assert calls == [1]
+            continue
+        assert bool(calls) == solved
+        given = suggest(flat, budget, least=least, fixed=fixed).best
+        assert (got.picks, got.seconds, got.memory) == (given.picks, given.seconds, given.memory)
