@@ -24,15 +24,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from itertools import groupby
+from typing import Any
 
 import attrs
 
+from planner.bucket_cap import AUTO, UNCAPPED, step_bucket_cap
 from planner.buffers import shares_after, step_buffer_bytes
-from planner.legs import DEFAULT_BUCKET_BYTES, without_axis
+from planner.cost import CostModel
+from planner.legs import DEFAULT_BUCKET_BYTES, STAGES, Leg, bucket_stage, without_axis
 from planner.matmul_caches import kernel_bytes
 from planner.matrices import plan_matrices
-from planner.spec_plan import plan_spec, step_tensor
+from planner.spec_plan import cost_for, plan_spec, step_tensor
 from planner.statistics import FactoredAxes, StatisticsShard, came_statistics_bytes, sum_buffer_bytes
+from planner.step import StepPlan, step_legs
 from shardlang.dtypes import itemsize
 from shardlang.layout import chunk_bounds
 from shardlang.spec import Spec, TensorSpec
@@ -284,6 +288,76 @@ def predict_memory(
         cpu=cpu,
         clip=max_grad_norm is not None or skip_nonfinite,
     )
+
+
+class ChoiceMemory:
+    """:func:`predict_memory`, with its defaults, of the choices of a ``planner.suggest.Problem``
+    (its spec, optimizer, flat axis, bucket cap and tensors, in groups of one shape, dtype and
+    layouts, each group with its candidate layouts; a choice picks a candidate per tensor of
+    each group): what a tensor holds and the legs of its step are derived once per group,
+    candidate and rank, not once per tensor and choice."""
+
+    def __init__(self, problem: Any) -> None:
+        self.problem = problem
+        # Where each of the problem's tensors, in the spec's order, is: (group, index in it).
+        at = {t.name: (g, i) for g, group in enumerate(problem.groups) for i, t in enumerate(group.tensors)}
+        self._places = [at[t.name] for t in problem.tensors]
+        self._known: dict[tuple[int, int, int], tuple[RankTensor, str, CostModel, tuple[Leg, ...]]] = {}
+
+    def report(self, picks: Sequence[Sequence[int]]) -> MemoryReport:
+        """What the choice ``picks`` (a candidate per tensor of each group) holds, as
+        :func:`predict_memory` of the problem's spec with the chosen layouts."""
+        p = self.problem
+        first = self._places[0]
+        rank = self._tensor(first[0], picks[first[0]][first[1]]).state().mesh.ranks[0]
+        known = [self._of(g, picks[g][i], rank) for g, i in self._places]
+        distinct = {id(k): k for k in known}.values()
+        costs = {name: cost for _, name, cost, _ in distinct}
+        if p.optimizer == "muon" or any(costs[name] != cost for _, name, cost, _ in distinct):
+            # Muon's matrices, which take every tensor by its name, or legs that name one tensor
+            # under two cost models: the spec's own plan.
+            chosen = [
+                attrs.evolve(t, layouts=p.groups[g].candidates[picks[g][i]].layouts)
+                for t, (g, i) in zip(p.tensors, self._places, strict=True)
+            ]
+            return predict_memory(
+                p.spec, p.optimizer, tensors=chosen, flat_axis=p.flat_axis, bucket_bytes=p.bucket_bytes
+            )
+        legs = [leg for *_, tensor_legs in known for leg in tensor_legs]
+        step = self._step(legs, tuple(costs), costs, rank)
+        buffers = step_buffer_bytes(step, shared_after=shares_after(step))
+        return rank_memory([piece for piece, *_ in known], p.optimizer, buffers=buffers)
+
+    def _tensor(self, group: int, candidate: int) -> TensorSpec:
+        """The group's first tensor in the candidate's layouts."""
+        g = self.problem.groups[group]
+        return attrs.evolve(g.first, layouts=g.candidates[candidate].layouts)
+
+    def _of(self, group: int, candidate: int, rank: int) -> tuple[RankTensor, str, CostModel, tuple[Leg, ...]]:
+        found = self._known.get((group, candidate, rank))
+        if found is None:
+            p, tensor = self.problem, self._tensor(group, candidate)
+            cost = cost_for(p.spec, tensor)  # as plan_spec's: the hints of the state mesh
+            legs = tuple(step_legs([step_tensor(tensor, cost, p.flat_axis)], rank))
+            found = (rank_tensor(tensor, rank, p.optimizer, p.flat_axis), tensor.name, cost, legs)
+            self._known[(group, candidate, rank)] = found
+        return found
+
+    def _step(self, legs: list[Leg], names: tuple[str, ...], costs: dict[str, CostModel], rank: int) -> StepPlan:
+        """:func:`planner.step.plan_step` of these legs (or, under AUTO, with the cost model's
+        cap, as :func:`planner.bucket_cap.plan_step_with_model_cap`)."""
+        cap = self.problem.bucket_bytes
+        if cap == AUTO:
+            cap = step_bucket_cap(self._step_capped(legs, names, costs, rank, UNCAPPED), costs).bytes
+        return self._step_capped(legs, names, costs, rank, int(cap))
+
+    @staticmethod
+    def _step_capped(
+        legs: list[Leg], names: tuple[str, ...], costs: dict[str, CostModel], rank: int, cap: int
+    ) -> StepPlan:
+        # Every bucket launched in step() (Bucket's default): no overlap, no prefetch.
+        buckets = tuple(b for stage in STAGES for b in bucket_stage(legs, stage, costs, cap, reverse=False))
+        return StepPlan(rank=rank, tensors=names, legs=tuple(legs), buckets=buckets, bucket_bytes=cap)
 
 
 def rank_tensor(tensor: TensorSpec, rank: int, optimizer: str, flat_axis: str | int | None = None) -> RankTensor:

@@ -203,11 +203,17 @@ def sum_buffer_bytes(shards: Sequence[tuple[FactoredAxes, str]], optimizer: str,
     per phase, every communicated sum of ``shards`` (each with its math's dtype) once, and with
     ``clip`` the gradient norm's (one value per tensor)."""
     total = 0
+    # By the shard's identity: the tensors of a group repeat one shard (``planner.memory``).
+    known: dict[tuple[int, str], int] = {}
     for shard, dtype in shards:
-        phases = list(phase_sums(shard, optimizer))
-        if clip:
-            phases.append(((shard.sum_axes, 1, shard.replicated),))
-        total += sum(n for phase in phases for axes, n, _ in phase if shard.communicated(axes)) * itemsize(dtype)
+        key = (id(shard), dtype)
+        if key not in known:
+            phases = list(phase_sums(shard, optimizer))
+            if clip:
+                phases.append(((shard.sum_axes, 1, shard.replicated),))
+            communicated = sum(n for phase in phases for axes, n, _ in phase if shard.communicated(axes))
+            known[key] = communicated * itemsize(dtype)
+        total += known[key]
     return total
 
 

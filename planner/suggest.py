@@ -88,7 +88,7 @@ from planner.legs import (
 )
 from planner.loops import AUTO as AUTO_LOOP
 from planner.loops import LOOPS, infer_loop, runs_in
-from planner.memory import MemoryPrediction, predict_memory, rank_tensor
+from planner.memory import ChoiceMemory, MemoryPrediction, rank_tensor
 from planner.spec_plan import cost_for, step_tensor
 from planner.step import step_legs
 from shardlang.errors import ShardlangError
@@ -190,6 +190,8 @@ class Problem:
     # The training loop the candidates run in (planner.loops), and why (inferred or given).
     loop: str = "any"
     loop_reason: str = ""
+    # What predicting a choice's memory derives per tensor, kept over the choices evaluated.
+    _memory: ChoiceMemory = attrs.field(init=False, repr=False, default=attrs.Factory(ChoiceMemory, takes_self=True))
 
     @property
     def solver_cap(self) -> int:
@@ -209,11 +211,9 @@ class Problem:
     def prediction(self, picks: Sequence[Sequence[int]]) -> MemoryPrediction:
         """What the first rank holds for a choice as the runtime counts it (``planner.memory``:
         the kinds of ``memory_report()``, bucket buffers included, under the bucket cap the
-        optimizers run with): the memory a choice is counted and bounded by."""
-        spec = self.spec_of(Choice(picks=tuple(tuple(p) for p in picks), memory=0, seconds=0.0))
-        return predict_memory(
-            spec, self.optimizer, tensors=spec.tensors, flat_axis=self.flat_axis, bucket_bytes=self.bucket_bytes
-        )
+        optimizers run with): the memory a choice is counted and bounded by, each group's
+        candidates derived once (``planner.memory.ChoiceMemory``)."""
+        return self._memory.report(picks)
 
     def model_cap(self, picks: Sequence[Sequence[int]]) -> BucketCap:
         """The cost model's bucket cap for a choice's step and loop (``planner.bucket_cap``)."""
