@@ -31,12 +31,12 @@ import attrs
 from planner.bucket_cap import AUTO, UNCAPPED, step_bucket_cap
 from planner.buffers import shares_after, step_buffer_bytes
 from planner.cost import CostModel
-from planner.legs import DEFAULT_BUCKET_BYTES, STAGES, Leg, bucket_stage, without_axis
+from planner.legs import DEFAULT_BUCKET_BYTES, Leg, without_axis
 from planner.matmul_caches import kernel_bytes
 from planner.matrices import plan_matrices
 from planner.spec_plan import cost_for, plan_spec, step_tensor
 from planner.statistics import FactoredAxes, StatisticsShard, came_statistics_bytes, sum_buffer_bytes
-from planner.step import StepPlan, step_legs
+from planner.step import StepPlan, bucketed_step, step_legs
 from shardlang.dtypes import itemsize
 from shardlang.layout import chunk_bounds
 from shardlang.spec import Spec, TensorSpec
@@ -348,16 +348,8 @@ class ChoiceMemory:
         cap, as :func:`planner.bucket_cap.plan_step_with_model_cap`)."""
         cap = self.problem.bucket_bytes
         if cap == AUTO:
-            cap = step_bucket_cap(self._step_capped(legs, names, costs, rank, UNCAPPED), costs).bytes
-        return self._step_capped(legs, names, costs, rank, int(cap))
-
-    @staticmethod
-    def _step_capped(
-        legs: list[Leg], names: tuple[str, ...], costs: dict[str, CostModel], rank: int, cap: int
-    ) -> StepPlan:
-        # Every bucket launched in step() (Bucket's default): no overlap, no prefetch.
-        buckets = tuple(b for stage in STAGES for b in bucket_stage(legs, stage, costs, cap, reverse=False))
-        return StepPlan(rank=rank, tensors=names, legs=tuple(legs), buckets=buckets, bucket_bytes=cap)
+            cap = step_bucket_cap(bucketed_step(legs, names, costs, rank, UNCAPPED), costs).bytes
+        return bucketed_step(legs, names, costs, rank, int(cap))  # no overlap, no prefetch
 
 
 def rank_tensor(tensor: TensorSpec, rank: int, optimizer: str, flat_axis: str | int | None = None) -> RankTensor:

@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 
 from planner.cheapest import plan as plan_pair
+from planner.cost import CostModel
 from planner.errors import PlanError
 from planner.legs import (
     AFTER,
@@ -154,15 +155,29 @@ def plan_step(
         tensors, rank, max_local_bytes=max_local_bytes, point_to_point=point_to_point, max_states=max_states
     )
     costs = {t.name: t.cost for t in tensors}
+    return bucketed_step(legs, tuple(t.name for t in tensors), costs, rank, cap, overlap=overlap, prefetch=prefetch)
+
+
+def bucketed_step(
+    legs: Sequence[Leg],
+    names: tuple[str, ...],
+    costs: Mapping[str, CostModel],
+    rank: int,
+    cap: int,
+    *,
+    overlap: bool = False,
+    prefetch: bool = False,
+) -> StepPlan:
+    """The step plan of ``rank`` from its ``legs`` (:func:`step_legs`, of the tensors ``names``
+    in order, ``costs`` by name): their steps bucketed under ``cap``, launched as
+    :func:`plan_step` says."""
     launch = {BEFORE: DURING_BACKWARD if overlap else IN_STEP, AFTER: AFTER_STEP if prefetch else IN_STEP}
     buckets = [
         attrs.evolve(b, launch=launch[stage])
         for stage in STAGES
         for b in bucket_stage(legs, stage, costs, cap, reverse=overlap and stage == BEFORE)
     ]
-    return StepPlan(
-        rank=rank, tensors=tuple(t.name for t in tensors), legs=tuple(legs), buckets=tuple(buckets), bucket_bytes=cap
-    )
+    return StepPlan(rank=rank, tensors=names, legs=tuple(legs), buckets=tuple(buckets), bucket_bytes=cap)
 
 
 def step_legs(
