@@ -21,12 +21,13 @@ so; ``--bucket-bytes auto`` (``bucket_bytes=AUTO`` in :func:`planner.spec_plan.p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
 from planner.cost import CostModel
 from planner.legs import STAGES, Leg, StepTensor, rounds_price, stage_rounds
-from planner.step import StepPlan, plan_step
+from planner.step import StepPlan, bucketed_step, step_legs
 
 AUTO = "auto"  # bucket_bytes: the cost model's cap
 CAPS = tuple(2**k for k in range(20, 41))  # 1 MiB ... 1 TiB
@@ -82,14 +83,34 @@ def step_bucket_cap(step: StepPlan, costs: Mapping[str, CostModel], *, overlap: 
     return choose_cap(step_price(step.legs, costs, overlap=overlap))
 
 
-def plan_step_with_model_cap(tensors: Sequence[StepTensor], rank: int, **options: object) -> StepPlan:
-    """:func:`planner.step.plan_step` (``options`` are its keywords but ``bucket_bytes``) with
-    the cost model's cap for these tensors (the pairs are planned once: ``planner.plan``
-    remembers them)."""
-    overlap = bool(options.get("overlap", False))
-    legs_only = plan_step(tensors, rank, bucket_bytes=UNCAPPED, **options)  # type: ignore[arg-type]
-    cap = step_bucket_cap(legs_only, {t.name: t.cost for t in tensors}, overlap=overlap)
-    return plan_step(tensors, rank, bucket_bytes=cap.bytes, **options)  # type: ignore[arg-type]
+def plan_step_with_model_cap(
+    tensors: Sequence[StepTensor],
+    rank: int,
+    *,
+    overlap: bool = False,
+    prefetch: bool = False,
+    **options: Any,
+) -> StepPlan:
+    """:func:`planner.step.plan_step` (``options`` are its other keywords but ``bucket_bytes``)
+    with the cost model's cap for these tensors."""
+    legs = step_legs(tensors, rank, **options)
+    names = tuple(t.name for t in tensors)
+    return step_with_model_cap(legs, names, {t.name: t.cost for t in tensors}, rank, overlap=overlap, prefetch=prefetch)
+
+
+def step_with_model_cap(
+    legs: Sequence[Leg],
+    names: tuple[str, ...],
+    costs: Mapping[str, CostModel],
+    rank: int,
+    *,
+    overlap: bool = False,
+    prefetch: bool = False,
+) -> StepPlan:
+    """:func:`planner.step.bucketed_step` of given legs under the cost model's cap for them."""
+    uncapped = bucketed_step(legs, names, costs, rank, UNCAPPED, overlap=overlap, prefetch=prefetch)
+    cap = step_bucket_cap(uncapped, costs, overlap=overlap)
+    return bucketed_step(legs, names, costs, rank, cap.bytes, overlap=overlap, prefetch=prefetch)
 
 
 def far_from(in_use: tuple[float, int], model: BucketCap) -> str | None:

@@ -14,11 +14,10 @@ all-to-all's), each a bucket's, which the program bounds by its kind's sum of bu
 bucket) or, where a kind needs several buckets, by the cap (or the largest single buffer);
 and AdamW's square roots in place, the shards of a group of at most
 :data:`planner.memory.DENOM_CHUNK` elements: their sum where the rank's shards together fit
-one group, else that chunk (or the largest shard). Fixed: the optimizer's Python objects,
-:data:`planner.memory.HOST_BYTES_PER_TENSOR` per tensor (:func:`fixed_bytes`). Where the
-program's bounds are exact (every kind one bucket, the shards one group) its count is the
-prediction's; elsewhere it is at least it, and ``planner.knapsack`` checks every answer
-against the prediction itself.
+one group, else that chunk (or the largest shard). Fixed: the optimizer's Python objects
+(:func:`planner.memory.host_bytes`, a constant per tensor). Where the program's bounds are
+exact (every kind one bucket, the shards one group) its count is the prediction's; elsewhere
+it is at least it, and ``planner.knapsack`` checks every answer against the prediction itself.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import attrs
 
 from planner.buffers import bucket_use
 from planner.legs import AFTER, STAGES, Bucket, Leg
-from planner.memory import DENOM_CHUNK, HOST_BYTES_PER_TENSOR, MATH_BEFORE_COMMIT, RankTensor
+from planner.memory import DENOM_CHUNK, MATH_BEFORE_COMMIT, RankTensor
 from shardlang.dtypes import itemsize
 
 
@@ -130,11 +129,6 @@ def held_terms(
             linear += terms[-1].result
     unshared = any(len(leg.communicating) > 1 for leg in legs if leg.stage == AFTER)
     return HeldTerms(linear, roots, tuple(terms), unshared)
-
-
-def fixed_bytes(optimizer: str, tensors: int) -> int:
-    """What a rank holds whatever the layouts: the optimizer's Python objects."""
-    return HOST_BYTES_PER_TENSOR[optimizer] * tensors
 
 
 def program_rows(

@@ -41,7 +41,8 @@ from typing import Any
 
 import attrs
 
-from planner.held import fixed_bytes, program_rows
+from planner.held import program_rows
+from planner.memory import host_bytes
 from planner.suggest import Candidate, Choice, Group, Problem, SuggestError, Suggestion
 
 _MIB = float(2**20)
@@ -173,7 +174,7 @@ def _program(problem: Problem) -> _Program:
     return _Program(
         cells=cells,
         size=size,
-        fixed=fixed_bytes(problem.optimizer, len(problem.tensors)),
+        fixed=host_bytes(problem.optimizer, len(problem.tensors)),
         rows=matrix,
         lo=np.array(lo),
         hi=np.array(hi),

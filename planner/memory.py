@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 
-from planner.bucket_cap import AUTO, UNCAPPED, step_bucket_cap
+from planner.bucket_cap import AUTO, step_with_model_cap
 from planner.buffers import shares_after, step_buffer_bytes
 from planner.cost import CostModel
 from planner.legs import DEFAULT_BUCKET_BYTES, Leg, without_axis
@@ -205,6 +205,12 @@ def statistics_bytes(tensors: Sequence[RankTensor], optimizer: str, *, clip: boo
     return total
 
 
+def host_bytes(optimizer: str, tensors: int) -> int:
+    """The optimizer's Python objects for ``tensors`` tensors: what a rank holds whatever the
+    layouts (``host``; an optimizer not measured counts as AdamW)."""
+    return HOST_BYTES_PER_TENSOR.get(optimizer, HOST_BYTES_PER_TENSOR["adamw"]) * tensors
+
+
 def rank_memory(
     tensors: Sequence[RankTensor],
     optimizer: str,
@@ -235,7 +241,7 @@ def rank_memory(
     scratch = scratch_bytes(tensors, optimizer, transactional=transactional, fused=fused) + kept
     scratch += statistics_bytes(tensors, optimizer, clip=clip)
     kernels = kernel_bytes(iterated) if cpu else 0
-    host = HOST_BYTES_PER_TENSOR.get(optimizer, HOST_BYTES_PER_TENSOR["adamw"]) * len(tensors)
+    host = host_bytes(optimizer, len(tensors))
     return MemoryReport(params, grads, states, masters, buffers, spare, scratch, wrapper, kernels, host)
 
 
@@ -344,12 +350,12 @@ class ChoiceMemory:
         return found
 
     def _step(self, legs: list[Leg], names: tuple[str, ...], costs: dict[str, CostModel], rank: int) -> StepPlan:
-        """:func:`planner.step.plan_step` of these legs (or, under AUTO, with the cost model's
-        cap, as :func:`planner.bucket_cap.plan_step_with_model_cap`)."""
+        """:func:`planner.step.plan_step` of these legs (under AUTO with the cost model's cap),
+        no overlap, no prefetch."""
         cap = self.problem.bucket_bytes
         if cap == AUTO:
-            cap = step_bucket_cap(bucketed_step(legs, names, costs, rank, UNCAPPED), costs).bytes
-        return bucketed_step(legs, names, costs, rank, int(cap))  # no overlap, no prefetch
+            return step_with_model_cap(legs, names, costs, rank)
+        return bucketed_step(legs, names, costs, rank, int(cap))
 
 
 def rank_tensor(tensor: TensorSpec, rank: int, optimizer: str, flat_axis: str | int | None = None) -> RankTensor:
