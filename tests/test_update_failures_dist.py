@@ -10,8 +10,10 @@ late (``tests.late_results``): any of them the failed step leaves in flight corr
 step, which shares their buffers.
 
 In place (AdamW's default), the math runs after the commit point: a failure there, or a peer
-that dies during the final gather, is raised on every rank within seconds (the second flag),
-and every later ``step()`` refuses to run (docs/memory.md, "The commit point").
+that dies during the final gather, is raised on every rank within seconds (the second flag):
+at once on the rank that failed, at their next call into the optimizer on the others (the flag
+is posted, not waited on, by a step that went well); every later ``step()`` refuses to run
+(docs/memory.md, "The commit point").
 """
 
 from __future__ import annotations
@@ -141,18 +143,20 @@ def _run_in_place(rank: int, world_size: int, prefetch: bool, how: str) -> dict[
     for name, (grad, addends) in step_grads(torch.float32, SEED, 0).items():
         params[name].grad = local_grad(grad, addends, spec[name].grad, (rank,))
     started = time.monotonic()
-    messages = []
-    try:
-        optimizer.step()
-        optimizer.wait_params()
-    except OptimizerStepError as e:
-        messages.append(str(e))
+    messages, raised_by = [], None
+    for call in (optimizer.step, optimizer.wait_params):
+        try:
+            call()
+        except OptimizerStepError as e:
+            messages.append(str(e))
+            raised_by = call.__name__
+            break
     seconds = time.monotonic() - started
     try:
         optimizer.step()
     except OptimizerStepError as e:
         messages.append(str(e))
-    return {"messages": messages, "seconds": seconds}
+    return {"messages": messages, "seconds": seconds, "raised_by": raised_by}
 
 
 @pytest.mark.slow
@@ -165,6 +169,9 @@ def test_an_update_failing_after_the_commit_point_is_raised_on_every_rank(prefet
         assert "load a checkpoint to go on" in first, first
         assert then == first, f"rank {rank}: the next step ran after a failure past the commit point"
         assert got["seconds"] < 10, f"rank {rank} took {got['seconds']:.1f} s to learn of the failure"
+        # The failing rank raises in its step; the others' step() does not wait for the flag
+        # after the commit point: their next call into the optimizer raises.
+        assert got["raised_by"] == ("step" if rank == FAILING_RANK else "wait_params"), (rank, got["raised_by"])
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from runtime.comm.collectives import collective, default_device
+from runtime.comm.collectives import PendingCollective, collective, default_device, start_collective
 from runtime.comm.groups import ranks_group
 from runtime.errors import DistributedError
 from runtime.measure import stats
@@ -84,6 +84,30 @@ class LastStep:
     grad_norm: torch.Tensor | None = None
     skipped: bool = False
     wait_seconds: float = 0.0
+
+
+@attrs.frozen(eq=False)
+class Agreement:
+    """A flag posted and not yet waited on (:meth:`CommitFlag.post`): :meth:`agreed` waits for
+    it (at most ``wait``) and says whether every rank of ``members`` was ready; ``pending`` is
+    None where there is nothing to wait for (one rank, no flag), ``ok`` then the answer."""
+
+    ok: bool
+    pending: PendingCollective | None = None
+    members: tuple[int, ...] = ()
+    wait: datetime.timedelta = datetime.timedelta(0)
+    posted: float = 0.0
+
+    def agreed(self) -> bool:
+        if self.pending is None:
+            return self.ok
+        try:
+            lowest = int(self.pending.wait(self.wait)[0])
+        except DistributedError:
+            return False
+        if stats.is_recording():
+            _record(self.members, 1, time.perf_counter() - self.posted)
+        return lowest == READY
 
 
 class StepIdentity:
@@ -218,9 +242,9 @@ def _steps(steps: tuple[int, int]) -> str:
 class CommitFlag:
     """The commit point: one bounded all-reduce of a flag over the ranks of the meshes of the
     tensors stepped (``all_ranks_commit``), ``flags`` per step (2 for an update in place: one
-    before its math, one after it). With ``replicas``, the first flag of a step also compares
-    the gradients declared replicated, where they can ride on it
-    (:meth:`ReplicaChecks.flag_values`)."""
+    before its math, :meth:`agree`, and one after it, :meth:`post`, of the flag alone). With
+    ``replicas``, the first flag of a step also compares the gradients declared replicated,
+    where they can ride on it (:meth:`ReplicaChecks.flag_values`)."""
 
     def __init__(
         self,
@@ -236,6 +260,7 @@ class CommitFlag:
         if self.replicas is not None:
             self.replicas.on_flag = True
         self._flag: torch.Tensor | None = None  # reduced in place
+        self._posted: torch.Tensor | None = None  # the flag after the commit point, in flight till agreed
         # Why the last agreement failed, where the ranks told it (they step different things).
         self.why: str | None = None
         # The error of the last agreement refused for the replicas' check (ReplicaMismatchError
@@ -249,12 +274,12 @@ class CommitFlag:
 
     def traffic(self, members: Sequence[int]) -> tuple[int, int]:
         """Bytes and collectives of a step's flags (the cost model's all_reduce row for
-        :data:`FLAG_ELEMENTS` int64, and the replicas' on the first: ``2 (n-1)`` times that
-        sent)."""
+        :data:`FLAG_ELEMENTS` int64 and the replicas' on the first, one int64 on the second:
+        ``2 (n-1)`` times that sent)."""
         n = len(members)
         if not self.enabled or n < 2 or not dist.is_initialized():
             return 0, 0
-        return (self._flags * FLAG_ELEMENTS + self._carried()) * 2 * (n - 1) * 8, self._flags
+        return (FLAG_ELEMENTS + self._carried() + self._flags - 1) * 2 * (n - 1) * 8, self._flags
 
     def _carried(self) -> int:
         """The int64 the first flag of a step carries for the replicas' check."""
@@ -306,19 +331,7 @@ class CommitFlag:
         except DistributedError:
             return False
         if stats.is_recording():
-            n = len(members)
-            stats.record(
-                stats.CommRecord(
-                    tensor=None,
-                    step=0,
-                    op="all_reduce",
-                    axis=None,
-                    ranks=members,
-                    bytes_sent=2 * (n - 1) * 8 * size,
-                    planned_bytes=2 * (n - 1) * 8 * size,
-                    seconds=time.perf_counter() - started,
-                )
-            )
+            _record(members, size, time.perf_counter() - started)
         if agreed[0] == FAILED:
             return False
         if agreed[0] == NONFINITE or agreed[1] != -agreed[2]:  # or the lowest digest is not the highest
@@ -335,6 +348,25 @@ class CommitFlag:
             self.identity.zero_grads = 0
             self.identity.fresh()
         return True
+
+    def post(self, members: tuple[int, ...], *, ok: bool) -> Agreement:
+        """Start the all-reduce of a flag alone (the second, after the commit point) and return
+        without waiting: the step's gathers are done, so the next step can start while it runs
+        (docs/design/failures.md, "Where the commit point lies"). Waited on with
+        :meth:`Agreement.agreed` before the next flag: at once by a rank that failed (bounded
+        by :data:`FAILURE_NOTICE`), at their next step by the others."""
+        if not self.enabled or len(members) < 2 or not dist.is_initialized():
+            return Agreement(ok)
+        if self._posted is None:
+            self._posted = torch.empty(1, dtype=torch.int64, device=default_device())
+        self._posted.fill_(READY if ok else FAILED)
+        wait = self.timeout if ok else min(self.timeout, FAILURE_NOTICE)
+        try:
+            group = ranks_group(members, timeout=self.timeout)
+            pending = start_collective("all_reduce", self._posted, len(members), "min", group)
+        except DistributedError:
+            return Agreement(False)
+        return Agreement(ok, pending, members, wait, time.perf_counter())
 
     def _named(
         self, members: tuple[int, ...], group: Any, summary: dict[str, Any] | None, finite: Finite | None
@@ -354,3 +386,15 @@ class CommitFlag:
             refused = f"was refused: the ranks {ranks_text(members)} step different things"
             return f"{refused}: {disagreement(members, summaries)}"
         return f"was refused: {nonfinite_text([(r, f) for r, (_, f) in zip(members, told, strict=True)])}"
+
+
+def _record(members: Sequence[int], size: int, seconds: float) -> None:
+    """A flag's all-reduce of ``size`` int64 in the collective records (``runtime.measure.stats``)."""
+    n = len(members)
+    sent = 2 * (n - 1) * 8 * size
+    stats.record(
+        stats.CommRecord(
+            tensor=None, step=0, op="all_reduce", axis=None, ranks=tuple(members), bytes_sent=sent,
+            planned_bytes=sent, seconds=seconds,
+        )
+    )  # fmt: skip

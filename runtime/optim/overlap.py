@@ -21,6 +21,7 @@ from runtime.errors import DistributedError, ReshardError
 from runtime.execution.buckets import StageRun
 from runtime.execution.ranges import BACKWARD, profiled
 from runtime.memory.dtypes import as_dtype
+from runtime.optim.commit import Agreement
 from runtime.optim.compiler import CompiledStep, StepCompiler
 from runtime.optim.errors import OptimizerError, OptimizerStepError
 from runtime.optim.freed_grads import freed_grad, freed_of
@@ -31,6 +32,7 @@ from runtime.optim.slots import (
     grad_versions,
     memory_and_version,
     names_text,
+    ranks_text,
     take_grad,
 )
 from runtime.optim.states import StateStore
@@ -53,14 +55,16 @@ class Gathers:
 
 
 class ParamGathers:
-    """The parameters' gathers a committed step leaves in flight (``prefetch_params``), written
-    into the parameters unit by unit as forward reaches them; and ``broken``, why every later
-    step refuses to run: a gather that failed, or a step that failed after its commit point
-    (the parameters may then hold part of a step)."""
+    """What a committed step leaves in flight: the parameters' gathers (``prefetch_params``),
+    written into the parameters unit by unit as forward reaches them, and the flag after its
+    commit point (:meth:`CommitFlag.post`), waited on before anything else of the next step; and
+    ``broken``, why every later step refuses to run: a gather that failed, or a step that failed
+    after its commit point on some rank (the parameters may then hold part of a step)."""
 
     def __init__(self, slots: Slots) -> None:
         self._slots = slots
         self._pending: Gathers | None = None
+        self._agreement: tuple[Agreement, int, tuple[int, ...]] | None = None  # (flag, step, ranks)
         self.broken: str | None = None
         self._hooks: list[Any] = []
 
@@ -91,8 +95,24 @@ class ParamGathers:
         written = {s.index: memory_and_version(s.local_param()) for s in slots}
         self._pending = Gathers(run, legs, {s.index: s for s in slots}, step, written)
 
+    def hand_agreement(self, agreement: Agreement, step: int, members: tuple[int, ...]) -> None:
+        """The flag of ``step`` after its commit point, posted over ``members``: waited on at
+        the next :meth:`wait` or :meth:`gather_for`."""
+        self._agreement = (agreement, step, members)
+
+    def failed_after_commit(self, step: int, where: str) -> OptimizerStepError:
+        """The error of a step that failed after its commit point (``where``: on which rank,
+        and why), raised on every rank; every later step refuses to run."""
+        self.broken = (
+            f"step {step} failed after its commit point on {where}; the optimizer states and "
+            "parameters may hold this step in part on every rank: load a checkpoint to go on"
+        )
+        return OptimizerStepError(self.broken)
+
     def wait(self) -> None:
-        """Wait for every gather of the last step and write the parameters."""
+        """Wait for the last step's flag after its commit point, then for every gather of it,
+        and write the parameters."""
+        self._settle()
         if self._pending is not None:
             self.gather_for(list(self._pending.waiting.values()))
 
@@ -100,6 +120,7 @@ class ParamGathers:
         """Wait for the gathers of ``slots``' parameters (and those started before them) and
         write the parameters; raises ``OptimizerError`` for parameters written since the step
         (keeping what was written there), after writing the others."""
+        self._settle()
         gathers = self._pending
         if gathers is None:
             return
@@ -124,6 +145,21 @@ class ParamGathers:
                 "what was written is kept, not the step's value; call optimizer.wait_params() before "
                 "writing parameters (model.load_state_dict)"
             )
+
+    def _settle(self) -> None:
+        """Wait for the last step's flag after its commit point (posted, not waited on: it is
+        done by the time the next step or forward needs it); where some rank failed past the
+        commit point, raise that here, with nothing more written."""
+        held, self._agreement = self._agreement, None
+        if held is None:
+            return
+        agreement, step, members = held
+        if agreement.agreed():
+            return
+        if self._pending is not None:
+            self._pending.run.drain()
+            self._pending = None
+        raise self.failed_after_commit(step, f"another rank of {ranks_text(members)}")
 
     def _fail(self, error: ShardlangError) -> None:
         gathers = self._pending

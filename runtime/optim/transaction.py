@@ -365,7 +365,8 @@ class StepTransaction:
     ) -> None:
         """The gathers of a step past its commit point, from the new parameter shards
         (``params``) and own-layout states (``own``), written into the parameters bucket by
-        bucket, then the second flag: a ``failure`` here or on any rank raises everywhere."""
+        bucket, then the second flag: a ``failure`` here raises at once, and on the other ranks
+        at their next step (docs/design/failures.md, "Where the commit point lies")."""
         legs, store = compiled.legs, self._store
         param_legs = {s.index: legs[(s.name, "state -> param")] for s in slots}
         members = self._slots.members(slots)
@@ -400,23 +401,21 @@ class StepTransaction:
         except Exception as e:
             after.drain()
             failure = failure or e
+        # The second flag is posted, not waited on: a rank that failed waits for it (the others
+        # learn of the failure from it), the others at their next step (ParamGathers._settle).
         with profiled(COMMIT, self._flag_names[1]):
-            agreed = self.flag.agree(members, ok=failure is None)
-        if not agreed or failure is not None:
+            agreement = self.flag.post(members, ok=failure is None)
+        if failure is not None:
+            agreement.agreed()
             if prefetch:
                 after.drain()
-            where = f"another rank of {ranks_text(members)}"
-            if failure is not None:
-                where = f"rank {self.rank}: {_first_line(failure)}"
-            self._gathers.broken = (
-                f"step {step_number} failed after its commit point on {where}; the optimizer states and "
-                "parameters may hold this step in part on every rank: load a checkpoint to go on"
-            )
-            raise OptimizerStepError(self._gathers.broken) from failure
+            where = f"rank {self.rank}: {_first_line(failure)}"
+            raise self._gathers.failed_after_commit(step_number, where) from failure
         for slot in slots:
             slot.step += 1
         if prefetch:
             self._gathers.hand(after, param_legs, slots, step_number)
+        self._gathers.hand_agreement(agreement, step_number, members)
         self.last.wait_seconds = waited + after.waited
         self.last.traffic = self._traffic(compiled, slots, sums, norm_traffic)
         self.last.grad_norm, self.last.skipped = norm, False
