@@ -86,11 +86,12 @@ class LastStep:
     wait_seconds: float = 0.0
 
 
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class Agreement:
     """A flag posted and not yet waited on (:meth:`CommitFlag.post`): :meth:`agreed` waits for
-    it (at most ``wait``) and says whether every rank of ``members`` was ready; ``pending`` is
-    None where there is nothing to wait for (one rank, no flag), ``ok`` then the answer."""
+    it (at most ``wait``, once) and says whether every rank of ``members`` was ready;
+    ``pending`` is None where there is nothing to wait for (one rank, no flag), ``ok`` then the
+    answer."""
 
     ok: bool
     pending: PendingCollective | None = None
@@ -101,13 +102,14 @@ class Agreement:
     def agreed(self) -> bool:
         if self.pending is None:
             return self.ok
+        pending, self.pending = self.pending, None
         try:
-            lowest = int(self.pending.wait(self.wait)[0])
+            self.ok = int(pending.wait(self.wait)[0]) == READY
         except DistributedError:
-            return False
+            self.ok = False
         if stats.is_recording():
             _record(self.members, 1, time.perf_counter() - self.posted)
-        return lowest == READY
+        return self.ok
 
 
 class StepIdentity:

@@ -20,7 +20,7 @@ import torch
 
 from planner.legs import AFTER, BEFORE
 from runtime.execution.buckets import StageRun
-from runtime.execution.ranges import COMMIT, UPDATE, profiled
+from runtime.execution.ranges import COMMIT, UPDATE, profiled, profiling
 from runtime.memory.buffers import Scratch
 from runtime.memory.dtypes import as_dtype
 from runtime.optim.clipping import Clipping, Reduced, gradients_finite
@@ -403,10 +403,13 @@ class StepTransaction:
             failure = failure or e
         # The second flag is posted, not waited on: a rank that failed waits for it (the others
         # learn of the failure from it), the others at their next step (ParamGathers._settle).
+        # Under torch.profiler every rank waits for it here: gloo work left in flight across the
+        # profiler's stop can crash the process (runtime/comm/collectives.py).
         with profiled(COMMIT, self._flag_names[1]):
             agreement = self.flag.post(members, ok=failure is None)
+            if failure is not None or profiling():
+                agreement.agreed()
         if failure is not None:
-            agreement.agreed()
             if prefetch:
                 after.drain()
             where = f"rank {self.rank}: {_first_line(failure)}"
