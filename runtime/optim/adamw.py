@@ -17,7 +17,7 @@ from typing import Any, Unpack
 import torch
 
 from planner.memory import denom_groups
-from runtime.memory.buffers import Scratch
+from runtime.memory.buffers import KeptViews, Scratch
 from runtime.memory.dtypes import as_dtype
 from runtime.optim.base import ShardedOptimizer, StepOptions
 from runtime.optim.errors import OptimizerError
@@ -72,17 +72,27 @@ def adamw_in_place(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    views: KeptViews | None = None,
+    key: tuple = (),
 ) -> None:
     """:func:`adamw_update` in place: the same operations in the same order on every element,
     so the same bits. ``grads`` and the states are either per-tensor lists matching ``params``
     or one flat tensor each covering all of them in order (views of flat buffers: a few
     whole-range ops instead of one per tensor); ``params`` are the tensors written (shards of
     the parameters, possibly views into them, of any strides). ``scratch``'s ``"denom"`` takes
-    at most :data:`DENOM_CHUNK` elements, or the largest tensor's."""
+    at most :data:`DENOM_CHUNK` elements, or the largest tensor's. ``views`` keeps the
+    per-tensor views of the flat ranges between steps, under ``key`` (one per run of tensors)."""
     beta1, beta2 = betas
     if weight_decay != 0:
         torch._foreach_mul_(list(params), 1 - lr * weight_decay)
     flat = len(grads) == 1 and len(params) != 1  # whole ranges of flat states
+    shapes = tuple(p.shape for p in params)
+
+    def pieces(name: str, buffer: torch.Tensor, start: int, end: int) -> list[torch.Tensor]:
+        if views is None:
+            return pieces_of(buffer, shapes[start:end])
+        held = (buffer.data_ptr(), buffer.numel(), shapes)
+        return views.get((name, start, *key), held, pieces_of, buffer, shapes[start:end])
     # Whole ranges go through the _foreach_ kernels too (lists of one), and the division and the
     # step take lists of numbers, as ``torch.optim.AdamW(foreach=True)`` passes them: on CUDA a
     # division by one number multiplies by its reciprocal, which differs in the last bit from the
@@ -91,7 +101,7 @@ def adamw_in_place(
     torch._foreach_mul_(list(exp_avg_sqs), beta2)
     torch._foreach_addcmul_(list(exp_avg_sqs), list(grads), list(grads), value=1 - beta2)
     if flat:
-        averages = pieces_of(exp_avgs[0], [p.shape for p in params])
+        averages = pieces("averages", exp_avgs[0], 0, len(params))
     else:
         averages = [a.view(p.shape) for a, p in zip(exp_avgs, params, strict=True)]
     correction = (1 - beta2**step) ** 0.5
@@ -99,7 +109,7 @@ def adamw_in_place(
     at = 0  # where the group starts in the flat states
     for start, end, numel in denom_groups([p.numel() for p in params]):
         buffer = scratch.take("denom", numel, params[start].dtype, params[start].device)
-        denoms = pieces_of(buffer, [p.shape for p in params[start:end]])
+        denoms = pieces("denoms", buffer, start, end)
         if flat:  # three whole-range ops for the group
             torch.sqrt(exp_avg_sqs[0][at : at + numel], out=buffer)
             torch._foreach_div_([buffer], [correction])
@@ -342,4 +352,6 @@ class ShardedAdamW(ShardedOptimizer):
                 slot.step + 1,
                 self._scratch,
                 **hyper,
+                views=self._views,
+                key=tuple(work.slots[i].index for i in run),
             )
