@@ -25,6 +25,7 @@ from runtime.execution.ranges import profiled
 from runtime.optim.commit import Finite
 from runtime.optim.compiler import CompiledStep
 from runtime.optim.errors import OptimizerStepError
+from runtime.optim.flat import as_flat
 from runtime.optim.slots import Slot, grad_versions
 from runtime.optim.sums import SumReducer, SumSpec
 from shardlang.layout import Layout
@@ -156,10 +157,14 @@ class Clipping:
 def gradients_finite(slots: Sequence[Slot], reduced: Sequence[torch.Tensor], norm: torch.Tensor | None) -> Finite:
     """Whether the reduced gradients a step takes are finite, on their device (no host sync):
     the test of their norm where the step took it (a NaN or inf makes it one), else of their
-    absolute sums, one ``_foreach_norm`` per dtype and device (so does any NaN or inf in a
-    tensor; a sum that overflows where no element is, is named as such)."""
+    sum where they are one range of memory (the buckets' results: one reduction, not one per
+    tensor), else of their absolute sums, one ``_foreach_norm`` per dtype and device (so does
+    any NaN or inf in a tensor; a sum that overflows where no element is, is named as such)."""
+    whole = None if norm is not None else as_flat(reduced)
     if norm is not None:
         ok = torch.isfinite(norm)
+    elif whole is not None:
+        ok = torch.sum(whole).isfinite()
     else:
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for grad in reduced:
