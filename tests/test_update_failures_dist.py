@@ -140,6 +140,8 @@ def _run_in_place(rank: int, world_size: int, prefetch: bool, how: str) -> dict[
             return start(op, *args, **kwargs)
 
         runtime.execution.run.start_collective = dying
+    if rank == FAILING_RANK and how == "exits":  # its step done, before it posts the flag after it
+        optimizer._transaction.flag.post = lambda *args, **kwargs: os._exit(0)
     for name, (grad, addends) in step_grads(torch.float32, SEED, 0).items():
         params[name].grad = local_grad(grad, addends, spec[name].grad, (rank,))
     started = time.monotonic()
@@ -172,6 +174,24 @@ def test_an_update_failing_after_the_commit_point_is_raised_on_every_rank(prefet
         # The failing rank raises in its step; the others' step() does not wait for the flag
         # after the commit point: their next call into the optimizer raises.
         assert got["raised_by"] == ("step" if rank == FAILING_RANK else "wait_params"), (rank, got["raised_by"])
+
+
+@pytest.mark.slow
+def test_a_peer_exiting_before_the_flag_after_the_commit_point_is_raised_at_the_next_call() -> None:
+    ranks = run_ranks(
+        _run_in_place, 4, args=(False, "exits"), timeout=120, collective_timeout=30, allow_missing=(FAILING_RANK,)
+    )
+    for rank, got in enumerate(ranks):
+        if rank == FAILING_RANK:
+            continue
+        first, then = got["messages"]
+        # Its step finished here, but whether it did on the rank that left cannot be known.
+        assert got["raised_by"] == "wait_params", (rank, got["raised_by"])
+        assert "step 1 may have failed after its commit point: the flag after it did not come from every rank" in first
+        assert "(a peer failed: " in first or "(timed out after 20 s" in first, first
+        assert "load a checkpoint to go on" in first, first
+        assert then == first
+        assert got["seconds"] < 25, f"rank {rank} took {got['seconds']:.1f} s (timeout 20 s)"
 
 
 @pytest.mark.slow

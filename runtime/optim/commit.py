@@ -98,6 +98,9 @@ class Agreement:
     members: tuple[int, ...] = ()
     wait: datetime.timedelta = datetime.timedelta(0)
     posted: float = 0.0
+    # Why the flag did not arrive (a peer died or timed out), where it did not: then no rank
+    # can tell whether the others finished their step.
+    missing: str | None = None
 
     def agreed(self) -> bool:
         if self.pending is None:
@@ -105,8 +108,8 @@ class Agreement:
         pending, self.pending = self.pending, None
         try:
             self.ok = int(pending.wait(self.wait)[0]) == READY
-        except DistributedError:
-            self.ok = False
+        except DistributedError as e:
+            self.ok, self.missing = False, e.message
         if stats.is_recording():
             _record(self.members, 1, time.perf_counter() - self.posted)
         return self.ok
@@ -366,8 +369,8 @@ class CommitFlag:
         try:
             group = ranks_group(members, timeout=self.timeout)
             pending = start_collective("all_reduce", self._posted, len(members), "min", group)
-        except DistributedError:
-            return Agreement(False)
+        except DistributedError as e:
+            return Agreement(False, members=members, missing=e.message)
         return Agreement(ok, pending, members, wait, time.perf_counter())
 
     def _named(

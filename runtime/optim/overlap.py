@@ -100,12 +100,13 @@ class ParamGathers:
         the next :meth:`wait` or :meth:`gather_for`."""
         self._agreement = (agreement, step, members)
 
-    def failed_after_commit(self, step: int, where: str) -> OptimizerStepError:
-        """The error of a step that failed after its commit point (``where``: on which rank,
-        and why), raised on every rank; every later step refuses to run."""
+    def failed_after_commit(self, step: int, what: str) -> OptimizerStepError:
+        """The error of a step that failed after its commit point (``what``: "failed after its
+        commit point on" which rank, and why), raised on every rank; every later step refuses
+        to run."""
         self.broken = (
-            f"step {step} failed after its commit point on {where}; the optimizer states and "
-            "parameters may hold this step in part on every rank: load a checkpoint to go on"
+            f"step {step} {what}; the optimizer states and parameters may hold this step in part on every "
+            "rank: load a checkpoint to go on"
         )
         return OptimizerStepError(self.broken)
 
@@ -159,7 +160,10 @@ class ParamGathers:
         if self._pending is not None:
             self._pending.run.drain()
             self._pending = None
-        raise self.failed_after_commit(step, f"another rank of {ranks_text(members)}")
+        if agreement.missing is not None:  # this rank finished; a peer may not have
+            what = "may have failed after its commit point: the flag after it did not come from every rank of "
+            raise self.failed_after_commit(step, f"{what}{ranks_text(members)} ({agreement.missing})")
+        raise self.failed_after_commit(step, f"failed after its commit point on another rank of {ranks_text(members)}")
 
     def _fail(self, error: ShardlangError) -> None:
         gathers = self._pending

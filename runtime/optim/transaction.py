@@ -412,8 +412,8 @@ class StepTransaction:
         if failure is not None:
             if prefetch:
                 after.drain()
-            where = f"rank {self.rank}: {_first_line(failure)}"
-            raise self._gathers.failed_after_commit(step_number, where) from failure
+            what = f"failed after its commit point on rank {self.rank}: {_first_line(failure)}"
+            raise self._gathers.failed_after_commit(step_number, what) from failure
         for slot in slots:
             slot.step += 1
         if prefetch:
