@@ -192,13 +192,15 @@ def _run(
     *,
     relaxed: bool = False,
     sub_mips: bool = True,
+    start: Any = None,
 ) -> tuple[Any, bool, float]:
     """Minimize ``objective`` within the program and ``limits`` (vector, most): the solution
     (the best found when the node limit stops the solver), whether it is proven optimal, and
     the gap; a :class:`SuggestError` when there is none. ``relaxed``: every variable real
     (the linear relaxation, whose optimum bounds the program's from below); ``sub_mips``:
     whether HiGHS may search for solutions in the sub-programs that fix the variables its
-    relaxation or best solution round alike (RENS, RINS)."""
+    relaxation or best solution round alike (RENS, RINS); ``start``: a solution within the
+    limits, HiGHS's first incumbent."""
     import highspy
     import numpy as np
 
@@ -230,6 +232,10 @@ def _run(
     for name, value in options.items():
         solver.setOptionValue(name, value)
     solver.passModel(lp)
+    if start is not None:
+        solution = highspy.HighsSolution()
+        solution.col_value = start
+        solver.setSolution(solution)
     solver.run()
     status, info, kinds = solver.getModelStatus(), solver.getInfo(), highspy.HighsModelStatus
     optimal = status == kinds.kOptimal
@@ -277,8 +283,8 @@ def _solve(
     tie is the fastest's, its step plan's need not be (the program counts a kind's buckets as a
     lower bound where the cap cuts it, module doc): a tie the step plan times slower than the
     fastest choice gives way to it. A tie-break's time row leaves few choices feasible, and
-    HiGHS's sub-programs rounding its relaxation find none of them: they are left out
-    (docs/reference/suggest.md)."""
+    HiGHS's sub-programs rounding its relaxation find none of them: they are left out, and
+    each starts from the solution it breaks a tie of (docs/reference/suggest.md)."""
     program = _program(problem)
     limits = [] if budget is None else [_within(program, budget)]
     x, optimal, gap = _fastest(program, budget, node_limit)
@@ -289,7 +295,7 @@ def _solve(
         limits.append((program.time, fastest * (1 + _TIE) + _TIE))
         for objective, what in ((program.memory, "less memory"), (program.changes, "fewer changes")):
             try:  # an objective at 0 is at its least (every tensor in its own layouts)
-                x = _run(program, objective, limits, node_limit, sub_mips=False)[0] if objective @ x > 0 else x
+                x = _run(program, objective, limits, node_limit, sub_mips=False, start=x)[0] if objective @ x > 0 else x
             except SuggestError as e:  # none found in time: keep the last
                 notes = (f"ties not broken by {what}: {e.message}",)
                 break
