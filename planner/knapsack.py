@@ -226,7 +226,15 @@ def _run(
         whole, real = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
         lp.integrality_ = [whole if v else real for v in program.integrality]
     solver = highspy.Highs()
-    options: dict[str, Any] = {"output_flag": False, "presolve": "on", "mip_rel_gap": 0.0, "mip_max_nodes": node_limit}
+    # Branching on pseudocosts from the first node, no strong branching: the node limit does
+    # not count its trial solves (docs/reference/suggest.md).
+    options: dict[str, Any] = {
+        "output_flag": False,
+        "presolve": "on",
+        "mip_rel_gap": 0.0,
+        "mip_max_nodes": node_limit,
+        "mip_pscost_minreliable": 0,
+    }
     if not sub_mips:
         options |= {"mip_heuristic_run_rens": False, "mip_heuristic_run_rins": False}
     for name, value in options.items():
