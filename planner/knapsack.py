@@ -1,4 +1,4 @@
-"""The integer program of ``planner.suggest``, solved by HiGHS (``scipy.optimize.milp``).
+"""The integer program of ``planner.suggest``, solved by HiGHS (``highspy``).
 
 Variables, per group ``g`` and candidate ``c``: ``n[g,c]`` (how many of the group's tensors
 take ``c``, an integer), ``u[g,c]`` (binary: any does); per collective kind ``k``: ``b[k]``
@@ -26,9 +26,8 @@ spec's own layouts' and every fixed strategy's that fits, and the best by the sa
 where the cap cuts a kind into more buckets than the program counts, it stays no worse than
 any of those.
 
-numpy and scipy are imported when a program is solved, not with this module, which the
-``shardlang`` command imports for every command: scipy takes about half a second to import
-(README, "The `shardlang` command").
+numpy and highspy are imported when a program is solved, not with this module, which the
+``shardlang`` command imports for every command (README, "The `shardlang` command").
 """
 
 from __future__ import annotations
@@ -62,10 +61,11 @@ class _Program:
     cells: tuple[tuple[int, int], ...]
     size: int
     fixed: int  # bytes held whatever the choice, left out of ``memory`` (planner.held.fixed_bytes)
-    rows: Any  # scipy.sparse matrix
+    rows: tuple[Any, Any, Any]  # (row, column, value) of each entry: numpy arrays
     lo: Any
     hi: Any
-    bounds: Any
+    lower: Any  # the variables' bounds
+    upper: Any
     integrality: Any
     time: Any  # objective vectors over the variables
     memory: Any
@@ -103,8 +103,6 @@ def _undominated(group: Group) -> list[int]:
 @functools.lru_cache(maxsize=8)
 def _program(problem: Problem) -> _Program:
     import numpy as np
-    from scipy.optimize import Bounds
-    from scipy.sparse import coo_array
 
     latency: dict[int, float] = {}
     for g in problem.groups:
@@ -170,15 +168,15 @@ def _program(problem: Problem) -> _Program:
         time_vector[2 * n_cells + kind_index[k]] = value * _US
     for column, value in memory.items():
         memory_vector[column] = value
-    matrix = coo_array((data, (row_of, col_of)), shape=(len(lo), size)).tocsr()
     return _Program(
         cells=cells,
         size=size,
         fixed=host_bytes(problem.optimizer, len(problem.tensors)),
-        rows=matrix,
+        rows=(np.array(row_of, dtype=int), np.array(col_of, dtype=int), np.array(data, dtype=float)),
         lo=np.array(lo),
         hi=np.array(hi),
-        bounds=Bounds(np.array(lower), np.array(upper)),
+        lower=np.array(lower),
+        upper=np.array(upper),
         integrality=np.array(integer),
         time=time_vector,
         memory=memory_vector,
@@ -194,40 +192,68 @@ def _run(
     *,
     relaxed: bool = False,
     sub_mips: bool = True,
+    start: Any = None,
 ) -> tuple[Any, bool, float]:
     """Minimize ``objective`` within the program and ``limits`` (vector, most): the solution
     (the best found when the node limit stops the solver), whether it is proven optimal, and
     the gap; a :class:`SuggestError` when there is none. ``relaxed``: every variable real
     (the linear relaxation, whose optimum bounds the program's from below); ``sub_mips``:
     whether HiGHS may search for solutions in the sub-programs that fix the variables its
-    relaxation or best solution round alike (RENS, RINS)."""
-    import warnings
-
+    relaxation or best solution round alike (RENS, RINS); ``start``: a solution within the
+    limits, HiGHS's first incumbent."""
+    import highspy
     import numpy as np
-    from scipy.optimize import LinearConstraint, milp
-    from scipy.sparse import csr_array, vstack
 
-    rows, lo, hi = program.rows, program.lo, program.hi
-    if limits:
-        rows = vstack([rows, csr_array(np.array([v for v, _ in limits]))]).tocsr()
+    row_of, col_of, data = program.rows
+    lo, hi = program.lo, program.hi
+    if limits:  # rows of their own after the program's, of the vectors' nonzero entries
+        entries = [(np.flatnonzero(v), v) for v, _ in limits]
+        row_of = np.concatenate([row_of, *(np.full(len(i), len(lo) + r) for r, (i, _) in enumerate(entries))])
+        col_of = np.concatenate([col_of, *(i for i, _ in entries)])
+        data = np.concatenate([data, *(v[i] for i, v in entries)])
         lo = np.concatenate([lo, np.full(len(limits), -np.inf)])
         hi = np.concatenate([hi, np.array([m for _, m in limits])])
-    options: dict[str, Any] = {"mip_rel_gap": 0.0, "node_limit": node_limit, "presolve": True}
-    if not sub_mips:  # HiGHS options of its own, which scipy passes on verbatim, with a warning
+    order = np.lexsort((row_of, col_of))  # by column, then row: HiGHS's column-wise matrix
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = program.size, len(lo)
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = objective, program.lower, program.upper
+    lp.row_lower_, lp.row_upper_ = lo, hi
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(np.bincount(col_of, minlength=program.size))])
+    lp.a_matrix_.index_ = row_of[order]
+    lp.a_matrix_.value_ = data[order]
+    if not relaxed:
+        whole, real = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
+        lp.integrality_ = [whole if v else real for v in program.integrality]
+    solver = highspy.Highs()
+    # Branching on pseudocosts from the first node, no strong branching: the node limit does
+    # not count its trial solves (docs/reference/suggest.md).
+    options: dict[str, Any] = {
+        "output_flag": False,
+        "presolve": "on",
+        "mip_rel_gap": 0.0,
+        "mip_max_nodes": node_limit,
+        "mip_pscost_minreliable": 0,
+    }
+    if not sub_mips:
         options |= {"mip_heuristic_run_rens": False, "mip_heuristic_run_rins": False}
-    with warnings.catch_warnings():  # (and a HiGHS too old to know them runs as it would without)
-        warnings.filterwarnings("ignore", "Unrecognized options detected")
-        result = milp(
-            objective,
-            constraints=LinearConstraint(rows, lo, hi),
-            bounds=program.bounds,
-            integrality=np.zeros_like(program.integrality) if relaxed else program.integrality,
-            options=options,
-        )
-    if result.x is None:  # status 2: infeasible; else a limit stopped it first (scipy.optimize.milp)
-        why = "HiGHS found the program infeasible" if result.status == 2 else "HiGHS stopped before it found a solution"
-        raise SuggestError(f"{why} ({result.message.strip()})")
-    return result.x, result.status == 0, float(getattr(result, "mip_gap", 0.0) or 0.0)
+    for name, value in options.items():
+        solver.setOptionValue(name, value)
+    solver.passModel(lp)
+    if start is not None:
+        solution = highspy.HighsSolution()
+        solution.col_value = start
+        solver.setSolution(solution)
+    solver.run()
+    status, info, kinds = solver.getModelStatus(), solver.getInfo(), highspy.HighsModelStatus
+    optimal = status == kinds.kOptimal
+    # A limit that stops a search keeps the best solution found, where it found one.
+    stopped = not relaxed and status in (kinds.kSolutionLimit, kinds.kIterationLimit, kinds.kTimeLimit)
+    if not optimal and not (stopped and info.objective_function_value < highspy.kHighsInf):
+        infeasible = status == kinds.kInfeasible
+        why = "HiGHS found the program infeasible" if infeasible else "HiGHS stopped before it found a solution"
+        raise SuggestError(f"{why} ({solver.modelStatusToString(status)})")
+    return np.array(solver.getSolution().col_value), optimal, 0.0 if relaxed else float(info.mip_gap)
 
 
 def _within(program: _Program, budget: int) -> tuple[Any, float]:
@@ -265,8 +291,8 @@ def _solve(
     tie is the fastest's, its step plan's need not be (the program counts a kind's buckets as a
     lower bound where the cap cuts it, module doc): a tie the step plan times slower than the
     fastest choice gives way to it. A tie-break's time row leaves few choices feasible, and
-    HiGHS's sub-programs rounding its relaxation find none of them: they are left out
-    (docs/reference/suggest.md)."""
+    HiGHS's sub-programs rounding its relaxation find none of them: they are left out, and
+    each starts from the solution it breaks a tie of (docs/reference/suggest.md)."""
     program = _program(problem)
     limits = [] if budget is None else [_within(program, budget)]
     x, optimal, gap = _fastest(program, budget, node_limit)
@@ -277,7 +303,7 @@ def _solve(
         limits.append((program.time, fastest * (1 + _TIE) + _TIE))
         for objective, what in ((program.memory, "less memory"), (program.changes, "fewer changes")):
             try:  # an objective at 0 is at its least (every tensor in its own layouts)
-                x = _run(program, objective, limits, node_limit, sub_mips=False)[0] if objective @ x > 0 else x
+                x = _run(program, objective, limits, node_limit, sub_mips=False, start=x)[0] if objective @ x > 0 else x
             except SuggestError as e:  # none found in time: keep the last
                 notes = (f"ties not broken by {what}: {e.message}",)
                 break

@@ -315,7 +315,14 @@ def bucket_stage(
 ) -> Iterable[Bucket]:
     """The buckets of one stage (see the module doc), mesh by mesh in one global order; the
     legs in reverse order when ``reverse``; the legs ``skip`` (indices) left out."""
-    for merged in stage_rounds(legs, stage, costs, reverse=reverse, skip=skip):
+    return round_buckets(legs, stage, stage_rounds(legs, stage, costs, reverse=reverse, skip=skip), costs, cap)
+
+
+def round_buckets(
+    legs: Sequence[Leg], stage: str, rounds: Iterable[Round], costs: Mapping[str, CostModel], cap: int
+) -> Iterable[Bucket]:
+    """The buckets ``cap`` cuts the stage's ``rounds`` (:func:`stage_rounds`) into."""
+    for merged in rounds:
         for part in merged.cut(cap):
             yield _bucket(legs, stage, part, costs)
 
@@ -369,6 +376,21 @@ def stage_rounds(
     for key in sorted(chains):
         out += _merge(legs, chains[key][::-1] if reverse else chains[key], costs)
     return out
+
+
+@attrs.frozen(eq=False)
+class Merged:
+    """The rounds of the stages ``rounds`` names (:func:`stage_rounds`, not reversed) over
+    ``legs`` with ``costs``: what pricing a choice's step and bucketing it can share."""
+
+    legs: Sequence[Leg]
+    costs: Mapping[str, CostModel]
+    rounds: Mapping[str, Sequence[Round]]
+
+    def over(self, legs: Sequence[Leg], costs: Mapping[str, CostModel]) -> bool:
+        """Whether ``legs`` are its legs (the same objects, in order) and ``costs`` its costs."""
+        same = len(legs) == len(self.legs) and all(a is b for a, b in zip(legs, self.legs, strict=True))
+        return same and costs == self.costs
 
 
 def rounds_price(

@@ -22,7 +22,7 @@ objects take about :data:`HOST_BYTES_PER_TENSOR` per tensor (``host``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import groupby
 from typing import Any
 
@@ -31,7 +31,7 @@ import attrs
 from planner.bucket_cap import AUTO, step_with_model_cap
 from planner.buffers import shares_after, step_buffer_bytes
 from planner.cost import CostModel
-from planner.legs import DEFAULT_BUCKET_BYTES, Leg, without_axis
+from planner.legs import DEFAULT_BUCKET_BYTES, Leg, Merged, Round, without_axis
 from planner.matmul_caches import kernel_bytes
 from planner.matrices import plan_matrices
 from planner.spec_plan import cost_for, plan_spec, step_tensor
@@ -310,9 +310,10 @@ class ChoiceMemory:
         self._places = [at[t.name] for t in problem.tensors]
         self._known: dict[tuple[int, int, int], tuple[RankTensor, str, CostModel, tuple[Leg, ...]]] = {}
 
-    def report(self, picks: Sequence[Sequence[int]]) -> MemoryReport:
+    def report(self, picks: Sequence[Sequence[int]], merged: Merged | None = None) -> MemoryReport:
         """What the choice ``picks`` (a candidate per tensor of each group) holds, as
-        :func:`predict_memory` of the problem's spec with the chosen layouts."""
+        :func:`predict_memory` of the problem's spec with the chosen layouts; ``merged``: the
+        choice's stages as pricing it merged them, taken where they are over the same legs."""
         p = self.problem
         first = self._places[0]
         rank = self._tensor(first[0], picks[first[0]][first[1]]).state().mesh.ranks[0]
@@ -330,7 +331,8 @@ class ChoiceMemory:
                 p.spec, p.optimizer, tensors=chosen, flat_axis=p.flat_axis, bucket_bytes=p.bucket_bytes
             )
         legs = [leg for *_, tensor_legs in known for leg in tensor_legs]
-        step = self._step(legs, tuple(costs), costs, rank)
+        rounds = merged.rounds if merged is not None and merged.over(legs, costs) else None
+        step = self._step(legs, tuple(costs), costs, rank, rounds)
         buffers = step_buffer_bytes(step, shared_after=shares_after(step))
         return rank_memory([piece for piece, *_ in known], p.optimizer, buffers=buffers)
 
@@ -345,17 +347,26 @@ class ChoiceMemory:
             p, tensor = self.problem, self._tensor(group, candidate)
             cost = cost_for(p.spec, tensor)  # as plan_spec's: the hints of the state mesh
             legs = tuple(step_legs([step_tensor(tensor, cost, p.flat_axis)], rank))
+            priced = p.groups[group].candidates[candidate].legs
+            legs = priced if legs == priced else legs  # the candidate's own: their merge can be shared
             found = (rank_tensor(tensor, rank, p.optimizer, p.flat_axis), tensor.name, cost, legs)
             self._known[(group, candidate, rank)] = found
         return found
 
-    def _step(self, legs: list[Leg], names: tuple[str, ...], costs: dict[str, CostModel], rank: int) -> StepPlan:
+    def _step(
+        self,
+        legs: list[Leg],
+        names: tuple[str, ...],
+        costs: dict[str, CostModel],
+        rank: int,
+        rounds: Mapping[str, Sequence[Round]] | None,
+    ) -> StepPlan:
         """:func:`planner.step.plan_step` of these legs (under AUTO with the cost model's cap),
-        no overlap, no prefetch."""
+        no overlap, no prefetch; ``rounds``: their stages merged, where known."""
         cap = self.problem.bucket_bytes
         if cap == AUTO:
             return step_with_model_cap(legs, names, costs, rank)
-        return bucketed_step(legs, names, costs, rank, int(cap))
+        return bucketed_step(legs, names, costs, rank, int(cap), rounds=rounds)
 
 
 def rank_tensor(tensor: TensorSpec, rank: int, optimizer: str, flat_axis: str | int | None = None) -> RankTensor:

@@ -81,6 +81,7 @@ from planner.legs import (
     STAGES,
     Hop,
     Leg,
+    Merged,
     bucket_stage,
     rounds_price,
     stage_rounds,
@@ -203,9 +204,9 @@ class Problem:
     def evaluate(self, picks: Sequence[Sequence[int]]) -> Choice:
         """Memory as the runtime holds it (:meth:`prediction`); time as the step plan buckets the
         chosen legs (module doc): what ``shardlang plan`` models for the chosen spec, plus the loop."""
-        price = self.priced(picks)
+        price, merged = self._priced(picks)
         seconds = self.model_cap(picks).seconds if self.bucket_bytes == AUTO else price(int(self.bucket_bytes))[0]
-        memory = self.prediction(picks).total_bytes
+        memory = self._memory.report(picks, merged).total_bytes  # the prediction, of the merge priced
         return Choice(picks=tuple(tuple(p) for p in picks), memory=memory, seconds=seconds)
 
     def prediction(self, picks: Sequence[Sequence[int]]) -> MemoryPrediction:
@@ -225,7 +226,10 @@ class Problem:
 
     def priced(self, picks: Sequence[Sequence[int]]) -> Priced:
         """A choice's step and loop under a bucket cap: (modeled seconds, largest bucket
-        buffer), for ``planner.bucket_cap``'s rule."""
+        buffer), for ``planner.bucket_cap``'s rule (``_priced``: and the stages it merged)."""
+        return self._priced(picks)[0]
+
+    def _priced(self, picks: Sequence[Sequence[int]]) -> tuple[Priced, Merged]:
         chosen: dict[str, Candidate] = {}
         costs: dict[str, CostModel] = {}  # by the name the legs carry: their group's first tensor's
         for group, picked in zip(self.groups, picks, strict=True):
@@ -253,7 +257,7 @@ class Problem:
                 buffer = max(buffer, largest)
             return seconds, buffer
 
-        return price
+        return price, Merged(legs, costs, {BEFORE: stages[0][2], AFTER: stages[1][2]})
 
     def uniform(self, pick: Sequence[int]) -> Choice:
         """Every tensor of group ``g`` takes candidate ``pick[g]``."""

@@ -1,5 +1,5 @@
 """What start-up imports (README, "The `shardlang` command"): the planning commands load
-neither torch nor scipy (nor numpy, nor graphviz unless they draw), and ``import runtime``
+neither torch nor scipy nor highspy (nor numpy, nor graphviz unless they draw), and ``import runtime``
 (its optimizers and checkpoints too) leaves ``torch.distributed.tensor`` (about a second) out
 until a DTensor exists. Each check runs in a fresh interpreter, since this one has imported
 everything already; a DTensor handed to ``reshard`` is still refused."""
@@ -39,7 +39,7 @@ for argv in json.loads(sys.argv[1]):
             codes.append(main(argv))
         except SystemExit as e:
             codes.append(e.code)
-heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "scipy", "numpy", "graphviz"})
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "scipy", "highspy", "numpy", "graphviz"})
 print(json.dumps([codes, heavy]))
 """
 

@@ -1,7 +1,8 @@
 """``Problem.prediction``, which derives each group's candidates once
 (``planner.memory.ChoiceMemory``), equals ``predict_memory`` of the whole chosen spec
 (tests/test_suggest_memory_dist.py checks that against ``memory_report()``) for choices that
-mix candidates within a group, under a fixed cap, the smallest one and the cost model's, with
+mix candidates within a group (and ``Problem.evaluate``'s memory, which shares its pricing's
+merge of the step), under a fixed cap, the smallest one and the cost model's, with
 and without flat sharding."""
 
 from __future__ import annotations
@@ -44,3 +45,5 @@ def test_prediction_is_predict_memory_of_the_chosen_spec(optimizer: str, cap: in
                 spec_of, optimizer, flat_axis=problem.flat_axis, bucket_bytes=problem.bucket_bytes
             )
             assert problem.prediction(picks) == expected, (problem.flat_axis, picks)
+            # evaluate buckets the step from the stages its pricing merged (planner.legs.Merged)
+            assert problem.evaluate(picks).memory == expected.total_bytes, (problem.flat_axis, picks)

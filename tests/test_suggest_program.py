@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from planner import knapsack
-from planner.knapsack import _choice, _fastest, _program, _solve
-from planner.suggest import build_problems
+from planner.knapsack import _choice, _fastest, _program, _run, _solve
+from planner.suggest import SuggestError, build_problems
 from shardlang import parse_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -140,3 +140,17 @@ def test_a_tie_break_never_times_slower_than_the_fastest_solution() -> None:
     fastest = _choice(problem, program, _fastest(program, budget, knapsack.NODE_LIMIT)[0])
     tied, _, _, _ = _solve(problem, budget, knapsack.NODE_LIMIT, True)
     assert tied.seconds <= fastest.seconds * (1 + 1e-6), (tied.seconds, fastest.seconds)
+
+
+def test_a_tie_break_starts_from_the_solution_it_breaks_a_tie_of() -> None:
+    # Given no node to search, a tie-break solve keeps the solution it starts from (or one no
+    # worse within the tie's time): started from nothing it finds none.
+    problem = build_problems(parse_spec(TWO), bucket_bytes=2 * MIB, loop="any")[0]
+    program = _program(problem)
+    x, _, _ = _fastest(program, None, knapsack.NODE_LIMIT)
+    tie = [(program.time, float(program.time @ x) * (1 + 1e-6) + 1e-6)]
+    with pytest.raises(SuggestError, match="HiGHS stopped before it found a solution"):
+        _run(program, program.memory, tie, 0, sub_mips=False)
+    kept, _, _ = _run(program, program.memory, tie, 0, sub_mips=False, start=x)
+    assert program.time @ kept <= tie[0][1] and program.memory @ kept <= program.memory @ x
+    assert _choice(problem, program, kept).memory <= _choice(problem, program, x).memory
