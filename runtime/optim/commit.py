@@ -97,7 +97,6 @@ class Agreement:
     pending: PendingCollective | None = None
     members: tuple[int, ...] = ()
     wait: datetime.timedelta = datetime.timedelta(0)
-    posted: float = 0.0
     # Why the flag did not arrive (a peer died or timed out), where it did not: then no rank
     # can tell whether the others finished their step.
     missing: str | None = None
@@ -110,8 +109,6 @@ class Agreement:
             self.ok = int(pending.wait(self.wait)[0]) == READY
         except DistributedError as e:
             self.ok, self.missing = False, e.message
-        if stats.is_recording():
-            _record(self.members, 1, time.perf_counter() - self.posted)
         return self.ok
 
 
@@ -366,12 +363,15 @@ class CommitFlag:
             self._posted = torch.empty(1, dtype=torch.int64, device=default_device())
         self._posted.fill_(READY if ok else FAILED)
         wait = self.timeout if ok else min(self.timeout, FAILURE_NOTICE)
+        started = time.perf_counter()
         try:
             group = ranks_group(members, timeout=self.timeout)
             pending = start_collective("all_reduce", self._posted, len(members), "min", group)
         except DistributedError as e:
             return Agreement(False, members=members, missing=e.message)
-        return Agreement(ok, pending, members, wait, time.perf_counter())
+        if stats.is_recording():  # a collective of this step, its seconds the posting's
+            _record(members, 1, time.perf_counter() - started)
+        return Agreement(ok, pending, members, wait)
 
     def _named(
         self, members: tuple[int, ...], group: Any, summary: dict[str, Any] | None, finite: Finite | None
