@@ -198,8 +198,8 @@ def _run(
     the gap; a :class:`SuggestError` when there is none. ``relaxed``: every variable real
     (the linear relaxation, whose optimum bounds the program's from below); ``start``: a
     solution within the limits, HiGHS's first incumbent. HiGHS searches no sub-programs that
-    fix the variables its relaxation or best solution round alike (RENS, RINS;
-    docs/reference/suggest.md)."""
+    fix the variables its relaxation or best solution round alike, or that its root's reduced
+    costs fix (RENS, RINS, root reduced cost; docs/reference/suggest.md)."""
     import highspy
     import numpy as np
 
@@ -235,6 +235,7 @@ def _run(
         "mip_pscost_minreliable": 0,
         "mip_heuristic_run_rens": False,
         "mip_heuristic_run_rins": False,
+        "mip_heuristic_run_root_reduced_cost": False,
     }
     for name, value in options.items():
         solver.setOptionValue(name, value)
