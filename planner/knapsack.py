@@ -191,16 +191,15 @@ def _run(
     node_limit: int,
     *,
     relaxed: bool = False,
-    sub_mips: bool = True,
     start: Any = None,
 ) -> tuple[Any, bool, float]:
     """Minimize ``objective`` within the program and ``limits`` (vector, most): the solution
     (the best found when the node limit stops the solver), whether it is proven optimal, and
     the gap; a :class:`SuggestError` when there is none. ``relaxed``: every variable real
-    (the linear relaxation, whose optimum bounds the program's from below); ``sub_mips``:
-    whether HiGHS may search for solutions in the sub-programs that fix the variables its
-    relaxation or best solution round alike (RENS, RINS); ``start``: a solution within the
-    limits, HiGHS's first incumbent."""
+    (the linear relaxation, whose optimum bounds the program's from below); ``start``: a
+    solution within the limits, HiGHS's first incumbent. HiGHS searches no sub-programs that
+    fix the variables its relaxation or best solution round alike, or that its root's reduced
+    costs fix (RENS, RINS, root reduced cost; docs/reference/suggest.md)."""
     import highspy
     import numpy as np
 
@@ -226,17 +225,18 @@ def _run(
         whole, real = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
         lp.integrality_ = [whole if v else real for v in program.integrality]
     solver = highspy.Highs()
-    # Branching on pseudocosts from the first node, no strong branching: the node limit does
-    # not count its trial solves (docs/reference/suggest.md).
+    # Branching on pseudocosts from the first node, no strong branching, and no sub-programs:
+    # the node limit counts neither's solves (docs/reference/suggest.md).
     options: dict[str, Any] = {
         "output_flag": False,
         "presolve": "on",
         "mip_rel_gap": 0.0,
         "mip_max_nodes": node_limit,
         "mip_pscost_minreliable": 0,
+        "mip_heuristic_run_rens": False,
+        "mip_heuristic_run_rins": False,
+        "mip_heuristic_run_root_reduced_cost": False,
     }
-    if not sub_mips:
-        options |= {"mip_heuristic_run_rens": False, "mip_heuristic_run_rins": False}
     for name, value in options.items():
         solver.setOptionValue(name, value)
     solver.passModel(lp)
@@ -290,9 +290,8 @@ def _solve(
     found, which is never slower, and says so (the last item: notes). The program's time of a
     tie is the fastest's, its step plan's need not be (the program counts a kind's buckets as a
     lower bound where the cap cuts it, module doc): a tie the step plan times slower than the
-    fastest choice gives way to it. A tie-break's time row leaves few choices feasible, and
-    HiGHS's sub-programs rounding its relaxation find none of them: they are left out, and
-    each starts from the solution it breaks a tie of (docs/reference/suggest.md)."""
+    fastest choice gives way to it. Each tie-break starts from the solution it breaks a tie of
+    (docs/reference/suggest.md)."""
     program = _program(problem)
     limits = [] if budget is None else [_within(program, budget)]
     x, optimal, gap = _fastest(program, budget, node_limit)
@@ -303,7 +302,7 @@ def _solve(
         limits.append((program.time, fastest * (1 + _TIE) + _TIE))
         for objective, what in ((program.memory, "less memory"), (program.changes, "fewer changes")):
             try:  # an objective at 0 is at its least (every tensor in its own layouts)
-                x = _run(program, objective, limits, node_limit, sub_mips=False, start=x)[0] if objective @ x > 0 else x
+                x = _run(program, objective, limits, node_limit, start=x)[0] if objective @ x > 0 else x
             except SuggestError as e:  # none found in time: keep the last
                 notes = (f"ties not broken by {what}: {e.message}",)
                 break

@@ -89,7 +89,7 @@ from planner.legs import (
 )
 from planner.loops import AUTO as AUTO_LOOP
 from planner.loops import LOOPS, infer_loop, runs_in
-from planner.memory import ChoiceMemory, MemoryPrediction, rank_tensor
+from planner.memory import ChoiceMemory, MemoryPrediction, RankTensor, rank_tensor
 from planner.spec_plan import cost_for, step_tensor
 from planner.step import step_legs
 from shardlang.errors import ShardlangError
@@ -423,10 +423,10 @@ def _price(
     flat: int | None,
     kind_ids: dict[tuple, int],
     cap: int,
-    held: tuple[int, Copies],
+    held: tuple[RankTensor, Copies],
     inferred: Sequence[int] = (),
 ) -> Candidate:
-    """``held``: the program's rank and the CAME copies of the problem (``planner.held``)."""
+    """``held``: the tensor on the program's rank and the CAME copies of the problem (``planner.held``)."""
     for name, _ in layouts.states:
         if name != STATE_DEFAULT:
             raise SuggestError(f"tensor '{tensor.name}': suggest prices one state layout per tensor, not state.{name}")
@@ -459,8 +459,7 @@ def _price(
             kinds.append((kind_ids.setdefault(kind, len(kind_ids)), times * latency, min(b.buffer_bytes, cap)))
             steps.append((kinds[-1][0], b))
             seconds += times * (b.seconds - latency)
-    piece = rank_tensor(entry, held[0], optimizer, flat)
-    terms = held_terms(piece, optimizer, held[1], steps, in_step)
+    terms = held_terms(held[0], optimizer, held[1], steps, in_step)
     return Candidate(layouts, terms, seconds, loop_seconds, tuple(kinds), legs=in_step, loop=tuple(loop_legs))
 
 
@@ -532,21 +531,19 @@ def build_problem(
         dp = inferred[first.param.mesh.geometry]
         triples.append((members, flat, dp, _triples(first, states_only, flat, dp, loop)))
     rank = chosen[0].state().mesh.ranks[0]  # predict_memory's: it holds the largest pieces
-    copies = Copies.of(
-        [
-            rank_tensor(attrs.evolve(members[0], layouts=layouts), rank, optimizer, flat)
-            for members, flat, _, found in triples
-            for layouts, _ in found
-        ]
-    )
+    pieces = [
+        [rank_tensor(attrs.evolve(members[0], layouts=layouts), rank, optimizer, flat) for layouts, _ in found]
+        for members, flat, _, found in triples
+    ]
+    copies = Copies.of([piece for group in pieces for piece in group])
     groups = []
-    for members, flat, dp, found in triples:
+    for (members, flat, dp, found), group_pieces in zip(triples, pieces, strict=True):
         first = members[0]
         cost = cost_for(spec, first)
         candidates = []
-        for layouts, strategies in found:
+        for (layouts, strategies), piece in zip(found, group_pieces, strict=True):
             try:
-                priced = _price(first, layouts, optimizer, cost, flat, kind_ids, solver_cap(cap), (rank, copies), dp)
+                priced = _price(first, layouts, optimizer, cost, flat, kind_ids, solver_cap(cap), (piece, copies), dp)
             except PlanError as e:
                 raise SuggestError(f"tensor '{first.name}': {e.message}", first.position) from None
             candidates.append(attrs.evolve(priced, strategies=strategies))

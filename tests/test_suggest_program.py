@@ -150,7 +150,32 @@ def test_a_tie_break_starts_from_the_solution_it_breaks_a_tie_of() -> None:
     x, _, _ = _fastest(program, None, knapsack.NODE_LIMIT)
     tie = [(program.time, float(program.time @ x) * (1 + 1e-6) + 1e-6)]
     with pytest.raises(SuggestError, match="HiGHS stopped before it found a solution"):
-        _run(program, program.memory, tie, 0, sub_mips=False)
-    kept, _, _ = _run(program, program.memory, tie, 0, sub_mips=False, start=x)
+        _run(program, program.memory, tie, 0)
+    kept, _, _ = _run(program, program.memory, tie, 0, start=x)
     assert program.time @ kept <= tie[0][1] and program.memory @ kept <= program.memory @ x
     assert _choice(problem, program, kept).memory <= _choice(problem, program, x).memory
+
+
+def test_no_solve_searches_highs_sub_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # RENS, RINS and root reduced-cost fixing took about half the first solve's time at scale
+    # for no better answers (docs/reference/suggest.md): every solve, the first time solve
+    # included, goes without.
+    import highspy
+
+    solves: list[dict] = []
+
+    class Recording(highspy.Highs):
+        def __init__(self) -> None:
+            super().__init__()
+            solves.append({})
+
+        def setOptionValue(self, name, value):
+            solves[-1][name] = value
+            return super().setOptionValue(name, value)
+
+    monkeypatch.setattr(highspy, "Highs", Recording)
+    problem = build_problems(parse_spec(TWO), bucket_bytes=2 * MIB, loop="any")[0]
+    _solve(problem, None, knapsack.NODE_LIMIT, True)
+    assert solves
+    names = ("mip_heuristic_run_rens", "mip_heuristic_run_rins", "mip_heuristic_run_root_reduced_cost")
+    assert all(s.get(name) is False for s in solves for name in names), solves
