@@ -176,14 +176,18 @@ def test_an_update_failing_after_the_commit_point_is_raised_on_every_rank(prefet
         assert got["raised_by"] == ("step" if rank == FAILING_RANK else "wait_params"), (rank, got["raised_by"])
 
 
+def _survivors(how: str) -> list[tuple[int, dict[str, Any]]]:
+    """What the ranks but the one that leaves (``how``: before the flag after the commit point,
+    or in the final gather) saw, with their ranks."""
+    ranks = run_ranks(
+        _run_in_place, 4, args=(False, how), timeout=120, collective_timeout=30, allow_missing=(FAILING_RANK,)
+    )
+    return [(rank, got) for rank, got in enumerate(ranks) if rank != FAILING_RANK]
+
+
 @pytest.mark.slow
 def test_a_peer_exiting_before_the_flag_after_the_commit_point_is_raised_at_the_next_call() -> None:
-    ranks = run_ranks(
-        _run_in_place, 4, args=(False, "exits"), timeout=120, collective_timeout=30, allow_missing=(FAILING_RANK,)
-    )
-    for rank, got in enumerate(ranks):
-        if rank == FAILING_RANK:
-            continue
+    for rank, got in _survivors("exits"):
         first, then = got["messages"]
         # Its step finished here, but whether it did on the rank that left cannot be known.
         assert got["raised_by"] == "wait_params", (rank, got["raised_by"])
@@ -196,12 +200,7 @@ def test_a_peer_exiting_before_the_flag_after_the_commit_point_is_raised_at_the_
 
 @pytest.mark.slow
 def test_a_peer_dying_in_the_final_gather_is_raised_on_every_other_rank() -> None:
-    ranks = run_ranks(
-        _run_in_place, 4, args=(False, "dies"), timeout=120, collective_timeout=30, allow_missing=(FAILING_RANK,)
-    )
-    for rank, got in enumerate(ranks):
-        if rank == FAILING_RANK:
-            continue
+    for rank, got in _survivors("dies"):
         first, then = got["messages"]
         assert "step 1 failed after its commit point on rank" in first, first
         assert "load a checkpoint to go on" in first, first
