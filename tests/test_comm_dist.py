@@ -2,7 +2,8 @@
 point-to-point messages (results of ``GATHER_MESSAGES_BYTES`` or more) gives every rank the
 blocks of every rank in order, on the whole world and on subgroups, complex values too, also with two gathers and a
 plan's own point-to-point messages in flight at once, and after gathers started and dropped
-without a wait."""
+without a wait; a gather waited on keeps none of its messages' works (kept past
+``destroy_process_group``, one aborted its process at exit)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import gc
 import torch
 import torch.distributed as dist
 
+import runtime.comm.collectives as collectives
 from runtime.comm.collectives import (
     GATHER_MESSAGES_BYTES,
     post_point_to_point,
@@ -60,6 +62,11 @@ def _run(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
     second = start_collective("all_gather", block(rank, BIG, 3), 4, None, dist.group.WORLD, waited_at_once=True)
     wait_point_to_point(messages, TIMEOUT)
     out["in flight"] = [first.wait(TIMEOUT), second.wait(TIMEOUT), received]
+    # A gather waited on lets go of its messages' works.
+    waited = start_collective("all_gather", block(rank, BIG, 9), 4, None, dist.group.WORLD, waited_at_once=True)
+    waited.wait(TIMEOUT)
+    kept = [w for w in collectives._MESSAGES_IN_FLIGHT if any(w is mine for mine in waited.works)]
+    out["kept"] = [torch.tensor(len(kept)), torch.tensor(len(waited.works))]
     # Gathers never waited on (as the prefetch after a run's last step), then one that is.
     for salt in (4, 5):
         start_collective("all_gather", block(rank, BIG, salt), 4, None, dist.group.WORLD, waited_at_once=True)
@@ -107,3 +114,10 @@ def test_a_gather_after_gathers_dropped_unwaited_gets_its_own_blocks() -> None:
     for rank, result in enumerate(_results()):
         (got,) = result["after dropped"]
         assert torch.equal(got, torch.cat([block(r, BIG, 6) for r in range(4)])), f"rank {rank}"
+
+
+def test_a_gather_waited_on_keeps_none_of_its_messages() -> None:
+    for rank, result in enumerate(_results()):
+        kept, works = (int(t) for t in result["kept"])
+        assert works == 6, f"rank {rank}: ran as {works} works, not as messages to and from 3 peers"
+        assert kept == 0, f"rank {rank}: {kept} of its messages' works still kept after the wait"

@@ -35,7 +35,8 @@ gather waited on at once, never for one left in flight across its caller's retur
 started during backward, gathers prefetched after a step). And one dropped before it completes
 cancels its message, so that later messages between the same ranks no longer match: the works
 of a gather's messages are kept here (:data:`_MESSAGES_IN_FLIGHT`) until they complete,
-whatever its caller does.
+whatever its caller does, and let go once waited on (a completed work kept until the process
+exits, after ``destroy_process_group``, aborted it there now and then).
 
 On NCCL with CUDA tensors a wait is stream-ordered (``Work.wait()`` without a timeout): the
 current stream waits for the collective's stream and the host goes on queueing work, as DDP
@@ -107,6 +108,11 @@ class PendingCollective:
                     wait(work, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             except RuntimeError as e:
                 raise DistributedError(_reason(e, timeout)) from e
+        if _MESSAGES_IN_FLIGHT and self.op == "all_gather":
+            # A gather's messages, complete: let them go now. Kept until the process exits,
+            # after destroy_process_group, a work aborted it at exit ("terminate called").
+            done = {id(work) for work in self.works}
+            _MESSAGES_IN_FLIGHT[:] = [work for work in _MESSAGES_IN_FLIGHT if id(work) not in done]
         if self.blocks is not None:
             _reduce_blocks(self.blocks.view(self.n, -1), self.reduce_op, self.received)
         if self.reduce_op == "avg" and self.received.numel():
