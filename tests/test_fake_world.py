@@ -118,8 +118,9 @@ def test_gloo_gathers_post_no_message_per_peer_in_large_groups(worlds: dict) -> 
 def test_what_the_optimizer_holds_is_its_memory_report_in_every_world(worlds: dict) -> None:
     for world, got in worlds["plain"].items():
         # The storages the parameters, gradients and the optimizer's tensors hold, against the
-        # report: equal but for the commit flag (three int64 the report leaves out).
-        assert 0 <= got["counted"] - got["predicted"] <= 24, (world, got["counted"], got["predicted"])
+        # report: equal but for the commit flags (three int64, and one after the commit point,
+        # which the report leaves out).
+        assert 0 <= got["counted"] - got["predicted"] <= 32, (world, got["counted"], got["predicted"])
 
 
 @pytest.fixture(scope="module")
