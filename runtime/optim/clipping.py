@@ -160,10 +160,9 @@ def gradients_finite(slots: Sequence[Slot], reduced: Sequence[torch.Tensor], nor
     sum where they are one range of memory (the buckets' results: one reduction, not one per
     tensor), else of their absolute sums, one ``_foreach_norm`` per dtype and device (so does
     any NaN or inf in a tensor; a sum that overflows where no element is, is named as such)."""
-    whole = None if norm is not None else as_flat(reduced)
     if norm is not None:
         ok = torch.isfinite(norm)
-    elif whole is not None:
+    elif (whole := as_flat(reduced)) is not None:
         ok = torch.sum(whole).isfinite()
     else:
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}

@@ -94,8 +94,8 @@ class Agreement:
     answer."""
 
     ok: bool
+    members: tuple[int, ...]
     pending: PendingCollective | None = None
-    members: tuple[int, ...] = ()
     wait: datetime.timedelta = datetime.timedelta(0)
     # Why the flag did not arrive (a peer died or timed out), where it did not: then no rank
     # can tell whether the others finished their step.
@@ -358,7 +358,7 @@ class CommitFlag:
         :meth:`Agreement.agreed` before the next flag: at once by a rank that failed (bounded
         by :data:`FAILURE_NOTICE`), at their next step by the others."""
         if not self.enabled or len(members) < 2 or not dist.is_initialized():
-            return Agreement(ok)
+            return Agreement(ok, members)
         if self._posted is None:
             self._posted = torch.empty(1, dtype=torch.int64, device=default_device())
         self._posted.fill_(READY if ok else FAILED)
@@ -368,10 +368,10 @@ class CommitFlag:
             group = ranks_group(members, timeout=self.timeout)
             pending = start_collective("all_reduce", self._posted, len(members), "min", group)
         except DistributedError as e:
-            return Agreement(False, members=members, missing=e.message)
+            return Agreement(False, members, missing=e.message)
         if stats.is_recording():  # a collective of this step, its seconds the posting's
             _record(members, 1, time.perf_counter() - started)
-        return Agreement(ok, pending, members, wait)
+        return Agreement(ok, members, pending, wait)
 
     def _named(
         self, members: tuple[int, ...], group: Any, summary: dict[str, Any] | None, finite: Finite | None

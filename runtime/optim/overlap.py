@@ -64,7 +64,7 @@ class ParamGathers:
     def __init__(self, slots: Slots) -> None:
         self._slots = slots
         self._pending: Gathers | None = None
-        self._agreement: tuple[Agreement, int, tuple[int, ...]] | None = None  # (flag, step, ranks)
+        self._agreement: tuple[Agreement, int] | None = None  # (the flag, its step)
         self.broken: str | None = None
         self._hooks: list[Any] = []
 
@@ -95,10 +95,10 @@ class ParamGathers:
         written = {s.index: memory_and_version(s.local_param()) for s in slots}
         self._pending = Gathers(run, legs, {s.index: s for s in slots}, step, written)
 
-    def hand_agreement(self, agreement: Agreement, step: int, members: tuple[int, ...]) -> None:
-        """The flag of ``step`` after its commit point, posted over ``members``: waited on at
-        the next :meth:`wait` or :meth:`gather_for`."""
-        self._agreement = (agreement, step, members)
+    def hand_agreement(self, agreement: Agreement, step: int) -> None:
+        """The flag of ``step`` after its commit point, posted: waited on at the next
+        :meth:`wait` or :meth:`gather_for`."""
+        self._agreement = (agreement, step)
 
     def failed_after_commit(self, step: int, what: str) -> OptimizerStepError:
         """The error of a step that failed after its commit point (``what``: "failed after its
@@ -154,7 +154,8 @@ class ParamGathers:
         held, self._agreement = self._agreement, None
         if held is None:
             return
-        agreement, step, members = held
+        agreement, step = held
+        members = agreement.members
         if agreement.agreed():
             return
         if self._pending is not None:

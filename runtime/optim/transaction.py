@@ -418,7 +418,7 @@ class StepTransaction:
             slot.step += 1
         if prefetch:
             self._gathers.hand(after, param_legs, slots, step_number)
-        self._gathers.hand_agreement(agreement, step_number, members)
+        self._gathers.hand_agreement(agreement, step_number)
         self.last.wait_seconds = waited + after.waited
         self.last.traffic = self._traffic(compiled, slots, sums, norm_traffic)
         self.last.grad_norm, self.last.skipped = norm, False
