@@ -22,6 +22,7 @@ merging ``k`` steps saves ``k - 1`` latencies and overheads.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -143,7 +144,7 @@ class Leg:
     dtype: str
     hops: tuple[Hop, ...]
 
-    @property
+    @functools.cached_property  # read per stage of every choice suggest prices
     def communicating(self) -> tuple[tuple[int, int], ...]:
         """``(hop, step)`` of every step that communicates, in order."""
         return tuple(
@@ -312,19 +313,33 @@ def bucket_stage(
     *,
     reverse: bool,
     skip: Collection[int] = (),
+    launch: str = IN_STEP,
 ) -> Iterable[Bucket]:
     """The buckets of one stage (see the module doc), mesh by mesh in one global order; the
-    legs in reverse order when ``reverse``; the legs ``skip`` (indices) left out."""
-    return round_buckets(legs, stage, stage_rounds(legs, stage, costs, reverse=reverse, skip=skip), costs, cap)
+    legs in reverse order when ``reverse``; the legs ``skip`` (indices) left out; each started
+    at ``launch``."""
+    rounds = stage_rounds(legs, stage, costs, reverse=reverse, skip=skip)
+    return round_buckets(legs, stage, rounds, costs, cap, launch)
 
 
 def round_buckets(
-    legs: Sequence[Leg], stage: str, rounds: Iterable[Round], costs: Mapping[str, CostModel], cap: int
+    legs: Sequence[Leg],
+    stage: str,
+    rounds: Iterable[Round],
+    costs: Mapping[str, CostModel],
+    cap: int,
+    launch: str = IN_STEP,
 ) -> Iterable[Bucket]:
-    """The buckets ``cap`` cuts the stage's ``rounds`` (:func:`stage_rounds`) into."""
+    """The buckets ``cap`` cuts the stage's ``rounds`` (:func:`stage_rounds`) into, each started
+    at ``launch``."""
     for merged in rounds:
         for part in merged.cut(cap):
-            yield _bucket(legs, stage, part, costs)
+            yield _bucket(legs, stage, part, costs, launch)
+
+
+# A step in a round: (leg, hop, step index, the step, its buffer bytes); a Member is made of the
+# first three only for the buckets built, not for the many a price merely cuts.
+RoundStep = tuple[int, int, int, Any, int]
 
 
 @attrs.frozen
@@ -335,15 +350,15 @@ class Round:
     depend on the cap, so a step priced under many caps is merged once."""
 
     alone: bool
-    members: tuple[tuple[Member, Any, int], ...]
+    members: tuple[RoundStep, ...]
 
-    def cut(self, cap: int) -> Iterable[list[tuple[Member, Any, int]]]:
+    def cut(self, cap: int) -> Iterable[list[RoundStep]]:
         """The round's buckets under ``cap``: at most ``cap`` buffer bytes each (a larger
         step alone), in order."""
-        part: list[tuple[Member, Any, int]] = []
+        part: list[RoundStep] = []
         held = 0
         for member in self.members:
-            size = member[2]
+            size = member[4]
             if part and (held + size > cap or self.alone):
                 yield part
                 part, held = [], 0
@@ -403,7 +418,7 @@ def rounds_price(
     for merged in rounds:
         for part in merged.cut(cap):
             seconds += _bucket_seconds(legs, part, costs)
-            largest = max(largest, sum(size for _, _, size in part))
+            largest = max(largest, sum(size for *_, size in part))
     return seconds, largest
 
 
@@ -424,43 +439,56 @@ def _merge(
     chains: list[tuple[int, list[tuple[int, int]]]],
     costs: Mapping[str, CostModel],
 ) -> Iterable[Round]:
-    """Weighted majority merge of the legs' step sequences on one mesh."""
-    position = [0] * len(chains)
+    """Weighted majority merge of the legs' step sequences on one mesh.
+
+    Chains of one sequence of kinds move in step: every chain waiting on the kind a round
+    takes moves on, so two that start alike stay alike. They are merged as one class,
+    weighted by its count, and a round scans the classes, not the chains (a choice of layouts
+    repeats a few legs over hundreds of tensors). E.g. chains ``[a, b]``, ``[c]``, ``[a, b]``
+    make classes ``(a, b) x2`` at chains 0 and 2 and ``(c) x1`` at chain 1; ``a`` weighs 4, so
+    the first round is chains 0 and 2 at ``a``."""
     # Each step's kind, hashed once: as the number of its kind in the order the rounds below
     # first meet it (chains in order, each at its next step), which breaks ties the same way
     # everywhere; a round then compares small integers, not kinds of meshes and cost models.
     ids: dict[tuple, int] = {}
     # By the leg's identity too: a choice of layouts repeats one leg over a group's tensors.
-    of_leg: dict[int, list[int]] = {}
-    kinds = []
+    of_leg: dict[int, tuple[tuple[int, ...], list[tuple[int, int, Any, int]]]] = {}
+    classes: dict[tuple[int, ...], list[int]] = {}  # kinds -> its chains, in order (by first chain)
+    entries = []  # per chain, per step: (hop, step index, the step, its buffer bytes)
     for index, steps in chains:
         leg = legs[index]
-        if id(leg) not in of_leg:
-            of_leg[id(leg)] = [ids.setdefault(_kind(leg, where, costs[leg.tensor]), len(ids)) for where in steps]
-        kinds.append(of_leg[id(leg)])
+        known = of_leg.get(id(leg))
+        if known is None:
+            kinds = tuple(ids.setdefault(_kind(leg, where, costs[leg.tensor]), len(ids)) for where in steps)
+            held = [(h, k, step, _buffer_bytes(step)) for h, k in steps for step in [leg.hops[h].plan.steps[k]]]
+            known = of_leg[id(leg)] = (kinds, held)
+        classes.setdefault(known[0], []).append(len(entries))
+        entries.append(known[1])
+    sequences = list(classes)
+    members_of = list(classes.values())
+    position = [0] * len(sequences)
     order: dict[int, int] = {}
     p2p = {i for kind, i in ids.items() if kind[0] == 1}
     while True:
         waiting: dict[int, list[int]] = {}
         weight: dict[int, int] = {}
-        for c, (_, steps) in enumerate(chains):
-            if position[c] == len(steps):
+        for s, kinds in enumerate(sequences):
+            if position[s] == len(kinds):
                 continue
-            kind = kinds[c][position[c]]
+            kind = kinds[position[s]]
             order.setdefault(kind, len(order))
-            waiting.setdefault(kind, []).append(c)
-            weight[kind] = weight.get(kind, 0) + len(steps) - position[c]
+            waiting.setdefault(kind, []).append(s)
+            weight[kind] = weight.get(kind, 0) + len(members_of[s]) * (len(kinds) - position[s])
         if not waiting:
             return
         chosen = max(waiting, key=lambda k: (weight[k], -order[k]))
-        members = []
-        for c in waiting[chosen]:
-            index, steps = chains[c]
-            h, k = steps[position[c]]
-            position[c] += 1
-            step = legs[index].hops[h].plan.steps[k]
-            members.append((Member(index, h, k), step, _buffer_bytes(step)))
-        yield Round(chosen in p2p, tuple(members))
+        taken = waiting[chosen]
+        moving = [(c, position[s]) for s in taken for c in members_of[s]]
+        if len(taken) > 1:
+            moving.sort()  # in chain order, as the legs come
+        for s in taken:
+            position[s] += 1
+        yield Round(chosen in p2p, tuple((chains[c][0], *entries[c][at]) for c, at in moving))
 
 
 def _buffer_bytes(step: Any) -> int:
@@ -476,30 +504,31 @@ def _buffer_bytes(step: Any) -> int:
 
 
 def _bucket(
-    legs: Sequence[Leg], stage: str, group: list[tuple[Member, Any, int]], costs: Mapping[str, CostModel]
+    legs: Sequence[Leg], stage: str, group: list[RoundStep], costs: Mapping[str, CostModel], launch: str
 ) -> Bucket:
-    first_member, first, _ = group[0]
+    first = group[0][3]
     return Bucket(
         stage=stage,
         op=first.op,
         mesh=first.layout.mesh,
         axis=first.axis,
         reduce_op=first.reduce_op,
-        dtype=legs[first_member.leg].dtype,
-        members=tuple(m for m, _, _ in group),
-        bytes=sum(step.bytes for _, step, _ in group),
-        buffer_bytes=sum(size for _, _, size in group),
+        dtype=legs[group[0][0]].dtype,
+        members=tuple(Member(leg, hop, step) for leg, hop, step, _, _ in group),
+        bytes=sum(step.bytes for _, _, _, step, _ in group),
+        buffer_bytes=sum(size for *_, size in group),
         seconds=_bucket_seconds(legs, group, costs),
+        launch=launch,
     )
 
 
-def _bucket_seconds(legs: Sequence[Leg], group: list[tuple[Member, Any, int]], costs: Mapping[str, CostModel]) -> float:
+def _bucket_seconds(legs: Sequence[Leg], group: list[RoundStep], costs: Mapping[str, CostModel]) -> float:
     """The modeled time of one bucket (module doc)."""
-    first_member, first, _ = group[0]
+    first_leg, _, _, first, _ = group[0]
     if first.axis is None:  # point_to_point: its own plan's time
         return first.seconds
-    cost = costs[legs[first_member.leg].tensor]
-    total = sum(step.bytes for _, step, _ in group)
+    cost = costs[legs[first_leg].tensor]
+    total = sum(step.bytes for _, _, _, step, _ in group)
     # The regime of the bucket's bytes: it is one collective of them (planner.cost).
     alpha, bandwidth = cost.figures_at(first.op, first.layout.mesh, first.axis, total)
     rounds = collective_rounds(first.op, first.layout.mesh.shape[first.axis])

@@ -177,12 +177,12 @@ def bucketed_step(
     (``planner.legs.stage_rounds``, without ``overlap``)."""
     launch = {BEFORE: DURING_BACKWARD if overlap else IN_STEP, AFTER: AFTER_STEP if prefetch else IN_STEP}
     buckets = [
-        attrs.evolve(b, launch=launch[stage])
+        b
         for stage in STAGES
         for b in (
-            bucket_stage(legs, stage, costs, cap, reverse=overlap and stage == BEFORE)
+            bucket_stage(legs, stage, costs, cap, reverse=overlap and stage == BEFORE, launch=launch[stage])
             if rounds is None
-            else round_buckets(legs, stage, rounds[stage], costs, cap)
+            else round_buckets(legs, stage, rounds[stage], costs, cap, launch[stage])
         )
     ]
     return StepPlan(rank=rank, tensors=names, legs=tuple(legs), buckets=tuple(buckets), bucket_bytes=cap)

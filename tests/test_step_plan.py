@@ -318,3 +318,54 @@ def test_the_flop_rate_comes_from_the_cost_model_unless_given() -> None:
     assert rates == [2.5e9, 1e12, DEFAULT_FLOPS_PER_SECOND]
     slow = plan_matrices(tensors, 0, bucket_bytes=DEFAULT_BUCKET_BYTES)
     assert abs(slow.of("qkv").compute_seconds - flops / 2.5e9) < 1e-15
+
+
+def _reference_rounds(legs: tuple, stage: str) -> list[list[tuple[int, int, int]]]:
+    """The weighted majority merge (planner.legs' module doc) of one mesh's legs, chain by
+    chain: each round takes the kind whose waiting chains have the most steps left (ties: the
+    kind met first), every chain waiting on it moving on; members as (leg, hop, step)."""
+    chains = [(i, leg.communicating) for i, leg in enumerate(legs) if leg.stage == stage and leg.communicating]
+
+    def kind(i: int, where: tuple[int, int]) -> tuple:
+        step = legs[i].hops[where[0]].plan.steps[where[1]]
+        return step.op, step.axis, step.reduce_op, legs[i].dtype
+
+    position = [0] * len(chains)
+    rounds = []
+    order: dict[tuple, int] = {}
+    while True:
+        waiting: dict[tuple, list[int]] = {}
+        weight: dict[tuple, int] = {}
+        for c, (i, steps) in enumerate(chains):
+            if position[c] < len(steps):
+                k = kind(i, steps[position[c]])
+                order.setdefault(k, len(order))
+                waiting.setdefault(k, []).append(c)
+                weight[k] = weight.get(k, 0) + len(steps) - position[c]
+        if not waiting:
+            return rounds
+        chosen = max(waiting, key=lambda k: (weight[k], -order[k]))
+        rounds.append([(chains[c][0], *chains[c][1][position[c]]) for c in waiting[chosen]])
+        for c in waiting[chosen]:
+            position[c] += 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_buckets_follow_the_weighted_majority_merge_chain_by_chain(seed: int) -> None:
+    """Tensors of a few layouts repeated and interleaved (the merge runs alike legs as one
+    class): with no cap to cut them, each bucket is one round of the merge done chain by chain."""
+    rng = random.Random(seed)
+    mesh = L("R over mesh[a=2,b=2,c=2]").mesh
+    kinds = []
+    for _ in range(3):
+        param, grad, state = (random_layout(rng, mesh, 2) for _ in range(3))
+        grad = attrs.evolve(grad, partial=tuple((a, "sum") for a, _ in grad.partial))
+        kinds.append((param, grad, state))
+    tensors = []
+    for n in range(14):
+        param, grad, state = rng.choice(kinds)
+        tensors.append(StepTensor(name=f"t{n}", shape=(8, 6), param=param, grad=grad, state=state))
+    step = plan_step(tensors, 0, bucket_bytes=2**40)
+    for stage in (BEFORE, AFTER):
+        got = [[(m.leg, m.hop, m.step) for m in b.members] for b in step.buckets if b.stage == stage]
+        assert got == _reference_rounds(step.legs, stage)
