@@ -51,6 +51,10 @@ _US = 1e6
 # Branch-and-bound nodes per solve: at 131,072 ranks on a 5-D mesh the plain problem's last
 # few microseconds of bucket rounding take HiGHS 10^5 nodes to prove (docs/reference/suggest.md).
 NODE_LIMIT = 200
+# A solve the node limit stops on a program of at most this many variables runs again with
+# HiGHS's defaults (strong branching, sub-programs), from its best solution: on such programs
+# they prove in about 0.1 s what pseudocosts alone leave open (docs/reference/suggest.md).
+THOROUGH_SIZE = 128
 _TIE = 1e-6  # relative: times this close are a tie (the solver's own tolerance), broken by memory, then changes
 
 
@@ -192,14 +196,18 @@ def _run(
     *,
     relaxed: bool = False,
     start: Any = None,
+    thorough: bool = False,
 ) -> tuple[Any, bool, float]:
     """Minimize ``objective`` within the program and ``limits`` (vector, most): the solution
     (the best found when the node limit stops the solver), whether it is proven optimal, and
     the gap; a :class:`SuggestError` when there is none. ``relaxed``: every variable real
     (the linear relaxation, whose optimum bounds the program's from below); ``start``: a
-    solution within the limits, HiGHS's first incumbent. HiGHS searches no sub-programs that
-    fix the variables its relaxation or best solution round alike, or that its root's reduced
-    costs fix (RENS, RINS, root reduced cost; docs/reference/suggest.md)."""
+    solution within the limits, HiGHS's first incumbent. HiGHS branches on pseudocosts and
+    searches no sub-programs that fix the variables its relaxation or best solution round
+    alike, or that its root's reduced costs fix (RENS, RINS, root reduced cost), unless
+    ``thorough``: a solve the node limit stops on a program of at most
+    :data:`THOROUGH_SIZE` variables is run again so, from its best solution, and the better
+    answer kept (docs/reference/suggest.md)."""
     import highspy
     import numpy as np
 
@@ -225,18 +233,16 @@ def _run(
         whole, real = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
         lp.integrality_ = [whole if v else real for v in program.integrality]
     solver = highspy.Highs()
-    # Branching on pseudocosts from the first node, no strong branching, and no sub-programs:
-    # the node limit counts neither's solves (docs/reference/suggest.md).
-    options: dict[str, Any] = {
-        "output_flag": False,
-        "presolve": "on",
-        "mip_rel_gap": 0.0,
-        "mip_max_nodes": node_limit,
-        "mip_pscost_minreliable": 0,
-        "mip_heuristic_run_rens": False,
-        "mip_heuristic_run_rins": False,
-        "mip_heuristic_run_root_reduced_cost": False,
-    }
+    options: dict[str, Any] = {"output_flag": False, "presolve": "on", "mip_rel_gap": 0.0, "mip_max_nodes": node_limit}
+    if not thorough:
+        # Branching on pseudocosts from the first node, no strong branching, and no
+        # sub-programs: the node limit counts neither's solves (docs/reference/suggest.md).
+        options |= {
+            "mip_pscost_minreliable": 0,
+            "mip_heuristic_run_rens": False,
+            "mip_heuristic_run_rins": False,
+            "mip_heuristic_run_root_reduced_cost": False,
+        }
     for name, value in options.items():
         solver.setOptionValue(name, value)
     solver.passModel(lp)
@@ -249,11 +255,20 @@ def _run(
     optimal = status == kinds.kOptimal
     # A limit that stops a search keeps the best solution found, where it found one.
     stopped = not relaxed and status in (kinds.kSolutionLimit, kinds.kIterationLimit, kinds.kTimeLimit)
-    if not optimal and not (stopped and info.objective_function_value < highspy.kHighsInf):
+    found = optimal or (stopped and info.objective_function_value < highspy.kHighsInf)
+    x = np.array(solver.getSolution().col_value) if found else None
+    if stopped and not thorough and program.size <= THOROUGH_SIZE:
+        try:
+            again = _run(program, objective, limits, node_limit, start=start if x is None else x, thorough=True)
+        except SuggestError:
+            again = None
+        if again is not None and (x is None or again[1] or objective @ again[0] <= objective @ x):
+            return again
+    if x is None:
         infeasible = status == kinds.kInfeasible
         why = "HiGHS found the program infeasible" if infeasible else "HiGHS stopped before it found a solution"
         raise SuggestError(f"{why} ({solver.modelStatusToString(status)})")
-    return np.array(solver.getSolution().col_value), optimal, 0.0 if relaxed else float(info.mip_gap)
+    return x, optimal, 0.0 if relaxed else float(info.mip_gap)
 
 
 def _within(program: _Program, budget: int) -> tuple[Any, float]:

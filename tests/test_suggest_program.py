@@ -17,13 +17,15 @@ import pytest
 from planner import knapsack
 from planner.knapsack import _choice, _fastest, _program, _run, _solve
 from planner.suggest import SuggestError, build_problems
-from shardlang import parse_spec
+from shardlang import load_spec, parse_spec
+from shardlang.spec import expand_braces
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_scale  # bench/bench_scale.py: its Llama-shaped specs
 
 MIB = 2**20
+REPO = Path(__file__).resolve().parent.parent
 # Latency-bound (1 ms a round): buckets decide. Three tensors of one group, 8 MiB buckets.
 THREE = """
 mesh world = [dp=4]  bandwidth 25e9  latency 1ms
@@ -156,10 +158,32 @@ def test_a_tie_break_starts_from_the_solution_it_breaks_a_tie_of() -> None:
     assert _choice(problem, program, kept).memory <= _choice(problem, program, x).memory
 
 
-def test_no_solve_searches_highs_sub_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+def _llama_example() -> list:
+    """The problems of bench/bench_suggest.py: the Llama example with its RMSNorm weights."""
+    spec = load_spec(REPO / "examples" / "llama7b_dp4_tp8.shard")
+    norms = [("model.layers.{0..31}.{input,post_attention}_layernorm.weight", 4096), ("model.norm.weight", 4096)]
+    tensors = [
+        *spec.tensors,
+        *(spec.resolve(n, (length,), "bf16") for names, length in norms for n in expand_braces(names)),
+    ]
+    return build_problems(spec, tensors=tensors)
+
+
+def test_a_small_program_the_node_limit_stops_is_solved_again_with_highs_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On the Llama example (74 variables) at 6 GiB, pseudocosts alone stop at the node limit
+    # 0.09% from the bound; HiGHS's defaults, from that solution, prove it in about 0.1 s.
+    budget = 6 * 2**30
+    assert knapsack.suggest_best(_llama_example(), budget).optimal
+    monkeypatch.setattr(knapsack, "THOROUGH_SIZE", 0)
+    assert not knapsack.suggest_best(_llama_example(), budget).optimal
+
+
+def test_no_first_solve_searches_highs_sub_programs(monkeypatch: pytest.MonkeyPatch) -> None:
     # RENS, RINS and root reduced-cost fixing took about half the first solve's time at scale
-    # for no better answers (docs/reference/suggest.md): every solve, the first time solve
-    # included, goes without.
+    # for no better answers (docs/reference/suggest.md): every solve goes without, but the
+    # second of a small program the node limit stopped.
     import highspy
 
     solves: list[dict] = []
@@ -174,6 +198,7 @@ def test_no_solve_searches_highs_sub_programs(monkeypatch: pytest.MonkeyPatch) -
             return super().setOptionValue(name, value)
 
     monkeypatch.setattr(highspy, "Highs", Recording)
+    monkeypatch.setattr(knapsack, "THOROUGH_SIZE", 0)
     problem = build_problems(parse_spec(TWO), bucket_bytes=2 * MIB, loop="any")[0]
     _solve(problem, None, knapsack.NODE_LIMIT, True)
     assert solves
