@@ -89,13 +89,20 @@ def _undominated(group: Group) -> list[int]:
     """The candidates the program needs: a candidate another dominates (the first of equal
     ones stays) is never needed for the least time or memory, and the spec's own layouts stay
     for the fewest changes."""
+    import numpy as np
+
     candidates = group.candidates
     fills = [{k: f for k, _, f in c.kinds} for c in candidates]
+    # The scalar terms first, all pairs at once: ``may[j, i]``, whether j can dominate i.
+    terms = np.array([(c.seconds, c.held.linear, c.held.roots[1], c.held.unshared) for c in candidates], dtype=float)
+    may = (terms[:, None, :] <= terms[None, :, :]).all(axis=2)
+    np.fill_diagonal(may, False)
     out = []
     for i, c in enumerate(candidates):
         beaten = any(
-            j != i and _dominates(d, c, fills[j], fills[i]) and (j < i or not _dominates(c, d, fills[i], fills[j]))
-            for j, d in enumerate(candidates)
+            _dominates(candidates[j], c, fills[j], fills[i])
+            and (j < i or not _dominates(c, candidates[j], fills[i], fills[j]))
+            for j in np.flatnonzero(may[:, i]).tolist()
         )
         if not beaten or i == group.original:
             out.append(i)
