@@ -495,6 +495,10 @@ def suggest_best(problems: Sequence[Problem], budget: int, node_limit: int = NOD
     for other in fitting[1:]:
         if better(other.best, best.best, None):
             best = other
+    # Proven only where every problem solved was: one stopped short may hold a faster choice
+    # (docs/reference/suggest.md). The gap stated is then the largest solve's.
+    if not all(r.optimal for r in [*first, *fitting]):
+        best = attrs.evolve(best, optimal=False, gap=max(r.gap for r in [*first, *fitting]))
     every = tuple(zip(problems, fixed, strict=True))
     # A problem whose solve fell back may have lost for it: every problem's notes are said.
     notes = [

@@ -204,3 +204,15 @@ def test_no_first_solve_searches_highs_sub_programs(monkeypatch: pytest.MonkeyPa
     assert solves
     names = ("mip_heuristic_run_rens", "mip_heuristic_run_rins", "mip_heuristic_run_root_reduced_cost")
     assert all(s.get(name) is False for s in solves for name in names), solves
+
+
+def test_an_answer_is_proven_only_where_every_problem_solved_was() -> None:
+    # 70B on [dp=8, fsdp=4, tp=8]: the flat problem over dp wins, solved to its optimum, but
+    # the plain problem's solve stopped at the node limit, and a faster choice may lie there.
+    text, _ = bench_scale.model_spec("70b", bench_scale.mesh_axes(256, 3))
+    problems = build_problems(parse_spec(text), loop="auto")
+    budget = 80 * 2**30
+    result = knapsack.suggest_best(problems, budget)
+    plain = knapsack.suggest(problems[0], budget, ties=False)
+    assert result.problem is not problems[0] and not plain.optimal and plain.gap > 0
+    assert not result.optimal and result.gap >= plain.gap
