@@ -176,6 +176,32 @@ _Decoded = tuple[
 ]
 
 
+# Per dim: how many of its outermost splits are as in the target (``in_place``), and the axis
+# that, appended to it, is at its place in the target (``arriving``, or -1); and whether every
+# dim is split as in the target.
+_Placed = tuple[tuple[int, ...], tuple[int, ...], bool]
+# (target dims, a state's splits) -> :data:`_Placed`, for every space; cleared when full.
+_PLACED: dict[tuple[Dims, Dims], _Placed] = {}
+_PLACED_SIZE = 65_536
+
+
+def _placed(splits: Dims, goal_dims: Dims) -> _Placed:
+    """The :data:`_Placed` of a state whose dims are split by ``splits``."""
+    in_place = []
+    arriving = []
+    whole = True
+    for axes, target in zip(splits, goal_dims, strict=True):
+        k = 0
+        for a, t in zip(axes, target, strict=False):  # their common prefix
+            if a != t:
+                break
+            k += 1
+        in_place.append(k)
+        arriving.append(target[k] if k == len(axes) < len(target) else -1)
+        whole = whole and k == len(axes) == len(target)
+    return tuple(in_place), tuple(arriving), whole
+
+
 class _Shared:
     """What every :class:`Space` of one mesh, tensor shape, element size, rules and copies
     shares, whatever the target: each state's :data:`_Decoded` and the memo of the bytes
@@ -335,34 +361,26 @@ class Space:
         lengths = tuple(-(-length // p) for length, p in zip(shape, product, strict=True))
         return tuple(codes), splits, tuple(product), tuple(partial), blocked, lengths
 
-    def _goal_view(self, decoded: _Decoded) -> tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, str] | None]:
-        """What the moves from a state read of the target: per dim, how many of its outermost
-        splits are as in the target (``in_place``) and the axis that, appended to it, is at
-        its place in the target (``arriving``, or -1); the axes that rule 2 keeps from
-        slicing, as bits; and rule 1's partial step (axis, op), or ``None``."""
+    def _goal_view(self, decoded: _Decoded) -> tuple[_Placed, int, tuple[int, str] | None]:
+        """What the moves from a state read of the target: how its dims are split against the
+        target's (:func:`_placed`); the axes that rule 2 keeps from slicing, as bits; and rule
+        1's partial step (axis, op), or ``None``."""
         codes, splits, _, partial, _, _ = decoded
-        goal_dims = self.goal_dims
-        in_place = []
-        arriving = []
-        whole = True  # every dim split as in the target
-        for axes, target in zip(splits, goal_dims, strict=True):
-            k = 0
-            for a, t in zip(axes, target, strict=False):  # their common prefix
-                if a != t:
-                    break
-                k += 1
-            in_place.append(k)
-            arriving.append(target[k] if k == len(axes) < len(target) else -1)
-            whole = whole and k == len(axes) == len(target)
+        key = (self.goal_dims, splits)
+        placed = _PLACED.get(key)
+        if placed is None:
+            if len(_PLACED) >= _PLACED_SIZE:
+                _PLACED.clear()
+            placed = _PLACED[key] = _placed(splits, self.goal_dims)
         idle = 0
         for axis, twins in self._twins:
             if not codes[axis] and any(not codes[c] for c in twins):
                 idle |= 1 << axis
         step = None
         goal_ops = self.goal_ops
-        if whole and all(goal_ops.get(a) == op for a, op in partial):
+        if placed[2] and all(goal_ops.get(a) == op for a, op in partial):
             step = next(((axis, op) for axis, op in self._goal_ops_sorted if not codes[axis]), None)
-        return tuple(in_place), tuple(arriving), idle, step
+        return placed, idle, step
 
     def _moves(
         self,
@@ -370,8 +388,7 @@ class Space:
         decoded: _Decoded,
         elements: int,
         last: PackedMove | None,
-        in_place: tuple[int, ...],
-        arriving: tuple[int, ...],
+        placed: _Placed,
         idle: int,
         partial_step: tuple[int, str] | None,
     ) -> Iterator[PackedMove]:
@@ -382,6 +399,7 @@ class Space:
         naxes, ndim, bits = len(mesh_shape), len(shape), self.bits
         codes, splits, product, _, blocked, lengths = decoded
         count = [len(axes) for axes in splits]
+        in_place, arriving, _ = placed
         # Copies (0 when free) are memoized by the move and the local lengths.
         copies, memo = self.copies, self._shared.copies
         sized = lengths if copies else ()

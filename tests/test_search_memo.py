@@ -27,6 +27,7 @@ def _clear_memos() -> None:
     search._TABLES.clear()
     space._SHARED.clear()
     space._MOVES.clear()
+    space._PLACED.clear()
 
 
 def _outcome(src, dst, shape, dtype, cost):
