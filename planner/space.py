@@ -55,6 +55,12 @@ where the all_to_all's copies ``n`` blocks of it). Rule 4's all_to_all for an al
 a slice does not: an all_to_all may pack where the gather does neither, so :func:`pruning`
 turns that case off.
 
+Memo: the moves from a state depend on the target only through a little of it (how the
+state's dims are split against the target's, rule 2's idle twins, rule 1's partial step), so
+every space of one mesh, tensor, element size and rules shares them (:meth:`Space.moves`):
+a process plans many pairs whose searches pass through the same states towards different
+targets. The moves, and so every search, are the same with the memo warm or cold.
+
 Roles: each move also gives the role of its axis before and after it as a small integer
 (:func:`role_code`): replicated, partial with an op, or split on a dim, in place or not (in
 place: the axis and every axis outside it on that dim are as in the target). The lower
@@ -219,7 +225,7 @@ _SHARED: dict[tuple[object, ...], _Shared] = {}
 _shared_count = itertools.count()
 # The moves memo of every space (Space.moves): some 2 kB an entry, cleared when full.
 _MOVES: dict[tuple[object, ...], tuple[PackedMove, ...]] = {}
-_MOVES_SIZE = 32_768
+_MOVES_SIZE = 16_384
 
 
 def _shared(
@@ -317,10 +323,13 @@ class Space:
         ``last`` only through its op, axis and dim (rule 4), so they are memoized by those
         in the memo that every space of this mesh, tensor, element size, rules and copies
         shares (:class:`_Shared`): a process plans many pairs that pass through the same
-        states on their way to different targets."""
+        states on their way to different targets. (``elements`` is the state's, the product
+        of its dims' local lengths.)"""
         shared = self._shared
         decoded = shared.decoded.get(state)
         if decoded is None:
+            if len(shared.decoded) >= _MOVES_SIZE:
+                shared.decoded.clear()
             decoded = shared.decoded[state] = self._decode_for_moves(state)
         view = self._goal_view(decoded)
         key = (shared.ident, state, None if last is None else last[:3], *view)
@@ -333,8 +342,8 @@ class Space:
 
     def _decode_for_moves(self, state: int) -> _Decoded:
         """What the moves need of ``state`` whatever the target: the code of each axis, the
-        axes splitting each dim (outermost first), the partial axes, those whose reduction
-        may not go first, and each dim's local length."""
+        axes splitting each dim (outermost first) and the product of their sizes, the partial
+        axes, those whose reduction may not go first (bits), and each dim's local length."""
         mesh_shape, shape, naxes, bits, mask = self.mesh_shape, self.shape, len(self.mesh_shape), self.bits, self.mask
         codes = []
         placed: list[list[tuple[int, int]]] = [[] for _ in shape]
