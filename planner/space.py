@@ -346,7 +346,7 @@ class Space:
         axes, those whose reduction may not go first (bits), and each dim's local length."""
         mesh_shape, shape, naxes, bits, mask = self.mesh_shape, self.shape, len(self.mesh_shape), self.bits, self.mask
         codes = []
-        placed: list[list[tuple[int, int]]] = [[] for _ in shape]
+        splitting = []  # (dim, position, axis) of every splitting axis
         product = [1] * len(shape)  # product of the sizes of the axes splitting each dim
         partial = []
         # Reductions apply in ascending axis order; an axis may go first only if its op
@@ -358,7 +358,7 @@ class Space:
             codes.append(code)
             if code >= _SPLIT:
                 d, position = divmod(code - _SPLIT, naxes)
-                placed[d].append((position, a))
+                splitting.append((d, position, a))
                 product[d] *= mesh_shape[a]
             elif code:
                 partial.append((a, REDUCE_OPS[code - 1]))
@@ -366,9 +366,11 @@ class Space:
                 if classes & ~own:
                     blocked |= 1 << a
                 classes |= own
-        splits = tuple(tuple(a for _, a in sorted(axes)) for axes in placed)
+        splits: list[list[int]] = [[] for _ in shape]
+        for d, _, a in sorted(splitting):
+            splits[d].append(a)
         lengths = tuple(-(-length // p) for length, p in zip(shape, product, strict=True))
-        return tuple(codes), splits, tuple(product), tuple(partial), blocked, lengths
+        return tuple(codes), tuple(map(tuple, splits)), tuple(product), tuple(partial), blocked, lengths
 
     def _goal_view(self, decoded: _Decoded) -> tuple[_Placed, int, tuple[int, str] | None]:
         """What the moves from a state read of the target: how its dims are split against the
