@@ -1,9 +1,9 @@
 """The memos that searches share (``planner.space``'s moves memo, ``planner.bound``'s bytes
 bounds) change no plan, no count and no bound: a search run after many others on the same mesh
 and tensor (the memos warm, from pairs with other sources and targets) gives the very plan, the
-very count of states and the very bound at its source that the same search gives alone in a
-fresh process (every memo cleared), and that plan's (time, steps) is the naive optimum of
-``bench/bench_search_speed.py``.
+very count of states and the very bound at its source that the same search gives cold (every
+memo cleared by ``bench/bench_search_speed.py``'s ``cold``), and that plan's (time, steps) is
+the naive optimum of that bench's :class:`Naive`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import random
 import sys
 
 import planner
-from planner import search, space
+from planner import search
 from shardlang import Layout, Mesh
 from shardlang.dtypes import itemsize
 from tests.conftest import REPO
@@ -20,14 +20,6 @@ from tests.conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 
 import bench_search_speed as bench  # bench/bench_search_speed.py
-
-
-def _clear_memos() -> None:
-    search._plan_cached.cache_clear()
-    search._TABLES.clear()
-    space._SHARED.clear()
-    space._MOVES.clear()
-    space._PLACED.clear()
 
 
 def _outcome(src, dst, shape, dtype, cost):
@@ -66,10 +58,10 @@ def test_a_warm_search_is_the_fresh_search() -> None:
                     for target in targets:
                         if src != target:
                             pairs += [(src, target, shape) for shape in ((64, 48), (48, 64), (63, 48), (37, 100))]
-            _clear_memos()
+            bench.cold()
             warm = [_outcome(src, dst, shape, "bf16", cost) for src, dst, shape in pairs]
             for (src, dst, shape), found in zip(pairs, warm, strict=True):
-                _clear_memos()
+                bench.cold()
                 assert _outcome(src, dst, shape, "bf16", cost) == found, f"{src} -> {dst} {shape}"
                 plan = found[0][0]
                 units, steps, _ = naive.solve(src, dst, shape, 2)
