@@ -23,8 +23,8 @@ Each pair is planned cold (:func:`cold`: the plan memo and the memos searches sh
 and searched naively, ``--repeat`` times each, alternating, timed in this process's CPU time
 (``time.process_time``: on a shared machine the time other processes hold the cores is not
 counted); the best run of each counts. Tables that depend only on the mesh and the model stay
-cached between pairs on both sides, as in a process that plans many pairs. The ratio per pair is ours / naive; the table gives its
-median per mesh, and the states each search generated.
+cached between pairs on both sides, as in a process that plans many pairs. The ratio per pair
+is ours / naive; the table gives its median per mesh, and the states each search generated.
 """
 
 from __future__ import annotations
