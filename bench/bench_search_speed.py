@@ -19,12 +19,12 @@ so the order of reductions matters), mostly split or replicated targets. The mod
 bandwidth), slower on outer axes, with the choice margin of the stored calibration run and a
 large-message regime for all_reduce: every executor term the search prices.
 
-Each pair is planned cold (the plan memo cleared) and searched naively, ``--repeat`` times
-each, alternating, timed in this process's CPU time (``time.process_time``: on a shared
-machine the time other processes hold the cores is not counted); the best run of each counts.
-Tables that depend only on the mesh and the model stay cached between pairs on both sides, as
-in a process that plans many pairs. The ratio per pair is ours / naive; the table gives its
-median per mesh, and the states each search generated.
+Each pair is planned cold (:func:`cold`: the plan memo and the memos searches share cleared)
+and searched naively, ``--repeat`` times each, alternating, timed in this process's CPU time
+(``time.process_time``: on a shared machine the time other processes hold the cores is not
+counted); the best run of each counts. Tables that depend only on the mesh and the model stay
+cached between pairs on both sides, as in a process that plans many pairs. The ratio per pair
+is ours / naive; the table gives its median per mesh, and the states each search generated.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import results as bench_results
 
 import planner
-from planner import search
+from planner import search, space
 from shardlang import Layout, Mesh
 
 MESHES = ((4, 8), (4, 4, 4), (2, 2, 2, 8))
@@ -294,6 +294,18 @@ def random_pairs(rng: random.Random, mesh: Mesh, count: int) -> list[tuple[Layou
     return pairs
 
 
+def cold() -> None:
+    """Forget every search planned before: the plan memo, and the memos that searches share
+    (``planner.space``'s moves, the bytes bounds that ``planner.bound`` keeps with the tables),
+    which a repeat of the same pair would otherwise find warm. The tables stay."""
+    search._plan_cached.cache_clear()
+    space._SHARED.clear()
+    space._MOVES.clear()
+    space._PLACED.clear()
+    for tables in search._TABLES.values():
+        tables.rates._bytes_bounds.clear()
+
+
 def check_pair(naive: Naive, src: Layout, dst: Layout, shape: tuple[int, ...], dtype: str, cost: planner.CostModel):
     """The planner's plan and the naive optimum: (planner plan, states the planner generated,
     naive (units, steps, states)); an AssertionError naming the pair when they differ."""
@@ -328,7 +340,7 @@ def main() -> None:
             naive_states.append(generated)
             mine, theirs = [], []
             for _ in range(args.repeat):
-                search._plan_cached.cache_clear()
+                cold()
                 begin = time.process_time()
                 planner.plan(src, dst, shape, dtype, cost)
                 mine.append(time.process_time() - begin)

@@ -80,7 +80,8 @@ class KindRates:
     units per round of each collective kind over its regimes and the units of a step), and the
     units per byte of a reduction (``reduce_byte``) and of a move or growth (``move_byte``).
     Made once per mesh and model (``planner.search`` caches it), so it also keeps the tables it
-    derives per axis role and per element size."""
+    derives per axis role and per element size, and the bytes bounds per element size, tensor
+    size and target size, which every search of those shares."""
 
     def __init__(
         self, mesh_shape: tuple[int, ...], per_round: dict[str, tuple[int, ...]], per_byte: dict[str, tuple[int, ...]]
@@ -99,6 +100,7 @@ class KindRates:
         self.move_byte = tuple(min(g, t) for g, t in zip(gather, to_all, strict=True))
         self._terms: dict[tuple[int, int, int], tuple[Terms, ...]] = {}
         self._bytes: dict[int, tuple[int, int, int, tuple[int, ...], tuple[int, ...], int, tuple[int, ...]]] = {}
+        self._bytes_bounds: dict[tuple[int, int, int], BytesBound] = {}
 
     def axis_terms(self, axis: int, target: int, ndim: int) -> tuple[Terms, ...]:
         """The terms of ``axis`` by role code, for the target role ``target`` (:func:`_axis_terms`)."""
@@ -113,6 +115,19 @@ class KindRates:
         found = self._bytes.get(itemsize)
         if found is None:
             found = self._bytes[itemsize] = _mesh_rates(self.mesh_shape, itemsize, self.reduce_byte, self.move_byte)
+        return found
+
+    def bytes_bound(self, itemsize: int, total_elements: int, target_elements: int) -> BytesBound:
+        """The :class:`BytesBound` of a tensor of ``total_elements`` whose target holds
+        ``target_elements`` per rank. It depends on no axis's role, so its memos serve every
+        search of those sizes (a process plans many pairs of few sizes); cleared when full."""
+        key = (itemsize, total_elements, target_elements)
+        found = self._bytes_bounds.get(key)
+        if found is None:
+            if len(self._bytes_bounds) >= 1024:
+                self._bytes_bounds.clear()
+            rates = self.byte_rates(itemsize)
+            found = self._bytes_bounds[key] = BytesBound(self.mesh_shape, rates, total_elements, target_elements)
         return found
 
 
@@ -130,12 +145,12 @@ class LowerBound:
     ``terms[axis][role]`` is (units, steps, reduce bit, move bit): the rounds' and steps' units
     and the steps the axis still needs at least in that role, and ``1 << axis`` if it must
     still reduce (must still move). A state's bound is the sum of its axes' units plus the
-    bytes bound of its size and the summed reduce and move bits.
+    bytes bound of its size and the summed reduce and move bits (``bytes``, shared by the
+    searches of one mesh, model and sizes: :meth:`KindRates.bytes_bound`).
     """
 
     def __init__(
         self,
-        mesh_shape: tuple[int, ...],
         itemsize: int,
         ndim: int,
         rates: KindRates,
@@ -143,21 +158,44 @@ class LowerBound:
         target_elements: int,
         total_elements: int,
     ) -> None:
-        self.mesh_shape = mesh_shape
         self.terms = tuple(rates.axis_terms(a, target, ndim) for a, target in enumerate(target_roles))
-        self.total = total_elements
-        self.target = target_elements
-        self.size, self.scale, self.growth, self.reduce_rate, self.move_rate, self.moving_growth, self.reduce_order = (
-            rates.byte_rates(itemsize)
-        )
-        self.ordered: dict[int, int] = {}  # reduce mask -> the reductions' part of (A)
-        self._floors: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        self._moving: dict[tuple[int, int, int], int] = {}
+        self.bytes = rates.bytes_bound(itemsize, total_elements, target_elements)
 
     def state_terms(self, roles: tuple[int, ...]) -> Terms:
         """The terms of a state whose axes have the role codes ``roles``, summed."""
         rows = [self.terms[a][role] for a, role in enumerate(roles)]
         return sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows)
+
+    def quick_bytes_bound(self, elements: int, reduce_mask: int) -> int:
+        """:meth:`BytesBound.quick_bytes_bound`."""
+        return self.bytes.quick_bytes_bound(elements, reduce_mask)
+
+    def bytes_bound(self, elements: int, reduce_mask: int, move_mask: int) -> int:
+        """:meth:`BytesBound.bytes_bound`."""
+        return self.bytes.bytes_bound(elements, reduce_mask, move_mask)
+
+
+class BytesBound:
+    """The bytes part of the bound, (A) and (B) (module docstring), of a tensor of ``total``
+    elements whose target holds ``target`` per rank, on one mesh and cost model (``rates``:
+    :func:`_mesh_rates`), memoized."""
+
+    def __init__(
+        self,
+        mesh_shape: tuple[int, ...],
+        rates: tuple[int, int, int, tuple[int, ...], tuple[int, ...], int, tuple[int, ...]],
+        total: int,
+        target: int,
+    ) -> None:
+        self.mesh_shape = mesh_shape
+        self.total = total
+        self.target = target
+        self.size, self.scale, self.growth, self.reduce_rate, self.move_rate, self.moving_growth, self.reduce_order = (
+            rates
+        )
+        self.ordered: dict[int, int] = {}  # reduce mask -> the reductions' part of (A)
+        self._floors: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self._moving: dict[tuple[int, int, int], int] = {}
 
     def quick_bytes_bound(self, elements: int, reduce_mask: int) -> int:
         """(A): the growth to the target and the reductions in their cheapest order."""

@@ -297,7 +297,6 @@ class _Problem:
             copies=COPY in self.per_byte,
         )
         self.bound = LowerBound(
-            mesh_shape,
             itemsize,
             len(shape),
             tables.rates,
@@ -347,7 +346,9 @@ def _astar(
     tie = 0
     term_table = bound.terms
     # bound.quick_bytes_bound, inlined: the growth to the target, the reductions' part memoized
-    quick_bound, growth, target, ordered = bound.quick_bytes_bound, bound.growth, bound.target, bound.ordered
+    bytes_part = bound.bytes
+    quick_bound, ordered = bytes_part.quick_bytes_bound, bytes_part.ordered
+    growth, target = bytes_part.growth, bytes_part.target
     push, pop = heapq.heappush, heapq.heappop
     limit = math.inf if max_local_bytes is None else max_local_bytes // space.itemsize  # in elements
     max_states, counter = budget
@@ -361,7 +362,7 @@ def _astar(
             continue  # a cheaper way here was found after this entry was queued
         h_rounds, h_steps, h_reduce, h_move = terms
         if not full:
-            f_full = g + h_rounds + bound.bytes_bound(elements, h_reduce, h_move)
+            f_full = g + h_rounds + bytes_part.bytes_bound(elements, h_reduce, h_move)
             if f_full > f:
                 tie += 1
                 push(heap, (f_full, f_steps, -g, tie, g, g_steps, state, elements, terms, True))

@@ -55,6 +55,12 @@ where the all_to_all's copies ``n`` blocks of it). Rule 4's all_to_all for an al
 a slice does not: an all_to_all may pack where the gather does neither, so :func:`pruning`
 turns that case off.
 
+Memo: the moves from a state depend on the target only through a little of it (how the
+state's dims are split against the target's, rule 2's idle twins, rule 1's partial step), so
+every space of one mesh, tensor, element size and rules shares them (:meth:`Space.moves`):
+a process plans many pairs whose searches pass through the same states towards different
+targets. The moves, and so every search, are the same with the memo warm or cold.
+
 Roles: each move also gives the role of its axis before and after it as a small integer
 (:func:`role_code`): replicated, partial with an op, or split on a dim, in place or not (in
 place: the axis and every axis outside it on that dim are as in the target). The lower
@@ -63,6 +69,7 @@ bound (``planner.bound``) prices roles.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -169,6 +176,70 @@ def pruning(
     )
 
 
+# What the moves read of a state whatever the target (Space._decode_for_moves).
+_Decoded = tuple[
+    tuple[int, ...], tuple[tuple[int, ...], ...], tuple[int, ...], tuple[tuple[int, str], ...], int, tuple[int, ...]
+]
+
+
+# Per dim: how many of its outermost splits are as in the target (``in_place``), and the axis
+# that, appended to it, is at its place in the target (``arriving``, or -1); and whether every
+# dim is split as in the target.
+_Placed = tuple[tuple[int, ...], tuple[int, ...], bool]
+# (target dims, a state's splits) -> :data:`_Placed`, for every space; cleared when full.
+_PLACED: dict[tuple[Dims, Dims], _Placed] = {}
+_PLACED_SIZE = 65_536
+
+
+def _placed(splits: Dims, goal_dims: Dims) -> _Placed:
+    """The :data:`_Placed` of a state whose dims are split by ``splits``."""
+    in_place = []
+    arriving = []
+    whole = True
+    for axes, target in zip(splits, goal_dims, strict=True):
+        k = 0
+        for a, t in zip(axes, target, strict=False):  # their common prefix
+            if a != t:
+                break
+            k += 1
+        in_place.append(k)
+        arriving.append(target[k] if k == len(axes) < len(target) else -1)
+        whole = whole and k == len(axes) == len(target)
+    return tuple(in_place), tuple(arriving), whole
+
+
+class _Shared:
+    """What every :class:`Space` of one mesh, tensor shape, element size, rules and copies
+    shares, whatever the target: each state's :data:`_Decoded` and the memo of the bytes
+    moves copy, and ``ident``, that space's part of the key of the moves memo (``_MOVES``)."""
+
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+        self.decoded: dict[int, _Decoded] = {}
+        self.copies: dict[tuple[object, ...], int] = {}
+
+
+# (mesh shape, tensor shape, element size, rules, copies) -> what its spaces share; cleared when
+# full (few recur in a process).
+_SHARED: dict[tuple[object, ...], _Shared] = {}
+_shared_count = itertools.count()
+# The moves memo of every space (Space.moves): some 2 kB an entry, cleared when full.
+_MOVES: dict[tuple[object, ...], tuple[PackedMove, ...]] = {}
+_MOVES_SIZE = 16_384
+
+
+def _shared(
+    mesh_shape: tuple[int, ...], shape: tuple[int, ...], itemsize: int, rules: tuple[object, ...], copies: bool
+) -> _Shared:
+    key = (mesh_shape, shape, itemsize, rules, copies)
+    found = _SHARED.get(key)
+    if found is None:
+        if len(_SHARED) >= 256:
+            _SHARED.clear()
+        found = _SHARED[key] = _Shared(next(_shared_count))
+    return found
+
+
 class Space:
     """The move graph for one mesh, tensor shape, element size and target ``(dims, partial)``.
 
@@ -189,13 +260,14 @@ class Space:
         self.mesh_shape = mesh_shape
         # Whether moves count the bytes they copy locally (a model that prices them; else 0).
         self.copies = copies
-        self._copy_memo: dict[tuple[object, ...], int] = {}
         # Per axis: rule 4 after reduce_scatter, rule 4 after all_gather, rule 3 for all_to_all.
         self.rules = rules or ((True, True, True),) * len(mesh_shape)
+        self._shared = _shared(mesh_shape, shape, itemsize, self.rules, copies)
         self.shape = shape
         self.itemsize = itemsize
         self.goal_dims, goal_partial = goal
         self.goal_ops = dict(goal_partial)
+        self._goal_ops_sorted = tuple(sorted(self.goal_ops.items()))  # rule 1 makes the lowest partial first
         naxes = len(mesh_shape)
         # State code of an axis: 0 replicated, 1.. partial ops, _SPLIT + dim * naxes + position.
         self.bits = (_SPLIT + len(shape) * naxes).bit_length()
@@ -209,6 +281,7 @@ class Space:
             else tuple(c for c in range(a) if roles[c] == roles[a] and twin_key[c] == twin_key[a])
             for a in range(naxes)
         )
+        self._twins = tuple((a, twins) for a, twins in enumerate(self.idle_twins_below) if twins)
 
     # --- states --------------------------------------------------------------------------
     def encode(self, dims: Dims, partial: Partial) -> int:
@@ -242,18 +315,39 @@ class Space:
         )
 
     # --- moves ---------------------------------------------------------------------------
-    def moves(self, state: int, elements: int, last: PackedMove | None) -> Iterator[PackedMove]:
+    def moves(self, state: int, elements: int, last: PackedMove | None) -> tuple[PackedMove, ...]:
         """The moves from ``state``, which holds ``elements`` per rank and was reached by
-        the move ``last`` (``None`` at the start), less the pruned ones, in a fixed order."""
-        mesh_shape, shape, itemsize = self.mesh_shape, self.shape, self.itemsize
-        naxes, ndim, bits, mask = len(mesh_shape), len(shape), self.bits, self.mask
-        goal_dims = self.goal_dims
+        the move ``last`` (``None`` at the start), less the pruned ones, in a fixed order.
+
+        They depend on the target only through what :meth:`_goal_view` reads of it, and on
+        ``last`` only through its op, axis and dim (rule 4), so they are memoized by those
+        in the memo that every space of this mesh, tensor, element size, rules and copies
+        shares (:class:`_Shared`): a process plans many pairs that pass through the same
+        states on their way to different targets. (``elements`` is the state's, the product
+        of its dims' local lengths.)"""
+        shared = self._shared
+        decoded = shared.decoded.get(state)
+        if decoded is None:
+            if len(shared.decoded) >= _MOVES_SIZE:
+                shared.decoded.clear()
+            decoded = shared.decoded[state] = self._decode_for_moves(state)
+        view = self._goal_view(decoded)
+        key = (shared.ident, state, None if last is None else last[:3], *view)
+        found = _MOVES.get(key)
+        if found is None:
+            if len(_MOVES) >= _MOVES_SIZE:
+                _MOVES.clear()
+            found = _MOVES[key] = tuple(self._moves(state, decoded, elements, last, *view))
+        return found
+
+    def _decode_for_moves(self, state: int) -> _Decoded:
+        """What the moves need of ``state`` whatever the target: the code of each axis, the
+        axes splitting each dim (outermost first) and the product of their sizes, the partial
+        axes, those whose reduction may not go first (bits), and each dim's local length."""
+        mesh_shape, shape, naxes, bits, mask = self.mesh_shape, self.shape, len(self.mesh_shape), self.bits, self.mask
         codes = []
-        count = [0] * ndim  # axes splitting each dim
-        product = [1] * ndim  # product of their sizes
-        # in_place[d]: how many of the outermost splits of d are as in the target (the
-        # first position that differs from the target's, or the count).
-        in_place = [naxes] * ndim
+        splitting = []  # (dim, position, axis) of every splitting axis
+        product = [1] * len(shape)  # product of the sizes of the axes splitting each dim
         partial = []
         # Reductions apply in ascending axis order; an axis may go first only if its op
         # commutes with every partial axis before it: ``blocked`` has a bit for each that may not.
@@ -264,29 +358,62 @@ class Space:
             codes.append(code)
             if code >= _SPLIT:
                 d, position = divmod(code - _SPLIT, naxes)
-                count[d] += 1
+                splitting.append((d, position, a))
                 product[d] *= mesh_shape[a]
-                if position < in_place[d]:
-                    target = goal_dims[d]
-                    if position >= len(target) or target[position] != a:
-                        in_place[d] = position
             elif code:
                 partial.append((a, REDUCE_OPS[code - 1]))
                 own = _CLASS_BIT[code]
                 if classes & ~own:
                     blocked |= 1 << a
                 classes |= own
-        lengths = [-(-length // p) for length, p in zip(shape, product, strict=True)]
-        # arriving[d]: the axis that, appended to d, is at its place in the target (or -1).
-        arriving = []
-        for d in range(ndim):
-            k, target = count[d], goal_dims[d]
-            if in_place[d] > k:
-                in_place[d] = k
-            arriving.append(target[k] if in_place[d] == k < len(target) else -1)
-        # Copies (0 when free) are memoized per space by the move and the local lengths.
-        copies, memo = self.copies, self._copy_memo
-        sized = tuple(lengths) if copies else ()
+        splits: list[list[int]] = [[] for _ in shape]
+        for d, _, a in sorted(splitting):
+            splits[d].append(a)
+        lengths = tuple(-(-length // p) for length, p in zip(shape, product, strict=True))
+        return tuple(codes), tuple(map(tuple, splits)), tuple(product), tuple(partial), blocked, lengths
+
+    def _goal_view(self, decoded: _Decoded) -> tuple[_Placed, int, tuple[int, str] | None]:
+        """What the moves from a state read of the target: how its dims are split against the
+        target's (:func:`_placed`); the axes that rule 2 keeps from slicing, as bits; and rule
+        1's partial step (axis, op), or ``None``."""
+        codes, splits, _, partial, _, _ = decoded
+        key = (self.goal_dims, splits)
+        placed = _PLACED.get(key)
+        if placed is None:
+            if len(_PLACED) >= _PLACED_SIZE:
+                _PLACED.clear()
+            placed = _PLACED[key] = _placed(splits, self.goal_dims)
+        idle = 0
+        for axis, twins in self._twins:
+            if not codes[axis] and any(not codes[c] for c in twins):
+                idle |= 1 << axis
+        step = None
+        goal_ops = self.goal_ops
+        if placed[2] and all(goal_ops.get(a) == op for a, op in partial):
+            step = next(((axis, op) for axis, op in self._goal_ops_sorted if not codes[axis]), None)
+        return placed, idle, step
+
+    def _moves(
+        self,
+        state: int,
+        decoded: _Decoded,
+        elements: int,
+        last: PackedMove | None,
+        placed: _Placed,
+        idle: int,
+        partial_step: tuple[int, str] | None,
+    ) -> Iterator[PackedMove]:
+        """The moves from ``state`` (``decoded``: :meth:`_decode_for_moves`), which holds
+        ``elements`` and was reached by ``last``, with what they read of the target
+        (:meth:`_goal_view`)."""
+        mesh_shape, shape, itemsize = self.mesh_shape, self.shape, self.itemsize
+        naxes, ndim, bits = len(mesh_shape), len(shape), self.bits
+        codes, splits, product, _, blocked, lengths = decoded
+        count = [len(axes) for axes in splits]
+        in_place, arriving, _ = placed
+        # Copies (0 when free) are memoized by the move and the local lengths.
+        copies, memo = self.copies, self._shared.copies
+        sized = lengths if copies else ()
         last_op, last_axis, last_dim = (None, None, None) if last is None else (last[0], last[1], last[2])
         all_rules = self.rules
         for axis in range(naxes):
@@ -348,8 +475,7 @@ class Space:
                            (n - 1) * scattered_elements * itemsize, n - 1, code,
                            _SPLIT + 2 * j + (arriving[j] == axis), scattered_elements, copied)  # fmt: skip
             else:
-                twins = self.idle_twins_below[axis]
-                if twins and any(not codes[c] for c in twins):
+                if idle >> axis & 1:
                     continue  # rule 2
                 if again and last_op == "all_gather" and all_rules[axis][1]:
                     continue  # rule 4
@@ -365,15 +491,10 @@ class Space:
                            REPLICATED, _SPLIT + 2 * j + placed, elements // length * -(-length // n) if length else 0,
                            0)  # fmt: skip
         # Rule 1: partial steps last, once nothing else is left to do.
-        goal_ops = self.goal_ops
-        if all(count[d] == in_place[d] == len(goal_dims[d]) for d in range(ndim)) and all(
-            goal_ops.get(a) == op for a, op in partial
-        ):
-            for axis, op in sorted(goal_ops.items()):
-                if not codes[axis]:
-                    made_partial = state + (_PARTIAL[op] << (bits * axis))
-                    yield ("partial", axis, None, None, op, made_partial, 0, 0, REPLICATED, _PARTIAL[op], elements, 0)
-                    return
+        if partial_step is not None:
+            axis, op = partial_step
+            made_partial = state + (_PARTIAL[op] << (bits * axis))
+            yield ("partial", axis, None, None, op, made_partial, 0, 0, REPLICATED, _PARTIAL[op], elements, 0)
 
     def _copied(
         self, op: str, n: int, dim: int, to_dim: int | None, lengths: tuple[int, ...], *changed: _Length

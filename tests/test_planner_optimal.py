@@ -351,7 +351,6 @@ def test_the_bound_never_overestimates_along_optimal_plans():
         goal = (dst.dims, dst.partial)
         space = Space(src.mesh.shape, shape, ITEMSIZE[dtype], goal, (0,) * src.mesh.ndim)
         bound = LowerBound(
-            src.mesh.shape,
             ITEMSIZE[dtype],
             ndim,
             kind_rates(src.mesh.shape, per_round, per_byte),
