@@ -312,28 +312,28 @@ def _solve(
     found, which is never slower, and says so (the last item: notes). The program's time of a
     tie is the fastest's, its step plan's need not be (the program counts a kind's buckets as a
     lower bound where the cap cuts it, module doc): a tie the step plan times slower than the
-    fastest choice gives way to it. Each tie-break starts from the solution it breaks a tie of
-    (docs/reference/suggest.md)."""
+    fastest choice gives way to the last choice kept, and ends the tie-breaks (the next would
+    break a tie among the slower's). Each tie-break starts from the solution it breaks a tie
+    of (docs/reference/suggest.md)."""
     program = _program(problem)
     limits = [] if budget is None else [_within(program, budget)]
     x, optimal, gap = _fastest(program, budget, node_limit)
-    first = x
+    fastest = chosen = _choice(problem, program, x)
     notes: tuple[str, ...] = ()
     if ties:
-        fastest = float(program.time @ x)
-        limits.append((program.time, fastest * (1 + _TIE) + _TIE))
+        limits.append((program.time, float(program.time @ x) * (1 + _TIE) + _TIE))
         for objective, what in ((program.memory, "less memory"), (program.changes, "fewer changes")):
-            try:  # an objective at 0 is at its least (every tensor in its own layouts)
-                x = _run(program, objective, limits, node_limit, start=x)[0] if objective @ x > 0 else x
-            except SuggestError as e:  # none found in time: keep the last
-                notes = (f"ties not broken by {what}: {e.message}",)
-                break
+            if objective @ x > 0:  # else at its least (every tensor in its own layouts)
+                try:
+                    x = _run(program, objective, limits, node_limit, start=x)[0]
+                except SuggestError as e:  # none found in time: keep the last
+                    notes = (f"ties not broken by {what}: {e.message}",)
+                    break
+                tie = _choice(problem, program, x)
+                if better(fastest, tie, problem):
+                    break
+                chosen = tie
             limits.append((objective, float(objective @ x) + 0.5 / _MIB))  # memory: half a byte (in MiB)
-    chosen = _choice(problem, program, x)
-    if x is not first:
-        fastest_choice = _choice(problem, program, first)
-        if better(fastest_choice, chosen, problem):
-            chosen = fastest_choice
     return chosen, gap, optimal, notes
 
 

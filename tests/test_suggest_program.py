@@ -12,6 +12,7 @@ import math
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 from planner import knapsack
@@ -216,3 +217,24 @@ def test_an_answer_is_proven_only_where_every_problem_solved_was() -> None:
     plain = knapsack.suggest(problems[0], budget, ties=False)
     assert result.problem is not problems[0] and not plain.optimal and plain.gap > 0
     assert not result.optimal and result.gap >= plain.gap
+
+
+def test_a_tie_the_step_plan_times_slower_gives_way_and_ends_the_tie_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every choice but the fastest solution's is timed a second slower by the step plan: the
+    # least-memory tie gives way to the fastest, and no tie of it is broken by fewer changes.
+    problem = build_problems(parse_spec(TWO), bucket_bytes=2 * MIB, loop="any")[0]
+    program = _program(problem)
+    first = _fastest(program, None, knapsack.NODE_LIMIT)[0]
+    assert program.memory @ first > 0  # there is a tie-break to run
+    fastest = _choice(problem, program, first)
+    slower = attrs.evolve(fastest, picks=(), memory=0, seconds=fastest.seconds + 1)
+    monkeypatch.setattr(knapsack, "_choice", lambda p, g, x: fastest if x is first else slower)
+    solved: list[str] = []
+
+    def run(program, objective, *args, **kwargs):
+        solved.append("changes" if objective is program.changes else "memory")
+        return _run(program, objective, *args, **kwargs)
+
+    monkeypatch.setattr(knapsack, "_run", run)
+    chosen, _, _, _ = _solve(problem, None, knapsack.NODE_LIMIT, True)
+    assert chosen is fastest and solved == ["memory"]
