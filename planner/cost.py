@@ -75,6 +75,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -226,12 +227,17 @@ class CostModel:
     def figures_at(self, op: str, mesh: Mesh, axis: int, nbytes: int) -> tuple[float, float]:
         """(alpha, bandwidth) of a step of ``op`` sending ``nbytes`` on ``axis``: of the regime
         its bytes fall in (module docstring)."""
-        for c in self.ops:
-            if c.op == op and c.large is not None:
-                starts, alphas, bandwidths = _regime_values(op, c.large, mesh)
-                if nbytes >= starts[axis]:
-                    return alphas[axis], bandwidths[axis]
-        alphas, bandwidths = self.for_op(op, mesh)
+        key = (self, op, mesh.ndim)
+        figures = _FIGURES_AT.get(key)
+        if figures is None:
+            large = next((c.large for c in self.ops if c.op == op and c.large is not None), None)
+            figures = (None if large is None else _regime_values(op, large, mesh), self.for_op(op, mesh))
+            if len(_FIGURES_AT) >= 1024:
+                _FIGURES_AT.clear()
+            _FIGURES_AT[key] = figures
+        regime, (alphas, bandwidths) = figures
+        if regime is not None and nbytes >= regime[0][axis]:
+            return regime[1][axis], regime[2][axis]
         return alphas[axis], bandwidths[axis]
 
     def figures(self, mesh: Mesh) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
@@ -257,6 +263,9 @@ class CostModel:
 
 # Shared by every request that names no model (building one runs its checks; plans are memoized).
 DEFAULT_COST = CostModel()
+# (model, op, mesh axes) -> the figures figures_at picks from: a bucket's time reads them, and
+# suggest times hundreds of thousands of buckets (the figures depend on the number of axes only).
+_FIGURES_AT: dict[tuple[CostModel, str, int], tuple[Any, tuple[tuple[float, ...], tuple[float, ...]]]] = {}
 
 
 def collective_rounds(op: str, n: int) -> int:

@@ -417,7 +417,7 @@ def rounds_price(
     seconds, largest = 0.0, 0
     for merged in rounds:
         for part in merged.cut(cap):
-            seconds += _bucket_seconds(legs, part, costs)
+            seconds += _bucket_seconds(legs, part, costs, sum(step.bytes for _, _, _, step, _ in part))
             largest = max(largest, sum(size for *_, size in part))
     return seconds, largest
 
@@ -507,6 +507,7 @@ def _bucket(
     legs: Sequence[Leg], stage: str, group: list[RoundStep], costs: Mapping[str, CostModel], launch: str
 ) -> Bucket:
     first = group[0][3]
+    total = sum(step.bytes for _, _, _, step, _ in group)
     return Bucket(
         stage=stage,
         op=first.op,
@@ -515,20 +516,19 @@ def _bucket(
         reduce_op=first.reduce_op,
         dtype=legs[group[0][0]].dtype,
         members=tuple(Member(leg, hop, step) for leg, hop, step, _, _ in group),
-        bytes=sum(step.bytes for _, _, _, step, _ in group),
+        bytes=total,
         buffer_bytes=sum(size for *_, size in group),
-        seconds=_bucket_seconds(legs, group, costs),
+        seconds=_bucket_seconds(legs, group, costs, total),
         launch=launch,
     )
 
 
-def _bucket_seconds(legs: Sequence[Leg], group: list[RoundStep], costs: Mapping[str, CostModel]) -> float:
-    """The modeled time of one bucket (module doc)."""
+def _bucket_seconds(legs: Sequence[Leg], group: list[RoundStep], costs: Mapping[str, CostModel], total: int) -> float:
+    """The modeled time of one bucket (module doc) of ``total`` bytes."""
     first_leg, _, _, first, _ = group[0]
     if first.axis is None:  # point_to_point: its own plan's time
         return first.seconds
     cost = costs[legs[first_leg].tensor]
-    total = sum(step.bytes for _, _, _, step, _ in group)
     # The regime of the bucket's bytes: it is one collective of them (planner.cost).
     alpha, bandwidth = cost.figures_at(first.op, first.layout.mesh, first.axis, total)
     rounds = collective_rounds(first.op, first.layout.mesh.shape[first.axis])
