@@ -11,11 +11,11 @@ for an all_reduce, and an all_gather's result ``[n, total]``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
-from planner.legs import AFTER, AFTER_STEP, BEFORE, DURING_BACKWARD, IN_STEP, Bucket
+from planner.legs import AFTER, AFTER_STEP, BEFORE, DURING_BACKWARD, IN_STEP, Bucket, Leg, Round
 from planner.step import StepPlan
 from shardlang.dtypes import itemsize
 
@@ -166,12 +166,16 @@ def bucket_use(index: int, bucket: Bucket) -> BucketUse:
     padded pieces, ``planner.legs``): what the rank at coordinate 0 of its group holds, and
     every rank where the pieces divide evenly (``runtime.execution.program`` pads a group to its
     own chunk, never more)."""
-    if bucket.op == "point_to_point" or bucket.axis is None:
-        return BucketUse(index, "point_to_point", bucket.stage, bucket.launch, bucket.dtype, 1, 0)
-    n = bucket.mesh.shape[bucket.axis]
-    elements = bucket.buffer_bytes // itemsize(bucket.dtype)
-    total = elements if bucket.op == "all_reduce" else elements // n
-    return BucketUse(index, bucket.op, bucket.stage, bucket.launch, bucket.dtype, n, total)
+    n = None if bucket.axis is None else bucket.mesh.shape[bucket.axis]
+    return _use(index, bucket.op, n, bucket.stage, bucket.launch, bucket.dtype, bucket.buffer_bytes)
+
+
+def _use(index: int, op: str, n: int | None, stage: str, launch: str, dtype: str, buffer_bytes: int) -> BucketUse:
+    """:func:`bucket_use` of a bucket of ``op`` on an axis of ``n`` ranks (``None``: no axis)."""
+    if op == "point_to_point" or n is None:
+        return BucketUse(index, "point_to_point", stage, launch, dtype, 1, 0)
+    elements = buffer_bytes // itemsize(dtype)
+    return BucketUse(index, op, stage, launch, dtype, n, elements if op == "all_reduce" else elements // n)
 
 
 def shares_after(plan: StepPlan) -> bool:
@@ -187,3 +191,20 @@ def step_buffer_bytes(plan: StepPlan, *, shared_after: bool = False) -> int:
     """Bytes of the kept and send buffers a rank holds to run ``plan`` (:func:`lay_out`), as
     ``memory_report()`` counts them."""
     return lay_out([bucket_use(i, b) for i, b in enumerate(plan.buckets)], shared_after=shared_after).nbytes
+
+
+def rounds_buffer_bytes(legs: Sequence[Leg], rounds: Mapping[str, Sequence[Round]], cap: int) -> int:
+    """:func:`step_buffer_bytes` of the step plan whose buckets ``cap`` cuts the stages' merged
+    ``rounds`` into (``planner.legs.stage_rounds`` of ``legs``, before and after the update),
+    every bucket launched in ``step()``, with :func:`shares_after`'s sharing; the buckets'
+    sizes taken from the rounds, not from buckets built (suggest sizes every choice it times)."""
+    uses = []
+    for stage in (BEFORE, AFTER):
+        for merged in rounds[stage]:
+            for part in merged.cut(cap):
+                leg, _, _, step, _ = part[0]
+                n = None if step.axis is None else step.layout.mesh.shape[step.axis]
+                buffer = sum(size for *_, size in part)
+                uses.append(_use(len(uses), step.op, n, stage, IN_STEP, legs[leg].dtype, buffer))
+    shared = all(len(leg.communicating) <= 1 for leg in legs if leg.stage == AFTER)
+    return lay_out(uses, shared_after=shared).nbytes

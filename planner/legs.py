@@ -447,6 +447,13 @@ def _merge(
     repeats a few legs over hundreds of tensors). E.g. chains ``[a, b]``, ``[c]``, ``[a, b]``
     make classes ``(a, b) x2`` at chains 0 and 2 and ``(c) x1`` at chain 1; ``a`` weighs 4, so
     the first round is chains 0 and 2 at ``a``."""
+    if len(chains) == 1:  # one leg (suggest prices each tensor's alone): its steps in order
+        index, steps = chains[0]
+        hops = legs[index].hops
+        for h, k in steps:
+            step = hops[h].plan.steps[k]
+            yield Round(step.op == "point_to_point", ((index, h, k, step, _buffer_bytes(step)),))
+        return
     # Each step's kind, hashed once: as the number of its kind in the order the rounds below
     # first meet it (chains in order, each at its next step), which breaks ties the same way
     # everywhere; a round then compares small integers, not kinds of meshes and cost models.

@@ -22,16 +22,16 @@ objects take about :data:`HOST_BYTES_PER_TENSOR` per tensor (``host``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import groupby
 from typing import Any
 
 import attrs
 
 from planner.bucket_cap import AUTO, step_with_model_cap
-from planner.buffers import shares_after, step_buffer_bytes
+from planner.buffers import rounds_buffer_bytes, shares_after, step_buffer_bytes
 from planner.cost import CostModel
-from planner.legs import DEFAULT_BUCKET_BYTES, Leg, Merged, Round, without_axis
+from planner.legs import DEFAULT_BUCKET_BYTES, Leg, Merged, without_axis
 from planner.matmul_caches import kernel_bytes
 from planner.matrices import plan_matrices
 from planner.spec_plan import cost_for, plan_spec, step_tensor
@@ -332,8 +332,11 @@ class ChoiceMemory:
             )
         legs = [leg for *_, tensor_legs in known for leg in tensor_legs]
         rounds = merged.rounds if merged is not None and merged.over(legs, costs) else None
-        step = self._step(legs, tuple(costs), costs, rank, rounds)
-        buffers = step_buffer_bytes(step, shared_after=shares_after(step))
+        if rounds is not None and p.bucket_bytes != AUTO:  # sized from the merge, no buckets built
+            buffers = rounds_buffer_bytes(legs, rounds, int(p.bucket_bytes))
+        else:
+            step = self._step(legs, tuple(costs), costs, rank)
+            buffers = step_buffer_bytes(step, shared_after=shares_after(step))
         return rank_memory([piece for piece, *_ in known], p.optimizer, buffers=buffers)
 
     def _tensor(self, group: int, candidate: int) -> TensorSpec:
@@ -353,20 +356,13 @@ class ChoiceMemory:
             self._known[(group, candidate, rank)] = found
         return found
 
-    def _step(
-        self,
-        legs: list[Leg],
-        names: tuple[str, ...],
-        costs: dict[str, CostModel],
-        rank: int,
-        rounds: Mapping[str, Sequence[Round]] | None,
-    ) -> StepPlan:
+    def _step(self, legs: list[Leg], names: tuple[str, ...], costs: dict[str, CostModel], rank: int) -> StepPlan:
         """:func:`planner.step.plan_step` of these legs (under AUTO with the cost model's cap),
-        no overlap, no prefetch; ``rounds``: their stages merged, where known."""
+        no overlap, no prefetch."""
         cap = self.problem.bucket_bytes
         if cap == AUTO:
             return step_with_model_cap(legs, names, costs, rank)
-        return bucketed_step(legs, names, costs, rank, int(cap), rounds=rounds)
+        return bucketed_step(legs, names, costs, rank, int(cap))
 
 
 def rank_tensor(tensor: TensorSpec, rank: int, optimizer: str, flat_axis: str | int | None = None) -> RankTensor:

@@ -43,14 +43,12 @@ from planner.legs import (
     Hop,
     Leg,
     LegsInBuckets,
-    Round,
     StepTensor,
     bucket_from_json,
     bucket_stage,
     flat_view,
     leg_from_json,
     leg_meshes,
-    round_buckets,
 )
 from planner.matrices import MatrixPlan
 from planner.search import DEFAULT_MAX_STATES
@@ -169,21 +167,15 @@ def bucketed_step(
     *,
     overlap: bool = False,
     prefetch: bool = False,
-    rounds: Mapping[str, Sequence[Round]] | None = None,
 ) -> StepPlan:
     """The step plan of ``rank`` from its ``legs`` (:func:`step_legs`, of the tensors ``names``
     in order, ``costs`` by name): their steps bucketed under ``cap``, launched as
-    :func:`plan_step` says. ``rounds``: the legs' stages already merged
-    (``planner.legs.stage_rounds``, without ``overlap``)."""
+    :func:`plan_step` says."""
     launch = {BEFORE: DURING_BACKWARD if overlap else IN_STEP, AFTER: AFTER_STEP if prefetch else IN_STEP}
     buckets = [
         b
         for stage in STAGES
-        for b in (
-            bucket_stage(legs, stage, costs, cap, reverse=overlap and stage == BEFORE, launch=launch[stage])
-            if rounds is None
-            else round_buckets(legs, stage, rounds[stage], costs, cap, launch[stage])
-        )
+        for b in bucket_stage(legs, stage, costs, cap, reverse=overlap and stage == BEFORE, launch=launch[stage])
     ]
     return StepPlan(rank=rank, tensors=names, legs=tuple(legs), buckets=tuple(buckets), bucket_bytes=cap)
 
