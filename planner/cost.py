@@ -72,6 +72,7 @@ communicates and writes a buffer at least as large as the target piece (docs/cal
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -178,14 +179,18 @@ class CostModel:
 
     @classmethod
     def from_hints(cls, hints: CostHints) -> CostModel:
-        """The model a spec file's mesh declaration asks for, defaults where it is silent."""
-        return cls().with_overrides(alpha=hints.latency, bandwidth=hints.bandwidth)
+        """The model a spec file's mesh declaration asks for, defaults where it is silent: one
+        object per hints, so that the plan and bucket caches, keyed by models, find equal
+        ones by identity (suggest looks them up hundreds of thousands of times at scale)."""
+        return _hinted(cls, hints)
 
     def with_overrides(
         self, alpha: float | tuple[float, ...] | None = None, bandwidth: float | tuple[float, ...] | None = None
     ) -> CostModel:
         """This model with ``alpha`` and ``bandwidth`` replaced where they are given (not ``None``);
         per-collective figures and every other term are kept."""
+        if alpha is None and bandwidth is None:
+            return self
         return attrs.evolve(
             self,
             alpha=self.alpha if alpha is None else alpha,
@@ -259,6 +264,11 @@ class CostModel:
         """A local copy of ``nbytes``: a step's ``copied`` bytes, or the target piece of a plan
         that sends nothing."""
         return 0.0 if self.copy_bandwidth is None else nbytes / self.copy_bandwidth
+
+
+@functools.lru_cache(maxsize=64)
+def _hinted(cls: type[CostModel], hints: CostHints) -> CostModel:
+    return cls().with_overrides(alpha=hints.latency, bandwidth=hints.bandwidth)
 
 
 # Shared by every request that names no model (building one runs its checks; plans are memoized).
