@@ -2,7 +2,7 @@
 command a user runs on a model's spec, from 64 to 131,072 ranks, in one process per command.
 
     .venv/bin/python bench/bench_scale.py [--ranks 64,4096,131072] [--models 7b,70b]
-        [--meshes 2,3,4,5] [--commands check,plan,...] [--json PATH] [--update PATH]
+        [--meshes 2,3,4,5] [--commands check,plan,...] [--repeat N] [--json PATH] [--update PATH]
 
 ``--update PATH`` reruns only the rows asked for: the other rows of the results file ``PATH``
 stay, each with the commit it was measured at (the table's note names both).
@@ -27,7 +27,12 @@ search) and ``reshard``: the checkpoint of the embedding's state
 (``S(tp,<data axes>),R``, 32000 x hidden) planned onto a 2-D mesh of three quarters of the ranks,
 as loading a checkpoint on a smaller cluster does. Per command: wall seconds, CPU seconds
 (user + system, of the child), its peak resident set (``ru_maxrss`` from ``os.wait4``: the
-operating system's figure for that process alone) and the bytes it printed.
+operating system's figure for that process alone) and the bytes it printed. With ``--repeat N``
+each command runs N times and the run of least CPU is kept (the data lists every run's CPU
+seconds): a shared machine's other tenants slow a run by up to a fifth. Each process finds
+the project's modules compiled (bytecode in a cache of the run's own, written before the first
+command), as an installed command does from its second run on: where the environment says not to
+write bytecode (``PYTHONDONTWRITEBYTECODE``), every process would otherwise compile them again.
 
 The goals (docs/benchmarks/history/planner.md): every command within 5 s and 500 MiB at
 131,072 ranks; the output's size independent of the rank count; ``suggest`` on the 7B
@@ -145,11 +150,23 @@ def norms_final(norms: str) -> str:
     return "model.norm.weight:" + norms.split(":", 1)[1]
 
 
+# The environment of every command (module docstring): the bytecode cache :func:`compiled` sets.
+_ENV = dict(os.environ)
+
+
+def compiled(cache: Path) -> None:
+    """The project's modules compiled into ``cache``, which every command then reads."""
+    _ENV.pop("PYTHONDONTWRITEBYTECODE", None)
+    _ENV["PYTHONPYCACHEPREFIX"] = str(cache)
+    packages = ("cli", "planner", "runtime", "shardlang")
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *packages], cwd=REPO, env=_ENV, check=True)
+
+
 def run_one(args: list[str]) -> dict[str, Any]:
     """One ``shardlang`` process: wall and CPU seconds, peak RSS in MiB, exit code, its output."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, stdout=out, stderr=err)
+        proc = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, stdout=out, stderr=err, env=_ENV)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - started
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
@@ -181,6 +198,7 @@ def main() -> None:
     parser.add_argument("--models", default="7b,70b")
     parser.add_argument("--meshes", default="2,3,4,5", help="mesh ranks (axes) to run")
     parser.add_argument("--commands", default=",".join(COMMANDS))
+    parser.add_argument("--repeat", type=int, default=1, help="runs per command; the least CPU is kept")
     results.add_json_option(parser)
     parser.add_argument("--update", type=Path, metavar="PATH", help="keep the other rows of this results file")
     args = parser.parse_args()
@@ -188,6 +206,7 @@ def main() -> None:
     commit = (results.provenance()["commit"] or "")[:10]
     raw = []
     with tempfile.TemporaryDirectory() as tmp:
+        compiled(Path(tmp) / "bytecode")
         for model in args.models.split(","):
             for ndim in (int(n) for n in args.meshes.split(",")):
                 for ranks in (int(n) for n in args.ranks.split(",")):
@@ -198,17 +217,19 @@ def main() -> None:
                     spec = Path(tmp) / f"{model}_{ranks}_{ndim}d.shard"
                     spec.write_text(text, encoding="utf-8")
                     for name in commands:
-                        got = run_one(command(name, spec, norms, model, axes))
+                        runs = [run_one(command(name, spec, norms, model, axes)) for _ in range(args.repeat)]
+                        got = min(runs, key=lambda r: r["cpu_s"])
                         error = got["stderr"].strip().splitlines()[-1] if got["rc"] else ""
                         raw.append({k: v for k, v in got.items() if k not in ("stdout", "stderr")})
+                        raw[-1]["cpu_s_runs"] = [round(r["cpu_s"], 3) for r in runs]
                         raw[-1].update(model=model, mesh=_mesh_text(axes), ranks=ranks, command=name, error=error)
                         raw[-1]["commit"] = commit
                         if name.startswith("suggest") and got["rc"] == 0:  # or stopped at the node limit
                             raw[-1]["optimal"] = "solved: optimal" in got["stdout"]
                         print(" | ".join(_row(raw[-1])), flush=True)
+        verdict = _suggest_goal() if "suggest" in commands else _kept_verdict(args.update)
     kept = _kept_rows(args.update, raw) if args.update else []
     raw = sorted(kept + raw, key=_order)
-    verdict = _suggest_goal() if "suggest" in commands else _kept_verdict(args.update)
     largest = max(r["ranks"] for r in raw)
     misses = [
         f"{r['model']} {r['mesh']} {r['command']}"
@@ -226,7 +247,7 @@ def main() -> None:
         f"Goals at {largest:,} ranks: every command <= {GOAL_SECONDS:g} s of CPU and <= {GOAL_MIB:g} MiB; "
         + (f"missed by: {', '.join(misses)}." if misses else "all met.")
         + f" suggest on 7B [dp=512, tp=8] within {SUGGEST_BUDGET}: {verdict}. CPU seconds judge the time: "
-        "wall seconds on a shared machine count its other processes too." + measured
+        "wall seconds on a shared machine count its other processes too." + measured + _repeats(raw)
     )
     print(note)
     every = sorted({r["command"] for r in raw}, key=lambda c: COMMANDS.index(c) if c in COMMANDS else len(COMMANDS))
@@ -237,6 +258,19 @@ def main() -> None:
     for t in tables[:1]:
         print(t["title"], t["columns"], *t["rows"], sep="\n")
     results.write(args.json, "scale", tables, data=raw)
+
+
+def _repeats(raw: list[dict[str, Any]]) -> str:
+    """What the note says of the rows run several times (``--repeat``): how much slower their
+    slowest run was than the one kept."""
+    runs = [r["cpu_s_runs"] for r in raw if len(r.get("cpu_s_runs", ())) > 1]
+    if not runs:
+        return ""
+    worst = max(max(c) / min(c) for c in runs)
+    return (
+        f" {len(runs)} rows ran {max(len(c) for c in runs)} times each and keep the run of least CPU; "
+        f"the slowest run of a row took up to {worst:.2f}x it (every run's CPU seconds are in the data)."
+    )
 
 
 def _row(r: dict[str, Any]) -> list[str]:

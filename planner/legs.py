@@ -54,6 +54,8 @@ IN_STEP, DURING_BACKWARD, AFTER_STEP = "in step", "during backward", "after step
 LAUNCHES = (IN_STEP, DURING_BACKWARD, AFTER_STEP)
 
 
+# Of few layouts, asked for every candidate suggest prices with flat states (its mesh built once).
+@functools.lru_cache(maxsize=1024)
 def flat_view(layout: Layout, axis: int, rank: int) -> tuple[Layout, Layout]:
     """The 1-d layouts of ``rank``'s flattened base block: as it arrives (partial over ``axis``
     when ``layout`` is, else replicated) and as the state holds it (split over ``axis``), on
