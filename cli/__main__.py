@@ -1,8 +1,7 @@
 """``python -m cli``: the ``shardlang`` command (the language package imports nothing above it,
 so the command's module entry point lives here)."""
 
-import sys
 
-from cli.main import main
+from cli.main import entry
 
-sys.exit(main())
+entry()

@@ -2,9 +2,8 @@
 the console script on the PATH. The command lives in ``cli``, the layer that joins the
 language, the planner and the runtime; this is only its door."""
 
-import sys
 
-from cli.main import main
+from cli.main import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
