@@ -2,7 +2,6 @@
 the console script on the PATH. The command lives in ``cli``, the layer that joins the
 language, the planner and the runtime; this is only its door."""
 
-
 from cli.main import entry
 
 if __name__ == "__main__":
