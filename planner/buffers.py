@@ -184,7 +184,12 @@ def shares_after(plan: StepPlan) -> bool:
     in ``step()``, and every leg after the update communicating in at most one step, so that a
     bucket's results are final pieces and nothing of it is read once the next one starts."""
     launches = {b.launch for b in plan.buckets if b.stage == AFTER}
-    return launches == {IN_STEP} and all(len(leg.communicating) <= 1 for leg in plan.legs if leg.stage == AFTER)
+    return launches == {IN_STEP} and _after_in_one_step(plan.legs)
+
+
+def _after_in_one_step(legs: Sequence[Leg]) -> bool:
+    """Whether every leg after the update communicates in at most one step."""
+    return all(len(leg.communicating) <= 1 for leg in legs if leg.stage == AFTER)
 
 
 def step_buffer_bytes(plan: StepPlan, *, shared_after: bool = False) -> int:
@@ -206,5 +211,4 @@ def rounds_buffer_bytes(legs: Sequence[Leg], rounds: Mapping[str, Sequence[Round
                 n = None if step.axis is None else step.layout.mesh.shape[step.axis]
                 buffer = sum(size for *_, size in part)
                 uses.append(_use(len(uses), step.op, n, stage, IN_STEP, legs[leg].dtype, buffer))
-    shared = all(len(leg.communicating) <= 1 for leg in legs if leg.stage == AFTER)
-    return lay_out(uses, shared_after=shared).nbytes
+    return lay_out(uses, shared_after=_after_in_one_step(legs)).nbytes

@@ -320,21 +320,7 @@ def bucket_stage(
     """The buckets of one stage (see the module doc), mesh by mesh in one global order; the
     legs in reverse order when ``reverse``; the legs ``skip`` (indices) left out; each started
     at ``launch``."""
-    rounds = stage_rounds(legs, stage, costs, reverse=reverse, skip=skip)
-    return round_buckets(legs, stage, rounds, costs, cap, launch)
-
-
-def round_buckets(
-    legs: Sequence[Leg],
-    stage: str,
-    rounds: Iterable[Round],
-    costs: Mapping[str, CostModel],
-    cap: int,
-    launch: str = IN_STEP,
-) -> Iterable[Bucket]:
-    """The buckets ``cap`` cuts the stage's ``rounds`` (:func:`stage_rounds`) into, each started
-    at ``launch``."""
-    for merged in rounds:
+    for merged in stage_rounds(legs, stage, costs, reverse=reverse, skip=skip):
         for part in merged.cut(cap):
             yield _bucket(legs, stage, part, costs, launch)
 
